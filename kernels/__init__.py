@@ -1,0 +1,1 @@
+"""prefixscore.kernels: shared-prefix attention (reference, per-backend fast paths, dispatch)."""

@@ -1,0 +1,1 @@
+"""prefixscore.model: config, weights, tokenizer, the decoder, prefill and item scoring."""

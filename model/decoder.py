@@ -1,0 +1,161 @@
+"""The decoder (Llama / Qwen2 / Qwen3 families) as free functions over a parameter pytree.
+
+Parameters (a dict; per-layer weights stacked on a leading layer axis so the
+layers run under one `lax.scan`, which keeps compile time independent of depth):
+
+  embed       [vocab, hidden]
+  lm_head     [vocab, hidden]            (absent when tied to embed)
+  final_norm  [hidden]
+  layers:
+    attn_norm [layers, hidden]           mlp_norm [layers, hidden]
+    wq [layers, hidden, heads*hd]        bq [layers, heads*hd]      (Qwen2 bias)
+    wk [layers, hidden, kv_heads*hd]     bk [layers, kv_heads*hd]
+    wv [layers, hidden, kv_heads*hd]     bv [layers, kv_heads*hd]
+    wo [layers, heads*hd, hidden]
+    q_norm, k_norm [layers, hd]          (Qwen3)
+    w_gate, w_up [layers, hidden, inter] w_down [layers, inter, hidden]
+
+Everything follows the Hugging Face modelling code numerically (RMSNorm in
+float32, RoPE tables in float32), which is what makes 1e-4 parity possible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prefixscore.model.config import ModelConfig
+
+Params = dict[str, Any]
+# attend(q [b,t,heads,hd], k [b,t,kv,hd], v [b,t,kv,hd], per_layer_extra) -> [b,t,heads,hd]
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF RMSNorm: normalise in float32, cast back, then scale. x: [..., dim]."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, with llama3 scaling if configured."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv = inv.astype(np.float32)
+    if cfg.rope_scaling:
+        s = dict(cfg.rope_scaling)
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE. x: [b, t, heads, hd]; positions: [b, t] or [t] int32."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., t, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = jnp.cos(emb).astype(x.dtype)[..., None, :]
+    sin = jnp.sin(emb).astype(x.dtype)[..., None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _qkv(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+    """Projections, biases, q/k norms and RoPE. x: [b, t, hidden] -> q [b,t,heads,hd], k, v [b,t,kv,hd]."""
+    b, t, _ = x.shape
+    q = x @ lp["wq"]
+    k = x @ lp["wk"]
+    v = x @ lp["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def run_layers(
+    params: Params,
+    cfg: ModelConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    attend: AttendFn,
+    per_layer: Any = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """All decoder layers under one scan.
+
+    x: [b, t, hidden]; positions: [b, t] or [t]; per_layer: a pytree with a
+    leading layer axis handed to `attend` layer by layer (e.g. the prefix KV).
+    Returns the final hidden states [b, t, hidden] and the stacked post-RoPE
+    keys and values [layers, b, t, kv_heads, hd].
+    """
+
+    def layer(h: jax.Array, xs: tuple[Params, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        lp, extra = xs
+        q, k, v = _qkv(lp, cfg, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions)
+        attn = attend(q, k, v, extra)
+        b, t = h.shape[:2]
+        h = h + attn.reshape(b, t, -1) @ lp["wo"]
+        y = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        h = h + (jax.nn.silu(y @ lp["w_gate"]) * (y @ lp["w_up"])) @ lp["w_down"]
+        return h, (k, v)
+
+    return jax.lax.scan(layer, x, (params["layers"], per_layer))
+
+
+def output_weight(params: Params) -> jax.Array:
+    """The vocabulary projection [vocab, hidden] (the embedding when tied)."""
+    return params["lm_head"] if "lm_head" in params else params["embed"]
+
+
+def label_probs(
+    params: Params,
+    cfg: ModelConfig,
+    h_last: jax.Array,
+    label_ids: jax.Array,
+    label_valid: jax.Array,
+    apply_softmax: bool,
+) -> jax.Array:
+    """Label-token probabilities from each sequence's last hidden state.
+
+    h_last: [b, hidden]; label_ids, label_valid: [labels] (padded to a bucket).
+    apply_softmax=False: full-vocabulary probability exp(log_softmax(logits)[label]),
+    which needs the whole vocabulary projection, but only at these b positions.
+    apply_softmax=True: softmax over the valid label logits only, so only the
+    label rows of the projection are computed. Returns [b, labels] float32.
+    """
+    h = rms_norm(h_last, params["final_norm"], cfg.rms_norm_eps)
+    w = output_weight(params)
+    if apply_softmax:
+        logits = jnp.einsum("bh,lh->bl", h, w[label_ids], preferred_element_type=jnp.float32)
+        logits = jnp.where(label_valid, logits, -jnp.inf)
+        return jax.nn.softmax(logits, axis=-1)
+    logits = jnp.einsum("bh,vh->bv", h, w, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    return jnp.exp(jnp.take(logits, label_ids, axis=-1) - lse)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens: [b, t] int32 -> [b, t, hidden] in the parameter dtype."""
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def last_hidden(h: jax.Array, lengths: jax.Array) -> jax.Array:
+    """h: [b, t, hidden], lengths: [b] -> hidden state at each row's last real token [b, hidden]."""
+    return jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]

@@ -1,0 +1,112 @@
+"""GGUF checkpoints (llama.cpp): config from metadata, dequantized tensors under HF names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from prefixscore.model.config import ModelConfig, UnsupportedModelError
+from prefixscore.model.decoder import Params
+from prefixscore.model.weights import params_from_hf_tensors
+
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# GGUF tensor name (inside blk.{i}.) -> HF name (inside model.layers.{i}.)
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader, name: str = "") -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.*` keys)."""
+    arch = _field(reader, "general.architecture")
+    family = GGUF_FAMILIES.get(arch)
+    if family is None:
+        raise UnsupportedModelError(f"GGUF general.architecture {arch!r} is not supported; supported: {sorted(GGUF_FAMILIES)}")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        family=family,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings=tied,
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        bos_token_id=int(bos) if bos is not None else None,
+        name=name,
+    )
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved -> HF rotate-half layout). w: [out, in]."""
+    out = w.shape[0]
+    return w.reshape(n_heads, 2, out // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Params]:
+    """Read a GGUF file: F32/F16/BF16 and quantized (Q4_0, Q4_1, Q8_0, K-quants...) tensors are dequantized."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader = GGUFReader(str(path))
+    cfg = gguf_config(reader, name=path.stem)
+    by_hf_name = {}
+    for t in reader.tensors:
+        if t.name in GGUF_GLOBAL_NAMES:
+            by_hf_name[GGUF_GLOBAL_NAMES[t.name]] = t
+        elif t.name.startswith("blk."):
+            _, idx, rest = t.name.split(".", 2)
+            if rest in GGUF_LAYER_NAMES:
+                by_hf_name[f"model.layers.{idx}.{GGUF_LAYER_NAMES[rest]}"] = t
+
+    def get(name: str) -> np.ndarray:
+        t = by_hf_name[name]
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGML lists dims innermost first
+        if cfg.family == "llama" and name.endswith("q_proj.weight"):
+            w = _unpermute_rope(w, cfg.num_heads)
+        elif cfg.family == "llama" and name.endswith("k_proj.weight"):
+            w = _unpermute_rope(w, cfg.num_kv_heads)
+        return w
+
+    return cfg, params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name)

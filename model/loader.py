@@ -1,0 +1,92 @@
+"""Resolve a model name (preset, local HF directory, .gguf file, hub id) into config, weights and tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from prefixscore.model import presets
+from prefixscore.model.config import ModelConfig, load_config
+from prefixscore.model.decoder import Params
+from prefixscore.model.engine import DTYPES
+from prefixscore.model.gguf_loader import load_gguf
+from prefixscore.model.tokenizer import TextTokenizer, has_tokenizer_files, load_tokenizer
+from prefixscore.model.weights import load_safetensors, random_params
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    cfg: ModelConfig
+    params: Params
+    tokenizer: TextTokenizer | None  # None: token-id inputs only
+    dtype: str
+
+
+def _dtype(dtype: str) -> jnp.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose from {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(model: str, dtype: str = "float32") -> LoadedModel:
+    """Load `model`: a preset name, a local directory, a .gguf file, or a hub id (downloads only then)."""
+    jdtype = _dtype(dtype)
+    if model in presets.RANDOM_PRESETS:
+        cfg, tok_source = presets.RANDOM_PRESETS[model]
+        tokenizer = load_tokenizer(presets.smollm2_tokenizer_dir()) if tok_source == "smollm2" else None
+        return LoadedModel(model, cfg, random_params(cfg, presets.RANDOM_SEED, jdtype), tokenizer, dtype)
+    if model == "smollm2-135m":
+        gguf = presets.smollm2_gguf_path()
+        cfg, params = load_gguf(gguf, jdtype)
+        cfg = dataclasses.replace(cfg, name=model)
+        return LoadedModel(model, cfg, params, load_tokenizer(presets.smollm2_tokenizer_dir()), dtype)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model: GGUF file {path} does not exist")
+        cfg, params = load_gguf(path, jdtype)
+        return LoadedModel(path.stem, cfg, params, _gguf_tokenizer(path), dtype)
+    if path.is_dir():
+        return _load_dir(path, path.name, dtype)
+    if "/" in model and not model.startswith((".", "/")) and model.count("/") == 1:
+        return _load_dir(_hub_snapshot(model), model, dtype)
+    raise ValueError(
+        f"model {model!r} is not a preset ({', '.join(presets.PRESETS)}), a directory, a .gguf file or a hub id"
+    )
+
+
+def _load_dir(path: Path, name: str, dtype: str) -> LoadedModel:
+    cfg = dataclasses.replace(load_config(path), name=name)
+    params = load_safetensors(path, cfg, _dtype(dtype))
+    tokenizer = load_tokenizer(path) if has_tokenizer_files(path) else None
+    return LoadedModel(name, cfg, params, tokenizer, dtype)
+
+
+def _gguf_tokenizer(path: Path) -> TextTokenizer | None:
+    try:
+        return load_tokenizer(path.parent, gguf_file=path.name)
+    except Exception:  # a GGUF without tokenizer metadata still scores token ids
+        return None
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """Download (or reuse the local cache of) a hub checkpoint; the user asked for it by name."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*", "vocab*", "merges*", "special_tokens_map.json"],
+                local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1",
+            )
+        )
+    except Exception as err:
+        raise FileNotFoundError(
+            f"model: hub id {repo_id!r} could not be fetched ({type(err).__name__}); the hub is unreachable "
+            "or the id is wrong. Pass a local directory, a .gguf file, or a preset instead."
+        ) from err

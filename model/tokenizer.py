@@ -1,0 +1,61 @@
+"""Text -> token ids through `transformers.AutoTokenizer`, from a local directory or a GGUF file.
+
+Query and each item are tokenized separately and their ids concatenated, with
+the tokenizer's special start tokens (BOS) only at the very start of the whole
+sequence. That makes the query a well-defined shared prefix; it can differ from
+tokenizing the concatenated string where a BPE merge would span the boundary.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+class TextTokenizer:
+    """Wraps a HF tokenizer with the separate-tokenization contract above."""
+
+    def __init__(self, hf_tokenizer) -> None:
+        self.hf = hf_tokenizer
+        with_special = hf_tokenizer("a", add_special_tokens=True).input_ids
+        plain = hf_tokenizer("a", add_special_tokens=False).input_ids
+        # the start tokens the tokenizer itself adds (e.g. Llama's BOS); none for Qwen, SmolLM2
+        n = len(with_special) - len(plain)
+        self.start_ids: list[int] = list(with_special[:n]) if n > 0 and with_special[n:] == plain else []
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of one piece of text, no special tokens."""
+        return list(self.hf(text, add_special_tokens=False).input_ids)
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False).input_ids]
+
+    def token_id(self, label: str) -> int:
+        """The single token a label string maps to; ValueError if it is not exactly one token."""
+        ids = self.encode(label)
+        if len(ids) != 1:
+            raise ValueError(f"label {label!r} is {len(ids)} tokens ({ids}); a label must be exactly one token")
+        return ids[0]
+
+    def save(self, directory: str | Path) -> None:
+        self.hf.save_pretrained(str(directory))
+
+
+def has_tokenizer_files(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: str | Path, gguf_file: str | None = None) -> TextTokenizer:
+    """Load from a local directory (or a GGUF file inside it); never reaches a hub."""
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    kwargs = {"local_files_only": True}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    return TextTokenizer(AutoTokenizer.from_pretrained(str(model_dir), **kwargs))

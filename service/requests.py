@@ -1,0 +1,156 @@
+"""Request validation and tokenization: everything checked before any device work.
+
+Shared by the in-process `Scorer` and the gRPC service, so both reject the same
+inputs with the same messages. Every error names the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from prefixscore.model.config import ModelConfig
+from prefixscore.model.tokenizer import TextTokenizer
+
+
+class InvalidInput(ValueError):
+    """Bad request input; `field` names what is wrong (gRPC maps it to INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_items: int = 10_000
+    max_labels: int = 256
+    max_text_chars: int = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedRequest:
+    """A validated request in token ids. prefix: start tokens + query (empty for item_first)."""
+
+    prefix: tuple[int, ...]
+    items: list[list[int]]  # for item_first: whole sequences (start + item + query)
+    label_ids: tuple[int, ...]
+    apply_softmax: bool
+    item_first: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prefix) + sum(len(i) for i in self.items)
+
+
+def _is_ids(x: object) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def check_ids(field: str, ids: Sequence[int], vocab: int) -> None:
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise InvalidInput(field, f"token ids must be integers, got {type(t).__name__}")
+        if not 0 <= t < vocab:
+            raise InvalidInput(field, f"token id {t} is outside the vocabulary [0, {vocab})")
+
+
+def check_labels(label_token_ids: Sequence[int], vocab: int, limits: Limits) -> tuple[int, ...]:
+    if not isinstance(label_token_ids, (list, tuple)) or not label_token_ids:
+        raise InvalidInput("label_token_ids", "at least one label token id is required")
+    if len(label_token_ids) > limits.max_labels:
+        raise InvalidInput("label_token_ids", f"{len(label_token_ids)} labels exceed the limit of {limits.max_labels}")
+    check_ids("label_token_ids", label_token_ids, vocab)
+    return tuple(label_token_ids)
+
+
+class RequestTokenizer:
+    """Validates and tokenizes score requests for one model."""
+
+    def __init__(self, cfg: ModelConfig, tokenizer: TextTokenizer | None, limits: Limits | None = None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.limits = limits or Limits()
+        self.start_ids: list[int] = tokenizer.start_ids if tokenizer else []
+
+    def _text(self, field: str, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
+        if len(text) > self.limits.max_text_chars:
+            raise InvalidInput(field, f"text of {len(text)} characters exceeds the limit of {self.limits.max_text_chars}")
+        return self.tokenizer.encode(text)
+
+    def query_ids(self, query: str | Sequence[int]) -> list[int]:
+        if isinstance(query, str):
+            if not query:
+                raise InvalidInput("query", "the query is empty")
+            return self._text("query", query)
+        if not _is_ids(query):
+            raise InvalidInput("query", "must be a string or a list of integer token ids")
+        if not query:
+            raise InvalidInput("query", "the query is empty")
+        check_ids("query", query, self.cfg.vocab_size)
+        return list(query)
+
+    def item_ids(self, items: Sequence[str] | Sequence[Sequence[int]], kind: str | None = None) -> list[list[int]]:
+        """Tokenize items; `kind` ("text" or "ids") is the query's kind, and items must match it."""
+        if not isinstance(items, (list, tuple)):
+            raise InvalidInput("items", "must be a list of strings or a list of token-id lists")
+        if len(items) > self.limits.max_items:
+            raise InvalidInput("items", f"{len(items)} items exceed the limit of {self.limits.max_items}")
+        texts = [isinstance(it, str) for it in items]
+        if any(texts) and not all(texts):
+            raise InvalidInput("items", "mixes text and token ids; send all items the same way")
+        item_kind = "text" if items and texts[0] else "ids"
+        if items and kind is not None and item_kind != kind:
+            raise InvalidInput("items", f"items are {item_kind} but the query is {kind}; do not mix text and token ids")
+        if item_kind == "text":
+            for j, it in enumerate(items):
+                if not it:
+                    raise InvalidInput(f"items[{j}]", "the item is empty")
+                if len(it) > self.limits.max_text_chars:
+                    raise InvalidInput(f"items[{j}]", f"text exceeds the limit of {self.limits.max_text_chars} characters")
+            if self.tokenizer is None:
+                raise InvalidInput("items", f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
+            out = self.tokenizer.encode_many(list(items))
+        else:
+            out = []
+            for j, it in enumerate(items):
+                if not _is_ids(it):
+                    raise InvalidInput(f"items[{j}]", "must be a list of integer token ids")
+                check_ids(f"items[{j}]", it, self.cfg.vocab_size)
+                out.append(list(it))
+        for j, ids in enumerate(out):
+            if not ids:
+                raise InvalidInput(f"items[{j}]", "the item is empty (no tokens)")
+        return out
+
+    def request(
+        self,
+        query: str | Sequence[int],
+        items: Sequence[str] | Sequence[Sequence[int]],
+        label_token_ids: Sequence[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> TokenizedRequest:
+        """Validate and tokenize a whole request; raises InvalidInput naming the field."""
+        labels = check_labels(label_token_ids, self.cfg.vocab_size, self.limits)
+        q = self.query_ids(query)
+        item_ids = self.item_ids(items, "text" if isinstance(query, str) else "ids")
+        return self.assemble(q, item_ids, labels, bool(apply_softmax), bool(item_first))
+
+    def assemble(
+        self, query: list[int], items: list[list[int]], labels: tuple[int, ...], apply_softmax: bool, item_first: bool
+    ) -> TokenizedRequest:
+        """Place start tokens and check every sequence fits the context."""
+        context = self.cfg.max_position_embeddings
+        start = list(self.start_ids)
+        if len(start) + len(query) + (1 if items else 0) > context:
+            raise InvalidInput("query", f"{len(start) + len(query)} tokens leave no room for an item in the context of {context}")
+        for j, it in enumerate(items):
+            total = len(start) + len(query) + len(it)
+            if total > context:
+                raise InvalidInput(f"items[{j}]", f"query + item is {total} tokens, over the model's context of {context}")
+        if item_first:
+            return TokenizedRequest((), [start + it + query for it in items], labels, apply_softmax, True)
+        return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False)
