@@ -1,0 +1,67 @@
+"""Prometheus metrics of the service. One `ServiceMetrics` per server, on its own registry
+(so several servers in one process, as in tests, never share counters).
+
+Conventions: `prefixscore_` prefix, base units (`_seconds`, `_bytes`), counters end
+in `_total`, labels are low-cardinality (method, gRPC code, kind).
+deploy/ (Prometheus rules, Grafana dashboards, HPA) queries exactly these names;
+tests check that every name used there is exported here.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.model_info = Info("prefixscore_model", "The served model.", registry=r)
+        self.requests = Counter(
+            "prefixscore_requests_total", "RPCs finished, by method and gRPC status code.", ["method", "code"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "prefixscore_request_duration_seconds", "RPC latency from arrival to last response.", ["method"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.first_batch_seconds = Histogram(
+            "prefixscore_time_to_first_batch_seconds", "Time from arrival of item work to its first scored batch.",
+            ["method"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.items_scored = Counter("prefixscore_items_scored_total", "Items scored.", registry=r)
+        self.tokens = Counter(
+            "prefixscore_tokens_total", "Tokens run on the device, by kind (prefix, item).", ["kind"], registry=r
+        )
+        self.padding_tokens = Counter(
+            "prefixscore_padding_tokens_total", "Padding tokens run on the device in item batches.", registry=r
+        )
+        self.batch_size = Histogram(
+            "prefixscore_device_batch_size", "Items per device batch (before padding).", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.batch_padding = Histogram(
+            "prefixscore_device_batch_padding_ratio", "Share of a device batch's tokens that are padding.",
+            buckets=RATIO_BUCKETS, registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "prefixscore_device_batch_duration_seconds", "Device time per batch, by kind (prefill, items).", ["kind"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge("prefixscore_queue_depth", "Items waiting for the device (autoscaling signal).", registry=r)
+        self.inflight = Gauge("prefixscore_inflight_requests", "RPCs in progress (unary and streams).", registry=r)
+        self.open_streams = Gauge("prefixscore_open_streams", "ScoreStream sessions open.", registry=r)
+        self.rejected = Counter(
+            "prefixscore_rejected_total", "Requests refused by admission control (queue full).", registry=r
+        )
+        self.cache_hits = Counter("prefixscore_prefix_cache_hits_total", "Prefix cache hits.", registry=r)
+        self.cache_misses = Counter("prefixscore_prefix_cache_misses_total", "Prefix cache misses (prefills).", registry=r)
+        self.cache_evictions = Counter("prefixscore_prefix_cache_evictions_total", "Prefix cache evictions.", registry=r)
+        self.cache_bytes = Gauge("prefixscore_prefix_cache_bytes", "Device bytes held by the prefix cache.", registry=r)
+        self.cache_entries = Gauge("prefixscore_prefix_cache_entries", "Prefixes held by the prefix cache.", registry=r)
+        self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)
+        self.compile_seconds = Counter(
+            "prefixscore_compile_seconds_total", "Seconds spent in XLA compilation since start.", registry=r
+        )
