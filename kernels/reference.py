@@ -71,6 +71,26 @@ def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array,
     return out.reshape(b, t, heads, d), lse.reshape(b, t, heads)
 
 
+def ragged_item_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of items packed back to back in one token stream (no padding between them).
+
+    q: [n, heads, d]; k, v: [n, kv_heads, d]; segment_ids: [n] int32, equal for the
+    (contiguous) tokens of one item. Token i sees token j <= i of its own item.
+    max_item_len is a hint for the fast paths (an upper bound on any item's length);
+    the oracle builds the dense [n, n] mask and ignores it.
+    Returns out [n, heads, d] and lse [n, heads] float32.
+    """
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    qg = q.reshape(n, kv_heads, heads // kv_heads, d)
+    idx = jnp.arange(n)
+    mask = (segment_ids[:, None] == segment_ids[None, :]) & (idx[None, :] <= idx[:, None])
+    out, lse = _attend(qg, k, v, mask[None, None])
+    return out.reshape(n, heads, d), lse.reshape(n, heads)
+
+
 def merge_attention(
     out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
 ) -> jax.Array:
@@ -102,6 +122,23 @@ def shared_prefix_attention(
     out_p, lse_p = prefix_attention(q.reshape(b * t, heads, d), prefix_k, prefix_v, prefix_len)
     out_i, lse_i = item_attention(q, k, v)
     return merge_attention(out_p.reshape(b, t, heads, d), lse_p.reshape(b, t, heads), out_i, lse_i)
+
+
+def ragged_shared_prefix_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int,
+    prefix_k: jax.Array,
+    prefix_v: jax.Array,
+    prefix_len: jax.Array,
+) -> jax.Array:
+    """Packed items over one shared prefix: q [n, heads, d]; k, v [n, kv_heads, d];
+    segment_ids [n]; prefix_k, prefix_v [s, kv_heads, d]. Returns [n, heads, d]."""
+    out_p, lse_p = prefix_attention(q, prefix_k, prefix_v, prefix_len)
+    out_i, lse_i = ragged_item_attention(q, k, v, segment_ids, max_item_len)
+    return merge_attention(out_p, lse_p, out_i, lse_i)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

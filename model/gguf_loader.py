@@ -77,9 +77,13 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved -> HF rotate-half layout). w: [out, in]."""
+    """Undo llama.cpp's q/k row permutation (interleaved -> HF rotate-half layout). w: [out, in].
+
+    convert_hf_to_gguf.py reshapes rows to [heads, 2, hd/2] and swaps the last two;
+    the inverse reshapes to [heads, hd/2, 2] and swaps back.
+    """
     out = w.shape[0]
-    return w.reshape(n_heads, 2, out // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Params]:

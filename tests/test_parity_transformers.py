@@ -1,0 +1,50 @@
+"""The shared-prefix fast path equals a plain transformers forward pass of `query + item`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import SMALL_BUCKETS, torch_label_probs
+
+from prefixscore import Scorer
+
+RNG = np.random.default_rng(1234)
+QUERY = RNG.integers(0, 320, 45).tolist()
+# different lengths in one call, across several item buckets (8, 16, 32, 64)
+ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 3, 9, 20, 33, 7)]
+LABELS = [5, 17, 319, 42]
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_matches_transformers(hf_checkpoints, family, dtype):
+    path, torch_model = hf_checkpoints[family]
+    scorer = Scorer.load(str(path), dtype=dtype, buckets=SMALL_BUCKETS)
+    assert scorer.cfg.family == family
+    for apply_softmax in (False, True):
+        for item_first in (False, True):
+            got = np.array(scorer.score(QUERY, ITEMS, LABELS, apply_softmax=apply_softmax, item_first=item_first))
+            seqs = [it + QUERY if item_first else QUERY + it for it in ITEMS]
+            want = torch_label_probs(torch_model, seqs, LABELS, apply_softmax)
+            assert got.shape == (len(ITEMS), len(LABELS))
+            err = np.abs(got - want).max()
+            assert err <= TOLERANCE[dtype], (family, dtype, apply_softmax, item_first, err)
+            if apply_softmax:
+                np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+
+
+def test_sharded_safetensors_load_identically(tmp_path):
+    """A checkpoint saved in many shards (model.safetensors.index.json) scores as the single file."""
+    from conftest import make_torch_model
+
+    model = make_torch_model("llama", seed=3)
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size="50KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    a = Scorer.load(str(single), buckets=SMALL_BUCKETS).score(QUERY, ITEMS[:3], LABELS)
+    b = Scorer.load(str(sharded), buckets=SMALL_BUCKETS).score(QUERY, ITEMS[:3], LABELS)
+    np.testing.assert_array_equal(np.array(a), np.array(b))
+    want = torch_label_probs(model, [QUERY + it for it in ITEMS[:3]], LABELS, False)
+    assert np.abs(np.array(a) - want).max() <= 1e-4

