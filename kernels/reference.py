@@ -91,9 +91,7 @@ def ragged_item_attention(
     return out.reshape(n, heads, d), lse.reshape(n, heads)
 
 
-def merge_attention(
-    out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
-) -> jax.Array:
+def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
     """Exact merge of two attention parts over disjoint key sets by their LSEs.
 
     out_*: [..., heads, d]; lse_*: [..., heads] float32. Returns [..., heads, d] in out_a.dtype.

@@ -1,4 +1,19 @@
-"""Shape buckets: every device call is padded to one of these, so each compiles once."""
+"""Shape buckets: every device call is padded to one of these, so each shape compiles once.
+
+The engine compiles two kinds of device call (model/engine.py):
+
+- prefill, one per `prefix` bucket: the query runs in chunks of `prefill_chunk`
+  tokens into a KV buffer of the bucket's length; the chunk loop runs only as
+  many chunks as the query has, so a coarse bucket costs memory, not time;
+- items, one per (`tokens`, `prefix`, `labels`) combination: items (or whole
+  sequences) packed back to back, unpadded, into a stream of `tokens` tokens per
+  device, over a prefix KV of a `prefix` bucket. Item length and item count are
+  runtime values, not shapes, so they add no compilations.
+
+`item` and `batch` are the grouping the service's batcher uses (items of one
+length bucket, up to `batch_capacity` of them per device call); the engine does
+not compile per item length or batch size.
+"""
 
 from __future__ import annotations
 
@@ -8,31 +23,65 @@ import dataclasses
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     """lo, 2*lo, ... up to the first value >= hi."""
+    return geometric(lo, hi, 2)
+
+
+def geometric(lo: int, hi: int, ratio: int, cap: int | None = None) -> tuple[int, ...]:
+    """lo, ratio*lo, ... up to the first value >= hi; with `cap`, values above it become cap."""
     out = [lo]
     while out[-1] < hi:
-        out.append(out[-1] * 2)
+        out.append(out[-1] * ratio)
+    if cap is not None:
+        out = sorted({min(x, cap) for x in out})
     return tuple(out)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """Padded sizes for every axis of a device call.
 
-    prefix: query lengths (and full-sequence lengths for item_first/sequential);
-    item: item lengths; batch: items per device batch; labels: label-id slots.
-    max_batch_tokens bounds batch * item_len, which bounds activation memory.
+    prefix: prefix KV lengths (multiples of prefill_chunk); prefix[-1] is the longest
+      query, and the longest item_first sequence.
+    item, batch: the service batcher's grouping (item lengths; items per batch);
+      item[-1] is the longest item.
+    labels: label-id slots. max_batch_tokens: the packed stream length the engine
+      fills before starting another device call (bounds activation memory).
+    tokens: packed stream lengths per device (derived when empty: powers of 4 from
+      256 to max_batch_tokens, then x4 to the longest item or sequence).
+    tokens_per_row: a stream of T tokens returns T // tokens_per_row item rows.
+    head_rows: rows per step of the vocabulary projection (a runtime loop).
     """
 
     prefix: tuple[int, ...]
     item: tuple[int, ...]
     batch: tuple[int, ...]
-    labels: tuple[int, ...] = (4, 16, 64, 256)
+    labels: tuple[int, ...] = (256,)
     max_batch_tokens: int = 8192
+    tokens: tuple[int, ...] = ()
+    prefill_chunk: int = 512
+    tokens_per_row: int = 4
+    head_rows: int = 128
+
+    def __post_init__(self) -> None:
+        # every prefix bucket holds whole prefill chunks
+        chunk = min(self.prefill_chunk, self.prefix[0])
+        object.__setattr__(self, "prefill_chunk", chunk)
+        object.__setattr__(self, "prefix", tuple(sorted({_round_up(p, chunk) for p in self.prefix})))
+        if not self.tokens:
+            longest = max(self.item[-1], self.prefix[-1])
+            short = geometric(256, self.max_batch_tokens, 4, cap=self.max_batch_tokens)
+            long = geometric(self.max_batch_tokens, longest, 4, cap=_round_up(longest, 256))
+            object.__setattr__(self, "tokens", tuple(sorted({*short, *long})))
 
     @classmethod
     def for_context(cls, context: int, max_batch: int = 512, max_batch_tokens: int = 8192) -> Buckets:
+        """Defaults for a model with this context: few buckets, so warm-up is a few dozen compilations."""
         return cls(
-            prefix=powers_of_two(64, context),
+            prefix=geometric(512, context, 4, cap=context),
             item=powers_of_two(8, context),
             batch=powers_of_two(1, max_batch),
             max_batch_tokens=max_batch_tokens,
@@ -54,3 +103,31 @@ class Buckets:
     @property
     def max_labels(self) -> int:
         return self.labels[-1]
+
+    def rows(self, tokens: int) -> int:
+        """Item rows a packed stream of `tokens` tokens returns."""
+        return max(1, tokens // self.tokens_per_row)
+
+    def stream_for(self, tokens: int, items: int) -> int:
+        """The smallest stream bucket holding `tokens` tokens in at most rows() items."""
+        for t in self.tokens:
+            if t >= tokens and self.rows(t) >= items:
+                return t
+        raise ValueError(
+            f"a device batch of {items} items, {tokens} tokens exceeds the largest stream {self.tokens[-1]}"
+        )
+
+    def item_calls(self) -> list[tuple[int, int]]:
+        """Every (stream, prefix) bucket pair an items call can need.
+
+        A stream longer than max_batch_tokens only ever holds one item longer than the
+        stream bucket below it, so its prefix is at most prefix[-1] minus that length.
+        """
+        pairs = []
+        for i, t in enumerate(self.tokens):
+            longest_prefix = self.prefix[-1]
+            if t > self.max_batch_tokens and i > 0:
+                longest_prefix = max(self.prefix[-1] - self.tokens[i - 1], 1)
+            top = bisect.bisect_left(self.prefix, longest_prefix)
+            pairs += [(t, p) for p in self.prefix[: top + 1]]
+        return pairs

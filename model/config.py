@@ -110,7 +110,9 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // num_heads
     # transformers >= 5 writes rope settings under rope_parameters; older files at top level
     rope_params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+    scaling = raw.get("rope_scaling") or (
+        rope_params if rope_params.get("rope_type") not in (None, "default") else None
+    )
     rope_theta = rope_params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_scaling: tuple[tuple[str, float], ...] = ()
     if scaling:

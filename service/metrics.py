@@ -22,15 +22,24 @@ class ServiceMetrics:
         r = self.registry
         self.model_info = Info("prefixscore_model", "The served model.", registry=r)
         self.requests = Counter(
-            "prefixscore_requests_total", "RPCs finished, by method and gRPC status code.", ["method", "code"], registry=r
+            "prefixscore_requests_total",
+            "RPCs finished, by method and gRPC status code.",
+            ["method", "code"],
+            registry=r,
         )
         self.request_seconds = Histogram(
-            "prefixscore_request_duration_seconds", "RPC latency from arrival to last response.", ["method"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "prefixscore_request_duration_seconds",
+            "RPC latency from arrival to last response.",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.first_batch_seconds = Histogram(
-            "prefixscore_time_to_first_batch_seconds", "Time from arrival of item work to its first scored batch.",
-            ["method"], buckets=LATENCY_BUCKETS, registry=r,
+            "prefixscore_time_to_first_batch_seconds",
+            "Time from arrival of item work to its first scored batch.",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.items_scored = Counter("prefixscore_items_scored_total", "Items scored.", registry=r)
         self.tokens = Counter(
@@ -40,25 +49,39 @@ class ServiceMetrics:
             "prefixscore_padding_tokens_total", "Padding tokens run on the device in item batches.", registry=r
         )
         self.batch_size = Histogram(
-            "prefixscore_device_batch_size", "Items per device batch (before padding).", buckets=BATCH_BUCKETS, registry=r
+            "prefixscore_device_batch_size",
+            "Items per device batch (before padding).",
+            buckets=BATCH_BUCKETS,
+            registry=r,
         )
         self.batch_padding = Histogram(
-            "prefixscore_device_batch_padding_ratio", "Share of a device batch's tokens that are padding.",
-            buckets=RATIO_BUCKETS, registry=r,
+            "prefixscore_device_batch_padding_ratio",
+            "Share of a device batch's tokens that are padding.",
+            buckets=RATIO_BUCKETS,
+            registry=r,
         )
         self.batch_seconds = Histogram(
-            "prefixscore_device_batch_duration_seconds", "Device time per batch, by kind (prefill, items).", ["kind"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "prefixscore_device_batch_duration_seconds",
+            "Device time per batch, by kind (prefill, items).",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.queue_depth = Gauge("prefixscore_queue_depth", "Items waiting for the device (autoscaling signal).", registry=r)
+        self.queue_depth = Gauge(
+            "prefixscore_queue_depth", "Items waiting for the device (autoscaling signal).", registry=r
+        )
         self.inflight = Gauge("prefixscore_inflight_requests", "RPCs in progress (unary and streams).", registry=r)
         self.open_streams = Gauge("prefixscore_open_streams", "ScoreStream sessions open.", registry=r)
         self.rejected = Counter(
             "prefixscore_rejected_total", "Requests refused by admission control (queue full).", registry=r
         )
         self.cache_hits = Counter("prefixscore_prefix_cache_hits_total", "Prefix cache hits.", registry=r)
-        self.cache_misses = Counter("prefixscore_prefix_cache_misses_total", "Prefix cache misses (prefills).", registry=r)
-        self.cache_evictions = Counter("prefixscore_prefix_cache_evictions_total", "Prefix cache evictions.", registry=r)
+        self.cache_misses = Counter(
+            "prefixscore_prefix_cache_misses_total", "Prefix cache misses (prefills).", registry=r
+        )
+        self.cache_evictions = Counter(
+            "prefixscore_prefix_cache_evictions_total", "Prefix cache evictions.", registry=r
+        )
         self.cache_bytes = Gauge("prefixscore_prefix_cache_bytes", "Device bytes held by the prefix cache.", registry=r)
         self.cache_entries = Gauge("prefixscore_prefix_cache_entries", "Prefixes held by the prefix cache.", registry=r)
         self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)

@@ -34,7 +34,14 @@ class Limits:
     def for_engine(cls, engine, **overrides) -> Limits:
         """Limits that keep every request within the engine's largest buckets."""
         b = engine.buckets
-        return cls(**{"max_labels": b.max_labels, "max_sequence_tokens": b.prefix[-1], "max_item_tokens": b.item[-1], **overrides})
+        return cls(
+            **{
+                "max_labels": b.max_labels,
+                "max_sequence_tokens": b.prefix[-1],
+                "max_item_tokens": b.item[-1],
+                **overrides,
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +93,9 @@ class RequestTokenizer:
         if self.tokenizer is None:
             raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
         if len(text) > self.limits.max_text_chars:
-            raise InvalidInput(field, f"text of {len(text)} characters exceeds the limit of {self.limits.max_text_chars}")
+            raise InvalidInput(
+                field, f"text of {len(text)} characters exceeds the limit of {self.limits.max_text_chars}"
+            )
         return self.tokenizer.encode(text)
 
     def query_ids(self, query: str | Sequence[int]) -> list[int]:
@@ -118,7 +127,9 @@ class RequestTokenizer:
                 if not it:
                     raise InvalidInput(f"items[{j}]", "the item is empty")
                 if len(it) > self.limits.max_text_chars:
-                    raise InvalidInput(f"items[{j}]", f"text exceeds the limit of {self.limits.max_text_chars} characters")
+                    raise InvalidInput(
+                        f"items[{j}]", f"text exceeds the limit of {self.limits.max_text_chars} characters"
+                    )
             if self.tokenizer is None:
                 raise InvalidInput("items", f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
             out = self.tokenizer.encode_many(list(items))
@@ -156,7 +167,9 @@ class RequestTokenizer:
         max_item = self.limits.max_item_tokens or context
         start = list(self.start_ids)
         if len(start) + len(query) + 1 > context:
-            raise InvalidInput("query", f"{len(start) + len(query)} tokens leave no room for an item within {context} tokens")
+            raise InvalidInput(
+                "query", f"{len(start) + len(query)} tokens leave no room for an item within {context} tokens"
+            )
         for j, it in enumerate(items):
             total = len(start) + len(query) + len(it)
             if total > context:

@@ -54,7 +54,9 @@ class Scorer:
     ) -> Scorer:
         """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py)."""
         loaded = load_model(model, dtype)
-        return cls(loaded, ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl), None, prefix_cache_bytes)
+        return cls(
+            loaded, ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl), None, prefix_cache_bytes
+        )
 
     @property
     def cfg(self):

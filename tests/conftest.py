@@ -64,7 +64,9 @@ def torch_label_probs(model, sequences, labels, apply_softmax: bool) -> np.ndarr
     with torch.no_grad():
         for seq in sequences:
             logits = model(torch.tensor([list(seq)])).logits[0, -1].double()
-            probs = torch.softmax(logits[list(labels)], -1) if apply_softmax else torch.softmax(logits, -1)[list(labels)]
+            probs = (
+                torch.softmax(logits[list(labels)], -1) if apply_softmax else torch.softmax(logits, -1)[list(labels)]
+            )
             out.append(probs.numpy())
     return np.array(out)
 

@@ -60,8 +60,11 @@ def write_gguf(model, family: str, path, qtype: Q) -> None:
             i, rest = name[len("model.layers.") :].split(".", 1)
             gname = f"blk.{i}.{HF_TO_GGUF_LAYER[rest]}"
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         if family == "llama" and name.endswith("q_proj.weight"):
             t = llama_cpp_permute(t, cfg.num_attention_heads)
         elif family == "llama" and name.endswith("k_proj.weight"):
