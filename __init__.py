@@ -1,6 +1,20 @@
 """prefixscore: score many items against one query with a decoder LLM over a shared, cached prefix."""
 
-from prefixscore.service.scorer import Scorer, Usage
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 __all__ = ["Scorer", "Usage"]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from prefixscore.service.scorer import Scorer, Usage
+
+
+def __getattr__(name: str):
+    # Lazy: `prefixscore.client` users should not pay for importing jax.
+    if name in __all__:
+        from prefixscore.service import scorer
+
+        return getattr(scorer, name)
+    raise AttributeError(f"module 'prefixscore' has no attribute {name!r}")

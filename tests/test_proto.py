@@ -34,8 +34,16 @@ def _normalise(text: str) -> str:
 def test_committed_stubs_match_the_proto(tmp_path):
     protos = sorted(p.relative_to(PROTO_DIR).as_posix() for p in PACKAGE_DIR.glob("*.proto"))
     assert protos, "no .proto files"
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_DIR}", f"--python_out={tmp_path}",
-           f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *protos]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{PROTO_DIR}",
+        f"--python_out={tmp_path}",
+        f"--pyi_out={tmp_path}",
+        f"--grpc_python_out={tmp_path}",
+        *protos,
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT)
     generated = sorted((tmp_path / "prefixscore" / "v1").glob("*_pb2*.py*"))
     assert len(generated) == 3 * len(protos)

@@ -32,8 +32,13 @@ Code = grpc.StatusCode
 
 def config(scorer, **overrides) -> ServerConfig:
     base = dict(
-        host="127.0.0.1", port=0, metrics_port=0, loaded=scorer.model, buckets=scorer.engine.buckets,
-        warmup=False, max_queue_items=MAX_QUEUE,
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        loaded=scorer.model,
+        engine=scorer.engine,
+        warmup=False,
+        max_queue_items=MAX_QUEUE,
     )
     return ServerConfig(**{**base, **overrides})
 
@@ -61,7 +66,7 @@ def ids(text_tokens: int, start: int = 100) -> list[int]:
     return list(range(start, start + text_tokens))
 
 
-# ---- scores equal the in-process Scorer ---------------------------------------------------------
+# ---- scores equal the in-process Scorer ----------------------------------------------------------
 @pytest.mark.parametrize(
     "case",
     [
@@ -76,8 +81,13 @@ def test_score_equals_in_process_scorer(client, tiny_scorer, case):
     expected = tiny_scorer.score(**case)
     result = client.score(**case)
     np.testing.assert_allclose(result.scores, expected, rtol=1e-6, atol=0)
-    req = tiny_scorer.requests.request(case["query"], case["items"], case["label_token_ids"],
-                                       case.get("apply_softmax", False), case.get("item_first", False))
+    req = tiny_scorer.requests.request(
+        case["query"],
+        case["items"],
+        case["label_token_ids"],
+        case.get("apply_softmax", False),
+        case.get("item_first", False),
+    )
     assert result.usage.prompt_tokens == req.prompt_tokens
     assert result.usage.items == len(case["items"])
     assert result.label_token_ids == LABELS
@@ -135,14 +145,15 @@ def test_stream_with_token_ids_and_item_first(client, tiny_scorer):
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
-# ---- many clients at once ------------------------------------------------------------------------------
+# ---- many clients at once ------------------------------------------------------------------------
 def test_32_concurrent_clients_are_batched_together(server, tiny_scorer):
     rng = random.Random(7)
     queries = [f"Shared query {k}: which item matches?" for k in range(6)]
     words = ["red", "apple", "river", "Paris", "car", "blue sky", "green", "seven"]
     unary = [(queries[k % 6], [rng.choice(words) for _ in range(rng.randint(1, 4))]) for k in range(24)]
-    streams = [(queries[k % 6], [[rng.choice(words) for _ in range(rng.randint(1, 3))] for _ in range(3)])
-               for k in range(8)]
+    streams = [
+        (queries[k % 6], [[rng.choice(words) for _ in range(rng.randint(1, 3))] for _ in range(3)]) for k in range(8)
+    ]
     total = sum(len(items) for _, items in unary) + sum(len(b) for _, batches in streams for b in batches)
     largest_request = max([len(items) for _, items in unary] + [len(b) for _, bs in streams for b in bs])
     before = scrape(server.server.metrics_port)
@@ -177,13 +188,17 @@ def test_32_concurrent_clients_are_batched_together(server, tiny_scorer):
     assert batches < total / largest_request  # far fewer device calls than requests would need alone
 
 
-# ---- admission control, cancellation, deadlines -------------------------------------------------------------
+# ---- admission control, cancellation, deadlines --------------------------------------------------
 def test_full_queue_is_refused_with_a_retry_hint(server, client, stub):
     worker = server.server.worker
     with worker.paused():
-        held = stub.Score.future(pb.ScoreRequest(
-            query=pb.Input(text=QUERY), items=[pb.Input(text=f"item {k}") for k in range(200)],
-            label_token_ids=LABELS))
+        held = stub.Score.future(
+            pb.ScoreRequest(
+                query=pb.Input(text=QUERY),
+                items=[pb.Input(text=f"item {k}") for k in range(200)],
+                label_token_ids=LABELS,
+            )
+        )
         wait_for(lambda: worker.depth == 200, 30, "200 queued items")
         with pytest.raises(grpc.RpcError) as refused:
             client.score(QUERY, [f"more {k}" for k in range(100)], LABELS)
@@ -202,8 +217,9 @@ def test_cancelled_request_leaves_the_queue_unscored(server, stub):
     port = server.server.metrics_port
     before = scrape(port)
     with worker.paused():
-        call = stub.Score.future(pb.ScoreRequest(
-            query=pb.Input(text=QUERY), items=[pb.Input(text="cancel me")] * 5, label_token_ids=LABELS))
+        call = stub.Score.future(
+            pb.ScoreRequest(query=pb.Input(text=QUERY), items=[pb.Input(text="cancel me")] * 5, label_token_ids=LABELS)
+        )
         wait_for(lambda: worker.depth == 5, 30, "5 queued items")
         call.cancel()
         wait_for(lambda: worker.depth == 0, 30, "the cancelled items to leave the queue")
@@ -237,7 +253,7 @@ def test_deadline_exceeded_removes_queued_work(server, client):
     assert scrape(server.server.metrics_port)["prefixscore_items_scored_total"] == before + 1
 
 
-# ---- bad input -------------------------------------------------------------------------------------------------------
+# ---- bad input -----------------------------------------------------------------------------------
 DEFAULT_QUERY = pb.Input(text=QUERY)
 DEFAULT_ITEMS = (pb.Input(text="an item"),)
 
@@ -271,7 +287,9 @@ BAD_REQUESTS = {
     "query over the largest bucket": (_req(query=_ids([7] * 600), items=[_ids([5])]), "query"),
     "item over the largest bucket": (_req(query=_ids([7]), items=[_ids([5] * 100)]), "items[0]"),
     "item_first sequence over the largest bucket": (
-        _req(query=_ids([7] * 500), items=[_ids([5] * 20)], item_first=True), "items[0]"),
+        _req(query=_ids([7] * 500), items=[_ids([5] * 20)], item_first=True),
+        "items[0]",
+    ),
 }
 
 
@@ -310,8 +328,7 @@ BAD_STREAMS = {
     "second open": ([_open(), _open()], Code.FAILED_PRECONDITION, "open"),
     "bad open": ([_open(label_token_ids=[10**6])], Code.INVALID_ARGUMENT, "label_token_ids"),
     "bad item": ([_open(), _batch(_ids([1]))], Code.INVALID_ARGUMENT, "items"),
-    "too many items": (
-        [_open(), _batch(*[pb.Input(text="x")] * (MAX_QUEUE + 1))], Code.RESOURCE_EXHAUSTED, "items"),
+    "too many items": ([_open(), _batch(*[pb.Input(text="x")] * (MAX_QUEUE + 1))], Code.RESOURCE_EXHAUSTED, "items"),
     "empty message": ([_open(), pb.ScoreStreamRequest()], Code.INVALID_ARGUMENT, "request"),
 }
 
@@ -325,13 +342,14 @@ def test_bad_stream_input(stub, name):
     assert err.value.details().startswith(field), err.value.details()
 
 
-# ---- model info, health, reflection --------------------------------------------------------------------------------------
+# ---- model info, health, reflection --------------------------------------------------------------
 def test_model_info(client, tiny_scorer):
     info = client.model_info()
     assert (info.model, info.family, info.vocab_size, info.dtype) == ("tiny-qwen3", "qwen3", 49152, "float32")
     assert info.context_length == 8192 and info.has_tokenizer and list(info.devices) == ["cpu:0"]
     assert info.limits.max_items == MAX_QUEUE and info.limits.max_queue_items == MAX_QUEUE
-    assert info.limits.max_prefix_tokens == tiny_scorer.engine.buckets.prefix[-1]
+    assert info.limits.max_sequence_tokens == tiny_scorer.engine.buckets.prefix[-1]
+    assert info.limits.max_item_tokens == tiny_scorer.engine.buckets.item[-1]
 
 
 def test_health_serving_and_reflection_lists_services(server):
@@ -390,7 +408,7 @@ def test_health_transitions_and_graceful_drain(server, tiny_scorer, monkeypatch)
         srv.stop()
 
 
-# ---- metrics ------------------------------------------------------------------------------------------------------------------
+# ---- metrics -------------------------------------------------------------------------------------
 def test_metrics_after_traffic(server, client, tiny_scorer):
     port = server.server.metrics_port
     query = "Metrics query, sent three times."
@@ -435,3 +453,17 @@ def test_metrics_after_traffic(server, client, tiny_scorer):
     assert after["prefixscore_compilations_total"] > 0 and after["prefixscore_compile_seconds_total"] > 0
     info = "prefixscore_model_info{devices=cpu:0,dtype=float32,family=qwen3,model=tiny-qwen3}"
     assert after[info] == 1
+
+
+def test_prefix_cache_evicts_under_its_byte_budget(tiny_scorer):
+    """A budget smaller than one prefix: each request's KV is evicted once its group is done."""
+    with ServerThread(config(tiny_scorer, prefix_cache_bytes=1)) as srv, ScoreClient(srv.target) as client:
+        first = client.score(QUERY, ITEMS[:1], LABELS)
+        wait_for(lambda: scrape(srv.server.metrics_port)["prefixscore_prefix_cache_evictions_total"] == 1, 10)
+        again = client.score(QUERY, ITEMS[:1], LABELS)
+        assert first.usage.cached_tokens == again.usage.cached_tokens == 0  # prefilled again
+        metrics = wait_for(
+            lambda: (m := scrape(srv.server.metrics_port))["prefixscore_prefix_cache_evictions_total"] == 2 and m, 10
+        )
+        assert metrics["prefixscore_prefix_cache_misses_total"] == 2
+        assert metrics["prefixscore_prefix_cache_bytes"] == 0 and metrics["prefixscore_prefix_cache_entries"] == 0

