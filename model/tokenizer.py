@@ -52,10 +52,44 @@ def has_tokenizer_files(model_dir: str | Path) -> bool:
 
 def load_tokenizer(model_dir: str | Path, gguf_file: str | None = None) -> TextTokenizer:
     """Load from a local directory (or a GGUF file inside it); never reaches a hub."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if gguf_file:
+        return TextTokenizer(gguf_hf_tokenizer(Path(model_dir) / gguf_file))
     from transformers import AutoTokenizer
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    kwargs = {"local_files_only": True}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    return TextTokenizer(AutoTokenizer.from_pretrained(str(model_dir), **kwargs))
+    return TextTokenizer(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
+
+
+def gguf_hf_tokenizer(path: str | Path):
+    """A transformers fast tokenizer from a GGUF file's `tokenizer.*` metadata.
+
+    `AutoTokenizer.from_pretrained(gguf_file=...)` reads the metadata through a
+    torch-based reader, so it fails in a serving image without torch. This reads
+    the metadata with the `gguf` package and hands it to the same transformers
+    converter, so the result is the tokenizer transformers itself would build.
+    Raises ValueError if the file carries no tokenizer.
+    """
+    from gguf import GGUFReader
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS,
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    fields = GGUFReader(str(path)).fields
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError(f"model: {path} has no tokenizer metadata")
+    meta = {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+    grouped = {
+        group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp adds BOS to sentencepiece vocabularies by default
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(fields["general.architecture"].contents(), tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

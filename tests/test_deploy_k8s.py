@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,7 @@ def extra_renders(tmp_path_factory) -> dict[str, list[dict]]:
         "base+prometheus-operator": ("../base", ["prometheus-operator"]),
         "tpu-v6e-1x1+compile-cache-pvc": ("../overlays/tpu-v6e-1x1", ["compile-cache-pvc"]),
         "base+gmp": ("../base", ["gmp"]),
+        "tpu-v6e-2x2+models-gcsfuse": ("../overlays/tpu-v6e-2x2", ["models-gcsfuse"]),
     }
     out = {}
     root = tmp_path_factory.mktemp("kustomize")
@@ -212,14 +214,29 @@ SERVICE_MONITOR = _obj({
     }, ("selector", "endpoints")),
 }, ("apiVersion", "kind", "metadata", "spec"))
 
-_SERVICE_MONITOR_NODE = r"""
+_RULE = _obj({"record": _STR, "alert": _STR, "expr": {"type": "string", "minLength": 1}, "for": _DURATION,
+              "labels": {"type": "object", "additionalProperties": _STR},
+              "annotations": {"type": "object", "additionalProperties": _STR}}, ("expr",))
+GMP_RULES = _obj({
+    "apiVersion": {"const": "monitoring.googleapis.com/v1"},
+    "kind": {"const": "Rules"},
+    "metadata": _METADATA,
+    "spec": _obj({"groups": {"type": "array", "minItems": 1, "items": _obj(
+        {"name": _STR, "interval": _DURATION, "rules": {"type": "array", "items": _RULE}},
+        ("name", "interval", "rules"))}}, ("groups",)),
+}, ("apiVersion", "kind", "metadata", "spec"))
+
+_OPERATOR_NODE = r"""
 const path = require("path"); const {pathToFileURL} = require("url");
-const root = path.join(process.env.PROMOP, "monitoring.coreos.com", "v1", "ServiceMonitor.js");
-import(pathToFileURL(root).href).then(({ServiceMonitor}) => {
+const load = (kind) =>
+  import(pathToFileURL(path.join(process.env.PROMOP, "monitoring.coreos.com", "v1", kind + ".js")).href);
+Promise.all([load("ServiceMonitor"), load("PrometheusRule")]).then(([sm, pr]) => {
+  const models = {ServiceMonitor: sm.ServiceMonitor, PrometheusRule: pr.PrometheusRule};
   const docs = JSON.parse(require("fs").readFileSync(0, "utf8"));
   let bad = 0;
   for (const d of docs) {
-    try { new ServiceMonitor(d).validate(); } catch (e) { bad++; console.log(d.metadata.name + ": " + e.message); }
+    try { new models[d.kind](d).validate(); }
+    catch (e) { bad++; console.log(d.kind + "/" + d.metadata.name + ": " + e.message); }
   }
   process.exit(bad ? 1 : 0);
 });
@@ -246,20 +263,43 @@ def test_crds_podmonitoring_and_servicemonitor_fields(rendered, extra_renders):
     assert list(jsonschema.Draft202012Validator(POD_MONITORING).iter_errors(bad))
 
 
-def test_crd_servicemonitor_against_prometheus_operator_schema(rendered, extra_renders):
-    """The Prometheus Operator's own CRD schema (npm @kubernetes-models/prometheus-operator)."""
+def test_crds_against_the_prometheus_operator_schemas(rendered, extra_renders):
+    """ServiceMonitor and PrometheusRule against the Prometheus Operator's own CRD schemas
+    (npm @kubernetes-models/prometheus-operator, run by node)."""
     package = TOOLS / "deploy-node" / "node_modules" / "@kubernetes-models" / "prometheus-operator"
     if not package.is_dir():
         missing(f"{package}")
     node = tool("node")
-    docs = [d for _, d in monitors({**rendered, **extra_renders}, "ServiceMonitor")]
+    renders = {**rendered, **extra_renders}
+    docs = [d for _, d in monitors(renders, "ServiceMonitor") + monitors(renders, "PrometheusRule")]
+    assert {d["kind"] for d in docs} == {"ServiceMonitor", "PrometheusRule"}
     env = {**os.environ, "PROMOP": str(package)}
-    result = run([node, "-e", _SERVICE_MONITOR_NODE], input=json.dumps(docs), env=env)
+    result = run([node, "-e", _OPERATOR_NODE], input=json.dumps(docs), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     bad = copy.deepcopy(docs[0])
     bad["spec"]["endpoints"][0]["interval"] = 15
-    result = run([node, "-e", _SERVICE_MONITOR_NODE], input=json.dumps([bad]), env=env)
+    result = run([node, "-e", _OPERATOR_NODE], input=json.dumps([bad]), env=env)
     assert result.returncode == 1, "the operator schema should reject a numeric interval"
+
+
+def test_rule_resources_match_the_rule_files(rendered):
+    """GMP Rules and the operator's PrometheusRule carry exactly deploy/prometheus/*.rules.yml."""
+    from deploy_helpers import DEPLOY, load_rules
+
+    result = run([sys.executable, str(DEPLOY / "prometheus" / "sync_k8s_rules.py"), "--check"])
+    assert result.returncode == 0, f"stale: run python deploy/prometheus/sync_k8s_rules.py\n{result.stdout}"
+    import jsonschema
+
+    def key(rule: dict) -> str:
+        return rule.get("record") or rule["alert"]
+
+    strip = sorted(({k: v for k, v in r.items() if not k.startswith("_")} for r in load_rules()), key=key)
+    for name, kind, schema in (("tpu-v6e-1x1", "Rules", GMP_RULES), ("cpu", "PrometheusRule", None)):
+        doc = one(rendered[name], kind)
+        assert sorted((r for g in doc["spec"]["groups"] for r in g["rules"]), key=key) == strip, f"{name}: {kind}"
+        if schema:
+            errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
+            assert not errors, f"{name}: {kind}: {errors}"
 
 
 # ---- the contract with the server ----------------------------------------------------
@@ -391,3 +431,19 @@ def test_ci_installs_the_tools():
     assert script.is_file()
     if in_ci():
         assert (TOOLS / "bin" / "kubectl").is_file() or os.environ.get("PREFIXSCORE_KUBECTL")
+
+
+YAMLLINT = ("{extends: default, rules: {line-length: {max: 200}, document-start: disable, "
+            "truthy: {check-keys: false}, comments: {min-spaces-from-content: 1}}}")
+
+
+def test_yaml_and_json_are_clean():
+    try:
+        import yamllint  # noqa: F401
+    except ImportError:
+        missing("the yamllint package")
+    deploy = K8S.parent
+    result = run([sys.executable, "-m", "yamllint", "--strict", "-d", YAMLLINT, str(deploy)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    for path in deploy.rglob("*.json"):
+        json.loads(path.read_text())

@@ -47,3 +47,26 @@ def test_smollm2_config_from_gguf(smollm2):
     cfg = smollm2.cfg
     assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 576, 9, 3)
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
+
+
+def test_gguf_tokenizer_needs_no_torch_and_equals_transformers():
+    """Serving images carry no torch: the GGUF tokenizer conversion must not need it, and must
+    tokenize exactly as transformers' own `AutoTokenizer.from_pretrained(gguf_file=...)`."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    texts = ["Hello world", " yes", "  spaces\\nand newlines 123456 émigré 日本語 <|im_start|>user"]
+    code = (
+        "import sys, json; sys.modules['torch'] = None\n"
+        "from prefixscore.model.presets import smollm2_gguf_path\n"
+        "from prefixscore.model.tokenizer import load_tokenizer\n"
+        "p = smollm2_gguf_path(); t = load_tokenizer(p.parent, gguf_file=p.name)\n"
+        f"print(json.dumps([t.hf(x).input_ids for x in {texts!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    path = smollm2_gguf_path()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [ref(x).input_ids for x in texts]

