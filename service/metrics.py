@@ -70,6 +70,9 @@ class ServiceMetrics:
         self.queue_depth = Gauge(
             "prefixscore_queue_depth", "Items waiting for the device (autoscaling signal).", registry=r
         )
+        self.queue_capacity = Gauge(
+            "prefixscore_queue_capacity", "Items the queue admits before RESOURCE_EXHAUSTED.", registry=r
+        )
         self.inflight = Gauge("prefixscore_inflight_requests", "RPCs in progress (unary and streams).", registry=r)
         self.open_streams = Gauge("prefixscore_open_streams", "ScoreStream sessions open.", registry=r)
         self.rejected = Counter(

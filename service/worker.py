@@ -77,6 +77,7 @@ class DeviceWorker:
         self._startup = startup
         self.metrics = metrics
         self.max_queue_items = max_queue_items
+        metrics.queue_capacity.set(max_queue_items)
         self.batch_wait_s = batch_wait_s
         self._on_ready = on_ready
         self.engine: ScoringEngine | None = None
