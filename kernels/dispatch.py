@@ -1,13 +1,23 @@
 """Pick the attention implementation per backend; overridable by name.
 
-Every implementation exposes the same two functions with the reference's
-signatures (kernels/reference.py):
+Every implementation exposes the reference's functions and signatures
+(kernels/reference.py):
+  prefix_attention(q [n,h,d], prefix_k, prefix_v, prefix_len) -> out, lse (float32)
+  item_attention(q [b,t,h,d], k, v) -> out, lse            (causal per row)
+  ragged_item_attention(q [n,h,d], k, v, segment_ids, max_item_len) -> out, lse
+  merge_attention(out_a, lse_a, out_b, lse_b) -> out
   shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_len) -> [b, t, heads, d]
+  ragged_shared_prefix_attention(q, k, v, segment_ids, max_item_len, prefix_k, prefix_v, prefix_len) -> [n, heads, d]
   causal_attention(q, k, v) -> [b, s, heads, d]
+
+Names: reference (the oracle, dense), xla (tiled XLA, the CPU path), pallas_tpu
+(Mosaic TPU kernels), pallas_gpu (Pallas Triton kernels). Pick with the
+`attn_impl` argument or $PREFIXSCORE_ATTENTION.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -16,9 +26,14 @@ import jax
 from prefixscore.kernels import reference
 
 # name -> module path; fast paths register here as they land
-IMPLEMENTATIONS = {"reference": "prefixscore.kernels.reference", "xla": "prefixscore.kernels.reference"}
+IMPLEMENTATIONS = {
+    "reference": "prefixscore.kernels.reference",
+    "xla": "prefixscore.kernels.xla",
+    "pallas_tpu": "prefixscore.kernels.pallas_tpu",
+    "pallas_gpu": "prefixscore.kernels.gpu",
+}
 # backend -> default implementation name
-DEFAULTS = {"cpu": "xla", "gpu": "xla", "cuda": "xla", "tpu": "xla"}
+DEFAULTS = {"cpu": "xla", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "xla", "tpu": "pallas_tpu"}
 ENV_OVERRIDE = "PREFIXSCORE_ATTENTION"
 
 
@@ -32,8 +47,7 @@ def resolve(name: str | None = None, backend: str | None = None) -> str:
 
 def get(name: str) -> ModuleType:
     """The module implementing `name` (imported lazily: GPU/TPU kernels import their backends)."""
-    if name in ("reference", "xla"):
+    if name == "reference":
         return reference
-    import importlib
 
     return importlib.import_module(IMPLEMENTATIONS[name])

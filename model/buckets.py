@@ -3,7 +3,7 @@
 The engine compiles two kinds of device call (model/engine.py):
 
 - prefill, one per `prefix` bucket: the query runs in chunks of `prefill_chunk`
-  tokens into a KV buffer of the bucket's length; the chunk loop runs only as
+  tokens (or one chunk of a shorter bucket) into a KV buffer of the bucket's length; the chunk loop runs only as
   many chunks as the query has, so a coarse bucket costs memory, not time;
 - items, one per (`tokens`, `prefix`, `labels`) combination: items (or whole
   sequences) packed back to back, unpadded, into a stream of `tokens` tokens per
@@ -44,14 +44,14 @@ def _round_up(n: int, multiple: int) -> int:
 class Buckets:
     """Padded sizes for every axis of a device call.
 
-    prefix: prefix KV lengths (multiples of prefill_chunk); prefix[-1] is the longest
+    prefix: prefix KV lengths (multiples of prefill_chunk, or shorter); prefix[-1] is the longest
       query, and the longest item_first sequence.
     item, batch: the service batcher's grouping (item lengths; items per batch);
       item[-1] is the longest item.
     labels: label-id slots. max_batch_tokens: the packed stream length the engine
       fills before starting another device call (bounds activation memory).
-    tokens: packed stream lengths per device (derived when empty: powers of 4 from
-      256 to max_batch_tokens, then x4 to the longest item or sequence).
+    tokens: packed stream lengths per device (derived when empty: 256, then powers of 2
+      from 1024 to max_batch_tokens, then x4 to the longest item or sequence).
     tokens_per_row: a stream of T tokens returns T // tokens_per_row item rows.
     head_rows: rows per step of the vocabulary projection (a runtime loop).
     """
@@ -62,18 +62,18 @@ class Buckets:
     labels: tuple[int, ...] = (256,)
     max_batch_tokens: int = 8192
     tokens: tuple[int, ...] = ()
-    prefill_chunk: int = 512
+    prefill_chunk: int = 1024
     tokens_per_row: int = 4
-    head_rows: int = 128
+    head_rows: int = 256
 
     def __post_init__(self) -> None:
-        # every prefix bucket holds whole prefill chunks
-        chunk = min(self.prefill_chunk, self.prefix[0])
-        object.__setattr__(self, "prefill_chunk", chunk)
-        object.__setattr__(self, "prefix", tuple(sorted({_round_up(p, chunk) for p in self.prefix})))
+        # a prefix bucket is one prefill chunk, or holds whole chunks
+        chunk = self.prefill_chunk
+        object.__setattr__(self, "prefix", tuple(sorted({p if p <= chunk else _round_up(p, chunk) for p in self.prefix})))
         if not self.tokens:
             longest = max(self.item[-1], self.prefix[-1])
-            short = geometric(256, self.max_batch_tokens, 4, cap=self.max_batch_tokens)
+            # small requests: 256; then x2 steps, so a request's last, partial call wastes little
+            short = (256, *geometric(1024, self.max_batch_tokens, 2, cap=self.max_batch_tokens))
             long = geometric(self.max_batch_tokens, longest, 4, cap=_round_up(longest, 256))
             object.__setattr__(self, "tokens", tuple(sorted({*short, *long})))
 
@@ -82,7 +82,7 @@ class Buckets:
         """Defaults for a model with this context: few buckets, so warm-up is a few dozen compilations."""
         return cls(
             prefix=geometric(512, context, 4, cap=context),
-            item=powers_of_two(8, context),
+            item=geometric(8, context, 2, cap=context),
             batch=powers_of_two(1, max_batch),
             max_batch_tokens=max_batch_tokens,
         )
@@ -103,6 +103,10 @@ class Buckets:
     @property
     def max_labels(self) -> int:
         return self.labels[-1]
+
+    def chunk(self, prefix_bucket: int) -> int:
+        """Prefill chunk length for a prefix bucket (the bucket itself when it is shorter)."""
+        return min(self.prefill_chunk, prefix_bucket)
 
     def rows(self, tokens: int) -> int:
         """Item rows a packed stream of `tokens` tokens returns."""

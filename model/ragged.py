@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.decoder import Params, embed, label_probs, run_layers
+from prefixscore.model.decoder import Params, embed, output_weight, rms_norm, run_layers
+
+# vocabulary rows per step of the full-vocabulary log-sum-exp: a [rows, VOCAB_CHUNK]
+# float32 logits tile stays in cache instead of a [rows, vocab] matrix in memory
+VOCAB_CHUNK = 2048
+# the smallest step of the output head (see head_rows_loop)
+MIN_HEAD_ROWS = 32
 
 
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, length: jax.Array, *, chunk: int, impl: ModuleType):
@@ -50,6 +56,54 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, length: jax.Arr
 
     init = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     return jax.lax.fori_loop(0, (length + chunk - 1) // chunk, run_chunk, init)
+
+
+def vocab_logsumexp(h: jax.Array, w: jax.Array) -> jax.Array:
+    """log(sum(exp(h @ w.T))) per row without materialising the logits.
+
+    h: [rows, hidden] (normalised); w: [vocab, hidden]. Returns [rows] float32.
+    An online max/sum over VOCAB_CHUNK-row slices of w (plus one static remainder).
+    """
+    vocab = w.shape[0]
+    chunk = min(VOCAB_CHUNK, vocab)
+    full = vocab // chunk
+
+    def update(carry: tuple[jax.Array, jax.Array], wc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        m, total = carry
+        s = jnp.einsum("rh,vh->rv", h, wc, preferred_element_type=jnp.float32)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        return m_new, total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=-1)
+
+    def step(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return update(carry, jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk))
+
+    rows = h.shape[0]
+    carry = jax.lax.fori_loop(
+        0, full, step, (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    )
+    if vocab > full * chunk:
+        carry = update(carry, w[full * chunk :])
+    return carry[0] + jnp.log(carry[1])
+
+
+def label_probs(
+    params: Params,
+    cfg: ModelConfig,
+    h_last: jax.Array,
+    label_ids: jax.Array,
+    label_valid: jax.Array,
+    apply_softmax: bool,
+) -> jax.Array:
+    """decoder.label_probs, with the full-vocabulary normaliser computed in cache-sized tiles.
+
+    h_last: [rows, hidden]; label_ids, label_valid: [labels]. Returns [rows, labels] float32.
+    """
+    h = rms_norm(h_last, params["final_norm"], cfg.rms_norm_eps)
+    w = output_weight(params)
+    logits = jnp.einsum("bh,lh->bl", h, jnp.take(w, label_ids, axis=0), preferred_element_type=jnp.float32)
+    if apply_softmax:
+        return jax.nn.softmax(jnp.where(label_valid, logits, -jnp.inf), axis=-1)
+    return jnp.exp(logits - vocab_logsumexp(h, w)[:, None])
 
 
 def score_stream(
@@ -90,19 +144,50 @@ def score_stream(
     h, _ = run_layers(params, cfg, x, positions, attend, (prefix_k, prefix_v))
     h_last = jnp.take(h[0], read_at, axis=0)  # [R, hidden]
     label_valid = jnp.arange(label_ids.shape[0]) < n_labels
+    return head_rows_loop(
+        lambda hs, softmax: label_probs(params, cfg, hs, label_ids, label_valid, softmax),
+        h_last, n_items, label_ids.shape[0], apply_softmax, head_rows,
+    )
+
+
+def head_rows_loop(
+    fn, h_last: jax.Array, n_items: jax.Array, n_out: int, apply_softmax: jax.Array, head_rows: int
+) -> jax.Array:
+    """Run the output head only on the rows that hold an item.
+
+    fn(h [rows, hidden], softmax: bool) -> [rows, n_out]. Full steps of `head_rows` rows run in a
+    loop; the remainder takes one step of the smallest size in head_rows / 2^k (>= MIN_HEAD_ROWS)
+    that covers it. Each step streams the whole output matrix (the full-vocabulary projection is
+    memory-bound for few rows), so few, well-filled steps beat many exact ones. A step near the
+    end is clamped back into range (dynamic slices clamp) and recomputes a few rows identically.
+    Returns [R, n_out] float32; rows past n_items are zero or garbage.
+    """
     rows = h_last.shape[0]
-    step = min(head_rows, rows)
-    if rows % step:
-        step = rows
+    big = min(head_rows, rows)
+    sizes = [big]
+    while sizes[-1] // 2 >= MIN_HEAD_ROWS:
+        sizes.append(sizes[-1] // 2)
+    sizes = sizes[::-1]  # ascending
+
+    def run(start: jax.Array, size: int, softmax: bool, out: jax.Array) -> jax.Array:
+        hs = jax.lax.dynamic_slice_in_dim(h_last, start, size)
+        start = jnp.minimum(start, rows - size)  # where dynamic_slice clamped it
+        return jax.lax.dynamic_update_slice_in_dim(out, fn(hs, softmax), start, axis=0)
 
     def head(softmax: bool) -> jax.Array:
-        # the full-vocabulary projection only for rows that hold an item, `step` rows at a time
-        def body(i: jax.Array, out: jax.Array) -> jax.Array:
-            hs = jax.lax.dynamic_slice_in_dim(h_last, i * step, step)
-            probs = label_probs(params, cfg, hs, label_ids, label_valid, softmax)
-            return jax.lax.dynamic_update_slice_in_dim(out, probs, i * step, axis=0)
-
-        out = jnp.zeros((rows, label_ids.shape[0]), jnp.float32)
-        return jax.lax.fori_loop(0, (n_items + step - 1) // step, body, out)
+        out = jnp.zeros((rows, n_out), jnp.float32)
+        full = n_items // big
+        if rows == big:
+            # a loop over one full-size slice would be loop-invariant: XLA hoists its body out of
+            # the loop and runs it even for zero trips, so branch instead
+            out = jax.lax.cond(full > 0, lambda o: run(0, big, softmax, o), lambda o: o, out)
+        else:
+            out = jax.lax.fori_loop(0, full, lambda i, o: run(i * big, big, softmax, o), out)
+        done = full * big
+        rest = n_items - done
+        # branch 0: nothing left; branch k: one step of sizes[k - 1] rows
+        pick = jnp.where(rest == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), rest))
+        branches = [lambda o: o] + [lambda o, z=z: run(done, z, softmax, o) for z in sizes]
+        return jax.lax.switch(jnp.minimum(pick, len(sizes)), branches, out)
 
     return jax.lax.cond(apply_softmax, lambda: head(True), lambda: head(False))

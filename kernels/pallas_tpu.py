@@ -1,0 +1,392 @@
+"""Shared-prefix attention as Pallas TPU (Mosaic) kernels: the `pallas_tpu` implementation.
+
+Same functions and shapes as kernels/reference.py. Off TPU the kernels run in
+Pallas' TPU interpreter (tests use it on CPU); on a TPU they compile with Mosaic.
+
+Layout. Queries are regrouped once per call into rows per kv head,
+[kv_heads, n * group, d], ordered (token block of ITEM_BLOCK tokens, group, token):
+each kv head's query heads form one matmul operand, so grouped-query attention
+reads K/V once per kv head and never repeats them. Within a block the token of
+row r is `r & (ITEM_BLOCK - 1)` (ITEM_BLOCK is a power of two: no vector division).
+Row statistics (max, sum, LSE) are float32 and lane-replicated [rows, 128], the
+layout Mosaic keeps in vregs.
+
+Kernels:
+- `_prefix_kernel`: grid (kv head, query block, prefix block); prefix blocks at or
+  beyond `prefix_len` (a scalar-prefetch value) are neither fetched (the index map
+  repeats the last valid block, so no DMA is issued) nor computed.
+- `_ragged_kernel`: grid (kv head, query block); the stream's K/V of one kv head
+  stay in VMEM and an in-kernel loop visits only the key blocks from the block
+  where the block's first item starts (scalar-prefetch `first_block`) to the
+  diagonal. Also the prefill chunk's causal attention (one segment).
+- `_merge_kernel`: the exact LSE merge of the two parts.
+Shapes a kernel cannot tile (token counts not multiples of 128, head_dim not a
+multiple of 64, streams too large for VMEM) fall back to kernels/xla.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from prefixscore.kernels import xla
+from prefixscore.kernels.reference import MASK_VALUE
+
+__all__ = [
+    "causal_attention",
+    "item_attention",
+    "merge_attention",
+    "prefix_attention",
+    "ragged_item_attention",
+    "ragged_shared_prefix_attention",
+    "shared_prefix_attention",
+]
+
+LANES = 128
+ITEM_BLOCK = 128  # tokens per query / key block of the item part (a power of two, a lane width)
+PREFIX_BLOCK = 512  # prefix keys per grid step
+# K and V of one kv head's whole stream, double-buffered, must fit this share of VMEM
+VMEM_STREAM_BYTES = 16 << 20
+NT = (((1,), (1,)), ((), ()))  # dot_general dims for q @ k.T
+
+
+def _interpret() -> pltpu.InterpretParams | bool:
+    """Run in the TPU interpreter anywhere but on a TPU (tests on CPU)."""
+    return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+
+
+def _widen(x: jax.Array, d: int) -> jax.Array:
+    """A lane-replicated [rows, 128] statistic to [rows, d]."""
+    if d == LANES:
+        return x
+    if d < LANES:
+        return x[:, :d]
+    return jnp.tile(x, (1, d // LANES))
+
+
+def _supported(n: int, d: int) -> bool:
+    return n % ITEM_BLOCK == 0 and d % 64 == 0
+
+
+# ---- layout -----------------------------------------------------------------------
+def to_rows(x: jax.Array, kv_heads: int) -> jax.Array:
+    """[n, heads, d] -> [kv, n * g, d], rows ordered (token block, group, token)."""
+    n, heads, d = x.shape
+    g = heads // kv_heads
+    x = x.reshape(n // ITEM_BLOCK, ITEM_BLOCK, kv_heads, g, d).transpose(2, 0, 3, 1, 4)
+    return x.reshape(kv_heads, n * g, d)
+
+
+def from_rows(x: jax.Array, heads: int) -> jax.Array:
+    """Inverse of to_rows: [kv, n * g, d] -> [n, heads, d]."""
+    kv_heads, rows, d = x.shape
+    g = heads // kv_heads
+    n = rows // g
+    x = x.reshape(kv_heads, n // ITEM_BLOCK, g, ITEM_BLOCK, d).transpose(1, 3, 0, 2, 4)
+    return x.reshape(n, heads, d)
+
+
+def lse_from_rows(lse: jax.Array, heads: int) -> jax.Array:
+    """[kv, n * g, 128] lane-replicated -> [n, heads]."""
+    return from_rows(lse[..., :1], heads)[..., 0]
+
+
+# ---- prefix part --------------------------------------------------------------------
+def _prefix_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, block, scale, steps):
+    j = pl.program_id(2)
+    length = len_ref[0]
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    @pl.when(j * block < length)
+    def _step():
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]
+        s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale  # [R, block]
+        col = j * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(col < length, s, MASK_VALUE)
+        m_prev = m_sc[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 128]
+        p = jnp.exp(s - jnp.tile(m_next, (1, block // LANES)))
+        alpha = jnp.exp(m_prev - m_next)
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_sc[...] = m_next
+        pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc_sc[...] = acc_sc[...] * _widen(alpha, acc_sc.shape[1]) + pv
+
+    @pl.when(j == steps - 1)
+    def _finish():
+        total, m = l_sc[...], m_sc[...]
+        empty = total == 0.0
+        safe = jnp.where(empty, 1.0, total)
+        o_ref[...] = (acc_sc[...] / _widen(safe, acc_sc.shape[1])).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(empty, MASK_VALUE, m + jnp.log(safe))
+
+
+def prefix_rows(q_rows: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array, group: int):
+    """The prefix part on row layout. q_rows: [kv, n * g, d]; prefix_k, prefix_v: [s, kv, d].
+    Returns out [kv, n * g, d] and lse [kv, n * g, 128] float32 (lane-replicated)."""
+    kv_heads, rows, d = q_rows.shape
+    s = prefix_k.shape[0]
+    block = min(PREFIX_BLOCK, s)
+    r = group * ITEM_BLOCK
+    kt, vt = prefix_k.transpose(1, 0, 2), prefix_v.transpose(1, 0, 2)  # [kv, s, d]
+    steps = s // block
+
+    def kv_map(h, i, j, len_ref):
+        # past the prefix, repeat the last real block: Pallas skips the copy of an unchanged block
+        last = jnp.maximum((len_ref[0] + block - 1) // block - 1, 0)
+        return (h, jnp.minimum(j, last), 0)
+
+    kernel = functools.partial(_prefix_kernel, block=block, scale=d**-0.5, steps=steps)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(kv_heads, rows // r, steps),
+            in_specs=[
+                pl.BlockSpec((None, r, d), lambda h, i, j, _: (h, i, 0)),
+                pl.BlockSpec((None, block, d), kv_map),
+                pl.BlockSpec((None, block, d), kv_map),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, r, d), lambda h, i, j, _: (h, i, 0)),
+                pl.BlockSpec((None, r, LANES), lambda h, i, j, _: (h, i, 0)),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((r, LANES), jnp.float32),
+                pltpu.VMEM((r, LANES), jnp.float32),
+                pltpu.VMEM((r, d), jnp.float32),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((kv_heads, rows, d), q_rows.dtype),
+            jax.ShapeDtypeStruct((kv_heads, rows, LANES), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=_interpret(),
+    )(jnp.reshape(prefix_len, (1,)).astype(jnp.int32), q_rows, kt, vt)
+    return out, lse
+
+
+def prefix_attention(
+    q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """All item-token queries against the prefix. q: [n, heads, d]; prefix_k, prefix_v: [s, kv, d].
+    Returns out [n, heads, d] and lse [n, heads] float32."""
+    n, heads, d = q.shape
+    s, kv_heads, _ = prefix_k.shape
+    if d % 64 or s % LANES:
+        return xla.prefix_attention(q, prefix_k, prefix_v, prefix_len)
+    pad = -n % ITEM_BLOCK
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+    out, lse = prefix_rows(to_rows(qp, kv_heads), prefix_k, prefix_v, prefix_len, heads // kv_heads)
+    return from_rows(out, heads)[:n], lse_from_rows(lse, heads)[:n]
+
+
+# ---- ragged item part ----------------------------------------------------------------
+def _ragged_kernel(first_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, *, group, scale):
+    i = pl.program_id(1)
+    q = q_ref[...]  # [R, d], R = group * ITEM_BLOCK
+    rows, d = q.shape
+    q_start = jnp.tile(start_ref[...], (group, 1))  # [R, 128]: first stream index of the row's item
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, ITEM_BLOCK), 0)
+    q_pos = i * ITEM_BLOCK + (row & (ITEM_BLOCK - 1))
+
+    def step(j, carry):
+        m_prev, l_prev, acc = carry
+        at = pl.multiple_of(j * ITEM_BLOCK, ITEM_BLOCK)
+        k = k_ref[pl.ds(at, ITEM_BLOCK), :]
+        v = v_ref[pl.ds(at, ITEM_BLOCK), :]
+        s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale  # [R, 128]
+        k_pos = at + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where((k_pos >= q_start) & (k_pos <= q_pos), s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_next)
+        alpha = jnp.exp(m_prev - m_next)
+        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        acc = acc * _widen(alpha, d) + jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_next, l_next, acc
+
+    init = (
+        jnp.full((rows, LANES), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, LANES), jnp.float32),
+        jnp.zeros((rows, d), jnp.float32),
+    )
+    m, total, acc = jax.lax.fori_loop(first_ref[i], i + 1, step, init)
+    o_ref[...] = (acc / _widen(total, d)).astype(o_ref.dtype)  # total >= exp(0): every row sees itself
+    lse_ref[...] = m + jnp.log(total)
+
+
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """[n] -> the stream index where each token's (contiguous) segment starts."""
+    idx = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
+    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]])
+    return jax.lax.cummax(jnp.where(is_start, idx, 0))
+
+
+def ragged_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, group: int):
+    """The item part on row layout. q_rows: [kv, n * g, d]; k, v: [n, kv, d]; segment_ids: [n].
+    Returns out [kv, n * g, d] and lse [kv, n * g, 128] float32."""
+    kv_heads, rows, d = q_rows.shape
+    n = k.shape[0]
+    r = group * ITEM_BLOCK
+    starts = segment_starts(segment_ids)
+    first = starts[::ITEM_BLOCK] // ITEM_BLOCK  # [n / 128]: first key block each query block needs
+    start_lanes = jnp.broadcast_to(starts[:, None], (n, LANES))
+    kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [kv, n, d]
+    kernel = functools.partial(_ragged_kernel, group=group, scale=d**-0.5)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(kv_heads, n // ITEM_BLOCK),
+            in_specs=[
+                pl.BlockSpec((None, r, d), lambda h, i, _: (h, i, 0)),
+                pl.BlockSpec((ITEM_BLOCK, LANES), lambda h, i, _: (i, 0)),
+                # the whole stream of one kv head: fetched once per head, sliced in the kernel
+                pl.BlockSpec((None, n, d), lambda h, i, _: (h, 0, 0)),
+                pl.BlockSpec((None, n, d), lambda h, i, _: (h, 0, 0)),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, r, d), lambda h, i, _: (h, i, 0)),
+                pl.BlockSpec((None, r, LANES), lambda h, i, _: (h, i, 0)),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((kv_heads, rows, d), q_rows.dtype),
+            jax.ShapeDtypeStruct((kv_heads, rows, LANES), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=2 * VMEM_STREAM_BYTES
+        ),
+        interpret=_interpret(),
+    )(first.astype(jnp.int32), q_rows, start_lanes, kt, vt)
+
+
+def _fits_vmem(n: int, d: int, dtype: jnp.dtype) -> bool:
+    return 4 * n * d * jnp.dtype(dtype).itemsize <= VMEM_STREAM_BYTES  # K and V, double-buffered
+
+
+def ragged_item_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of packed items. q: [n, heads, d]; k, v: [n, kv, d]; segment_ids: [n].
+    Returns out [n, heads, d], lse [n, heads] float32. max_item_len is not needed: the
+    kernel finds each block's first item from the segment ids."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if not (_supported(n, d) and _fits_vmem(n, d, k.dtype)):
+        return xla.ragged_item_attention(q, k, v, segment_ids, max_item_len)
+    out, lse = ragged_rows(to_rows(q, kv_heads), k, v, segment_ids, heads // kv_heads)
+    return from_rows(out, heads), lse_from_rows(lse, heads)
+
+
+def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Causal attention within each row (the query prefill's chunk; padded item batches).
+    q: [b, t, heads, d]; k, v: [b, t, kv, d]. Returns out [b, t, heads, d], lse [b, t, heads]."""
+    b, t, heads, d = q.shape
+    if t % ITEM_BLOCK:
+        return xla.item_attention(q, k, v)
+    seg = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    out, lse = ragged_item_attention(
+        q.reshape(b * t, heads, d), k.reshape(b * t, -1, d), v.reshape(b * t, -1, d), seg, t
+    )
+    return out.reshape(b, t, heads, d), lse.reshape(b, t, heads)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Plain causal self-attention. q: [b, s, heads, d]; k, v: [b, s, kv, d] -> [b, s, heads, d]."""
+    return item_attention(q, k, v)[0]
+
+
+# ---- merge ---------------------------------------------------------------------------
+def _merge_kernel(oa_ref, la_ref, ob_ref, lb_ref, o_ref):
+    la, lb = la_ref[...], lb_ref[...]  # [R, 128]
+    m = jnp.maximum(la, lb)
+    wa, wb = jnp.exp(la - m), jnp.exp(lb - m)
+    d = o_ref.shape[-1]
+    merged = oa_ref[...].astype(jnp.float32) * _widen(wa, d) + ob_ref[...].astype(jnp.float32) * _widen(wb, d)
+    o_ref[...] = (merged / _widen(wa + wb, d)).astype(o_ref.dtype)
+
+
+def merge_rows(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array, block: int) -> jax.Array:
+    """Merge on row layout: out_* [kv, rows, d], lse_* [kv, rows, 128] -> [kv, rows, d]."""
+    kv_heads, rows, d = out_a.shape
+    out_spec = pl.BlockSpec((None, block, d), lambda h, i: (h, i, 0))
+    lse_spec = pl.BlockSpec((None, block, LANES), lambda h, i: (h, i, 0))
+    return pl.pallas_call(
+        _merge_kernel,
+        grid=(kv_heads, rows // block),
+        in_specs=[out_spec, lse_spec, out_spec, lse_spec],
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct(out_a.shape, out_a.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=_interpret(),
+    )(out_a, lse_a, out_b, lse_b)
+
+
+def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
+    """Exact LSE merge. out_*: [..., heads, d]; lse_*: [..., heads] float32 -> [..., heads, d]."""
+    *lead, heads, d = out_a.shape
+    rows = math.prod(lead) * heads
+    if rows % 8 or d % 64:
+        return xla.merge_attention(out_a, lse_a, out_b, lse_b)
+    flat = lambda o: o.reshape(1, rows, d)
+    lanes = lambda s: jnp.broadcast_to(s.reshape(1, rows, 1), (1, rows, LANES))
+    block = next(b for b in (512, 256, 128, 64, 32, 16, 8) if rows % b == 0)
+    out = merge_rows(flat(out_a), lanes(lse_a), flat(out_b), lanes(lse_b), block)
+    return out.reshape(out_a.shape)
+
+
+# ---- composites ------------------------------------------------------------------------
+def ragged_shared_prefix_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int,
+    prefix_k: jax.Array,
+    prefix_v: jax.Array,
+    prefix_len: jax.Array,
+) -> jax.Array:
+    """Packed items over one prefix: q [n, heads, d]; k, v [n, kv, d]; segment_ids [n];
+    prefix_k/v [s, kv, d] -> [n, heads, d]. Prefix part, item part and merge stay in row
+    layout: the queries are regrouped once and the output once."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    s = prefix_k.shape[0]
+    if not (_supported(n, d) and _fits_vmem(n, d, k.dtype) and s % LANES == 0):
+        return xla.ragged_shared_prefix_attention(q, k, v, segment_ids, max_item_len, prefix_k, prefix_v, prefix_len)
+    group = heads // kv_heads
+    q_rows = to_rows(q, kv_heads)
+    out_p, lse_p = prefix_rows(q_rows, prefix_k, prefix_v, prefix_len, group)
+    out_i, lse_i = ragged_rows(q_rows, k, v, segment_ids, group)
+    return from_rows(merge_rows(out_p, lse_p, out_i, lse_i, group * ITEM_BLOCK), heads)
+
+
+def shared_prefix_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
+) -> jax.Array:
+    """Padded item batches over one prefix. q: [b, t, heads, d]; k, v: [b, t, kv, d] -> [b, t, heads, d]."""
+    b, t, heads, d = q.shape
+    seg = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    out = ragged_shared_prefix_attention(
+        q.reshape(b * t, heads, d),
+        k.reshape(b * t, -1, d),
+        v.reshape(b * t, -1, d),
+        seg,
+        t,
+        prefix_k,
+        prefix_v,
+        prefix_len,
+    )
+    return out.reshape(b, t, heads, d)

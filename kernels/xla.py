@@ -1,0 +1,350 @@
+"""Shared-prefix attention in plain XLA, shaped for CPUs (the `xla` implementation).
+
+Same functions and shapes as kernels/reference.py. The reference materialises
+every score matrix at once ([heads, n, s] floats: hundreds of MB for a batch of
+items over a 2k-token prefix), so on a CPU it runs at memory speed. Here the
+work is tiled so the working set of one step stays in cache, and loops whose
+trip count is a runtime value skip the padding of a bucket entirely:
+
+- prefix part: query blocks (a sequential loop) x prefix chunks (an online
+  softmax over the chunks the prefix fills): cost follows the real prefix
+  length, not its padded bucket; only the last chunk is masked;
+- ragged item part: the packed token stream in blocks of `ITEM_BLOCK` tokens;
+  each block attends to itself and the blocks before it, but only as many as
+  the longest item can reach (`max_item_len`, a runtime value);
+- the merge: one fused elementwise pass.
+Row sums of the softmax come out of the PV matmul (a ones column appended to V)
+rather than a separate reduction over the probabilities.
+
+Grouped-query attention reshapes the query heads to [kv_heads, group]; K/V are
+never repeated. Softmax statistics, LSE and the merge are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from prefixscore.kernels.reference import MASK_VALUE, merge_attention
+
+__all__ = [
+    "causal_attention",
+    "item_attention",
+    "merge_attention",
+    "prefix_attention",
+    "ragged_item_attention",
+    "ragged_shared_prefix_attention",
+    "shared_prefix_attention",
+]
+
+# Tile sizes (measured on a 2-core Sapphire Rapids, docs/benchmarks.md): a [kv, Q_BLOCK * group,
+# K_CHUNK] float32 score tile is a few MB; 32-token item blocks keep the item part's
+# wasted pairs (keys of a neighbouring item) small for short items.
+Q_BLOCK = 256
+K_CHUNK = 1024
+ITEM_BLOCK = 32
+LONG_ITEM_BLOCK = 128
+# causal attention: query and key blocks of this many tokens
+CAUSAL_BLOCK = 512
+
+
+def _with_ones(v: jax.Array) -> jax.Array:
+    """Append a column of ones to values [..., d]: p @ [V, 1] yields the softmax row sums
+    with the output in the same matmul, saving a reduction pass over p."""
+    return jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
+
+
+def _online_step(
+    carry: tuple[jax.Array, jax.Array],
+    scores: jax.Array,
+    v1: jax.Array,
+    scale: float,
+    spec: str,
+) -> tuple[jax.Array, jax.Array]:
+    """One online-softmax step. carry: running max m [..., q] (of scaled scores) and
+    acc [..., q, d + 1] (output and row sum, float32); scores [..., q, c] raw q.k in float32
+    (masked entries MASK_VALUE, scale > 0 so the max of raw scores is the max of scaled ones);
+    v1: the chunk's values with a ones column."""
+    m, acc = carry
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1) * scale)
+    p = jnp.exp(scores * scale - m_new[..., None])
+    pv = jnp.einsum(spec, p.astype(v1.dtype), v1, preferred_element_type=jnp.float32)
+    return m_new, acc * jnp.exp(m - m_new)[..., None] + pv
+
+
+def _finish(m: jax.Array, acc: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Normalise acc [..., d + 1]; a row that saw no key (sum 0) gives output 0 and LSE MASK_VALUE,
+    which the merge weighs 0."""
+    total = acc[..., -1]
+    empty = total == 0.0
+    safe = jnp.where(empty, 1.0, total)
+    out = acc[..., :-1] / safe[..., None]
+    return out.astype(dtype), jnp.where(empty, MASK_VALUE, m + jnp.log(safe))
+
+
+def _pad_rows(x: jax.Array, multiple: int) -> jax.Array:
+    pad = -x.shape[0] % multiple
+    return x if pad == 0 else jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+
+
+# ---- row layout: [kv, n * group, d], row = token * group + head-in-group ------------------------
+# Both parts and the merge work on this layout, so a call regroups its queries once and
+# its output once; blocks of tokens are contiguous rows (reshapes, not copies).
+def to_rows(x: jax.Array, kv_heads: int) -> jax.Array:
+    """[n, heads, d] -> [kv, n * g, d]."""
+    n, heads, d = x.shape
+    g = heads // kv_heads
+    return x.reshape(n, kv_heads, g, d).transpose(1, 0, 2, 3).reshape(kv_heads, n * g, d)
+
+
+def from_rows(x: jax.Array, heads: int) -> jax.Array:
+    """[kv, n * g, d] -> [n, heads, d]."""
+    kv_heads, rows, d = x.shape
+    g = heads // kv_heads
+    return x.reshape(kv_heads, rows // g, g, d).transpose(1, 0, 2, 3).reshape(rows // g, heads, d)
+
+
+def lse_from_rows(lse: jax.Array, heads: int) -> jax.Array:
+    """[kv, n * g] -> [n, heads]."""
+    return from_rows(lse[..., None], heads)[..., 0]
+
+
+def prefix_rows(
+    qr: jax.Array, kt: jax.Array, vt1: jax.Array, prefix_len: jax.Array, group: int, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """Prefix part on rows. qr: [kv, rows, d] (rows a multiple of Q_BLOCK * group); kt: [kv, s, d];
+    vt1: [kv, s, d + 1] (values and a ones column). Returns out [kv, rows, d] and lse [kv, rows],
+    float32. A loop over query blocks (written in place) x a loop over the prefix chunks."""
+    kv_heads, rows, d = qr.shape
+    s = kt.shape[1]
+    r = Q_BLOCK * group
+    scale = d**-0.5
+    full = prefix_len // chunk
+
+    def step(qblk: jax.Array, i: jax.Array, carry: tuple[jax.Array, jax.Array], masked: bool):
+        at = jnp.minimum(i * chunk, s - chunk)  # a tail step past a full bucket re-reads the last chunk...
+        kc = jax.lax.dynamic_slice_in_dim(kt, at, chunk, axis=1)
+        vc = jax.lax.dynamic_slice_in_dim(vt1, at, chunk, axis=1)
+        sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
+        if masked:  # ...with every key masked (col < i * chunk)
+            col = at + jnp.arange(chunk)
+            sc = jnp.where((col >= i * chunk) & (col < prefix_len), sc, MASK_VALUE)
+        return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
+
+    def block(b: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        qblk = jax.lax.dynamic_slice_in_dim(qr, b * r, r, axis=1)
+        init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
+        carry = jax.lax.fori_loop(0, full, lambda i, c: step(qblk, i, c, False), init)
+        # the masked remainder, when there is one (a prefill chunk's prefix has none)
+        carry = jax.lax.cond(prefix_len > full * chunk, lambda c: step(qblk, full, c, True), lambda c: c, carry)
+        out, lse = _finish(*carry, jnp.float32)
+        return (
+            jax.lax.dynamic_update_slice_in_dim(outs[0], out, b * r, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(outs[1], lse, b * r, axis=1),
+        )
+
+    init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.zeros((kv_heads, rows), jnp.float32))
+    return jax.lax.fori_loop(0, rows // r, block, init)
+
+
+def _prefix_chunk(n: int, s: int) -> int:
+    # a prefill chunk of n queries attends to a multiple of n keys: chunks of n waste nothing
+    chunk = min(K_CHUNK, max(n, 256))
+    return chunk if s % chunk == 0 else s
+
+
+def prefix_attention(
+    q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """All item-token queries against the shared prefix, no causal mask.
+
+    q: [n, heads, d]; prefix_k, prefix_v: [s, kv_heads, d]; prefix_len: int32 scalar
+    (keys at >= prefix_len are padding). Chunks wholly inside the prefix run unmasked in
+    a loop of prefix_len // chunk steps; one masked step takes the remainder, so the
+    padding of the bucket is never computed and full chunks skip the mask pass.
+    Returns out [n, heads, d] (q.dtype) and lse [n, heads] float32.
+    """
+    n, heads, _ = q.shape
+    s, kv_heads, _ = prefix_k.shape
+    qr = to_rows(_pad_rows(q, Q_BLOCK), kv_heads)
+    kt, vt1 = prefix_k.transpose(1, 0, 2), _with_ones(prefix_v.transpose(1, 0, 2))
+    out, lse = prefix_rows(qr, kt, vt1, prefix_len, heads // kv_heads, _prefix_chunk(n, s))
+    return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
+
+
+def ragged_rows(
+    qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int, group: int
+) -> tuple[jax.Array, jax.Array]:
+    """Item part on rows. qr: [kv, n * g, d]; kt: [kv, n, d]; vt1: [kv, n, d + 1]; segment_ids: [n]
+    (n a multiple of LONG_ITEM_BLOCK). A runtime branch on max_item_len picks the work's shape:
+    - every item fits ITEM_BLOCK + 1 tokens (short items): block j attends to blocks j - 1 and j
+      in one softmax (2 * ITEM_BLOCK keys per token);
+    - otherwise blocks of LONG_ITEM_BLOCK tokens and an online softmax over blocks j - o,
+      o = 0 .. ceil((max_item_len - 1) / LONG_ITEM_BLOCK).
+    Cost: n * (max_item_len + block) score pairs, never n^2. Returns out [kv, n * g, d], lse [kv, n * g]."""
+    n = kt.shape[1]
+    short = min(ITEM_BLOCK, n)
+    return jax.lax.cond(
+        jnp.asarray(max_item_len) <= short + 1,
+        lambda: _ragged(qr, kt, vt1, segment_ids, max_item_len, group, short, two_blocks=True),
+        lambda: _ragged(qr, kt, vt1, segment_ids, max_item_len, group, min(LONG_ITEM_BLOCK, n), two_blocks=False),
+    )
+
+
+def _ragged(
+    qr: jax.Array,
+    kt: jax.Array,
+    vt1: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int,
+    g: int,
+    blk: int,
+    two_blocks: bool,
+) -> tuple[jax.Array, jax.Array]:
+    kv_heads, rows, d = qr.shape
+    n = kt.shape[1]
+    nb = n // blk
+    scale = d**-0.5
+    qx = qr.reshape(kv_heads, nb, blk * g, d)
+    kx = kt.reshape(kv_heads, nb, blk, d)
+    vx = vt1.reshape(kv_heads, nb, blk, d + 1)
+    seg = segment_ids.reshape(nb, blk)
+    pos = jnp.arange(n, dtype=jnp.int32).reshape(nb, blk)
+    q_seg = jnp.repeat(seg, g, axis=1)[None, :, :, None]  # [1, nb, blk*g, 1] (row r = token r // g)
+    q_pos = jnp.repeat(pos, g, axis=1)[None, :, :, None]
+    init = (jnp.full((kv_heads, nb, blk * g), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, nb, blk * g, d + 1)))
+
+    def scores(keys: jax.Array, k_seg: jax.Array, k_pos: jax.Array) -> jax.Array:
+        sc = jnp.einsum("kbqd,kbcd->kbqc", qx, keys, preferred_element_type=jnp.float32)
+        return jnp.where((k_seg[None, :, None, :] == q_seg) & (k_pos[None, :, None, :] <= q_pos), sc, MASK_VALUE)
+
+    if two_blocks:
+        # keys of block j: blocks j - 1 and j side by side (block -1: segment -2, masked)
+        def prev(x: jax.Array, fill: int) -> jax.Array:
+            return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
+
+        keys = jnp.concatenate([prev(kx, 0), kx], axis=2)
+        vals = jnp.concatenate([prev(vx, 0), vx], axis=2)
+        k_seg = jnp.concatenate([prev(seg[None], -2)[0], seg], axis=1)
+        k_pos = jnp.concatenate([prev(pos[None], -1)[0], pos], axis=1)
+        m, acc = _online_step(init, scores(keys, k_seg, k_pos), vals, scale, "kbqc,kbcd->kbqd")
+    else:
+        n_off = jnp.minimum((jnp.asarray(max_item_len) - 1 + blk - 1) // blk + 1, nb)
+
+        def step(o: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            # key blocks shifted by o: block j sees block j - o (wrapped blocks carry later positions: masked)
+            sc = scores(jnp.roll(kx, o, axis=1), jnp.roll(seg, o, axis=0), jnp.roll(pos, o, axis=0))
+            return _online_step(carry, sc, jnp.roll(vx, o, axis=1), scale, "kbqc,kbcd->kbqd")
+
+        m, acc = jax.lax.fori_loop(0, n_off, step, init)
+    out, lse = _finish(m, acc, jnp.float32)
+    return out.reshape(kv_heads, rows, d), lse.reshape(kv_heads, rows)
+
+
+def _ragged_inputs(k: jax.Array, v: jax.Array, segment_ids: jax.Array, multiple: int):
+    """Pad a stream to a multiple of `multiple` tokens (padding: segment -1, which sees only
+    itself) and lay out its keys and values per kv head: [kv, n, d] and [kv, n, d + 1]."""
+    k, v = _pad_rows(k, multiple), _pad_rows(v, multiple)
+    seg = jnp.pad(segment_ids, (0, k.shape[0] - segment_ids.shape[0]), constant_values=-1)
+    return k.transpose(1, 0, 2), _with_ones(v.transpose(1, 0, 2)), seg
+
+
+def ragged_item_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of items packed back to back in one stream (see reference.ragged_item_attention
+    and ragged_rows). q: [n, heads, d]; k, v: [n, kv_heads, d]; segment_ids: [n]; max_item_len:
+    int32 scalar >= every item's length. Returns out [n, heads, d] and lse [n, heads] float32."""
+    n, heads, _ = q.shape
+    kv_heads = k.shape[1]
+    kt, vt1, seg = _ragged_inputs(k, v, segment_ids, LONG_ITEM_BLOCK)
+    qr = to_rows(_pad_rows(q, LONG_ITEM_BLOCK), kv_heads)
+    out, lse = ragged_rows(qr, kt, vt1, seg, max_item_len, heads // kv_heads)
+    return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
+
+
+def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Causal attention within each row (the prefill chunk's own tokens, padded item batches).
+
+    q: [b, t, heads, d]; k, v: [b, t, kv_heads, d]. Returns out [b, t, heads, d], lse [b, t, heads] float32.
+    Query blocks of CAUSAL_BLOCK tokens; block i runs an unmasked online softmax over key
+    blocks 0 .. i - 1 (a loop of i steps) and one causally masked step on its diagonal
+    block, so only the lower triangle (at block granularity) is computed.
+    """
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    g = heads // kv_heads
+    blk = min(CAUSAL_BLOCK, t)
+    scale = d**-0.5
+    pad = -t % blk
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    nb = (t + pad) // blk
+    qx = q.reshape(b, nb, blk, kv_heads, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b * nb, kv_heads, blk * g, d)
+    kt = k.transpose(0, 2, 1, 3)  # [b, kv, t, d]
+    vt = _with_ones(v.transpose(0, 2, 1, 3))
+    q_pos = jnp.repeat(jnp.arange(blk), g)[:, None]  # row r is token r // g of its block
+
+    def block(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        qblk, index = args
+        row, i = index // nb, index % nb
+
+        def step(j: jax.Array, carry: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
+            kc = jax.lax.dynamic_slice(kt, (row, 0, j * blk, 0), (1, kv_heads, blk, d))[0]
+            vc = jax.lax.dynamic_slice(vt, (row, 0, j * blk, 0), (1, kv_heads, blk, d + 1))[0]
+            sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
+            if masked:  # the diagonal block: key c visible to row r when c <= token(r)
+                sc = jnp.where(jnp.arange(blk)[None, :] <= q_pos, sc, MASK_VALUE)
+            return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
+
+        init = (
+            jnp.full((kv_heads, blk * g), MASK_VALUE, jnp.float32),
+            jnp.zeros((kv_heads, blk * g, d + 1), jnp.float32),
+        )
+        carry = jax.lax.fori_loop(0, i, lambda j, c: step(j, c, False), init)
+        return _finish(*step(i, carry, True), q.dtype)
+
+    out, lse = jax.lax.map(block, (qx, jnp.arange(b * nb)))
+    out = out.reshape(b, nb, kv_heads, blk, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b, nb * blk, heads, d)
+    lse = lse.reshape(b, nb, kv_heads, blk, g).transpose(0, 1, 3, 2, 4).reshape(b, nb * blk, heads)
+    return out[:, :t], lse[:, :t]
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Plain causal self-attention. q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] -> [b, s, heads, d]."""
+    return item_attention(q, k, v)[0]
+
+
+def shared_prefix_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
+) -> jax.Array:
+    """Padded item batches over one prefix. q: [b, t, heads, d]; k, v: [b, t, kv, d]; prefix_k/v: [s, kv, d]."""
+    b, t, heads, d = q.shape
+    out_p, lse_p = prefix_attention(q.reshape(b * t, heads, d), prefix_k, prefix_v, prefix_len)
+    out_i, lse_i = item_attention(q, k, v)
+    return merge_attention(out_p.reshape(b, t, heads, d), lse_p.reshape(b, t, heads), out_i, lse_i)
+
+
+def ragged_shared_prefix_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int,
+    prefix_k: jax.Array,
+    prefix_v: jax.Array,
+    prefix_len: jax.Array,
+) -> jax.Array:
+    """Packed items over one prefix. q: [n, heads, d]; k, v: [n, kv, d]; segment_ids: [n] -> [n, heads, d].
+    Both parts and the merge stay in row layout and float32: one regrouping in, one out."""
+    n, heads, _ = q.shape
+    s, kv_heads, _ = prefix_k.shape
+    g = heads // kv_heads
+    multiple = max(Q_BLOCK, LONG_ITEM_BLOCK)
+    qr = to_rows(_pad_rows(q, multiple), kv_heads)
+    kt, vt1, seg = _ragged_inputs(k, v, segment_ids, multiple)
+    pkt, pvt1 = prefix_k.transpose(1, 0, 2), _with_ones(prefix_v.transpose(1, 0, 2))
+    out_p, lse_p = prefix_rows(qr, pkt, pvt1, prefix_len, g, _prefix_chunk(n, s))
+    out_i, lse_i = ragged_rows(qr, kt, vt1, seg, max_item_len, g)
+    out = merge_attention(out_p[..., None, :], lse_p[..., None], out_i[..., None, :], lse_i[..., None])[..., 0, :]
+    return from_rows(out, heads)[:n].astype(q.dtype)

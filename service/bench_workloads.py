@@ -1,0 +1,111 @@
+"""The benchmark workloads of ../shared/WORKLOADS.md as request generators (token ids).
+
+Every size is a parameter, so CI-sized smoke runs use the same code as the
+published figures. Token ids are drawn from a fixed seed: two runs send the
+same requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+# "yes" / "no" in the 151936-token Qwen vocabulary (WORKLOADS.md W1)
+QWEN_LABELS = (9454, 2753)
+QWEN_VOCAB = 151936
+W3_SUFFIX_TOKENS = 12  # "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n" after each document
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    query: list[int]
+    items: list[list[int]]
+    labels: list[int]
+    apply_softmax: bool = False
+
+    @property
+    def item_tokens(self) -> int:
+        return sum(len(it) for it in self.items)
+
+
+@dataclasses.dataclass
+class Sizes:
+    """Workload sizes (defaults: WORKLOADS.md)."""
+
+    w1_query: int = 2000
+    w1_items: int = 500
+    w1_item_tokens: int = 20
+    sequential_items: int = 10  # the sequential baseline scores this many items per request
+    w2_requests: int = 64
+    w2_concurrency: int = 16
+    w2_query: tuple[int, int] = (200, 3000)
+    w2_items: tuple[int, int] = (1, 1000)
+    w2_item_tokens: tuple[int, int] = (5, 200)
+    w2_hot_queries: int = 8
+    w2_hot_share: float = 0.3
+    w3_header: int = 60
+    w3_query: tuple[int, int] = (20, 100)
+    w3_docs: int = 100
+    w3_doc_tokens: tuple[int, int] = (50, 300)
+
+
+def label_ids(vocab: int, tokenizer: object | None = None) -> list[int]:
+    """Two label ids: "yes"/"no" where a tokenizer can say so, else the Qwen ids (mod vocab)."""
+    if vocab == QWEN_VOCAB or tokenizer is None:
+        return [t % vocab for t in QWEN_LABELS]
+    ids = [tokenizer.encode(w)[0] for w in ("yes", "no")]  # type: ignore[attr-defined]
+    return ids if ids[0] != ids[1] else [t % vocab for t in QWEN_LABELS]
+
+
+class Generator:
+    """Random token ids and log-uniform sizes from one seed."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.vocab = vocab
+        self.rng = np.random.default_rng(seed)
+
+    def tokens(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.vocab, n).tolist()
+
+    def log_uniform(self, lo: int, hi: int) -> int:
+        return int(round(math.exp(self.rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def w1(gen: Generator, sizes: Sizes, labels: list[int], cold: bool, runs: int) -> list[Request]:
+    """W1: a 2,000-token query, 500 items x 20 tokens. cold: a new query every request."""
+    query = gen.tokens(sizes.w1_query)
+    out = []
+    for _ in range(runs):
+        if cold:
+            query = gen.tokens(sizes.w1_query)
+        out.append(Request(query, [gen.tokens(sizes.w1_item_tokens) for _ in range(sizes.w1_items)], labels))
+    return out
+
+
+def w2(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]:
+    """W2: mixed traffic; log-uniform query, item count and item length; a share reuses hot queries."""
+    hot = [gen.tokens(gen.log_uniform(*sizes.w2_query)) for _ in range(sizes.w2_hot_queries)]
+    out = []
+    for _ in range(n):
+        if gen.rng.random() < sizes.w2_hot_share:
+            query = hot[int(gen.rng.integers(0, len(hot)))]
+        else:
+            query = gen.tokens(gen.log_uniform(*sizes.w2_query))
+        items = [gen.tokens(gen.log_uniform(*sizes.w2_item_tokens)) for _ in range(gen.log_uniform(*sizes.w2_items))]
+        out.append(Request(query, items, labels))
+    return out
+
+
+def w3(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]:
+    """W3: reranker prompt; a fixed header shared by all, a new query per request, documents
+    (plus the prompt's fixed suffix) as items, apply_softmax over yes/no."""
+    header = gen.tokens(sizes.w3_header)
+    suffix = gen.tokens(W3_SUFFIX_TOKENS)
+    out = []
+    for _ in range(n):
+        query = header + gen.tokens(gen.log_uniform(*sizes.w3_query))
+        docs = [gen.tokens(gen.log_uniform(*sizes.w3_doc_tokens)) + suffix for _ in range(sizes.w3_docs)]
+        out.append(Request(query, docs, labels, apply_softmax=True))
+    return out
