@@ -9,9 +9,9 @@ trip count is a runtime value skip the padding of a bucket entirely:
 - prefix part: query blocks (a sequential loop) x prefix chunks (an online
   softmax over the chunks the prefix fills): cost follows the real prefix
   length, not its padded bucket; only the last chunk is masked;
-- ragged item part: the packed token stream in blocks of `ITEM_BLOCK` tokens;
-  each block attends to itself and the blocks before it, but only as many as
-  the longest item can reach (`max_item_len`, a runtime value);
+- ragged item part: short items (the common case) in one masked softmax over
+  two 32-token blocks; longer ones per query block over the key blocks from
+  where its first item starts to the diagonal (a runtime trip count);
 - the merge: one fused elementwise pass.
 Row sums of the softmax come out of the PV matmul (a ones column appended to V)
 rather than a separate reduction over the probabilities.
@@ -21,6 +21,8 @@ never repeated. Softmax statistics, LSE and the merge are float32.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,11 +66,13 @@ def _online_step(
     """One online-softmax step. carry: running max m [..., q] (of scaled scores) and
     acc [..., q, d + 1] (output and row sum, float32); scores [..., q, c] raw q.k in float32
     (masked entries MASK_VALUE, scale > 0 so the max of raw scores is the max of scaled ones);
-    v1: the chunk's values with a ones column."""
+    v1: the chunk's values with a ones column. The probabilities stay float32 in the PV product
+    (a no-op for float32 models; for bfloat16 ones, rounding them to bf16 there moves a real
+    model's scores by ~3e-2, more than all other bf16 rounding together)."""
     m, acc = carry
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1) * scale)
     p = jnp.exp(scores * scale - m_new[..., None])
-    pv = jnp.einsum(spec, p.astype(v1.dtype), v1, preferred_element_type=jnp.float32)
+    pv = jnp.einsum(spec, p, v1.astype(jnp.float32), preferred_element_type=jnp.float32)
     return m_new, acc * jnp.exp(m - m_new)[..., None] + pv
 
 
@@ -147,6 +151,43 @@ def prefix_rows(
     return jax.lax.fori_loop(0, rows // r, block, init)
 
 
+def dense_masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: Callable[[jax.Array, jax.Array], jax.Array]
+) -> jax.Array:
+    """Every query against every key under a mask, tiled like the prefix part (no block skipped).
+
+    q: [n, heads, d]; k, v: [n, kv_heads, d] (n a multiple of Q_BLOCK); visible(q_idx [r],
+    k_idx [c]) -> bool [r, c]. Returns [n, heads, d]. Serves the `packed` baseline: dense
+    O(n^2) work as packing implies, at the same tiling efficiency as the fast path.
+    """
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    g = heads // kv_heads
+    r, chunk = Q_BLOCK * g, min(K_CHUNK, n)
+    scale = d**-0.5
+    qr = to_rows(q, kv_heads)
+    kt, vt1 = k.transpose(1, 0, 2), _with_ones(v.transpose(1, 0, 2))
+    token = jnp.repeat(jnp.arange(Q_BLOCK), g)  # row -> token within its block
+
+    def block(b: jax.Array, out: jax.Array) -> jax.Array:
+        qblk = jax.lax.dynamic_slice_in_dim(qr, b * r, r, axis=1)
+        q_idx = b * Q_BLOCK + token
+
+        def step(j: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            kc = jax.lax.dynamic_slice_in_dim(kt, j * chunk, chunk, axis=1)
+            vc = jax.lax.dynamic_slice_in_dim(vt1, j * chunk, chunk, axis=1)
+            sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
+            sc = jnp.where(visible(q_idx, j * chunk + jnp.arange(chunk))[None], sc, MASK_VALUE)
+            return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
+
+        init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
+        res, _ = _finish(*jax.lax.fori_loop(0, n // chunk, step, init), jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(out, res, b * r, axis=1)
+
+    out = jax.lax.fori_loop(0, n // Q_BLOCK, block, jnp.zeros((kv_heads, n * g, d), jnp.float32))
+    return from_rows(out, heads).astype(q.dtype)
+
+
 def _prefix_chunk(n: int, s: int) -> int:
     # a prefill chunk of n queries attends to a multiple of n keys: chunks of n waste nothing
     chunk = min(K_CHUNK, max(n, 256))
@@ -179,32 +220,26 @@ def ragged_rows(
     (n a multiple of LONG_ITEM_BLOCK). A runtime branch on max_item_len picks the work's shape:
     - every item fits ITEM_BLOCK + 1 tokens (short items): block j attends to blocks j - 1 and j
       in one softmax (2 * ITEM_BLOCK keys per token);
-    - otherwise blocks of LONG_ITEM_BLOCK tokens and an online softmax over blocks j - o,
-      o = 0 .. ceil((max_item_len - 1) / LONG_ITEM_BLOCK).
-    Cost: n * (max_item_len + block) score pairs, never n^2. Returns out [kv, n * g, d], lse [kv, n * g]."""
+    - otherwise query blocks of LONG_ITEM_BLOCK tokens, each looping over the key blocks from
+      the one where its first item starts to the diagonal (a per-block runtime trip count):
+      a long item costs its causal triangle at block granularity, never the whole stream.
+    Returns out [kv, n * g, d], lse [kv, n * g] (float32)."""
     n = kt.shape[1]
     short = min(ITEM_BLOCK, n)
     return jax.lax.cond(
         jnp.asarray(max_item_len) <= short + 1,
-        lambda: _ragged(qr, kt, vt1, segment_ids, max_item_len, group, short, two_blocks=True),
-        lambda: _ragged(qr, kt, vt1, segment_ids, max_item_len, group, min(LONG_ITEM_BLOCK, n), two_blocks=False),
+        lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short),
+        lambda: _item_blocks(qr, kt, vt1, segment_ids, group, min(LONG_ITEM_BLOCK, n)),
     )
 
 
-def _ragged(
-    qr: jax.Array,
-    kt: jax.Array,
-    vt1: jax.Array,
-    segment_ids: jax.Array,
-    max_item_len: jax.Array | int,
-    g: int,
-    blk: int,
-    two_blocks: bool,
+def _two_blocks(
+    qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, g: int, blk: int
 ) -> tuple[jax.Array, jax.Array]:
+    """Short items: keys of block j are blocks j - 1 and j side by side, one masked softmax."""
     kv_heads, rows, d = qr.shape
     n = kt.shape[1]
     nb = n // blk
-    scale = d**-0.5
     qx = qr.reshape(kv_heads, nb, blk * g, d)
     kx = kt.reshape(kv_heads, nb, blk, d)
     vx = vt1.reshape(kv_heads, nb, blk, d + 1)
@@ -212,33 +247,63 @@ def _ragged(
     pos = jnp.arange(n, dtype=jnp.int32).reshape(nb, blk)
     q_seg = jnp.repeat(seg, g, axis=1)[None, :, :, None]  # [1, nb, blk*g, 1] (row r = token r // g)
     q_pos = jnp.repeat(pos, g, axis=1)[None, :, :, None]
+
+    def prev(x: jax.Array, fill: int) -> jax.Array:  # block j-1 at j (block -1: `fill`, masked)
+        return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
+
+    keys = jnp.concatenate([prev(kx, 0), kx], axis=2)
+    vals = jnp.concatenate([prev(vx, 0), vx], axis=2)
+    k_seg = jnp.concatenate([prev(seg[None], -2)[0], seg], axis=1)[None, :, None, :]
+    k_pos = jnp.concatenate([prev(pos[None], -1)[0], pos], axis=1)[None, :, None, :]
+    sc = jnp.einsum("kbqd,kbcd->kbqc", qx, keys, preferred_element_type=jnp.float32)
+    sc = jnp.where((k_seg == q_seg) & (k_pos <= q_pos), sc, MASK_VALUE)
     init = (jnp.full((kv_heads, nb, blk * g), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, nb, blk * g, d + 1)))
-
-    def scores(keys: jax.Array, k_seg: jax.Array, k_pos: jax.Array) -> jax.Array:
-        sc = jnp.einsum("kbqd,kbcd->kbqc", qx, keys, preferred_element_type=jnp.float32)
-        return jnp.where((k_seg[None, :, None, :] == q_seg) & (k_pos[None, :, None, :] <= q_pos), sc, MASK_VALUE)
-
-    if two_blocks:
-        # keys of block j: blocks j - 1 and j side by side (block -1: segment -2, masked)
-        def prev(x: jax.Array, fill: int) -> jax.Array:
-            return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
-
-        keys = jnp.concatenate([prev(kx, 0), kx], axis=2)
-        vals = jnp.concatenate([prev(vx, 0), vx], axis=2)
-        k_seg = jnp.concatenate([prev(seg[None], -2)[0], seg], axis=1)
-        k_pos = jnp.concatenate([prev(pos[None], -1)[0], pos], axis=1)
-        m, acc = _online_step(init, scores(keys, k_seg, k_pos), vals, scale, "kbqc,kbcd->kbqd")
-    else:
-        n_off = jnp.minimum((jnp.asarray(max_item_len) - 1 + blk - 1) // blk + 1, nb)
-
-        def step(o: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            # key blocks shifted by o: block j sees block j - o (wrapped blocks carry later positions: masked)
-            sc = scores(jnp.roll(kx, o, axis=1), jnp.roll(seg, o, axis=0), jnp.roll(pos, o, axis=0))
-            return _online_step(carry, sc, jnp.roll(vx, o, axis=1), scale, "kbqc,kbcd->kbqd")
-
-        m, acc = jax.lax.fori_loop(0, n_off, step, init)
-    out, lse = _finish(m, acc, jnp.float32)
+    out, lse = _finish(*_online_step(init, sc, vals, d**-0.5, "kbqc,kbcd->kbqd"), jnp.float32)
     return out.reshape(kv_heads, rows, d), lse.reshape(kv_heads, rows)
+
+
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """[n] -> the stream index where each token's (contiguous) segment starts."""
+    idx = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
+    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]])
+    return jax.lax.cummax(jnp.where(is_start, idx, 0))
+
+
+def _item_blocks(
+    qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, g: int, blk: int
+) -> tuple[jax.Array, jax.Array]:
+    """Longer items: query block b visits key blocks first(b) .. b, where first(b) holds the start
+    of the block's first item; masked by segment and causality. Written in place per block."""
+    kv_heads, rows, d = qr.shape
+    n = kt.shape[1]
+    r = blk * g
+    scale = d**-0.5
+    first = segment_starts(segment_ids)[::blk] // blk  # [n / blk]
+    token = jnp.repeat(jnp.arange(blk, dtype=jnp.int32), g)  # row -> token within its block
+
+    def block(b: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        qblk = jax.lax.dynamic_slice_in_dim(qr, b * r, r, axis=1)
+        q_pos = b * blk + token
+        q_seg = jnp.take(segment_ids, q_pos)[:, None]
+
+        def step(j: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            kc = jax.lax.dynamic_slice_in_dim(kt, j * blk, blk, axis=1)
+            vc = jax.lax.dynamic_slice_in_dim(vt1, j * blk, blk, axis=1)
+            k_pos = j * blk + jnp.arange(blk, dtype=jnp.int32)
+            k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, j * blk, blk)[None, :]
+            sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
+            sc = jnp.where(((k_seg == q_seg) & (k_pos[None, :] <= q_pos[:, None]))[None], sc, MASK_VALUE)
+            return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
+
+        init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
+        out, lse = _finish(*jax.lax.fori_loop(first[b], b + 1, step, init), jnp.float32)
+        return (
+            jax.lax.dynamic_update_slice_in_dim(outs[0], out, b * r, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(outs[1], lse, b * r, axis=1),
+        )
+
+    init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.zeros((kv_heads, rows), jnp.float32))
+    return jax.lax.fori_loop(0, n // blk, block, init)
 
 
 def _ragged_inputs(k: jax.Array, v: jax.Array, segment_ids: jax.Array, multiple: int):

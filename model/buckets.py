@@ -69,7 +69,8 @@ class Buckets:
     def __post_init__(self) -> None:
         # a prefix bucket is one prefill chunk, or holds whole chunks
         chunk = self.prefill_chunk
-        object.__setattr__(self, "prefix", tuple(sorted({p if p <= chunk else _round_up(p, chunk) for p in self.prefix})))
+        prefix = {p if p <= chunk else _round_up(p, chunk) for p in self.prefix}
+        object.__setattr__(self, "prefix", tuple(sorted(prefix)))
         if not self.tokens:
             longest = max(self.item[-1], self.prefix[-1])
             # small requests: 256; then x2 steps, so a request's last, partial call wastes little

@@ -322,7 +322,7 @@ class ScoringEngine:
     # ---- items over a prefix ------------------------------------------------
     def _stream_for(self, lengths: Sequence[int]) -> tuple[int, list[list[int]]]:
         """The smallest stream bucket whose device streams hold these items, and the cut."""
-        longest = max(lengths)
+        longest = max(lengths, default=1)
         for t in self.buckets.tokens:
             if t >= longest:
                 cut = split_streams(lengths, self.n_devices, t, self.buckets.rows(t))

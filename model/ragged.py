@@ -92,18 +92,21 @@ def label_probs(
     h_last: jax.Array,
     label_ids: jax.Array,
     label_valid: jax.Array,
-    apply_softmax: bool,
+    apply_softmax: jax.Array | bool,
 ) -> jax.Array:
-    """decoder.label_probs, with the full-vocabulary normaliser computed in cache-sized tiles.
+    """decoder.label_probs, with the full-vocabulary normaliser computed in cache-sized tiles,
+    and apply_softmax a runtime flag (one executable serves both; only the needed head runs).
 
     h_last: [rows, hidden]; label_ids, label_valid: [labels]. Returns [rows, labels] float32.
     """
     h = rms_norm(h_last, params["final_norm"], cfg.rms_norm_eps)
     w = output_weight(params)
     logits = jnp.einsum("bh,lh->bl", h, jnp.take(w, label_ids, axis=0), preferred_element_type=jnp.float32)
-    if apply_softmax:
-        return jax.nn.softmax(jnp.where(label_valid, logits, -jnp.inf), axis=-1)
-    return jnp.exp(logits - vocab_logsumexp(h, w)[:, None])
+    return jax.lax.cond(
+        apply_softmax,
+        lambda: jax.nn.softmax(jnp.where(label_valid, logits, -jnp.inf), axis=-1),
+        lambda: jnp.exp(logits - vocab_logsumexp(h, w)[:, None]),
+    )
 
 
 def score_stream(
@@ -144,23 +147,19 @@ def score_stream(
     h, _ = run_layers(params, cfg, x, positions, attend, (prefix_k, prefix_v))
     h_last = jnp.take(h[0], read_at, axis=0)  # [R, hidden]
     label_valid = jnp.arange(label_ids.shape[0]) < n_labels
-    return head_rows_loop(
-        lambda hs, softmax: label_probs(params, cfg, hs, label_ids, label_valid, softmax),
-        h_last, n_items, label_ids.shape[0], apply_softmax, head_rows,
-    )
+    head = lambda hs: label_probs(params, cfg, hs, label_ids, label_valid, apply_softmax)
+    return head_rows_loop(head, h_last, n_items, head_rows)
 
 
-def head_rows_loop(
-    fn, h_last: jax.Array, n_items: jax.Array, n_out: int, apply_softmax: jax.Array, head_rows: int
-) -> jax.Array:
+def head_rows_loop(fn, h_last: jax.Array, n_items: jax.Array, head_rows: int = 256) -> jax.Array:
     """Run the output head only on the rows that hold an item.
 
-    fn(h [rows, hidden], softmax: bool) -> [rows, n_out]. Full steps of `head_rows` rows run in a
-    loop; the remainder takes one step of the smallest size in head_rows / 2^k (>= MIN_HEAD_ROWS)
-    that covers it. Each step streams the whole output matrix (the full-vocabulary projection is
+    fn(h [rows, hidden]) -> [rows, out]. Full steps of `head_rows` rows run in a loop; the
+    remainder takes one step of the smallest size in head_rows / 2^k (>= MIN_HEAD_ROWS) that
+    covers it. Each step streams the whole output matrix (the full-vocabulary projection is
     memory-bound for few rows), so few, well-filled steps beat many exact ones. A step near the
     end is clamped back into range (dynamic slices clamp) and recomputes a few rows identically.
-    Returns [R, n_out] float32; rows past n_items are zero or garbage.
+    Returns [R, out] float32; rows past n_items are zero or garbage.
     """
     rows = h_last.shape[0]
     big = min(head_rows, rows)
@@ -168,26 +167,24 @@ def head_rows_loop(
     while sizes[-1] // 2 >= MIN_HEAD_ROWS:
         sizes.append(sizes[-1] // 2)
     sizes = sizes[::-1]  # ascending
+    n_out = jax.eval_shape(fn, jax.ShapeDtypeStruct((big, h_last.shape[1]), h_last.dtype)).shape[1]
 
-    def run(start: jax.Array, size: int, softmax: bool, out: jax.Array) -> jax.Array:
+    def run(start: jax.Array, size: int, out: jax.Array) -> jax.Array:
         hs = jax.lax.dynamic_slice_in_dim(h_last, start, size)
         start = jnp.minimum(start, rows - size)  # where dynamic_slice clamped it
-        return jax.lax.dynamic_update_slice_in_dim(out, fn(hs, softmax), start, axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(out, fn(hs), start, axis=0)
 
-    def head(softmax: bool) -> jax.Array:
-        out = jnp.zeros((rows, n_out), jnp.float32)
-        full = n_items // big
-        if rows == big:
-            # a loop over one full-size slice would be loop-invariant: XLA hoists its body out of
-            # the loop and runs it even for zero trips, so branch instead
-            out = jax.lax.cond(full > 0, lambda o: run(0, big, softmax, o), lambda o: o, out)
-        else:
-            out = jax.lax.fori_loop(0, full, lambda i, o: run(i * big, big, softmax, o), out)
-        done = full * big
-        rest = n_items - done
-        # branch 0: nothing left; branch k: one step of sizes[k - 1] rows
-        pick = jnp.where(rest == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), rest))
-        branches = [lambda o: o] + [lambda o, z=z: run(done, z, softmax, o) for z in sizes]
-        return jax.lax.switch(jnp.minimum(pick, len(sizes)), branches, out)
-
-    return jax.lax.cond(apply_softmax, lambda: head(True), lambda: head(False))
+    out = jnp.zeros((rows, n_out), jnp.float32)
+    full = n_items // big
+    if rows == big:
+        # a loop over one full-size slice would be loop-invariant: XLA hoists its body out of
+        # the loop and runs it even for zero trips, so branch instead
+        out = jax.lax.cond(full > 0, lambda o: run(0, big, o), lambda o: o, out)
+    else:
+        out = jax.lax.fori_loop(0, full, lambda i, o: run(i * big, big, o), out)
+    done = full * big
+    rest = n_items - done
+    # branch 0: nothing left; branch k: one step of sizes[k - 1] rows
+    pick = jnp.where(rest == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), rest))
+    branches = [lambda o: o] + [lambda o, z=z: run(done, z, o) for z in sizes]
+    return jax.lax.switch(jnp.minimum(pick, len(sizes)), branches, out)

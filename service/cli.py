@@ -110,7 +110,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "--prefix-buckets",
         type=_sizes,
         default=_env("PREFIX_BUCKETS", None, _sizes),
-        help="query lengths to compile, e.g. 64,128,256 (default: powers of two to the context) "
+        help="query lengths to compile, e.g. 64,128,256 (default: x4 steps from 512 to the context) "
         "[$PREFIXSCORE_PREFIX_BUCKETS]",
     )
     p.add_argument(

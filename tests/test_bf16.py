@@ -21,26 +21,20 @@ def engines(loaded_f32, loaded_bf16) -> tuple[ScoringEngine, ScoringEngine]:
     )
 
 
-def compare(f32: ScoringEngine, bf16: ScoringEngine, vocab: int, labels: list[int]) -> dict[str, float]:
-    rng = np.random.default_rng(0)
-    query = rng.integers(0, vocab, 200).tolist()
-    items = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(1, 60, 40)]
+def compare(f32: ScoringEngine, bf16: ScoringEngine, query: list[int], items: list[list[int]], labels: list[int]):
+    """Largest and mean absolute score differences, per head (label softmax, full vocabulary)."""
     kv32, kv16 = f32.prefill(query), bf16.prefill(query)
     assert kv16.keys.dtype == jnp.bfloat16 and kv32.keys.dtype == jnp.float32
     out = {}
-    for softmax in (True, False):
+    for softmax, name in ((True, "label_softmax"), (False, "vocab")):
         a = f32.score_items(kv32, items, labels, softmax)
         b = bf16.score_items(kv16, items, labels, softmax)
         assert b.dtype == np.float32
-        if softmax:
-            out["label_softmax_abs"] = float(np.abs(a - b).max())
-            out["label_softmax_mean"] = float(np.abs(a - b).mean())
-        else:  # full-vocabulary probabilities are small; compare them relative to their size
-            out["vocab_prob_rel"] = float((np.abs(a - b) / a).max())
+        out[f"{name}_max"] = float(np.abs(a - b).max())
+        out[f"{name}_mean"] = float(np.abs(a - b).mean())
     seqs = [query[:50] + it for it in items[:10]]
-    out["item_first_abs"] = float(
-        np.abs(f32.score_sequences(seqs, labels, True) - bf16.score_sequences(seqs, labels, True)).max()
-    )
+    diff = f32.score_sequences(seqs, labels, True) - bf16.score_sequences(seqs, labels, True)
+    out["item_first_max"] = float(np.abs(diff).max())
     return out
 
 
@@ -50,29 +44,32 @@ def test_bf16_matches_float32_tiny_random() -> None:
     from prefixscore.model.weights import random_params
 
     cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
+        family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=True, max_position_embeddings=1024,
     )
     m32 = LoadedModel("t", cfg, random_params(cfg, 0, jnp.float32), None, "float32")
     m16 = LoadedModel("t", cfg, random_params(cfg, 0, jnp.bfloat16), None, "bfloat16")
-    errors = compare(*engines(m32, m16), cfg.vocab_size, [3, 17, 400])
+    rng = np.random.default_rng(0)
+    query = rng.integers(0, cfg.vocab_size, 200).tolist()
+    items = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 60, 40)]
+    errors = compare(*engines(m32, m16), query, items, [3, 17, 400])
     assert max(errors.values()) < TOL, errors
 
 
+FACTS = [
+    "Paris is the capital of France.", "Bananas are yellow.", "The Loire is the longest river in France.",
+    "Two plus two is four.", "Mont Blanc lies on the border of France and Italy.", "The Pacific is an ocean.",
+    "Lyon is a city in France.", "Cats sleep a lot.", "Brittany is a region in the west of France.",
+    "Python is a programming language.", "The Seine flows through Paris.", "Tokyo is in Japan.",
+    "Marseille is a port on the Mediterranean.", "Water boils at 100 degrees.", "Bach wrote fugues.",
+]
+
+
 def test_bf16_matches_float32_real_weights() -> None:
-    """SmolLM2-135M's real weights, where bf16 rounding shows: scores within 2e-2 on average
-    and 4e-2 at worst. For scale: on these inputs transformers' own bfloat16 model differs
-    from its float32 one by 0.0085 on average and 0.038 at worst (ours: 0.0067, 0.029);
-    bfloat16 weights alone, evaluated in float32, account for 0.009 of the worst case."""
+    """SmolLM2-135M's real weights on a real prompt, where bf16 rounding shows. For scale: on these
+    inputs transformers' own bfloat16 model differs from its float32 one by up to 0.0155 (label
+    softmax); ours by 0.012 on the shared-prefix path (the CPU path keeps the attention's PV product
+    in float32: rounding the probabilities to bf16 there alone costs ~0.03)."""
     pytest.importorskip("gguf")
     from prefixscore.model.loader import load_model
 
@@ -80,6 +77,15 @@ def test_bf16_matches_float32_real_weights() -> None:
         m32, m16 = load_model("smollm2-135m", "float32"), load_model("smollm2-135m", "bfloat16")
     except FileNotFoundError as err:
         pytest.skip(str(err))
-    errors = compare(*engines(m32, m16), m32.cfg.vocab_size, [28, 314, 5000])
-    assert errors["label_softmax_mean"] < TOL, errors
-    assert errors["label_softmax_abs"] < 2 * TOL and errors["item_first_abs"] < 2 * TOL, errors
+    tok = m32.tokenizer
+    query = tok.encode(
+        "You are a careful assistant. Decide whether each statement below is about the geography of France. "
+        "Answer yes or no.\nStatement:"
+    )
+    items = [tok.encode(f" {fact}\nAnswer:") for fact in FACTS]
+    labels = [tok.encode(" yes")[0], tok.encode(" no")[0]]
+    errors = compare(*engines(m32, m16), query, items, labels)
+    # the shared-prefix path (what the service serves) within 2e-2 everywhere
+    assert max(v for k, v in errors.items() if not k.startswith("item_first")) < TOL, errors
+    # whole sequences (item_first) round differently; transformers' own bf16 model shows 0.0155
+    assert errors["item_first_max"] < 1.5 * TOL, errors

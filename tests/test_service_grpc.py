@@ -450,7 +450,10 @@ def test_metrics_after_traffic(server, client, tiny_scorer):
     assert after["prefixscore_queue_depth"] == 0 and after["prefixscore_open_streams"] == 0
     assert after["prefixscore_inflight_requests"] == 0
     assert after["prefixscore_prefix_cache_entries"] >= 1 and after["prefixscore_prefix_cache_bytes"] > 0
-    assert after["prefixscore_compilations_total"] > 0 and after["prefixscore_compile_seconds_total"] > 0
+    # compilations since this server started: 0 when the shared engine was already warm
+    # (steady state compiling nothing is proven in tests/test_compile.py); seconds follow the count
+    compiled = after["prefixscore_compilations_total"]
+    assert compiled >= 0 and (after["prefixscore_compile_seconds_total"] > 0) == (compiled > 0)
     info = "prefixscore_model_info{devices=cpu:0,dtype=float32,family=qwen3,model=tiny-qwen3}"
     assert after[info] == 1
 
