@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from prefixscore.kernels import xla
+from prefixscore.kernels.padded import padded_from_ragged
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = [
@@ -234,16 +235,4 @@ def shared_prefix_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
 ) -> jax.Array:
     """Padded item batches over one prefix. q: [b, t, heads, d]; k, v: [b, t, kv, d] -> [b, t, heads, d]."""
-    b, t, heads, d = q.shape
-    seg = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-    out = ragged_shared_prefix_attention(
-        q.reshape(b * t, heads, d),
-        k.reshape(b * t, -1, d),
-        v.reshape(b * t, -1, d),
-        seg,
-        t,
-        prefix_k,
-        prefix_v,
-        prefix_len,
-    )
-    return out.reshape(b, t, heads, d)
+    return padded_from_ragged(ragged_shared_prefix_attention, q, k, v, prefix_k, prefix_v, prefix_len)
