@@ -7,11 +7,11 @@ import os
 
 import jax
 
-ENV = "PREFIXSCORE_COMPILE_CACHE"
+ENV = "PREFIXSCORE_COMPILE_CACHE_DIR"
 
 
 def enable(path: str | os.PathLike[str] | None = None) -> str | None:
-    """Point jax's `jax_compilation_cache_dir` at `path` (or $PREFIXSCORE_COMPILE_CACHE).
+    """Point jax's `jax_compilation_cache_dir` at `path` (or $PREFIXSCORE_COMPILE_CACHE_DIR).
 
     Returns the directory in use, or None when neither is set (the cache stays as jax
     was configured). Every executable is cached, however fast it compiled: the

@@ -115,7 +115,7 @@ def test_persistent_cache_makes_restart_compile_nothing(tmp_path) -> None:
         print(json.dumps(eng.warmup()))
         """
     )
-    env = {**os.environ, "PREFIXSCORE_COMPILE_CACHE": str(tmp_path / "xla")}
+    env = {**os.environ, "PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp_path / "xla")}
     runs = [
         json.loads(
             subprocess.run(
