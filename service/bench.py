@@ -50,7 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", default=None, help="attention implementation (default: the backend's)")
     p.add_argument("--devices", type=int, default=None, help="devices to use in process (default: all)")
     p.add_argument(
-        "--compile-cache", default=None, help="persistent XLA compilation cache directory [$PREFIXSCORE_COMPILE_CACHE_DIR]"
+        "--compile-cache",
+        default=None,
+        help="persistent XLA compilation cache directory [$PREFIXSCORE_COMPILE_CACHE_DIR]",
     )
     p.add_argument("--target", default=None, help="host:port of a running server: every workload over gRPC")
     p.add_argument(
