@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from prefixscore.kernels import xla
-from prefixscore.kernels.padded import padded_from_ragged
+from prefixscore.kernels.padded import padded_from_ragged, padded_items_from_ragged
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = [
@@ -202,12 +202,7 @@ def ragged_item_attention(
 def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Causal attention within each row (the prefill chunk; padded item batches), via the ragged
     kernel with one segment per row. q: [b, t, heads, d]; k, v: [b, t, kv, d]."""
-    b, t, heads, d = q.shape
-    seg = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-    out, lse = ragged_item_attention(
-        q.reshape(b * t, heads, d), k.reshape(b * t, -1, d), v.reshape(b * t, -1, d), seg, t
-    )
-    return out.reshape(b, t, heads, d), lse.reshape(b, t, heads)
+    return padded_items_from_ragged(ragged_item_attention, q, k, v)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

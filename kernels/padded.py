@@ -35,3 +35,16 @@ def padded_from_ragged(
         prefix_len,
     )
     return out.reshape(b, t, heads, d)
+
+
+def padded_items_from_ragged(
+    ragged_item_fn: Callable[..., tuple[jax.Array, jax.Array]], q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention within each row through a packed per-segment kernel.
+
+    q: [b, t, heads, d]; k, v: [b, t, kv, d] -> out [b, t, heads, d], lse [b, t, heads] float32.
+    """
+    b, t, heads, d = q.shape
+    seg = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    out, lse = ragged_item_fn(q.reshape(b * t, heads, d), k.reshape(b * t, -1, d), v.reshape(b * t, -1, d), seg, t)
+    return out.reshape(b, t, heads, d), lse.reshape(b, t, heads)

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from prefixscore.kernels import xla
-from prefixscore.kernels.padded import padded_from_ragged
+from prefixscore.kernels.padded import padded_from_ragged, padded_items_from_ragged
 from prefixscore.kernels.reference import MASK_VALUE
 
 __all__ = [
@@ -294,14 +294,9 @@ def ragged_item_attention(
 def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Causal attention within each row (the query prefill's chunk; padded item batches).
     q: [b, t, heads, d]; k, v: [b, t, kv, d]. Returns out [b, t, heads, d], lse [b, t, heads]."""
-    b, t, heads, d = q.shape
-    if t % ITEM_BLOCK:
+    if q.shape[1] % ITEM_BLOCK:
         return xla.item_attention(q, k, v)
-    seg = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-    out, lse = ragged_item_attention(
-        q.reshape(b * t, heads, d), k.reshape(b * t, -1, d), v.reshape(b * t, -1, d), seg, t
-    )
-    return out.reshape(b, t, heads, d), lse.reshape(b, t, heads)
+    return padded_items_from_ragged(ragged_item_attention, q, k, v)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
