@@ -145,16 +145,3 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     q: [b, s, heads, d]; k, v: [b, s, kv_heads, d]. Returns [b, s, heads, d].
     """
     return item_attention(q, k, v)[0]
-
-
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Self-attention under an explicit boolean mask (the `packed` baseline).
-
-    q: [b, s, heads, d]; k, v: [b, s, kv_heads, d]; mask: [b, s, s] (query, key).
-    Returns [b, s, heads, d].
-    """
-    b, s, heads, d = q.shape
-    kv_heads = k.shape[2]
-    qg = q.reshape(b, s, kv_heads, heads // kv_heads, d)
-    out, _ = _attend(qg, k, v, mask[:, None, None])
-    return out.reshape(b, s, heads, d)

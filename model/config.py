@@ -59,38 +59,6 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A config.json that transformers loads into the equivalent model."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.family]
-        out: dict[str, Any] = {
-            "architectures": [arch],
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default", **dict(self.rope_scaling)},
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "torch_dtype": "float32",
-        }
-        if self.family == "llama":
-            out["attention_bias"] = self.attention_bias
-            out["mlp_bias"] = False
-        if self.family == "qwen3":
-            out["attention_bias"] = False
-        if self.rope_scaling:
-            out["rope_parameters"]["rope_type"] = "llama3"
-        if self.bos_token_id is not None:
-            out["bos_token_id"] = self.bos_token_id
-        return out
-
 
 def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     """Build a ModelConfig from the parsed contents of a HF config.json."""

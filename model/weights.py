@@ -173,30 +173,3 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Params:
         return params
 
     return build(jax.random.key(seed))
-
-
-def params_to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
-    """The inverse of params_from_hf_tensors (float32), for saving a HF checkpoint."""
-    out = {
-        "model.embed_tokens.weight": np.asarray(params["embed"], np.float32),
-        "model.norm.weight": np.asarray(params["final_norm"], np.float32),
-    }
-    if "lm_head" in params:
-        out["lm_head.weight"] = np.asarray(params["lm_head"], np.float32)
-    for key in layer_keys(cfg):
-        name, transpose = LAYER_TENSORS[key]
-        stacked = np.asarray(params["layers"][key], np.float32)
-        for i in range(cfg.num_layers):
-            out[f"model.layers.{i}.{name}"] = np.ascontiguousarray(stacked[i].T if transpose else stacked[i])
-    return out
-
-
-def save_hf_checkpoint(cfg: ModelConfig, params: Params, model_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors that both transformers and this package load."""
-    from safetensors.numpy import save_file
-
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    save_file(params_to_hf_tensors(cfg, params), str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-    return model_dir
