@@ -17,8 +17,11 @@ Names: reference (the oracle, dense), xla (tiled XLA, the CPU path), pallas_tpu
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import os
+from collections.abc import Iterator
 from types import ModuleType
 
 import jax
@@ -35,6 +38,35 @@ IMPLEMENTATIONS = {
 # backend -> default implementation name
 DEFAULTS = {"cpu": "xla", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "xla", "tpu": "pallas_tpu"}
 ENV_OVERRIDE = "PREFIXSCORE_ATTENTION"
+# platforms jax lowers for -> the backend family a kernel compiles for
+_FAMILY = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("prefixscore_kernel_target", default=None)
+
+
+def target_backend() -> str:
+    """The backend the kernels being traced will run on: "gpu", "tpu" or "cpu".
+
+    The process's default backend, unless `lowering_for` says otherwise. Pallas kernels
+    compile for their own backend and run in Pallas' interpreter anywhere else.
+    """
+    return _FAMILY.get(_TARGET.get() or jax.default_backend(), "cpu")
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str) -> Iterator[None]:
+    """Trace kernels for `platform` ("cuda", "tpu", ...) whatever this process runs on.
+
+    With `jax.jit(...).trace(...).lower(lowering_platforms=(platform,))` this lowers the
+    real (not interpreted) TPU and GPU kernels on a CPU-only machine: a test proves they
+    lower, and that no production shape falls back to XLA, without the hardware.
+    """
+    if platform not in _FAMILY:
+        raise ValueError(f"platform {platform!r} unknown; choose from {sorted(_FAMILY)}")
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def resolve(name: str | None = None, backend: str | None = None) -> str:

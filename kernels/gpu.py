@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from prefixscore.kernels import xla
+from prefixscore.kernels import dispatch, xla
 from prefixscore.kernels.padded import padded_from_ragged, padded_items_from_ragged
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
@@ -53,7 +53,7 @@ LOG2E = math.log2(math.e)
 
 
 def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
+    return dispatch.target_backend() != "gpu"
 
 
 def _params(d: int) -> plgpu.CompilerParams:

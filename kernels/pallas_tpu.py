@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from prefixscore.kernels import xla
+from prefixscore.kernels import dispatch, xla
 from prefixscore.kernels.padded import padded_from_ragged, padded_items_from_ragged
 from prefixscore.kernels.reference import MASK_VALUE
 
@@ -58,7 +58,7 @@ NT = (((1,), (1,)), ((), ()))  # dot_general dims for q @ k.T
 
 def _interpret() -> pltpu.InterpretParams | bool:
     """Run in the TPU interpreter anywhere but on a TPU (tests on CPU)."""
-    return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+    return False if dispatch.target_backend() == "tpu" else pltpu.InterpretParams()
 
 
 def _widen(x: jax.Array, d: int) -> jax.Array:
@@ -144,7 +144,9 @@ def prefix_rows(q_rows: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, pre
 
     def kv_map(h, i, j, len_ref):
         # past the prefix, repeat the last real block: Pallas skips the copy of an unchanged block
-        last = jnp.maximum((len_ref[0] + block - 1) // block - 1, 0)
+        # lax.div: lengths are non-negative, and `//` lowers through sign(), which Mosaic
+        # resolves against the chip it runs on
+        last = jnp.maximum(jax.lax.div(len_ref[0] + block - 1, block) - 1, 0)
         return (h, jnp.minimum(j, last), 0)
 
     kernel = functools.partial(_prefix_kernel, block=block, scale=d**-0.5, steps=steps)

@@ -10,8 +10,9 @@ Device calls (see model/buckets.py and model/ragged.py):
 
 Executables are compiled ahead of time (`warmup`, or on first use) and kept in
 a table, so steady-state traffic never compiles. With several devices the
-weights and the prefix KV are replicated and each device scores its own stream
-of items (`shard_map` over a one-axis mesh, "data").
+weights and the prefix KV are replicated, the query prefill is split along the
+sequence (each device runs a slice of every chunk) and each device scores its own
+stream of items (`shard_map` over a one-axis mesh, "data").
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ AXIS = "data"
 # the last, partial device call of a request may be up to this share padding before it
 # is split into a full smaller call plus a smaller remainder
 MAX_TAIL_PADDING = 0.25
+# a prefill chunk is split across devices only into slices at least this long (shorter
+# ones leave the matrix units idle and pay a collective per layer for little work)
+MIN_PREFILL_SLICE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +214,15 @@ class ScoringEngine:
         return self._spec((c.num_layers, bucket, c.num_kv_heads, c.head_dim), DTYPES[self.dtype], self._replicated)
 
     def _compile(self, key: tuple) -> Any:
+        return self._traced(key).lower().compile()
+
+    def lower_for(self, key: tuple, platform: str) -> jax.stages.Lowered:
+        """A bucket's device call lowered for `platform` ("cuda", "tpu") with that platform's
+        kernels, on any machine: proves the kernels lower for real hardware without it."""
+        with dispatch.lowering_for(platform):
+            return self._traced(key).lower(lowering_platforms=(platform,))
+
+    def _traced(self, key: tuple) -> jax.stages.Traced:
         params = jax.tree.map(lambda a: self._spec(a.shape, a.dtype, self._replicated), self.params)
         rep, split = P(), P(AXIS)
         if key[0] == "prefill":
@@ -233,12 +246,28 @@ class ScoringEngine:
                 self._spec((labels,), jnp.int32, self._replicated),
                 self._spec((3 + d * rows,), jnp.int32, self._replicated),
             )
-        return jax.jit(mapped).lower(*args).compile()
+        return jax.jit(mapped).trace(*args)
 
     def _prefill_fn(self, params: Params, packed: jax.Array, *, bucket: int) -> tuple[jax.Array, jax.Array]:
         """packed: [bucket + 1] int32 = token ids then the real length."""
         chunk = self.buckets.chunk(bucket)
-        return ragged.prefill(params, self.cfg, packed[:bucket], packed[bucket], chunk=chunk, impl=self._impl)
+        split = self._prefill_split(chunk)
+        return ragged.prefill(
+            params,
+            self.cfg,
+            packed[:bucket],
+            packed[bucket],
+            chunk=chunk,
+            impl=self._impl,
+            axis=AXIS if split > 1 else None,
+            devices=split,
+        )
+
+    def _prefill_split(self, chunk: int) -> int:
+        """Devices a prefill chunk is split across (sequence parallel): all of them when the
+        chunk divides into slices of at least MIN_PREFILL_SLICE tokens, else 1 (replicated)."""
+        d = self.n_devices
+        return d if d > 1 and chunk % d == 0 and chunk // d >= MIN_PREFILL_SLICE else 1
 
     def _items_fn(self, params, prefix_k, prefix_v, stream, rows, label_ids, meta) -> jax.Array:
         """Per device: stream [1, 3, T]; rows [1, R + 2] = read_at, n_items, max_item_len;

@@ -25,33 +25,60 @@ VOCAB_CHUNK = 2048
 MIN_HEAD_ROWS = 32
 
 
-def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, length: jax.Array, *, chunk: int, impl: ModuleType):
+def prefill(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    length: jax.Array,
+    *,
+    chunk: int,
+    impl: ModuleType,
+    axis: str | None = None,
+    devices: int = 1,
+):
     """Run a query in chunks into a KV buffer.
 
     tokens: [s] int32 (s a multiple of chunk; real tokens first); length: int32 scalar.
     Chunk c attends to the buffer's first c * chunk keys (the prefix part) and
     causally to itself; only ceil(length / chunk) chunks run. Keys past `length`
     hold garbage and are masked by every later reader through the prefix length.
+
+    With `axis` (called inside shard_map over `devices` devices) the prefill is split
+    along the sequence instead of repeated on every device: device i runs slice i
+    (chunk / devices tokens) of each chunk through the layers; per layer the slices'
+    K/V are all-gathered, so each slice attends to all keys before it, and the
+    finished buffer is the same on every device (items read it replicated).
     Returns keys, values: [layers, s, kv_heads, hd] (post-RoPE).
     """
     s = tokens.shape[0]
     shape = (cfg.num_layers, s, cfg.num_kv_heads, cfg.head_dim)
     dtype = params["embed"].dtype
+    width = chunk // devices  # tokens of a chunk each device runs
+    me = jax.lax.axis_index(axis) if axis else 0
+
+    def gathered(x: jax.Array, dim: int) -> jax.Array:
+        """This chunk's slices of every device, in token order, along `dim`."""
+        return jax.lax.all_gather(x, axis, axis=dim, tiled=True) if axis else x
 
     def run_chunk(c: jax.Array, kv: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         keys, values = kv
-        start = c * chunk
-        x = embed(params, jax.lax.dynamic_slice_in_dim(tokens, start, chunk)[None])
-        positions = start + jnp.arange(chunk, dtype=jnp.int32)
+        chunk_start = c * chunk
+        start = chunk_start + me * width
+        x = embed(params, jax.lax.dynamic_slice_in_dim(tokens, start, width)[None])
+        positions = start + jnp.arange(width, dtype=jnp.int32)
 
         def attend(q, k, v, layer_kv):
-            out_p, lse_p = impl.prefix_attention(q[0], layer_kv[0], layer_kv[1], start)
+            prefix_k, prefix_v = layer_kv
+            if axis:  # the chunk's earlier slices were computed by the other devices
+                prefix_k = jax.lax.dynamic_update_slice_in_dim(prefix_k, gathered(k[0], 0), chunk_start, axis=0)
+                prefix_v = jax.lax.dynamic_update_slice_in_dim(prefix_v, gathered(v[0], 0), chunk_start, axis=0)
+            out_p, lse_p = impl.prefix_attention(q[0], prefix_k, prefix_v, start)
             out_c, lse_c = impl.item_attention(q, k, v)
             return impl.merge_attention(out_p[None], lse_p[None], out_c, lse_c)
 
         _, (k, v) = run_layers(params, cfg, x, positions, attend, (keys, values))
-        keys = jax.lax.dynamic_update_slice_in_dim(keys, k[:, 0], start, axis=1)
-        values = jax.lax.dynamic_update_slice_in_dim(values, v[:, 0], start, axis=1)
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, gathered(k[:, 0], 1), chunk_start, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(values, gathered(v[:, 0], 1), chunk_start, axis=1)
         return keys, values
 
     init = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

@@ -153,8 +153,14 @@ def dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
 
 def substitute_grafana(expr: str, variables: dict[str, str]) -> str:
     """Replace Grafana's built-in and dashboard variables ($x, ${x}, [[x]]) for a Prometheus query."""
-    builtins = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m", "__range_s": "300",
-                "__interval_ms": "15000", "__scrape_interval": "15s"}
+    builtins = {
+        "__rate_interval": "1m",
+        "__interval": "15s",
+        "__range": "5m",
+        "__range_s": "300",
+        "__interval_ms": "15000",
+        "__scrape_interval": "15s",
+    }
     values = {**builtins, **variables}
     for name in sorted(values, key=len, reverse=True):
         expr = expr.replace("${" + name + "}", values[name]).replace("[[" + name + "]]", values[name])
@@ -172,9 +178,7 @@ def with_bool(expr: str) -> str:
     0/1 sample for every series it would compare (data whether or not the alert fires).
     Only comparisons outside strings, label matchers and range brackets are touched."""
     out, pos = [], 0
-    protected = sorted(
-        [m.span() for rx in (_STRINGS, _MATCHERS, _RANGES) for m in rx.finditer(expr)]
-    )
+    protected = sorted([m.span() for rx in (_STRINGS, _MATCHERS, _RANGES) for m in rx.finditer(expr)])
     for start, end in protected + [(len(expr), len(expr))]:
         if start < pos:
             continue

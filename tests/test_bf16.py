@@ -44,8 +44,17 @@ def test_bf16_matches_float32_tiny_random() -> None:
     from prefixscore.model.weights import random_params
 
     cfg = ModelConfig(
-        family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=True, max_position_embeddings=1024,
+        family="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
     )
     m32 = LoadedModel("t", cfg, random_params(cfg, 0, jnp.float32), None, "float32")
     m16 = LoadedModel("t", cfg, random_params(cfg, 0, jnp.bfloat16), None, "bfloat16")
@@ -57,11 +66,21 @@ def test_bf16_matches_float32_tiny_random() -> None:
 
 
 FACTS = [
-    "Paris is the capital of France.", "Bananas are yellow.", "The Loire is the longest river in France.",
-    "Two plus two is four.", "Mont Blanc lies on the border of France and Italy.", "The Pacific is an ocean.",
-    "Lyon is a city in France.", "Cats sleep a lot.", "Brittany is a region in the west of France.",
-    "Python is a programming language.", "The Seine flows through Paris.", "Tokyo is in Japan.",
-    "Marseille is a port on the Mediterranean.", "Water boils at 100 degrees.", "Bach wrote fugues.",
+    "Paris is the capital of France.",
+    "Bananas are yellow.",
+    "The Loire is the longest river in France.",
+    "Two plus two is four.",
+    "Mont Blanc lies on the border of France and Italy.",
+    "The Pacific is an ocean.",
+    "Lyon is a city in France.",
+    "Cats sleep a lot.",
+    "Brittany is a region in the west of France.",
+    "Python is a programming language.",
+    "The Seine flows through Paris.",
+    "Tokyo is in Japan.",
+    "Marseille is a port on the Mediterranean.",
+    "Water boils at 100 degrees.",
+    "Bach wrote fugues.",
 ]
 
 

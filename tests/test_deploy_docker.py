@@ -108,8 +108,11 @@ def test_k8s_and_image_agree_on_ports_and_user(instructions):
     pod = deployment["spec"]["template"]["spec"]
     user = [i for i in instructions if i.cmd.upper() == "USER"][-1].value[0]
     assert user.split(":")[0] in (str(pod["securityContext"]["runAsUser"]), "${UID}")
-    args = {i.value[0].split("=")[0]: i.value[0].split("=")[1] for i in instructions
-            if i.cmd.upper() == "ARG" and "=" in i.value[0]}
+    args = {
+        i.value[0].split("=")[0]: i.value[0].split("=")[1]
+        for i in instructions
+        if i.cmd.upper() == "ARG" and "=" in i.value[0]
+    }
     assert args.get("UID", user.split(":")[0]) == str(pod["securityContext"]["runAsUser"])
 
 
@@ -167,15 +170,33 @@ def test_build_context_installs_the_package(tmp_path):
             shutil.copy2(path, dest)
     sent = {p.relative_to(context).as_posix() for p in context.rglob("*") if p.is_file()}
     assert "pyproject.toml" in sent and not any(s.startswith(("tests/", "deploy/", ".ci/")) for s in sent)
-    result = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                  "-w", str(tmp_path / "wheel"), str(context)], timeout=300)
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(context),
+        ],
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     (wheel,) = (tmp_path / "wheel").glob("prefixscore-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    for module in ("prefixscore/service/cli.py", "prefixscore/service/server.py", "prefixscore/model/loader.py",
-                   "prefixscore/kernels/__init__.py", "prefixscore/v1/score_service_pb2.py"):
+    for module in (
+        "prefixscore/service/cli.py",
+        "prefixscore/service/server.py",
+        "prefixscore/model/loader.py",
+        "prefixscore/kernels/__init__.py",
+        "prefixscore/v1/score_service_pb2.py",
+    ):
         assert module in names, f"{module} missing from the image's install"
     assert re.search(r"^prefixscore\s*=\s*prefixscore\.service\.cli:main", entry_points, re.M)
     # the package's own sources have no weights either

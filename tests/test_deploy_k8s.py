@@ -61,12 +61,16 @@ def extra_renders(tmp_path_factory) -> dict[str, list[dict]]:
         (work / "k8s").symlink_to(K8S)
         overlay = work / "combo"
         overlay.mkdir()
-        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1",
-            "kind": "Kustomization",
-            "resources": [f"../k8s/{resource.removeprefix('../')}"],
-            "components": [f"../k8s/components/{c}" for c in components],
-        }))
+        (overlay / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": [f"../k8s/{resource.removeprefix('../')}"],
+                    "components": [f"../k8s/components/{c}" for c in components],
+                }
+            )
+        )
         out[name] = kustomize(overlay)
     return out
 
@@ -156,75 +160,182 @@ def _obj(props: dict, required: tuple = ()) -> dict:
 
 _STR = {"type": "string"}
 _DURATION = {"type": "string", "pattern": r"^((\d+)(ms|s|m|h|d|w|y))+$"}
-_LABEL_SELECTOR = _obj({
-    "matchLabels": {"type": "object", "additionalProperties": _STR},
-    "matchExpressions": {"type": "array", "items": _obj(
-        {"key": _STR, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-         "values": {"type": "array", "items": _STR}}, ("key", "operator"))},
-})
-_METADATA = {"type": "object", "required": ["name"], "properties": {"name": _STR, "namespace": _STR,
-                                                                     "labels": {"type": "object"}}}
-_RELABEL = _obj({
-    "action": {"enum": ["replace", "lowercase", "uppercase", "keep", "drop", "keepequal", "dropequal", "hashmod",
-                        "labeldrop", "labelkeep", "labelmap"]},
-    "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
-    "separator": _STR, "targetLabel": _STR, "regex": _STR, "modulus": {"type": "integer"}, "replacement": _STR,
-})
+_LABEL_SELECTOR = _obj(
+    {
+        "matchLabels": {"type": "object", "additionalProperties": _STR},
+        "matchExpressions": {
+            "type": "array",
+            "items": _obj(
+                {
+                    "key": _STR,
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": _STR},
+                },
+                ("key", "operator"),
+            ),
+        },
+    }
+)
+_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": _STR, "namespace": _STR, "labels": {"type": "object"}},
+}
+_RELABEL = _obj(
+    {
+        "action": {
+            "enum": [
+                "replace",
+                "lowercase",
+                "uppercase",
+                "keep",
+                "drop",
+                "keepequal",
+                "dropequal",
+                "hashmod",
+                "labeldrop",
+                "labelkeep",
+                "labelmap",
+            ]
+        },
+        "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+        "separator": _STR,
+        "targetLabel": _STR,
+        "regex": _STR,
+        "modulus": {"type": "integer"},
+        "replacement": _STR,
+    }
+)
 # Field lists of the CRDs (GMP monitoring.googleapis.com/v1 PodMonitoring; Prometheus Operator
 # monitoring.coreos.com/v1 ServiceMonitor), limited to what a scrape of prefixscore may use;
 # unknown fields are errors, as with `kubectl apply --validate=strict`.
-POD_MONITORING = _obj({
-    "apiVersion": {"const": "monitoring.googleapis.com/v1"},
-    "kind": {"const": "PodMonitoring"},
-    "metadata": _METADATA,
-    "spec": _obj({
-        "selector": _LABEL_SELECTOR,
-        "endpoints": {"type": "array", "minItems": 1, "maxItems": 10, "items": _obj({
-            "port": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "minLength": 1}]},
-            "scheme": {"enum": ["http", "https"]}, "path": _STR, "interval": _DURATION, "timeout": _DURATION,
-            "params": {"type": "object"}, "metricRelabeling": {"type": "array", "items": _RELABEL},
-            "proxyUrl": _STR,
-        }, ("port", "interval"))},
-        "targetLabels": _obj({
-            "metadata": {"type": "array", "items": {
-                "enum": ["container", "node", "pod", "top_level_controller_name", "top_level_controller_type"]}},
-            "fromPod": {"type": "array", "items": _obj(
-                {"from": _STR, "to": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}}, ("from",))},
-        }),
-        "limits": _obj({k: {"type": "integer"} for k in ("samples", "labels", "labelNameLength", "labelValueLength")}),
-        "filterRunning": {"type": "boolean"},
-    }, ("selector", "endpoints")),
-}, ("apiVersion", "kind", "metadata", "spec"))
-SERVICE_MONITOR = _obj({
-    "apiVersion": {"const": "monitoring.coreos.com/v1"},
-    "kind": {"const": "ServiceMonitor"},
-    "metadata": _METADATA,
-    "spec": _obj({
-        "selector": _LABEL_SELECTOR,
-        "namespaceSelector": _obj({"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": _STR}}),
-        "jobLabel": _STR,
-        "targetLabels": {"type": "array", "items": _STR},
-        "podTargetLabels": {"type": "array", "items": _STR},
-        "endpoints": {"type": "array", "minItems": 1, "items": _obj({
-            "port": _STR, "targetPort": {"anyOf": [{"type": "integer"}, _STR]}, "path": _STR,
-            "scheme": {"enum": ["http", "https"]}, "interval": _DURATION, "scrapeTimeout": _DURATION,
-            "honorLabels": {"type": "boolean"}, "relabelings": {"type": "array", "items": _RELABEL},
-            "metricRelabelings": {"type": "array", "items": _RELABEL},
-        })},
-    }, ("selector", "endpoints")),
-}, ("apiVersion", "kind", "metadata", "spec"))
+POD_MONITORING = _obj(
+    {
+        "apiVersion": {"const": "monitoring.googleapis.com/v1"},
+        "kind": {"const": "PodMonitoring"},
+        "metadata": _METADATA,
+        "spec": _obj(
+            {
+                "selector": _LABEL_SELECTOR,
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 10,
+                    "items": _obj(
+                        {
+                            "port": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "minLength": 1}]},
+                            "scheme": {"enum": ["http", "https"]},
+                            "path": _STR,
+                            "interval": _DURATION,
+                            "timeout": _DURATION,
+                            "params": {"type": "object"},
+                            "metricRelabeling": {"type": "array", "items": _RELABEL},
+                            "proxyUrl": _STR,
+                        },
+                        ("port", "interval"),
+                    ),
+                },
+                "targetLabels": _obj(
+                    {
+                        "metadata": {
+                            "type": "array",
+                            "items": {
+                                "enum": [
+                                    "container",
+                                    "node",
+                                    "pod",
+                                    "top_level_controller_name",
+                                    "top_level_controller_type",
+                                ]
+                            },
+                        },
+                        "fromPod": {
+                            "type": "array",
+                            "items": _obj(
+                                {"from": _STR, "to": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+                                ("from",),
+                            ),
+                        },
+                    }
+                ),
+                "limits": _obj(
+                    {k: {"type": "integer"} for k in ("samples", "labels", "labelNameLength", "labelValueLength")}
+                ),
+                "filterRunning": {"type": "boolean"},
+            },
+            ("selector", "endpoints"),
+        ),
+    },
+    ("apiVersion", "kind", "metadata", "spec"),
+)
+SERVICE_MONITOR = _obj(
+    {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": _METADATA,
+        "spec": _obj(
+            {
+                "selector": _LABEL_SELECTOR,
+                "namespaceSelector": _obj({"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": _STR}}),
+                "jobLabel": _STR,
+                "targetLabels": {"type": "array", "items": _STR},
+                "podTargetLabels": {"type": "array", "items": _STR},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": _obj(
+                        {
+                            "port": _STR,
+                            "targetPort": {"anyOf": [{"type": "integer"}, _STR]},
+                            "path": _STR,
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": _DURATION,
+                            "scrapeTimeout": _DURATION,
+                            "honorLabels": {"type": "boolean"},
+                            "relabelings": {"type": "array", "items": _RELABEL},
+                            "metricRelabelings": {"type": "array", "items": _RELABEL},
+                        }
+                    ),
+                },
+            },
+            ("selector", "endpoints"),
+        ),
+    },
+    ("apiVersion", "kind", "metadata", "spec"),
+)
 
-_RULE = _obj({"record": _STR, "alert": _STR, "expr": {"type": "string", "minLength": 1}, "for": _DURATION,
-              "labels": {"type": "object", "additionalProperties": _STR},
-              "annotations": {"type": "object", "additionalProperties": _STR}}, ("expr",))
-GMP_RULES = _obj({
-    "apiVersion": {"const": "monitoring.googleapis.com/v1"},
-    "kind": {"const": "Rules"},
-    "metadata": _METADATA,
-    "spec": _obj({"groups": {"type": "array", "minItems": 1, "items": _obj(
-        {"name": _STR, "interval": _DURATION, "rules": {"type": "array", "items": _RULE}},
-        ("name", "interval", "rules"))}}, ("groups",)),
-}, ("apiVersion", "kind", "metadata", "spec"))
+_RULE = _obj(
+    {
+        "record": _STR,
+        "alert": _STR,
+        "expr": {"type": "string", "minLength": 1},
+        "for": _DURATION,
+        "labels": {"type": "object", "additionalProperties": _STR},
+        "annotations": {"type": "object", "additionalProperties": _STR},
+    },
+    ("expr",),
+)
+GMP_RULES = _obj(
+    {
+        "apiVersion": {"const": "monitoring.googleapis.com/v1"},
+        "kind": {"const": "Rules"},
+        "metadata": _METADATA,
+        "spec": _obj(
+            {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": _obj(
+                        {"name": _STR, "interval": _DURATION, "rules": {"type": "array", "items": _RULE}},
+                        ("name", "interval", "rules"),
+                    ),
+                }
+            },
+            ("groups",),
+        ),
+    },
+    ("apiVersion", "kind", "metadata", "spec"),
+)
 
 _OPERATOR_NODE = r"""
 const path = require("path"); const {pathToFileURL} = require("url");
@@ -399,8 +510,11 @@ def test_services_pdb_and_monitors_select_the_pods(rendered, extra_renders):
             assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
             assert {e["port"] for e in pm["spec"]["endpoints"]} == {"metrics"}
         for sm in by_kind(docs, "ServiceMonitor"):
-            selected = [s for s in services.values()
-                        if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+            selected = [
+                s
+                for s in services.values()
+                if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+            ]
             assert selected == [services[False]], f"{name}: the ServiceMonitor scrapes the regular Service only"
             assert {e["port"] for e in sm["spec"]["endpoints"]} == {"metrics"}
 
@@ -433,8 +547,10 @@ def test_ci_installs_the_tools():
         assert (TOOLS / "bin" / "kubectl").is_file() or os.environ.get("PREFIXSCORE_KUBECTL")
 
 
-YAMLLINT = ("{extends: default, rules: {line-length: {max: 200}, document-start: disable, "
-            "truthy: {check-keys: false}, comments: {min-spaces-from-content: 1}}}")
+YAMLLINT = (
+    "{extends: default, rules: {line-length: {max: 200}, document-start: disable, "
+    "truthy: {check-keys: false}, comments: {min-spaces-from-content: 1}}}"
+)
 
 
 def test_yaml_and_json_are_clean():

@@ -51,8 +51,18 @@ RULE_TESTS = sorted((DEPLOY / "prometheus" / "tests").glob("*.test.yml"))
 SCRAPE_LABELS = {"cluster": "e2e", "namespace": "prefixscore-e2e", "pod": "prefixscore-e2e-0"}
 JOB = "prefixscore"
 # Small shape buckets: the tiny model compiles in seconds on a shared CPU.
-SERVE_FLAGS = ["--prefix-buckets", "64,128", "--item-buckets", "8,16", "--batch-buckets", "4,16",
-               "--max-batch-tokens", "256", "--log-format", "text"]
+SERVE_FLAGS = [
+    "--prefix-buckets",
+    "64,128",
+    "--item-buckets",
+    "8,16",
+    "--batch-buckets",
+    "4,16",
+    "--max-batch-tokens",
+    "256",
+    "--log-format",
+    "text",
+]
 LABEL_IDS = [1, 2]
 
 
@@ -86,8 +96,14 @@ def test_promtool_rule_unit_tests():
 
 def test_alerts_cover_the_issue():
     alerts = {r["alert"]: r for r in load_rules() if "alert" in r}
-    for needle in ("ErrorRatio", "P99Latency", "QueueSaturated", "PrefixCacheHitRateCollapse", "NoTrafficScored",
-                   "CompilationsInSteadyState"):
+    for needle in (
+        "ErrorRatio",
+        "P99Latency",
+        "QueueSaturated",
+        "PrefixCacheHitRateCollapse",
+        "NoTrafficScored",
+        "CompilationsInSteadyState",
+    ):
         assert any(needle in name for name in alerts), needle
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in ("critical", "warning"), name
@@ -115,10 +131,21 @@ def test_dashboard_structure():
         assert p["targets"], p["title"]
         for t in p["targets"]:
             assert t["datasource"]["uid"] == "${datasource}" and t["expr"].strip(), p["title"]
-            assert '$model' in t["expr"], f"{p['title']}: not filtered by the model variable"
+            assert "$model" in t["expr"], f"{p['title']}: not filtered by the model variable"
     titles = " | ".join(p["title"].lower() for p in panels)
-    for topic in ("items scored", "by status", "latency", "first scored batch", "batch size", "padding",
-                  "queue depth", "hit rate", "cache bytes", "compilations", "by pod"):
+    for topic in (
+        "items scored",
+        "by status",
+        "latency",
+        "first scored batch",
+        "batch size",
+        "padding",
+        "queue depth",
+        "hit rate",
+        "cache bytes",
+        "compilations",
+        "by pod",
+    ):
         assert topic in titles, topic
 
 
@@ -220,8 +247,9 @@ def send_traffic(target: str) -> None:
             client.score("Is this item a fruit? Answer yes or no.", items, label_token_ids=LABEL_IDS, timeout=60)
             client.score(f"Query number {round_}: is it fast?", items[:3], label_token_ids=LABEL_IDS, timeout=60)
             if round_ % 2 == 0:
-                with client.stream("Is this item a fruit? Answer yes or no.", label_token_ids=LABEL_IDS,
-                                   timeout=60) as stream:
+                with client.stream(
+                    "Is this item a fruit? Answer yes or no.", label_token_ids=LABEL_IDS, timeout=60
+                ) as stream:
                     stream.send(items[:2])
                     stream.send(items[2:])
             for bad in (dict(label_token_ids=[10**9]), dict(label_token_ids=[])):
@@ -240,26 +268,53 @@ def stack(tmp_path_factory):
     binary = serve_binary()
     tmp = tmp_path_factory.mktemp("e2e")
     port, metrics_port, prom_port = free_port(), free_port(), free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp / "jax-cache"),
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp / "jax-cache"),
+        "JAX_PLATFORMS": "cpu",
+    }
     server_log = tmp / "server.log"
     server = subprocess.Popen(
-        [binary, SERVE_COMMAND[1], "--model", "tiny-qwen3", "--dtype", "float32", "--host", "127.0.0.1",
-         "--port", str(port), "--metrics-port", str(metrics_port), *SERVE_FLAGS],
-        stdout=server_log.open("w"), stderr=subprocess.STDOUT, env=env,
+        [
+            binary,
+            SERVE_COMMAND[1],
+            "--model",
+            "tiny-qwen3",
+            "--dtype",
+            "float32",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            *SERVE_FLAGS,
+        ],
+        stdout=server_log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(p) for p in RULE_FILES],
-        "scrape_configs": [{"job_name": JOB, "static_configs": [
-            {"targets": [f"127.0.0.1:{metrics_port}"], "labels": SCRAPE_LABELS}]}],
+        "scrape_configs": [
+            {"job_name": JOB, "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"], "labels": SCRAPE_LABELS}]}
+        ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     prom_log = tmp / "prometheus.log"
     prom = subprocess.Popen(
-        [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}", "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-        stdout=prom_log.open("w"), stderr=subprocess.STDOUT,
+        [
+            prometheus,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+            "--storage.tsdb.retention.time=1h",
+            "--log.level=warn",
+        ],
+        stdout=prom_log.open("w"),
+        stderr=subprocess.STDOUT,
     )
     try:
         prom_url = f"http://127.0.0.1:{prom_port}"
@@ -290,7 +345,8 @@ def stack(tmp_path_factory):
         # every recording rule evaluated after the traffic was scraped
         def rules_caught_up() -> bool:
             return bool(result.query("prefixscore:items_scored:rate5m > 0")) and bool(
-                result.query("prefixscore:request_duration_seconds:p99_rate5m"))
+                result.query("prefixscore:request_duration_seconds:p99_rate5m")
+            )
 
         wait_until(rules_caught_up, 60, "recording rules over the traffic", prom, prom_log)
         time.sleep(2.5)  # two more rule evaluations: alert rules read recorded series
@@ -317,8 +373,12 @@ def test_e2e_real_scrape_has_every_referenced_metric_and_label_value(stack):
 
 def test_e2e_every_dashboard_query_returns_data(stack):
     variables = {"model": stack.model, "datasource": "prometheus"}
-    values = json.loads(http_get(f"{stack.prom_url}/api/v1/label/model/values?"
-                                 + urllib.parse.urlencode({"match[]": "prefixscore_model_info"})))["data"]
+    values = json.loads(
+        http_get(
+            f"{stack.prom_url}/api/v1/label/model/values?"
+            + urllib.parse.urlencode({"match[]": "prefixscore_model_info"})
+        )
+    )["data"]
     assert stack.model in values, "the model variable's query offers the served model"
     empty = []
     queries = dashboard_queries(load_dashboard())

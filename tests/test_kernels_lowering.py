@@ -1,0 +1,93 @@
+"""The GPU (Triton) and TPU (Mosaic) kernels lowered for their real backends, on this CPU machine.
+
+Interpret mode (tests/test_kernels.py) checks what the kernels compute; it does not run
+the Triton or Mosaic lowering, which is where block shapes, layouts and unsupported
+operations fail. Here every executable the engine compiles at start-up, at the
+production model's attention shapes (Qwen3-0.6B: 16 query heads, 8 kv heads, head_dim
+128) and its default buckets, is lowered for "cuda" and "tpu" exactly as on that
+hardware (`ScoringEngine.lower_for`), and each must contain its backend's kernels:
+a shape that silently fell back to the XLA path would fail. What is left for the
+hardware is the backends' own compilation (ptxas, Mosaic's TPU compiler) and speed:
+tests/test_kernels_device.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from prefixscore.kernels import dispatch
+from prefixscore.model import presets
+from prefixscore.model.engine import ScoringEngine
+from prefixscore.model.weights import random_params
+
+# the kernels each device call must contain, by (implementation, platform)
+# (Triton merges in an XLA fusion; Mosaic has a merge kernel)
+GPU_KERNELS = {"_prefix_kernel", "_ragged_kernel"}
+TPU_KERNELS = {"_prefix_kernel", "_ragged_kernel", "_merge_kernel"}
+PLATFORMS = {
+    ("pallas_gpu", "cuda"): {"prefill": GPU_KERNELS, "items": GPU_KERNELS},
+    ("pallas_tpu", "tpu"): {"prefill": TPU_KERNELS, "items": TPU_KERNELS},
+}
+
+
+def kernel_names(lowered_text: str) -> set[str]:
+    """Pallas kernels in a lowered module (Triton and Mosaic custom calls carry the kernel's name)."""
+    return set(re.findall(r'name = "(_\w+_kernel)"', lowered_text))
+
+
+def production_shaped(preset: str, dtype: str, attn_impl: str) -> ScoringEngine:
+    """The preset's attention and MLP shapes with 2 layers, a 4k vocabulary and a 4k context:
+    kernels see exactly the production shapes; the buckets stay few."""
+    cfg = dataclasses.replace(
+        presets.RANDOM_PRESETS[preset][0], num_layers=2, vocab_size=4096, max_position_embeddings=4096
+    )
+    return ScoringEngine(cfg, random_params(cfg, 0, getattr(jnp, dtype)), dtype, attn_impl=attn_impl)
+
+
+@pytest.mark.parametrize(("impl", "platform"), list(PLATFORMS))
+def test_every_bucket_lowers_with_the_backend_kernels(impl: str, platform: str):
+    engine = production_shaped("qwen3-0.6b-random", "bfloat16", impl)
+    keys = engine.executable_keys()
+    assert {k[0] for k in keys} == {"prefill", "items"}
+    for key in keys:
+        found = kernel_names(engine.lower_for(key, platform).as_text())
+        missing = PLATFORMS[impl, platform][key[0]] - found
+        assert not missing, f"{impl} {key}: {sorted(missing)} fell back to XLA (found {sorted(found)})"
+
+
+@pytest.mark.parametrize(("impl", "platform"), list(PLATFORMS))
+def test_bench_cpu_shapes_lower_in_float32(impl: str, platform: str):
+    # head_dim 64, 4 query heads over 2 kv heads, float32: the other shapes the kernels claim
+    engine = production_shaped("bench-cpu", "float32", impl)
+    for key in (("prefill", 2048), ("items", 1024, 2048, 256)):
+        found = kernel_names(engine.lower_for(key, platform).as_text())
+        assert PLATFORMS[impl, platform][key[0]] <= found, (impl, key, found)
+
+
+def test_untileable_head_dim_falls_back_to_xla():
+    # head_dim 80 (Phi-style) is no power of two: the GPU kernels must step aside, not miscompile,
+    # and the check above must be able to tell
+    cfg = dataclasses.replace(
+        presets.RANDOM_PRESETS["bench-cpu"][0], num_layers=1, vocab_size=1024, head_dim=80, max_position_embeddings=2048
+    )
+    engine = ScoringEngine(cfg, random_params(cfg, 0, jnp.float32), "float32", attn_impl="pallas_gpu")
+    text = engine.lower_for(("items", 1024, 2048, 256), "cuda").as_text()
+    assert kernel_names(text) == set()
+    assert "xla.gpu.triton" not in text
+
+
+def test_lowering_for_sets_the_target_only_inside():
+    default = dispatch.target_backend()
+    with dispatch.lowering_for("tpu"):
+        assert dispatch.target_backend() == "tpu"
+        with dispatch.lowering_for("cuda"):
+            assert dispatch.target_backend() == "gpu"
+        assert dispatch.target_backend() == "tpu"
+    assert dispatch.target_backend() == default
+    with pytest.raises(ValueError, match="platform 'metal' unknown"):
+        with dispatch.lowering_for("metal"):
+            pass
