@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from prefixscore.kernels import dispatch
+from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import compile_cache, forward, ragged
 from prefixscore.model.buckets import Buckets
 from prefixscore.model.config import ModelConfig
@@ -319,6 +319,13 @@ class ScoringEngine:
             "compilations": CompileCounter.count() - count,
             "seconds": time.perf_counter() - started,
         }
+
+    def check_attention(self) -> dict[str, float]:
+        """The attention implementation against the reference at this model's head shapes and
+        dtype, on this process's device (kernels/selfcheck.py). Returns max errors per call;
+        raises selfcheck.KernelCheckFailed past the tolerance."""
+        c = self.cfg
+        return selfcheck.verify(self.attn_impl, self._impl, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype)
 
     # ---- labels -------------------------------------------------------------
     def _labels(self, label_ids: Sequence[int]) -> np.ndarray:

@@ -207,6 +207,10 @@ class ScoreServer:
         if cfg.warmup and callable(warmup):
             # every shape bucket compiles now, before SERVING, so traffic never waits for XLA
             report = warmup() or {}
+        check = getattr(engine, "check_attention", None)
+        if callable(check):
+            # the kernels against the oracle on this very device: never serve a miscompiled kernel
+            event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=check())
         event(
             log,
             "warmed_up",

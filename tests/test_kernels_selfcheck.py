@@ -1,0 +1,68 @@
+"""The start-up attention check (kernels/selfcheck.py): every implementation passes it at the
+model shapes, a wrong one is caught, and a server whose kernels are wrong never reports SERVING."""
+
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import pytest
+from conftest import SMALL_BUCKETS
+
+from prefixscore.kernels import dispatch, selfcheck, xla
+from prefixscore.model.engine import ScoringEngine
+from prefixscore.model.loader import load_model
+from prefixscore.service.server import ServerConfig, ServerThread, StartupFailed
+
+QWEN3_06B = (16, 8, 128)  # heads, kv heads, head_dim
+BENCH_CPU = (4, 2, 64)
+
+
+@pytest.mark.parametrize(
+    ("impl", "shape", "dtype"),
+    [
+        ("xla", QWEN3_06B, "bfloat16"),
+        ("xla", BENCH_CPU, "float32"),
+        ("pallas_tpu", QWEN3_06B, "bfloat16"),  # interpret mode off TPU
+        ("pallas_gpu", BENCH_CPU, "float32"),  # interpret mode off GPU
+    ],
+)
+def test_implementations_pass(impl: str, shape: tuple[int, int, int], dtype: str):
+    errors = selfcheck.verify(impl, dispatch.get(impl), *shape, dtype)
+    assert set(errors) == {"ragged_shared_prefix_attention", "prefill_chunk_attention"}
+    assert max(errors.values()) <= selfcheck.TOLERANCE[dtype]
+
+
+def test_a_wrong_merge_is_caught():
+    import broken_attention
+
+    errors = selfcheck.check(broken_attention, *BENCH_CPU, "float32")
+    assert min(errors.values()) > 1e-2  # far outside float32 noise: the check has teeth
+    with pytest.raises(
+        selfcheck.KernelCheckFailed, match=r"'broken'.*ragged_shared_prefix_attention off by.*--attention xla"
+    ):
+        selfcheck.verify("broken", broken_attention, *BENCH_CPU, "float32")
+
+
+def test_nan_fails():
+    nan_prefix = lambda *a: tuple(x * jnp.nan for x in xla.prefix_attention(*a))  # noqa: E731
+    impl = types.SimpleNamespace(**{**{n: getattr(xla, n) for n in xla.__all__}, "prefix_attention": nan_prefix})
+    impl.ragged_shared_prefix_attention = lambda q, k, v, s, m, pk, pv, n: xla.merge_attention(
+        *nan_prefix(q, pk, pv, n), *xla.ragged_item_attention(q, k, v, s, m)
+    )
+    with pytest.raises(selfcheck.KernelCheckFailed, match="off by nan"):
+        selfcheck.verify("nan", impl, *BENCH_CPU, "float32")
+
+
+def test_server_with_wrong_kernels_never_serves(monkeypatch):
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "broken", "broken_attention")
+    loaded = load_model("tiny-qwen3", "float32")
+    engine = ScoringEngine(loaded.cfg, loaded.params, "float32", SMALL_BUCKETS, attn_impl="broken")
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=None, loaded=loaded, engine=engine, warmup=False)
+    srv = ServerThread(config).start(wait_ready=False)
+    try:
+        with pytest.raises(StartupFailed, match="KernelCheckFailed: attention implementation 'broken'"):
+            srv.wait_ready(120)
+        assert not srv.server.ready
+    finally:
+        srv.stop()
