@@ -12,9 +12,25 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from prefixscore.model.buckets import Buckets  # noqa: E402
+from prefixscore.model.config import ModelConfig  # noqa: E402
 
 # Small buckets keep compile time of the test models to seconds.
 SMALL_BUCKETS = Buckets(prefix=(64, 128, 256, 512), item=(8, 16, 32, 64), batch=(1, 2, 4, 8, 16), max_batch_tokens=256)
+
+# a small Qwen3-style model for engine-level tests with random weights (model/weights.random_params)
+SMALL_QWEN3 = ModelConfig(
+    family="qwen3",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
 
 TINY_SHAPES = dict(
     vocab_size=320,

@@ -8,7 +8,15 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixscore.service.server import ServerConfig
+
 LABELS = [28, 1017]  # two token ids of the tiny-qwen3 (SmolLM2) vocabulary
+
+
+def server_config(scorer, **overrides) -> ServerConfig:
+    """A loopback server (free ports) over an in-process Scorer's model and engine, not warmed up."""
+    base = dict(host="127.0.0.1", port=0, metrics_port=0, loaded=scorer.model, engine=scorer.engine, warmup=False)
+    return ServerConfig(**{**base, **overrides})
 
 
 def scrape(port: int) -> dict[str, float]:

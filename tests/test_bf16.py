@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL_QWEN3
 
 from prefixscore.model.buckets import Buckets
 from prefixscore.model.engine import ScoringEngine
@@ -39,23 +40,10 @@ def compare(f32: ScoringEngine, bf16: ScoringEngine, query: list[int], items: li
 
 
 def test_bf16_matches_float32_tiny_random() -> None:
-    from prefixscore.model.config import ModelConfig
     from prefixscore.model.loader import LoadedModel
     from prefixscore.model.weights import random_params
 
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-    )
+    cfg = SMALL_QWEN3
     m32 = LoadedModel("t", cfg, random_params(cfg, 0, jnp.float32), None, "float32")
     m16 = LoadedModel("t", cfg, random_params(cfg, 0, jnp.bfloat16), None, "bfloat16")
     rng = np.random.default_rng(0)

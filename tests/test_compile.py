@@ -3,6 +3,7 @@ sizes compiles nothing; the persistent compilation cache makes a restart compile
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,26 +13,13 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL_QWEN3
 
 from prefixscore.model.buckets import Buckets
-from prefixscore.model.config import ModelConfig
 from prefixscore.model.engine import CompileCounter, ScoringEngine, split_streams
 from prefixscore.model.weights import random_params
 
-CFG = ModelConfig(
-    family="qwen3",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    max_position_embeddings=1024,
-    name="compile-test",
-)
+CFG = dataclasses.replace(SMALL_QWEN3, name="compile-test")
 BUCKETS = Buckets(prefix=(128, 512), item=(16, 128), batch=(1, 64), max_batch_tokens=256)
 
 

@@ -63,26 +63,14 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from conftest import SMALL_QWEN3  # this file runs as a script from tests/
 
     from prefixscore.model.buckets import Buckets
-    from prefixscore.model.config import ModelConfig
     from prefixscore.model.engine import CompileCounter, ScoringEngine
     from prefixscore.model.weights import random_params
 
     assert jax.device_count() == DEVICES, jax.devices()
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-    )
+    cfg = SMALL_QWEN3
     # the 1024 bucket prefills in two 512-token chunks, each split into 8 slices of 64
     buckets = Buckets(prefix=(128, 1024), item=(16, 128), batch=(1, 64), max_batch_tokens=256, prefill_chunk=512)
     params = random_params(cfg, 0, jnp.float32)

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from google.protobuf import json_format
+from service_testing import server_config
 
 from prefixscore.client import ScoreClient
-from prefixscore.service.server import SERVICE, ServerConfig, ServerThread
+from prefixscore.service.server import SERVICE, ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,15 +135,7 @@ def buf_bin() -> str:
 
 @pytest.fixture(scope="module")
 def server(buf_bin, tiny_scorer):
-    config = ServerConfig(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        loaded=tiny_scorer.model,
-        engine=tiny_scorer.engine,
-        warmup=False,
-    )
-    with ServerThread(config) as srv:
+    with ServerThread(server_config(tiny_scorer)) as srv:
         yield srv
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from service_testing import LABELS, scrape, wait_for
+from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import AsyncScoreClient, ScoreClient, retry_after_ms
 from prefixscore.service.metrics import ServiceMetrics
@@ -31,16 +31,7 @@ Code = grpc.StatusCode
 
 
 def config(scorer, **overrides) -> ServerConfig:
-    base = dict(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        loaded=scorer.model,
-        engine=scorer.engine,
-        warmup=False,
-        max_queue_items=MAX_QUEUE,
-    )
-    return ServerConfig(**{**base, **overrides})
+    return server_config(scorer, **{"max_queue_items": MAX_QUEUE, **overrides})
 
 
 @pytest.fixture(scope="module")
