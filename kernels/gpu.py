@@ -1,25 +1,29 @@
-"""Shared-prefix attention for NVIDIA GPUs as Pallas Triton kernels: the `pallas_gpu` implementation.
+"""Paged shared-prefix attention for NVIDIA GPUs as Pallas Triton kernels: the `pallas_gpu` implementation.
 
-Same functions and shapes as kernels/reference.py. Off GPU the kernels run in
-Pallas' generic interpreter (tests use it on CPU).
+Same functions and shapes as kernels/reference.py; the stream and pool contract is
+kernels/paged.py. Off GPU the kernels run in Pallas' generic interpreter (tests use
+it on CPU).
 
 Why not cuDNN (`jax.nn.dot_product_attention(implementation="cudnn",
 return_residual=True)`)? Its residual LSE comes back in the input dtype: in
 bfloat16 an LSE of ~10 carries an error of ~0.04, i.e. ~4% on the merge weight
 of each part, far outside the 2e-2 parity budget; and its `is_causal` mask is
 top-left aligned, wrong for queries that sit after a prefix. These kernels keep
-every statistic in float32 and take the prefix length as a runtime value.
+every statistic in float32 and take prefix lengths and page tables as runtime values.
 
 Grid: (query block, query head). A program loads its queries once and loops over
-key blocks; the K/V index maps send query head h to kv head h // group, so
-grouped-query heads share K/V through the cache, never through a copy.
-- prefix: key blocks 0 .. ceil(prefix_len / BLOCK_K) (the padding of a prefix bucket
-  is never read);
-- ragged items: key blocks from the block where the query block's first item
-  starts to the diagonal (the stream's segment starts, read in the kernel);
+key blocks; query head h reads kv head h // group, so grouped-query heads share
+K/V through the cache, never through a copy.
+- prefix: the engine starts every segment at a multiple of SEGMENT_ALIGN, so a
+  query block belongs to one segment; its program reads that segment's prefix
+  length and page-table row and walks key blocks 0 .. ceil(prefix_len / BLOCK_K)
+  through the pages (pages past the prefix are never read);
+- ragged items (per region of the stream, kernels/paged.py): key blocks from the
+  block where the query block's first item starts to the diagonal (the stream's
+  item starts, read in the kernel);
 - merge: an elementwise XLA fusion (nothing to gain from a kernel).
-Shapes Triton cannot tile (head_dim not a power of two, token counts not
-multiples of the blocks) fall back to kernels/xla.py.
+Shapes Triton cannot tile (head_dim not a power of two or under 16, token counts
+not multiples of the blocks, pages not a multiple of BLOCK_K) fall back to kernels/xla.py.
 """
 
 from __future__ import annotations
@@ -33,21 +37,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from prefixscore.kernels import dispatch, xla
-from prefixscore.kernels.padded import padded_from_ragged, padded_items_from_ragged
+from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = [
-    "causal_attention",
-    "item_attention",
+    "SEGMENT_ALIGN",
     "merge_attention",
-    "prefix_attention",
+    "paged_attention",
+    "paged_prefix_attention",
     "ragged_item_attention",
-    "ragged_shared_prefix_attention",
-    "shared_prefix_attention",
+    "segment_starts",
 ]
 
-BLOCK_Q = 128  # prefix part: queries per program
-BLOCK_K = 64  # prefix part: keys per loop step
+# Segment starts (and the prefill region's length) are multiples of this, so one prefix
+# query block never straddles two segments' page tables.
+SEGMENT_ALIGN = 64
+BLOCK_Q = SEGMENT_ALIGN  # prefix part: queries per program
+BLOCK_K = 64  # prefix part: keys per loop step (a page holds a whole number of them)
 ITEM_BLOCK = 64  # item part: queries per program and keys per step
 LOG2E = math.log2(math.e)
 
@@ -60,8 +66,9 @@ def _params(d: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
+def _tileable_dim(d: int) -> bool:
+    """Triton tiles power-of-two dims, and tl.dot needs every operand dim >= 16."""
+    return d >= 16 and d & (d - 1) == 0
 
 
 def _online(carry, s, v):
@@ -83,59 +90,96 @@ def _finish(m, total, acc):
     return acc / safe[:, None], lse
 
 
-# ---- prefix part ----------------------------------------------------------------------
-def _prefix_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale):
+# ---- prefix part (paged) ------------------------------------------------------------------
+def _prefix_kernel(layer_ref, seg_ref, len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, table_width):
+    """One query block x one query head against its segment's prefix pages.
+
+    layer_ref [1], seg_ref [T], len_ref [S], table_ref [S * P] int32; q_ref [BLOCK_Q, d];
+    k_ref, v_ref [layers, pages, page_tokens, d] (this program's kv head).
+    """
+    i = pl.program_id(0)
     q = q_ref[...]  # [BLOCK_Q, d]
-    length = len_ref[0]
     bq, d = q.shape
+    page_tokens = k_ref.shape[2]
+    per_page = page_tokens // BLOCK_K
+    layer = layer_ref[0]
+    seg = seg_ref[pl.ds(i * BLOCK_Q, 1)][0]  # the whole block's segment (SEGMENT_ALIGN)
+    length = len_ref[pl.ds(seg, 1)][0]
+    row = seg * table_width  # this segment's page-table row in the flat table
 
     def step(j, carry):
-        k = k_ref[pl.ds(j * BLOCK_K, BLOCK_K), :]
-        v = v_ref[pl.ds(j * BLOCK_K, BLOCK_K), :]
+        # j >= 0, so truncating lax.div/rem equal floor // and %; jnp's floor versions add sign
+        # fix-ups that the Triton lowering rejects (a bool operand reaching its remainder)
+        slot = jax.lax.div(j, per_page)
+        page = table_ref[pl.ds(row + slot, 1)][0]
+        off = (j - slot * per_page) * BLOCK_K
+        k = k_ref[layer, page, pl.ds(off, BLOCK_K), :]  # [BLOCK_K, d]
+        v = v_ref[layer, page, pl.ds(off, BLOCK_K), :]
         s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * (scale * LOG2E)
         col = j * BLOCK_K + jnp.arange(BLOCK_K)
         return _online(carry, jnp.where(col[None, :] < length, s, MASK_VALUE), v)
 
     init = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
+    # a segment with prefix_len 0 runs no step: _finish gives out 0, LSE MASK_VALUE
     out, lse = _finish(*jax.lax.fori_loop(0, (length + BLOCK_K - 1) // BLOCK_K, step, init))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
-def prefix_attention(
-    q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
+def paged_prefix_attention(
+    q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
 ) -> tuple[jax.Array, jax.Array]:
-    """All item-token queries against the prefix. q: [n, heads, d]; prefix_k, prefix_v: [s, kv, d];
-    prefix_len: int32 scalar. Returns out [n, heads, d] and lse [n, heads] float32."""
+    """Every token against its own segment's prefix pages, no causal mask (kernels/paged.py).
+
+    q: [T, heads, d]; pool_k, pool_v: [layers, kv, pages, page_tokens, d].
+    Returns out [T, heads, d] (q.dtype) and lse [T, heads] float32 (MASK_VALUE, out 0
+    where the segment's prefix_len is 0).
+    """
     n, heads, d = q.shape
-    s, kv_heads, _ = prefix_k.shape
-    if not _pow2(d) or s % BLOCK_K:
-        return xla.prefix_attention(q, prefix_k, prefix_v, prefix_len)
+    layers, kv_heads, pages, page_tokens, _ = pool_k.shape
+    if not _tileable_dim(d) or n % BLOCK_Q or page_tokens % BLOCK_K:
+        return xla.paged_prefix_attention(q, pool_k, pool_v, meta)
     g = heads // kv_heads
-    pad = -n % BLOCK_Q
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
-    rows = n + pad
+    table_width = meta.page_table.shape[1]
+    # The layer stays a kernel operand: a BlockSpec index map on Triton cannot read a
+    # runtime value, and slicing the layer out in XLA (dynamic_index_in_dim) would hand
+    # the custom call a copied [kv, pages, page_tokens, d] buffer, i.e. one layer of the
+    # whole pool copied per layer per call. Instead the block is all layers of one kv
+    # head, and the kernel indexes [layer, page, rows]; Triton's pointer arithmetic goes
+    # 64-bit on its own once the pool passes 4 GiB.
+    pool_spec = pl.BlockSpec((layers, None, pages, page_tokens, d), lambda i, h: (0, h // g, 0, 0, 0))
     out, lse = pl.pallas_call(
-        functools.partial(_prefix_kernel, scale=d**-0.5),
-        grid=(rows // BLOCK_Q, heads),
+        functools.partial(_prefix_kernel, scale=d**-0.5, table_width=table_width),
+        grid=(n // BLOCK_Q, heads),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h: (0,)),
+            pl.BlockSpec((n,), lambda i, h: (0,)),
+            pl.BlockSpec(meta.prefix_len.shape, lambda i, h: (0,)),
+            pl.BlockSpec((meta.page_table.size,), lambda i, h: (0,)),
             pl.BlockSpec((BLOCK_Q, None, d), lambda i, h: (i, h, 0)),
-            pl.BlockSpec((s, None, d), lambda i, h: (0, h // g, 0)),
-            pl.BlockSpec((s, None, d), lambda i, h: (0, h // g, 0)),
+            pool_spec,
+            pool_spec,
         ],
         out_specs=[
             pl.BlockSpec((BLOCK_Q, None, d), lambda i, h: (i, h, 0)),
             pl.BlockSpec((None, BLOCK_Q), lambda i, h: (h, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((rows, heads, d), q.dtype),
-            jax.ShapeDtypeStruct((heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((n, heads, d), q.dtype),
+            jax.ShapeDtypeStruct((heads, n), jnp.float32),
         ],
         compiler_params=_params(d),
         interpret=_interpret(),
-    )(jnp.reshape(prefix_len, (1,)).astype(jnp.int32), qp, prefix_k, prefix_v)
-    return out[:n], lse.T[:n]
+    )(
+        jnp.reshape(meta.layer, (1,)).astype(jnp.int32),
+        meta.segment_ids.astype(jnp.int32),
+        meta.prefix_len.astype(jnp.int32),
+        meta.page_table.reshape(-1).astype(jnp.int32),  # [S * P]: one row per segment
+        q,
+        pool_k,
+        pool_v,
+    )
+    return out, lse.T
 
 
 # ---- ragged item part ----------------------------------------------------------------------
@@ -171,12 +215,12 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
 def ragged_item_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal attention of packed items. q: [n, heads, d]; k, v: [n, kv, d]; segment_ids: [n].
-    Returns out [n, heads, d], lse [n, heads] float32 (max_item_len unused: the kernel
-    reads where each block's first item starts)."""
+    """Causal attention of packed items. q: [n, heads, d]; k, v: [n, kv, d]; segment_ids: [n]
+    (equal for one item's tokens). Returns out [n, heads, d], lse [n, heads] float32
+    (max_item_len unused: the kernel reads where each block's first item starts)."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    if not _pow2(d) or n % ITEM_BLOCK:
+    if not _tileable_dim(d) or n % ITEM_BLOCK:
         return xla.ragged_item_attention(q, k, v, segment_ids, max_item_len)
     g = heads // kv_heads
     out, lse = pl.pallas_call(
@@ -199,35 +243,13 @@ def ragged_item_attention(
     return out, lse.T
 
 
-def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Causal attention within each row (the prefill chunk; padded item batches), via the ragged
-    kernel with one segment per row. q: [b, t, heads, d]; k, v: [b, t, kv, d]."""
-    return padded_items_from_ragged(ragged_item_attention, q, k, v)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Plain causal self-attention. q: [b, s, heads, d]; k, v: [b, s, kv, d] -> [b, s, heads, d]."""
-    return item_attention(q, k, v)[0]
-
-
-def ragged_shared_prefix_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array,
-    max_item_len: jax.Array | int,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prefix_len: jax.Array,
+# ---- the whole stream ----------------------------------------------------------------------
+def paged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
 ) -> jax.Array:
-    """Packed items over one prefix: q [n, heads, d]; k, v [n, kv, d]; segment_ids [n] -> [n, heads, d]."""
-    out_p, lse_p = prefix_attention(q, prefix_k, prefix_v, prefix_len)
-    out_i, lse_i = ragged_item_attention(q, k, v, segment_ids, max_item_len)
+    """A device call's whole stream (kernels/paged.py): the prefix part from the pool, the
+    causal part per region, merged by their LSEs. q: [T, heads, d]; k, v: [T, kv, d];
+    pool_k, pool_v: [layers, kv, pages, page_tokens, d]. Returns [T, heads, d]."""
+    out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
+    out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta)
     return merge_attention(out_p, lse_p, out_i, lse_i)
-
-
-def shared_prefix_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
-) -> jax.Array:
-    """Padded item batches over one prefix. q: [b, t, heads, d]; k, v: [b, t, kv, d] -> [b, t, heads, d]."""
-    return padded_from_ragged(ragged_shared_prefix_attention, q, k, v, prefix_k, prefix_v, prefix_len)

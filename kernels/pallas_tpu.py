@@ -1,7 +1,13 @@
-"""Shared-prefix attention as Pallas TPU (Mosaic) kernels: the `pallas_tpu` implementation.
+"""Paged shared-prefix attention as Pallas TPU (Mosaic) kernels: the `pallas_tpu` implementation.
 
-Same functions and shapes as kernels/reference.py. Off TPU the kernels run in
-Pallas' TPU interpreter (tests use it on CPU); on a TPU they compile with Mosaic.
+Same functions and shapes as kernels/reference.py, over the paged KV pool and the
+segmented token stream of kernels/paged.py. Off TPU the kernels run in Pallas' TPU
+interpreter (tests use it on CPU); on a TPU they compile with Mosaic.
+
+Alignment. The engine's planner starts every segment (and the item region, at
+`meta.split`) at a multiple of SEGMENT_ALIGN = 128 tokens, so each 128-token query
+block belongs to one segment: a block reads one page-table row, chosen per block by
+scalar prefetch.
 
 Layout. Queries are regrouped once per call into rows per kv head,
 [kv_heads, n * group, d], ordered (token block of ITEM_BLOCK tokens, group, token):
@@ -12,16 +18,18 @@ Row statistics (max, sum, LSE) are float32 and lane-replicated [rows, 128], the
 layout Mosaic keeps in vregs.
 
 Kernels:
-- `_prefix_kernel`: grid (kv head, query block, prefix block); prefix blocks at or
-  beyond `prefix_len` (a scalar-prefetch value) are neither fetched (the index map
-  repeats the last valid block, so no DMA is issued) nor computed.
+- `_prefix_kernel`: grid (kv head, query block, page slot); each step DMAs one
+  [page_tokens, d] tile of the pool straight from the block's segment's page
+  (the index map reads the page table). Slots at or beyond the segment's
+  `prefix_len` are neither fetched (the index map repeats the last valid page, so
+  no DMA is issued) nor computed.
 - `_ragged_kernel`: grid (kv head, query block); the stream's K/V of one kv head
   stay in VMEM and an in-kernel loop visits only the key blocks from the block
   where the block's first item starts (scalar-prefetch `first_block`) to the
-  diagonal. Also the prefill chunk's causal attention (one segment).
+  diagonal. Both regions in one call: an item never starts before `split`.
 - `_merge_kernel`: the exact LSE merge of the two parts.
-Shapes a kernel cannot tile (token counts not multiples of 128, head_dim not a
-multiple of 64, streams too large for VMEM) fall back to kernels/xla.py.
+Shapes a kernel cannot tile (token counts or pages not multiples of 128, head_dim not
+a multiple of 64, streams too large for VMEM) fall back to kernels/xla.py.
 """
 
 from __future__ import annotations
@@ -35,22 +43,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from prefixscore.kernels import dispatch, xla
-from prefixscore.kernels.padded import padded_from_ragged, padded_items_from_ragged
+from prefixscore.kernels.paged import PagedAttentionMeta
 from prefixscore.kernels.reference import MASK_VALUE
 
 __all__ = [
-    "causal_attention",
-    "item_attention",
+    "SEGMENT_ALIGN",
     "merge_attention",
-    "prefix_attention",
+    "paged_attention",
+    "paged_prefix_attention",
     "ragged_item_attention",
-    "ragged_shared_prefix_attention",
-    "shared_prefix_attention",
 ]
 
 LANES = 128
-ITEM_BLOCK = 128  # tokens per query / key block of the item part (a power of two, a lane width)
-PREFIX_BLOCK = 512  # prefix keys per grid step
+ITEM_BLOCK = 128  # tokens per query / key block (a power of two, a lane width)
+# segments start on a query block: one block reads one segment's pages
+SEGMENT_ALIGN = ITEM_BLOCK
 # K and V of one kv head's whole stream, double-buffered, must fit this share of VMEM
 VMEM_STREAM_BYTES = 16 << 20
 NT = (((1,), (1,)), ((), ()))  # dot_general dims for q @ k.T
@@ -72,6 +79,15 @@ def _widen(x: jax.Array, d: int) -> jax.Array:
 
 def _supported(n: int, d: int) -> bool:
     return n % ITEM_BLOCK == 0 and d % 64 == 0
+
+
+def _pages_supported(n: int, d: int, page_tokens: int) -> bool:
+    # a page is one key tile: its scores [rows, page_tokens] must be whole lane tiles
+    return _supported(n, d) and page_tokens % LANES == 0
+
+
+def _fits_vmem(n: int, d: int, dtype: jnp.dtype) -> bool:
+    return 4 * n * d * jnp.dtype(dtype).itemsize <= VMEM_STREAM_BYTES  # K and V, double-buffered
 
 
 # ---- layout -----------------------------------------------------------------------
@@ -97,10 +113,14 @@ def lse_from_rows(lse: jax.Array, heads: int) -> jax.Array:
     return from_rows(lse[..., :1], heads)[..., 0]
 
 
-# ---- prefix part --------------------------------------------------------------------
-def _prefix_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, block, scale, steps):
-    j = pl.program_id(2)
-    length = len_ref[0]
+# ---- prefix part (paged) -------------------------------------------------------------
+def _prefix_kernel(
+    seg_ref, table_ref, len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, scale, steps
+):
+    del table_ref, layer_ref  # only the index maps read the page table and the layer
+    i, j = pl.program_id(1), pl.program_id(2)
+    page_tokens = k_ref.shape[0]
+    length = len_ref[seg_ref[i]]  # prefix keys of this query block's segment
 
     @pl.when(j == 0)
     def _init():
@@ -108,61 +128,64 @@ def _prefix_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(j * block < length)
+    @pl.when(j * page_tokens < length)
     def _step():
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale  # [R, block]
-        col = j * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]  # [R, d], [page_tokens, d], [page_tokens, d]
+        s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale  # [R, page_tokens]
+        # only the segment's last page is partly filled; earlier pages pass the test whole
+        col = j * page_tokens + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where(col < length, s, MASK_VALUE)
         m_prev = m_sc[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 128]
-        p = jnp.exp(s - jnp.tile(m_next, (1, block // LANES)))
+        p = jnp.exp(s - jnp.tile(m_next, (1, page_tokens // LANES)))
         alpha = jnp.exp(m_prev - m_next)
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         m_sc[...] = m_next
-        pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, d]
         acc_sc[...] = acc_sc[...] * _widen(alpha, acc_sc.shape[1]) + pv
 
     @pl.when(j == steps - 1)
     def _finish():
         total, m = l_sc[...], m_sc[...]
+        # no step ran (prefix_len 0): out 0 and an LSE the merge weighs exp(-huge) = 0
         empty = total == 0.0
         safe = jnp.where(empty, 1.0, total)
         o_ref[...] = (acc_sc[...] / _widen(safe, acc_sc.shape[1])).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(empty, MASK_VALUE, m + jnp.log(safe))
 
 
-def prefix_rows(q_rows: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array, group: int):
-    """The prefix part on row layout. q_rows: [kv, n * g, d]; prefix_k, prefix_v: [s, kv, d].
-    Returns out [kv, n * g, d] and lse [kv, n * g, 128] float32 (lane-replicated)."""
+def paged_prefix_rows(q_rows: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta, group: int):
+    """The prefix part on row layout. q_rows: [kv, T * g, d]; pool_k, pool_v:
+    [layers, kv, pages, page_tokens, d]. Returns out [kv, T * g, d] and lse
+    [kv, T * g, 128] float32 (lane-replicated)."""
     kv_heads, rows, d = q_rows.shape
-    s = prefix_k.shape[0]
-    block = min(PREFIX_BLOCK, s)
+    page_tokens = pool_k.shape[3]
+    slots = meta.page_table.shape[1]  # P: pages per segment, one grid step each
     r = group * ITEM_BLOCK
-    kt, vt = prefix_k.transpose(1, 0, 2), prefix_v.transpose(1, 0, 2)  # [kv, s, d]
-    steps = s // block
 
-    def kv_map(h, i, j, len_ref):
-        # past the prefix, repeat the last real block: Pallas skips the copy of an unchanged block
+    def kv_map(h, i, j, seg_ref, table_ref, len_ref, layer_ref):
+        seg = seg_ref[i]
+        # past the prefix, repeat the last real page: Pallas skips the copy of an unchanged block.
         # lax.div: lengths are non-negative, and `//` lowers through sign(), which Mosaic
         # resolves against the chip it runs on
-        last = jnp.maximum(jax.lax.div(len_ref[0] + block - 1, block) - 1, 0)
-        return (h, jnp.minimum(j, last), 0)
+        last = jnp.maximum(jax.lax.div(len_ref[seg] + page_tokens - 1, page_tokens) - 1, 0)
+        return (layer_ref[0], h, table_ref[seg * slots + jnp.minimum(j, last)], 0, 0)
 
-    kernel = functools.partial(_prefix_kernel, block=block, scale=d**-0.5, steps=steps)
-    out, lse = pl.pallas_call(
+    row_map = lambda h, i, j, *_: (h, i, 0)
+    kernel = functools.partial(_prefix_kernel, scale=d**-0.5, steps=slots)
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(kv_heads, rows // r, steps),
+            num_scalar_prefetch=4,
+            grid=(kv_heads, rows // r, slots),
             in_specs=[
-                pl.BlockSpec((None, r, d), lambda h, i, j, _: (h, i, 0)),
-                pl.BlockSpec((None, block, d), kv_map),
-                pl.BlockSpec((None, block, d), kv_map),
+                pl.BlockSpec((None, r, d), row_map),
+                pl.BlockSpec((None, None, None, page_tokens, d), kv_map),
+                pl.BlockSpec((None, None, None, page_tokens, d), kv_map),
             ],
             out_specs=[
-                pl.BlockSpec((None, r, d), lambda h, i, j, _: (h, i, 0)),
-                pl.BlockSpec((None, r, LANES), lambda h, i, j, _: (h, i, 0)),
+                pl.BlockSpec((None, r, d), row_map),
+                pl.BlockSpec((None, r, LANES), row_map),
             ],
             scratch_shapes=[
                 pltpu.VMEM((r, LANES), jnp.float32),
@@ -176,23 +199,29 @@ def prefix_rows(q_rows: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, pre
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=_interpret(),
-    )(jnp.reshape(prefix_len, (1,)).astype(jnp.int32), q_rows, kt, vt)
-    return out, lse
+    )(
+        meta.segment_ids[::ITEM_BLOCK].astype(jnp.int32),  # [T / 128]: one segment per query block
+        meta.page_table.reshape(-1).astype(jnp.int32),  # [S * P]: SMEM holds 1-D arrays compactly
+        meta.prefix_len.astype(jnp.int32),  # [S]
+        jnp.reshape(meta.layer, (1,)).astype(jnp.int32),  # [1]
+        q_rows,
+        pool_k,
+        pool_v,
+    )
 
 
-def prefix_attention(
-    q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
+def paged_prefix_attention(
+    q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
 ) -> tuple[jax.Array, jax.Array]:
-    """All item-token queries against the prefix. q: [n, heads, d]; prefix_k, prefix_v: [s, kv, d].
-    Returns out [n, heads, d] and lse [n, heads] float32."""
+    """Every token against its segment's prefix pages (kernels/paged.py). q: [T, heads, d];
+    pool_k, pool_v: [layers, kv, pages, page_tokens, d]. Returns out [T, heads, d] and lse
+    [T, heads] float32 (<= MASK_VALUE / 2, out 0, where the segment's prefix_len is 0)."""
     n, heads, d = q.shape
-    s, kv_heads, _ = prefix_k.shape
-    if d % 64 or s % LANES:
-        return xla.prefix_attention(q, prefix_k, prefix_v, prefix_len)
-    pad = -n % ITEM_BLOCK
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
-    out, lse = prefix_rows(to_rows(qp, kv_heads), prefix_k, prefix_v, prefix_len, heads // kv_heads)
-    return from_rows(out, heads)[:n], lse_from_rows(lse, heads)[:n]
+    kv_heads = pool_k.shape[1]
+    if not _pages_supported(n, d, pool_k.shape[3]):
+        return xla.paged_prefix_attention(q, pool_k, pool_v, meta)
+    out, lse = paged_prefix_rows(to_rows(q, kv_heads), pool_k, pool_v, meta, heads // kv_heads)
+    return from_rows(out, heads), lse_from_rows(lse, heads)
 
 
 # ---- ragged item part ----------------------------------------------------------------
@@ -229,22 +258,23 @@ def _ragged_kernel(first_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, *,
     lse_ref[...] = m + jnp.log(total)
 
 
-def segment_starts(segment_ids: jax.Array) -> jax.Array:
-    """[n] -> the stream index where each token's (contiguous) segment starts."""
+def segment_starts(segment_ids: jax.Array, boundary: int = 0) -> jax.Array:
+    """[n] -> the stream index where each token's (contiguous) segment starts. A segment
+    also starts at `boundary` (the region split), whatever the ids on either side."""
     idx = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
-    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]])
+    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]]) | (idx == boundary)
     return jax.lax.cummax(jnp.where(is_start, idx, 0))
 
 
-def ragged_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, group: int):
-    """The item part on row layout. q_rows: [kv, n * g, d]; k, v: [n, kv, d]; segment_ids: [n].
-    Returns out [kv, n * g, d] and lse [kv, n * g, 128] float32."""
+def ragged_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, group: int):
+    """The item part on row layout. q_rows: [kv, n * g, d]; k, v: [n, kv, d]; starts: [n], the
+    stream index where each token's item starts. Returns out [kv, n * g, d] and lse
+    [kv, n * g, 128] float32."""
     kv_heads, rows, d = q_rows.shape
     n = k.shape[0]
     r = group * ITEM_BLOCK
-    starts = segment_starts(segment_ids)
     first = starts[::ITEM_BLOCK] // ITEM_BLOCK  # [n / 128]: first key block each query block needs
-    start_lanes = jnp.broadcast_to(starts[:, None], (n, LANES))
+    start_lanes = jnp.broadcast_to(starts[:, None], (n, LANES))  # [n, 128]
     kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [kv, n, d]
     kernel = functools.partial(_ragged_kernel, group=group, scale=d**-0.5)
     return pl.pallas_call(
@@ -275,10 +305,6 @@ def ragged_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     )(first.astype(jnp.int32), q_rows, start_lanes, kt, vt)
 
 
-def _fits_vmem(n: int, d: int, dtype: jnp.dtype) -> bool:
-    return 4 * n * d * jnp.dtype(dtype).itemsize <= VMEM_STREAM_BYTES  # K and V, double-buffered
-
-
 def ragged_item_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int
 ) -> tuple[jax.Array, jax.Array]:
@@ -289,21 +315,8 @@ def ragged_item_attention(
     kv_heads = k.shape[1]
     if not (_supported(n, d) and _fits_vmem(n, d, k.dtype)):
         return xla.ragged_item_attention(q, k, v, segment_ids, max_item_len)
-    out, lse = ragged_rows(to_rows(q, kv_heads), k, v, segment_ids, heads // kv_heads)
+    out, lse = ragged_rows(to_rows(q, kv_heads), k, v, segment_starts(segment_ids), heads // kv_heads)
     return from_rows(out, heads), lse_from_rows(lse, heads)
-
-
-def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Causal attention within each row (the query prefill's chunk; padded item batches).
-    q: [b, t, heads, d]; k, v: [b, t, kv, d]. Returns out [b, t, heads, d], lse [b, t, heads]."""
-    if q.shape[1] % ITEM_BLOCK:
-        return xla.item_attention(q, k, v)
-    return padded_items_from_ragged(ragged_item_attention, q, k, v)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Plain causal self-attention. q: [b, s, heads, d]; k, v: [b, s, kv, d] -> [b, s, heads, d]."""
-    return item_attention(q, k, v)[0]
 
 
 # ---- merge ---------------------------------------------------------------------------
@@ -345,34 +358,23 @@ def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b:
     return out.reshape(out_a.shape)
 
 
-# ---- composites ------------------------------------------------------------------------
-def ragged_shared_prefix_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array,
-    max_item_len: jax.Array | int,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prefix_len: jax.Array,
+# ---- composite -------------------------------------------------------------------------
+def paged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
 ) -> jax.Array:
-    """Packed items over one prefix: q [n, heads, d]; k, v [n, kv, d]; segment_ids [n];
-    prefix_k/v [s, kv, d] -> [n, heads, d]. Prefix part, item part and merge stay in row
-    layout: the queries are regrouped once and the output once."""
+    """A device call's whole stream (kernels/paged.py): q [T, heads, d]; k, v [T, kv, d]; pool_k,
+    pool_v [layers, kv, pages, page_tokens, d] -> [T, heads, d]. Prefix part, item part and
+    merge stay in row layout: the queries are regrouped once and the output once."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    s = prefix_k.shape[0]
-    if not (_supported(n, d) and _fits_vmem(n, d, k.dtype) and s % LANES == 0):
-        return xla.ragged_shared_prefix_attention(q, k, v, segment_ids, max_item_len, prefix_k, prefix_v, prefix_len)
+    if not (_pages_supported(n, d, pool_k.shape[3]) and _fits_vmem(n, d, k.dtype) and meta.split % SEGMENT_ALIGN == 0):
+        return xla.paged_attention(q, k, v, pool_k, pool_v, meta)
     group = heads // kv_heads
-    q_rows = to_rows(q, kv_heads)
-    out_p, lse_p = prefix_rows(q_rows, prefix_k, prefix_v, prefix_len, group)
-    out_i, lse_i = ragged_rows(q_rows, k, v, segment_ids, group)
+    q_rows = to_rows(q, kv_heads)  # [kv, T * g, d]
+    out_p, lse_p = paged_prefix_rows(q_rows, pool_k, pool_v, meta, group)
+    # The causal part of both regions in one call, not one per region (causal_by_region):
+    # an item starting at `split` at the latest, the kernel's loop for an item-region block
+    # never reaches back into the prefill chunks, so short items already skip their blocks,
+    # and no row slices of the regions are copied out and concatenated back.
+    out_i, lse_i = ragged_rows(q_rows, k, v, segment_starts(meta.item_ids, meta.split), group)
     return from_rows(merge_rows(out_p, lse_p, out_i, lse_i, group * ITEM_BLOCK), heads)
-
-
-def shared_prefix_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
-) -> jax.Array:
-    """Padded item batches over one prefix. q: [b, t, heads, d]; k, v: [b, t, kv, d] -> [b, t, heads, d]."""
-    return padded_from_ragged(ragged_shared_prefix_attention, q, k, v, prefix_k, prefix_v, prefix_len)

@@ -1,9 +1,8 @@
 """Reference shared-prefix attention in plain jax.numpy: the oracle for every fast path.
 
 Shapes use these letters:
-  n  item-token queries folded into one sequence (batch * item_len)
-  b  items in a device batch, t item length (padded)
-  s  prefix length (padded bucket)
+  n, T  tokens of a call's stream (items packed back to back, prefill chunks)
+  s  prefix keys (dense); S segments, P pages per segment (kernels/paged.py)
   k  kv heads, g query heads per kv head (grouped-query attention), d head dim
 
 Grouped-query attention is expressed by reshaping the query heads to
@@ -16,6 +15,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region
+
+# the oracle takes a segment starting at any token
+SEGMENT_ALIGN = 1
 
 # Finite, so a fully masked row gives a very negative LSE instead of NaN; the
 # merge then weighs that part by exp(-huge) = 0.
@@ -42,10 +46,10 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[
 def prefix_attention(
     q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """All item-token queries of a batch against the one shared prefix, no causal mask.
+    """Queries against one dense prefix, no causal mask.
 
     q: [n, heads, d]; prefix_k, prefix_v: [s, kv_heads, d]; prefix_len: scalar int,
-    keys at positions >= prefix_len are bucket padding and are masked.
+    keys at positions >= prefix_len are masked.
     Returns out [n, heads, d] and lse [n, heads] float32.
     """
     n, heads, d = q.shape
@@ -56,19 +60,36 @@ def prefix_attention(
     return out.reshape(n, heads, d), lse.reshape(n, heads)
 
 
-def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Causal attention of each item over its own tokens only.
+def segment_prefix(pool: jax.Array, meta: PagedAttentionMeta, segment: jax.Array | int) -> jax.Array:
+    """One segment's prefix keys (or values) gathered dense from the pool: [P * page_tokens, kv, d]."""
+    pages = pool[meta.layer][:, meta.page_table[segment]]  # [kv, P, page_tokens, d]
+    kv_heads, p, page_tokens, d = pages.shape
+    return pages.reshape(kv_heads, p * page_tokens, d).transpose(1, 0, 2)
 
-    q: [b, t, heads, d]; k, v: [b, t, kv_heads, d]. Padding sits after an item's
-    real tokens, so the causal mask alone keeps it out of every real token.
-    Returns out [b, t, heads, d] and lse [b, t, heads] float32.
+
+def paged_prefix_attention(
+    q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
+) -> tuple[jax.Array, jax.Array]:
+    """Every token against its own segment's prefix pages, no causal mask (kernels/paged.py).
+
+    q: [T, heads, d]; pool_k, pool_v: [layers, kv, pages, page_tokens, d]. The oracle: each
+    segment's pages gathered dense, all tokens attended, rows of that segment kept.
+    Returns out [T, heads, d] and lse [T, heads] float32 (MASK_VALUE where prefix_len is 0).
     """
-    b, t, heads, d = q.shape
-    kv_heads = k.shape[2]
-    qg = q.reshape(b, t, kv_heads, heads // kv_heads, d)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    out, lse = _attend(qg, k, v, causal[None, None, None])
-    return out.reshape(b, t, heads, d), lse.reshape(b, t, heads)
+    n, heads, _ = q.shape
+
+    def segment(s: jax.Array, acc: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        out, lse = prefix_attention(
+            q, segment_prefix(pool_k, meta, s), segment_prefix(pool_v, meta, s), meta.prefix_len[s]
+        )
+        mine = (meta.segment_ids == s)[:, None]
+        return jnp.where(mine[..., None], out, acc[0]), jnp.where(mine, lse, acc[1])
+
+    init = (jnp.zeros(q.shape, q.dtype), jnp.full((n, heads), MASK_VALUE, jnp.float32))
+    out, lse = jax.lax.fori_loop(0, meta.page_table.shape[0], segment, init)
+    # a segment with no prefix saw only masked keys: weigh it 0 in the merge
+    empty = (jnp.take(meta.prefix_len, meta.segment_ids) == 0)[:, None]
+    return jnp.where(empty[..., None], 0, out).astype(q.dtype), jnp.where(empty, MASK_VALUE, lse)
 
 
 def ragged_item_attention(
@@ -103,45 +124,11 @@ def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b:
     return merged.astype(out_a.dtype)
 
 
-def shared_prefix_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prefix_len: jax.Array,
+def paged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
 ) -> jax.Array:
-    """Items as parallel sequences over one shared prefix (DESIGN.md, Hydragen split).
-
-    q: [b, t, heads, d]; k, v: [b, t, kv_heads, d]; prefix_k, prefix_v: [s, kv_heads, d].
-    Returns [b, t, heads, d].
-    """
-    b, t, heads, d = q.shape
-    out_p, lse_p = prefix_attention(q.reshape(b * t, heads, d), prefix_k, prefix_v, prefix_len)
-    out_i, lse_i = item_attention(q, k, v)
-    return merge_attention(out_p.reshape(b, t, heads, d), lse_p.reshape(b, t, heads), out_i, lse_i)
-
-
-def ragged_shared_prefix_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array,
-    max_item_len: jax.Array | int,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prefix_len: jax.Array,
-) -> jax.Array:
-    """Packed items over one shared prefix: q [n, heads, d]; k, v [n, kv_heads, d];
-    segment_ids [n]; prefix_k, prefix_v [s, kv_heads, d]. Returns [n, heads, d]."""
-    out_p, lse_p = prefix_attention(q, prefix_k, prefix_v, prefix_len)
-    out_i, lse_i = ragged_item_attention(q, k, v, segment_ids, max_item_len)
+    """The whole attention of a device call's stream (kernels/paged.py): prefix part from the
+    pool, causal part per item, merged. q: [T, heads, d]; k, v: [T, kv, d]. Returns [T, heads, d]."""
+    out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
+    out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta)
     return merge_attention(out_p, lse_p, out_i, lse_i)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Plain causal self-attention (query prefill, full forward passes).
-
-    q: [b, s, heads, d]; k, v: [b, s, kv_heads, d]. Returns [b, s, heads, d].
-    """
-    return item_attention(q, k, v)[0]

@@ -2,11 +2,14 @@
 
 The fast paths are tested on CPU (interpret mode, and lowered for their backends), but
 a backend compiler can still miscompile a kernel on the hardware it meets. The server
-runs this once before it reports SERVING: the two calls the model makes per layer
-(packed items over a prefix, and the prefill's chunk) at the model's head shapes and
-dtype, on inputs the kernels tile without falling back, compared with
+runs this once before it reports SERVING: the attention the decoder runs per layer (a
+call's stream over the paged pool: a prefill chunk, items of several queries, whole
+sequences over no prefix) at the model's head shapes and dtype, compared with
 kernels/reference.py computed on the same device at full precision. A mismatch stops
 start-up with a message naming the function, instead of serving wrong scores.
+
+`case()` is also the kernel tests' input: one generator of the stream shapes every
+implementation must get right.
 """
 
 from __future__ import annotations
@@ -18,49 +21,93 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixscore.kernels import reference
+from prefixscore.kernels.paged import PagedAttentionMeta
 
 # max |fast - reference| allowed, by dtype (the kernel tests' budgets)
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
-PREFIX_KEYS = 512  # a whole block of every prefix kernel; 300 of them are real
-STREAM_TOKENS = 256  # packed items: a multiple of every kernel's token block
-ITEM_LENGTHS = (1, 20, 63, 64, 65, 40)  # items across block edges; the rest is one padding segment
+PAGE_TOKENS = 128
+POOL_PAGES = 24
+PAGES_PER_SEGMENT = 8
+ALIGN = 128  # segment starts: a multiple of every implementation's SEGMENT_ALIGN
+SPLIT = 256  # the prefill region
+STREAM_TOKENS = 1024
 
 
 class KernelCheckFailed(RuntimeError):
     """The attention implementation disagrees with the reference on this device."""
 
 
-def _inputs(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype, seed: int) -> dict[str, jax.Array]:
+def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed: int = 0) -> dict:
+    """One call's stream over a paged pool, with every kind of segment:
+
+    prefill region (256 tokens): a 200-token chunk of query A at 300 (its first 300 tokens
+    already in its pages) and padding;
+    item region: items of query A (prefix 500, pages out of order) across the 128-token
+    blocks, items of query B (prefix 128: one whole page), whole sequences over no prefix,
+    items of query C (prefix 1: one key), then padding (no prefix).
+    Returns q, k, v [T, ...], pool_k, pool_v [2, kv, pages, 128, d] and meta (layer 1).
+    """
     rng = np.random.default_rng(seed)
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-    segments = np.repeat(np.arange(len(ITEM_LENGTHS)), ITEM_LENGTHS)
-    segments = np.concatenate([segments, np.full(STREAM_TOKENS - len(segments), len(ITEM_LENGTHS))])
+    dtype = jnp.dtype(dtype)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    pages = rng.permutation(POOL_PAGES)
+    table = np.zeros((6, PAGES_PER_SEGMENT), np.int32)
+    table[1, :4] = pages[:4]  # query A: 4 pages (500 tokens after the chunk)
+    table[2, :1] = pages[4:5]  # query B
+    table[3, :1] = pages[5:6]  # query C
+    table[4] = table[1]  # the chunk of query A reads the same pages
+    prefix_len = np.array([0, 500, 128, 1, 300, 0], np.int32)
+    segment_ids = np.zeros(STREAM_TOKENS, np.int32)
+    item_ids = np.zeros(STREAM_TOKENS, np.int32)
+    # (start, segment, item lengths); the region and segment starts are multiples of ALIGN
+    layout = [
+        (0, 4, [200]),
+        (SPLIT, 1, [20, 1, 63, 64, 65, 40]),
+        (SPLIT + 256, 2, [5, 90]),
+        (SPLIT + 384, 0, [17, 100]),
+        (SPLIT + 512, 3, [3]),
+        (SPLIT + 640, 5, [128]),  # the stream's tail padding: its own segment (no prefix) and item
+    ]
+    item = 0
+    for start, seg, lengths in layout:
+        at = start
+        for n in lengths:
+            segment_ids[at : at + n] = seg
+            item_ids[at : at + n] = item
+            item += 1
+            at += n
+        end = (-(-at // ALIGN)) * ALIGN
+        segment_ids[at:end] = seg  # padding continues the segment and its last item
+        item_ids[at:end] = item - 1
+    longest = [200, 100]
+    meta = PagedAttentionMeta(
+        segment_ids=jnp.asarray(segment_ids),
+        item_ids=jnp.asarray(item_ids),
+        page_table=jnp.asarray(table),
+        prefix_len=jnp.asarray(prefix_len),
+        max_item_len=jnp.asarray(longest, jnp.int32),
+        layer=jnp.int32(1),
+        split=SPLIT,
+    )
+    pool = (2, kv_heads, POOL_PAGES, PAGE_TOKENS, head_dim)
     return {
         "q": normal(STREAM_TOKENS, heads, head_dim),
         "k": normal(STREAM_TOKENS, kv_heads, head_dim),
         "v": normal(STREAM_TOKENS, kv_heads, head_dim),
-        "segment_ids": jnp.asarray(segments, jnp.int32),
-        "prefix_k": normal(PREFIX_KEYS, kv_heads, head_dim),
-        "prefix_v": normal(PREFIX_KEYS, kv_heads, head_dim),
-        "prefix_len": jnp.int32(300),
+        "pool_k": normal(*pool),
+        "pool_v": normal(*pool),
+        "meta": meta,
     }
 
 
-def _calls(impl: ModuleType, x: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The attention the decoder runs, through `impl`: items over a prefix, and a prefill chunk
-    (its causal part over itself, [1, t, heads, d], merged with its prefix part)."""
-    items = impl.ragged_shared_prefix_attention(
-        x["q"], x["k"], x["v"], x["segment_ids"], max(ITEM_LENGTHS), x["prefix_k"], x["prefix_v"], x["prefix_len"]
-    )
-    out_p, lse_p = impl.prefix_attention(x["q"], x["prefix_k"], x["prefix_v"], x["prefix_len"])
-    out_c, lse_c = impl.item_attention(x["q"][None], x["k"][None], x["v"][None])
-    chunk = impl.merge_attention(out_p[None], lse_p[None], out_c, lse_c)[0]
-    return {"ragged_shared_prefix_attention": items, "prefill_chunk_attention": chunk}
+def _calls(impl: ModuleType, x: dict) -> dict[str, jax.Array]:
+    """The attention the decoder runs, through `impl`."""
+    return {"paged_attention": impl.paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])}
 
 
 def check(impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str, *, seed: int = 0) -> dict[str, float]:
     """Max |impl - reference| per call, computed on the default device. Pure: raises nothing."""
-    x = _inputs(heads, kv_heads, head_dim, jnp.dtype(dtype), seed)
+    x = case(heads, kv_heads, head_dim, dtype, seed)
     fast = jax.jit(lambda a: _calls(impl, a))(x)
     with jax.default_matmul_precision("highest"):  # no TF32 in the oracle on GPUs
         exact = jax.jit(lambda a: _calls(reference, a))(x)

@@ -27,17 +27,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region, segment_runs
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
-__all__ = [
-    "causal_attention",
-    "item_attention",
-    "merge_attention",
-    "prefix_attention",
-    "ragged_item_attention",
-    "ragged_shared_prefix_attention",
-    "shared_prefix_attention",
-]
+__all__ = ["merge_attention", "paged_attention", "paged_prefix_attention", "ragged_item_attention"]
+
+# the CPU loops start a query block at any token, so segments need no alignment
+SEGMENT_ALIGN = 1
 
 # Tile sizes (measured on a 2-core Sapphire Rapids, docs/benchmarks.md): a [kv, Q_BLOCK * group,
 # K_CHUNK] float32 score tile is a few MB; 32-token item blocks keep the item part's
@@ -46,8 +42,6 @@ Q_BLOCK = 256
 K_CHUNK = 1024
 ITEM_BLOCK = 32
 LONG_ITEM_BLOCK = 128
-# causal attention: query and key blocks of this many tokens
-CAUSAL_BLOCK = 512
 
 
 def _with_ones(v: jax.Array) -> jax.Array:
@@ -188,31 +182,6 @@ def dense_masked_attention(
     return from_rows(out, heads).astype(q.dtype)
 
 
-def _prefix_chunk(n: int, s: int) -> int:
-    # a prefill chunk of n queries attends to a multiple of n keys: chunks of n waste nothing
-    chunk = min(K_CHUNK, max(n, 256))
-    return chunk if s % chunk == 0 else s
-
-
-def prefix_attention(
-    q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """All item-token queries against the shared prefix, no causal mask.
-
-    q: [n, heads, d]; prefix_k, prefix_v: [s, kv_heads, d]; prefix_len: int32 scalar
-    (keys at >= prefix_len are padding). Chunks wholly inside the prefix run unmasked in
-    a loop of prefix_len // chunk steps; one masked step takes the remainder, so the
-    padding of the bucket is never computed and full chunks skip the mask pass.
-    Returns out [n, heads, d] (q.dtype) and lse [n, heads] float32.
-    """
-    n, heads, _ = q.shape
-    s, kv_heads, _ = prefix_k.shape
-    qr = to_rows(_pad_rows(q, Q_BLOCK), kv_heads)
-    kt, vt1 = prefix_k.transpose(1, 0, 2), _with_ones(prefix_v.transpose(1, 0, 2))
-    out, lse = prefix_rows(qr, kt, vt1, prefix_len, heads // kv_heads, _prefix_chunk(n, s))
-    return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
-
-
 def ragged_rows(
     qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int, group: int
 ) -> tuple[jax.Array, jax.Array]:
@@ -328,88 +297,95 @@ def ragged_item_attention(
     return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
 
 
-def item_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Causal attention within each row (the prefill chunk's own tokens, padded item batches).
+def _segment_chunk(
+    flat_pool: jax.Array, index: jax.Array, pages: jax.Array, kv_heads: int, page_tokens: int
+) -> jax.Array:
+    """Gather pages of every kv head straight into the [kv, pages * page_tokens, d] layout the
+    matmuls want. flat_pool: the pool viewed as [layers * kv * pool_pages, page_tokens, d] (a free
+    reshape, so no layer slice is ever copied); index: (layer * kv + head) * pool_pages per head."""
+    rows = index[:, None] + pages[None, :]  # [kv, chunk_pages]
+    return jnp.take(flat_pool, rows, axis=0).reshape(kv_heads, pages.shape[0] * page_tokens, -1)
 
-    q: [b, t, heads, d]; k, v: [b, t, kv_heads, d]. Returns out [b, t, heads, d], lse [b, t, heads] float32.
-    Query blocks of CAUSAL_BLOCK tokens; block i runs an unmasked online softmax over key
-    blocks 0 .. i - 1 (a loop of i steps) and one causally masked step on its diagonal
-    block, so only the lower triangle (at block granularity) is computed.
-    """
-    b, t, heads, d = q.shape
-    kv_heads = k.shape[2]
-    g = heads // kv_heads
-    blk = min(CAUSAL_BLOCK, t)
+
+def paged_prefix_rows(
+    qr: jax.Array, n: int, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta, group: int
+) -> tuple[jax.Array, jax.Array]:
+    """Prefix part on rows. qr: [kv, rows, d] with rows >= (n + Q_BLOCK) * group (room for a block
+    starting at any token). Per contiguous run of a segment: query blocks of Q_BLOCK tokens from the
+    run's first token, each an online softmax over its segment's pages, K_CHUNK keys (whole pages)
+    a step, gathered from the pool; only the last step is masked, and steps stop at prefix_len.
+    Rows outside the run are left as they were. Returns out [kv, rows, d], lse [kv, rows] float32
+    (rows of segments without a prefix: 0 and MASK_VALUE)."""
+    kv_heads, rows, d = qr.shape
+    _, _, pool_pages, page_tokens, _ = pool_k.shape
+    table = meta.page_table
+    chunk_pages = max(1, min(K_CHUNK // page_tokens, table.shape[1]))
+    chunk = chunk_pages * page_tokens
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % chunk_pages)))  # whole chunks of page ids
+    flat_k = pool_k.reshape(-1, page_tokens, d)
+    flat_v = pool_v.reshape(-1, page_tokens, d)
+    head_index = (meta.layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)) * pool_pages
+    starts, ends, count = segment_runs(meta.segment_ids, n)
+    r = Q_BLOCK * group
+    token = jnp.repeat(jnp.arange(Q_BLOCK, dtype=jnp.int32), group)  # row -> token within its block
     scale = d**-0.5
-    pad = -t % blk
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-    nb = (t + pad) // blk
-    qx = q.reshape(b, nb, blk, kv_heads, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b * nb, kv_heads, blk * g, d)
-    kt = k.transpose(0, 2, 1, 3)  # [b, kv, t, d]
-    vt = _with_ones(v.transpose(0, 2, 1, 3))
-    q_pos = jnp.repeat(jnp.arange(blk), g)[:, None]  # row r is token r // g of its block
 
-    def block(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        qblk, index = args
-        row, i = index // nb, index % nb
+    def run(i: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        start, end = starts[i], ends[i]
+        seg = meta.segment_ids[start]
+        length = meta.prefix_len[seg]
+        pages = table[seg]
+        full = length // chunk
 
-        def step(j: jax.Array, carry: tuple[jax.Array, jax.Array], masked: bool) -> tuple[jax.Array, jax.Array]:
-            kc = jax.lax.dynamic_slice(kt, (row, 0, j * blk, 0), (1, kv_heads, blk, d))[0]
-            vc = jax.lax.dynamic_slice(vt, (row, 0, j * blk, 0), (1, kv_heads, blk, d + 1))[0]
+        def step(qblk: jax.Array, c: jax.Array, carry, masked: bool):
+            ids = jax.lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages)
+            kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens)
+            vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens))
             sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
-            if masked:  # the diagonal block: key c visible to row r when c <= token(r)
-                sc = jnp.where(jnp.arange(blk)[None, :] <= q_pos, sc, MASK_VALUE)
+            if masked:
+                sc = jnp.where(c * chunk + jnp.arange(chunk) < length, sc, MASK_VALUE)
             return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
 
-        init = (
-            jnp.full((kv_heads, blk * g), MASK_VALUE, jnp.float32),
-            jnp.zeros((kv_heads, blk * g, d + 1), jnp.float32),
-        )
-        carry = jax.lax.fori_loop(0, i, lambda j, c: step(j, c, False), init)
-        return _finish(*step(i, carry, True), q.dtype)
+        def block(b: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            at = (start + b * Q_BLOCK) * group
+            qblk = jax.lax.dynamic_slice_in_dim(qr, at, r, axis=1)
+            init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
+            carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c, cr, False), init)
+            carry = jax.lax.cond(length > full * chunk, lambda cr: step(qblk, full, cr, True), lambda cr: cr, carry)
+            out, lse = _finish(*carry, jnp.float32)
+            mine = start + b * Q_BLOCK + token < end  # [r]: rows of this run (a block may overhang it)
+            old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
+            old_lse = jax.lax.dynamic_slice_in_dim(outs[1], at, r, axis=1)
+            return (
+                jax.lax.dynamic_update_slice_in_dim(outs[0], jnp.where(mine[:, None], out, old_out), at, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(outs[1], jnp.where(mine, lse, old_lse), at, axis=1),
+            )
 
-    out, lse = jax.lax.map(block, (qx, jnp.arange(b * nb)))
-    out = out.reshape(b, nb, kv_heads, blk, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b, nb * blk, heads, d)
-    lse = lse.reshape(b, nb, kv_heads, blk, g).transpose(0, 1, 3, 2, 4).reshape(b, nb * blk, heads)
-    return out[:, :t], lse[:, :t]
+        blocks = jnp.where(length > 0, (end - start + Q_BLOCK - 1) // Q_BLOCK, 0)
+        return jax.lax.fori_loop(0, blocks, block, outs)
 
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Plain causal self-attention. q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] -> [b, s, heads, d]."""
-    return item_attention(q, k, v)[0]
-
-
-def shared_prefix_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
-) -> jax.Array:
-    """Padded item batches over one prefix. q: [b, t, heads, d]; k, v: [b, t, kv, d]; prefix_k/v: [s, kv, d]."""
-    b, t, heads, d = q.shape
-    out_p, lse_p = prefix_attention(q.reshape(b * t, heads, d), prefix_k, prefix_v, prefix_len)
-    out_i, lse_i = item_attention(q, k, v)
-    return merge_attention(out_p.reshape(b, t, heads, d), lse_p.reshape(b, t, heads), out_i, lse_i)
+    init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.full((kv_heads, rows), MASK_VALUE, jnp.float32))
+    return jax.lax.fori_loop(0, count, run, init)
 
 
-def ragged_shared_prefix_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array,
-    max_item_len: jax.Array | int,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prefix_len: jax.Array,
-) -> jax.Array:
-    """Packed items over one prefix. q: [n, heads, d]; k, v: [n, kv, d]; segment_ids: [n] -> [n, heads, d].
-    Both parts and the merge stay in row layout and float32: one regrouping in, one out."""
+def paged_prefix_attention(
+    q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
+) -> tuple[jax.Array, jax.Array]:
+    """Every token against its segment's prefix pages (kernels/paged.py), tiled for CPUs: see
+    paged_prefix_rows. q: [T, heads, d]; pool_k, pool_v: [layers, kv, pages, page_tokens, d].
+    Returns out [T, heads, d] (q.dtype) and lse [T, heads] float32."""
     n, heads, _ = q.shape
-    s, kv_heads, _ = prefix_k.shape
-    g = heads // kv_heads
-    multiple = max(Q_BLOCK, LONG_ITEM_BLOCK)
-    qr = to_rows(_pad_rows(q, multiple), kv_heads)
-    kt, vt1, seg = _ragged_inputs(k, v, segment_ids, multiple)
-    pkt, pvt1 = prefix_k.transpose(1, 0, 2), _with_ones(prefix_v.transpose(1, 0, 2))
-    out_p, lse_p = prefix_rows(qr, pkt, pvt1, prefix_len, g, _prefix_chunk(n, s))
-    out_i, lse_i = ragged_rows(qr, kt, vt1, seg, max_item_len, g)
-    out = merge_attention(out_p[..., None, :], lse_p[..., None], out_i[..., None, :], lse_i[..., None])[..., 0, :]
-    return from_rows(out, heads)[:n].astype(q.dtype)
+    kv_heads = pool_k.shape[1]
+    qr = to_rows(jnp.pad(q, ((0, Q_BLOCK), (0, 0), (0, 0))), kv_heads)
+    out, lse = paged_prefix_rows(qr, n, pool_k, pool_v, meta, heads // kv_heads)
+    return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
+
+
+def paged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
+) -> jax.Array:
+    """A call's whole stream: prefix part from the pool, causal part per region, merged in float32.
+    q: [T, heads, d]; k, v: [T, kv, d]. Returns [T, heads, d]."""
+    out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
+    out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta)
+    return merge_attention(out_p, lse_p, out_i, lse_i)

@@ -1,29 +1,20 @@
 """Shape buckets: every device call is padded to one of these, so each shape compiles once.
 
-The engine compiles two kinds of device call (model/engine.py):
+One kind of device call (model/step.py) serves everything: a prefill region of
+`prefill` tokens (0: none) for chunks of new queries, and an item region of
+`tokens` tokens per device for items of any number of queries. Executables are
+keyed by (prefill tokens, item tokens, labels) only: query lengths, item lengths,
+item counts and the number of queries in a call are runtime values.
 
-- prefill, one per `prefix` bucket: the query runs in chunks of `prefill_chunk`
-  tokens (or one chunk of a shorter bucket) into a KV buffer of the bucket's length; the chunk loop runs only as
-  many chunks as the query has, so a coarse bucket costs memory, not time;
-- items, one per (`tokens`, `prefix`, `labels`) combination: items (or whole
-  sequences) packed back to back, unpadded, into a stream of `tokens` tokens per
-  device, over a prefix KV of a `prefix` bucket. Item length and item count are
-  runtime values, not shapes, so they add no compilations.
-
-`item` and `batch` are the grouping the service's batcher uses (items of one
-length bucket, up to `batch_capacity` of them per device call); the engine does
-not compile per item length or batch size.
+The page table of a call has `segments` rows of `max_pages` pages (the longest
+prefix the context allows), whatever the call's queries: a prefix's length never
+shapes an executable.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-
-
-def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 2*lo, ... up to the first value >= hi."""
-    return geometric(lo, hi, 2)
 
 
 def geometric(lo: int, hi: int, ratio: int, cap: int | None = None) -> tuple[int, ...]:
@@ -44,49 +35,46 @@ def _round_up(n: int, multiple: int) -> int:
 class Buckets:
     """Padded sizes for every axis of a device call.
 
-    prefix: prefix KV lengths (multiples of prefill_chunk, or shorter); prefix[-1] is the longest
-      query, and the longest item_first sequence.
-    item, batch: the service batcher's grouping (item lengths; items per batch);
-      item[-1] is the longest item.
-    labels: label-id slots. max_batch_tokens: the packed stream length the engine
-      fills before starting another device call (bounds activation memory).
-    tokens: packed stream lengths per device (derived when empty: 256, then powers of 2
-      from 1024 to max_batch_tokens, then x4 to the longest item or sequence).
-    tokens_per_row: a stream of T tokens returns T // tokens_per_row item rows.
+    context: the longest sequence served (query + item, or an item_first sequence).
+    tokens: item-region lengths per device (derived when empty: 256, then powers of 2 from
+      1024 to max_batch_tokens, then x4 to the context).
+    prefill: prefill-region lengths, 0 first (derived: prefill_chunk, x2 ... max_prefill_tokens).
+    max_batch_tokens: the item region a call fills before another starts (bounds activation
+      memory); longer items and sequences run alone in a larger bucket.
+    prefill_chunk: a prefill chunk's longest run (its causal part is one item).
+    page_tokens: tokens per page of the prefix pool; segments: page-table rows per call.
+    labels: label ids per call (the union of its rows' label sets).
+    tokens_per_row: an item region of T tokens returns T // tokens_per_row rows.
     head_rows: rows per step of the vocabulary projection (a runtime loop).
     """
 
-    prefix: tuple[int, ...]
-    item: tuple[int, ...]
-    batch: tuple[int, ...]
+    context: int
+    tokens: tuple[int, ...] = ()
+    prefill: tuple[int, ...] = ()
     labels: tuple[int, ...] = (256,)
     max_batch_tokens: int = 8192
-    tokens: tuple[int, ...] = ()
-    prefill_chunk: int = 1024
+    prefill_chunk: int = 512
+    max_prefill_tokens: int = 4096
+    page_tokens: int = 128
+    segments: int = 64
     tokens_per_row: int = 4
     head_rows: int = 256
 
     def __post_init__(self) -> None:
-        # a prefix bucket is one prefill chunk, or holds whole chunks
-        chunk = self.prefill_chunk
-        prefix = {p if p <= chunk else _round_up(p, chunk) for p in self.prefix}
-        object.__setattr__(self, "prefix", tuple(sorted(prefix)))
         if not self.tokens:
-            longest = max(self.item[-1], self.prefix[-1])
-            # small requests: 256; then x2 steps, so a request's last, partial call wastes little
             short = (256, *geometric(1024, self.max_batch_tokens, 2, cap=self.max_batch_tokens))
-            long = geometric(self.max_batch_tokens, longest, 4, cap=_round_up(longest, 256))
-            object.__setattr__(self, "tokens", tuple(sorted({*short, *long})))
+            long = geometric(self.max_batch_tokens, self.context, 4, cap=_round_up(self.context, 256))
+            object.__setattr__(self, "tokens", tuple(sorted({t for t in (*short, *long) if t > 0})))
+        if not self.prefill:
+            chunks = geometric(self.prefill_chunk, self.max_prefill_tokens, 2, cap=self.max_prefill_tokens)
+            object.__setattr__(self, "prefill", (0, *chunks))
+        if self.prefill[0] != 0 or self.prefill[-1] < self.prefill_chunk:
+            raise ValueError(f"prefill buckets {self.prefill} must start at 0 and hold a chunk")
 
     @classmethod
-    def for_context(cls, context: int, max_batch: int = 512, max_batch_tokens: int = 8192) -> Buckets:
+    def for_context(cls, context: int, max_batch_tokens: int = 8192) -> Buckets:
         """Defaults for a model with this context: few buckets, so warm-up is a few dozen compilations."""
-        return cls(
-            prefix=geometric(512, context, 4, cap=context),
-            item=geometric(8, context, 2, cap=context),
-            batch=powers_of_two(1, max_batch),
-            max_batch_tokens=max_batch_tokens,
-        )
+        return cls(context=context, max_batch_tokens=max_batch_tokens)
 
     @staticmethod
     def fit(sizes: tuple[int, ...], n: int, axis: str) -> int:
@@ -96,43 +84,26 @@ class Buckets:
             raise ValueError(f"{axis} size {n} exceeds the largest bucket {sizes[-1]}")
         return sizes[i]
 
-    def batch_capacity(self, item_len_bucket: int) -> int:
-        """Most items of this padded length in one device batch (a batch bucket)."""
-        fits = max(1, self.max_batch_tokens // item_len_bucket)
-        return max([b for b in self.batch if b <= fits] or [self.batch[0]])
-
     @property
     def max_labels(self) -> int:
         return self.labels[-1]
 
-    def chunk(self, prefix_bucket: int) -> int:
-        """Prefill chunk length for a prefix bucket (the bucket itself when it is shorter)."""
-        return min(self.prefill_chunk, prefix_bucket)
+    @property
+    def max_pages(self) -> int:
+        """Pages of the longest prefix: a page-table row."""
+        return -(-self.context // self.page_tokens)
 
     def rows(self, tokens: int) -> int:
-        """Item rows a packed stream of `tokens` tokens returns."""
+        """Item rows an item region of `tokens` tokens returns."""
         return max(1, tokens // self.tokens_per_row)
 
-    def stream_for(self, tokens: int, items: int) -> int:
-        """The smallest stream bucket holding `tokens` tokens in at most rows() items."""
-        for t in self.tokens:
-            if t >= tokens and self.rows(t) >= items:
-                return t
-        raise ValueError(
-            f"a device batch of {items} items, {tokens} tokens exceeds the largest stream {self.tokens[-1]}"
-        )
-
-    def item_calls(self) -> list[tuple[int, int]]:
-        """Every (stream, prefix) bucket pair an items call can need.
-
-        A stream longer than max_batch_tokens only ever holds one item longer than the
-        stream bucket below it, so its prefix is at most prefix[-1] minus that length.
-        """
-        pairs = []
-        for i, t in enumerate(self.tokens):
-            longest_prefix = self.prefix[-1]
-            if t > self.max_batch_tokens and i > 0:
-                longest_prefix = max(self.prefix[-1] - self.tokens[i - 1], 1)
-            top = bisect.bisect_left(self.prefix, longest_prefix)
-            pairs += [(t, p) for p in self.prefix[: top + 1]]
-        return pairs
+    def call_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (prefill tokens, item tokens, labels) a call can have: a prefill region only
+        beside item regions up to max_batch_tokens (longer ones hold one long item alone)."""
+        out = []
+        for tp in self.prefill:
+            for ti in self.tokens:
+                if tp and ti > self.max_batch_tokens:
+                    continue
+                out += [(tp, ti, lb) for lb in self.labels]
+        return out

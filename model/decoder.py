@@ -31,8 +31,8 @@ import numpy as np
 from prefixscore.model.config import ModelConfig
 
 Params = dict[str, Any]
-# attend(q [b,t,heads,hd], k [b,t,kv,hd], v [b,t,kv,hd], per_layer_extra) -> [b,t,heads,hd]
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
+# attend(q [b,t,heads,hd], k [b,t,kv,hd], v [b,t,kv,hd], layer [] int32, state) -> ([b,t,heads,hd], state)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -96,27 +96,32 @@ def run_layers(
     x: jax.Array,
     positions: jax.Array,
     attend: AttendFn,
-    per_layer: Any = None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    state: Any = None,
+) -> tuple[jax.Array, Any]:
     """All decoder layers under one scan.
 
-    x: [b, t, hidden]; positions: [b, t] or [t]; per_layer: a pytree with a
-    leading layer axis handed to `attend` layer by layer (e.g. the prefix KV).
-    Returns the final hidden states [b, t, hidden] and the stacked post-RoPE
-    keys and values [layers, b, t, kv_heads, hd].
+    x: [b, t, hidden]; positions: [b, t] or [t]. `attend(q, k, v, layer, state)` returns the
+    attention output [b, t, heads, hd] and the new state: the state (e.g. the paged KV pool)
+    is carried through the layers, so a layer can write into it in place before it reads.
+    Returns the final hidden states [b, t, hidden] and the final state.
     """
 
-    def layer(h: jax.Array, xs: tuple[Params, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        lp, extra = xs
-        q, k, v = _qkv(lp, cfg, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions)
-        attn = attend(q, k, v, extra)
-        b, t = h.shape[:2]
-        h = h + attn.reshape(b, t, -1) @ lp["wo"]
-        y = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        h = h + (jax.nn.silu(y @ lp["w_gate"]) * (y @ lp["w_up"])) @ lp["w_down"]
-        return h, (k, v)
+    def layer(carry: tuple[jax.Array, Any], xs: tuple[Params, jax.Array]) -> tuple[tuple[jax.Array, Any], None]:
+        h, st = carry
+        lp, index = xs
+        with jax.named_scope("attention"):
+            q, k, v = _qkv(lp, cfg, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions)
+            attn, st = attend(q, k, v, index, st)
+            b, t = h.shape[:2]
+            h = h + attn.reshape(b, t, -1) @ lp["wo"]
+        with jax.named_scope("mlp"):
+            y = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+            h = h + (jax.nn.silu(y @ lp["w_gate"]) * (y @ lp["w_up"])) @ lp["w_down"]
+        return (h, st), None
 
-    return jax.lax.scan(layer, x, (params["layers"], per_layer))
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (h, state), _ = jax.lax.scan(layer, (x, state), (params["layers"], layers))
+    return h, state
 
 
 def output_weight(params: Params) -> jax.Array:
@@ -154,8 +159,3 @@ def label_probs(
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
     """tokens: [b, t] int32 -> [b, t, hidden] in the parameter dtype."""
     return jnp.take(params["embed"], tokens, axis=0)
-
-
-def last_hidden(h: jax.Array, lengths: jax.Array) -> jax.Array:
-    """h: [b, t, hidden], lengths: [b] -> hidden state at each row's last real token [b, hidden]."""
-    return jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]

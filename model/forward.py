@@ -1,8 +1,8 @@
-"""Jitted forward passes: query prefill, items over a shared prefix, and full sequences.
+"""The `packed` baseline: query and all items in one sequence under a block-diagonal mask.
 
-These are the padded-batch forms (one row per item or sequence): the oracle
-paths tests compare the engine against, and the `packed` baseline. The engine
-itself serves through model/ragged.py. All shapes are padded by the caller.
+What the seed system measured against (DESIGN.md's lessons): kept so the bench can
+report the prefix path's speed-up over it in the same run. The engine serves through
+model/step.py.
 """
 
 from __future__ import annotations
@@ -10,83 +10,10 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from prefixscore.kernels import dispatch, xla
+from prefixscore.kernels import xla
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.decoder import Params, embed, label_probs, last_hidden, run_layers
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl"))
-def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, attn_impl: str = "xla") -> tuple[jax.Array, jax.Array]:
-    """Run the query once and return its KV cache.
-
-    tokens: [s] int32, padded after the real tokens (causality keeps padding
-    out of real positions; the padded keys are masked later by prefix_len).
-    Returns keys, values: [layers, s, kv_heads, hd] (post-RoPE).
-    """
-    impl = dispatch.get(attn_impl)
-    x = embed(params, tokens[None])
-    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    _, (k, v) = run_layers(params, cfg, x, positions, lambda q, k, v, _: impl.causal_attention(q, k, v))
-    return k[:, 0], v[:, 0]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "apply_softmax", "attn_impl"))
-def score_items(
-    params: Params,
-    cfg: ModelConfig,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prefix_len: jax.Array,
-    items: jax.Array,
-    item_lens: jax.Array,
-    label_ids: jax.Array,
-    label_valid: jax.Array,
-    apply_softmax: bool,
-    attn_impl: str = "xla",
-) -> jax.Array:
-    """Score a batch of items as parallel sequences over one shared prefix.
-
-    prefix_k, prefix_v: [layers, s, kv_heads, hd]; prefix_len: scalar int32;
-    items: [b, t] int32 (padded); item_lens: [b] (>= 1); label_ids, label_valid: [labels].
-    Item token j sits at position prefix_len + j, as in a plain forward pass.
-    Returns label probabilities [b, labels] float32.
-    """
-    impl = dispatch.get(attn_impl)
-    x = embed(params, items)
-    positions = prefix_len + jnp.arange(items.shape[1], dtype=jnp.int32)
-
-    def attend(q, k, v, layer_prefix):
-        pk, pv = layer_prefix
-        return impl.shared_prefix_attention(q, k, v, pk, pv, prefix_len)
-
-    h, _ = run_layers(params, cfg, x, positions, attend, (prefix_k, prefix_v))
-    return label_probs(params, cfg, last_hidden(h, item_lens), label_ids, label_valid, apply_softmax)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "apply_softmax", "attn_impl"))
-def score_sequences(
-    params: Params,
-    cfg: ModelConfig,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    label_ids: jax.Array,
-    label_valid: jax.Array,
-    apply_softmax: bool,
-    attn_impl: str = "xla",
-) -> jax.Array:
-    """Plain causal forward of whole sequences, scored at each last real token.
-
-    Serves `item_first` and the `sequential` baseline. tokens: [b, s] int32
-    padded; lengths: [b]. Returns [b, labels] float32.
-    """
-    impl = dispatch.get(attn_impl)
-    x = embed(params, tokens)
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    h, _ = run_layers(params, cfg, x, positions, lambda q, k, v, _: impl.causal_attention(q, k, v))
-    return label_probs(params, cfg, last_hidden(h, lengths), label_ids, label_valid, apply_softmax)
-
+from prefixscore.model.decoder import Params, embed, label_probs, run_layers
 
 # the packed baseline's sequence length is padded to a multiple of this (a key chunk)
 PACKED_ALIGN = 1024
@@ -130,5 +57,5 @@ def score_packed(
     segment ids rather than shipped, which only flatters the baseline.
     """
     x = embed(params, tokens[None])
-    h, _ = run_layers(params, cfg, x, positions, lambda q, k, v, _: packed_attention(q, k, v, segments))
+    h, _ = run_layers(params, cfg, x, positions, lambda q, k, v, _, st: (packed_attention(q, k, v, segments), st))
     return label_probs(params, cfg, h[0, read_at], label_ids, label_valid, apply_softmax)

@@ -15,7 +15,7 @@ from prefixscore.model.buckets import Buckets  # noqa: E402
 from prefixscore.model.config import ModelConfig  # noqa: E402
 
 # Small buckets keep compile time of the test models to seconds.
-SMALL_BUCKETS = Buckets(prefix=(64, 128, 256, 512), item=(8, 16, 32, 64), batch=(1, 2, 4, 8, 16), max_batch_tokens=256)
+SMALL_BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)
 
 # a small Qwen3-style model for engine-level tests with random weights (model/weights.random_params)
 SMALL_QWEN3 = ModelConfig(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from prefixscore.kernels import dispatch, reference
+from prefixscore.kernels import dispatch, reference, selfcheck
 
 IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -48,33 +48,61 @@ def close(a: jax.Array, b: jax.Array, dtype) -> None:
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("prefix_len", [1, 300, 512])
-def test_prefix_attention(impl: str, prefix_len: int) -> None:
-    rng = np.random.default_rng(prefix_len)
-    n, heads, kv, d, s = 256, 4, 2, 64, 512
-    q, pk, pv = rand(rng, n, heads, d), rand(rng, s, kv, d), rand(rng, s, kv, d)
-    want_out, want_lse = reference.prefix_attention(q, pk, pv, prefix_len)
-    with interpreted(impl):
-        out, lse = dispatch.get(impl).prefix_attention(q, pk, pv, jnp.int32(prefix_len))
-    assert lse.dtype == jnp.float32 and lse.shape == (n, heads)
-    close(out, want_out, jnp.float32)
-    close(lse, want_lse, jnp.float32)
+def brute_force(x: dict) -> np.ndarray:
+    """The stream's attention token by token in float64 numpy, straight from the definition
+    (kernels/paged.py): token t sees its segment's first prefix_len pooled keys and the earlier
+    tokens of its own item (within its region). Checks the oracle itself."""
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    q, k, v, pk, pv, meta = f64(x["q"]), f64(x["k"]), f64(x["v"]), f64(x["pool_k"]), f64(x["pool_v"]), x["meta"]
+    seg, item = np.asarray(meta.segment_ids), np.asarray(meta.item_ids)
+    table, plen, layer = np.asarray(meta.page_table), np.asarray(meta.prefix_len), int(meta.layer)
+    n, heads, d = q.shape
+    kv = k.shape[1]
+    region = np.arange(n) >= meta.split
+    out = np.zeros_like(q)
+    for t in range(n):
+        pages = table[seg[t]]
+        keys = pk[layer][:, pages].reshape(kv, -1, d)[:, : plen[seg[t]]]
+        vals = pv[layer][:, pages].reshape(kv, -1, d)[:, : plen[seg[t]]]
+        own = np.nonzero((item == item[t]) & (region == region[t]) & (np.arange(n) <= t))[0]
+        for h in range(heads):
+            g = h // (heads // kv)
+            kk = np.concatenate([keys[g], k[own, g]])
+            vv = np.concatenate([vals[g], v[own, g]])
+            s = kk @ q[t, h] / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vv / p.sum()
+    return out
+
+
+def test_reference_is_the_definition() -> None:
+    x = selfcheck.case(4, 2, 16, jnp.float32, seed=3)
+    got = reference.paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
+    np.testing.assert_allclose(np.asarray(got), brute_force(x), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_prefix_attention_empty_prefix_merges_to_items_only(impl: str) -> None:
-    """prefix_len 0 (whole sequences): the prefix part must weigh nothing in the merge."""
-    rng = np.random.default_rng(1)
-    n, heads, kv, d, s = 128, 4, 2, 64, 512
-    q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
-    pk, pv = rand(rng, s, kv, d), rand(rng, s, kv, d)
-    seg = segments([30, 60, 38], n)
-    want = reference.ragged_item_attention(q, k, v, seg)[0]
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_paged_attention(impl: str, dtype) -> None:
+    """A call's whole stream: a prefill chunk over its query's earlier pages, items of three
+    queries over out-of-order pages, whole sequences over no prefix, padding; grouped-query."""
+    x = selfcheck.case(8, 2, 64, dtype, seed=1)
+    f32 = {**x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v", "pool_k", "pool_v")}}
+    want = reference.paged_attention(f32["q"], f32["k"], f32["v"], f32["pool_k"], f32["pool_v"], x["meta"])
     with interpreted(impl):
-        got = dispatch.get(impl).ragged_shared_prefix_attention(q, k, v, seg, 60, pk, pv, jnp.int32(0))
-    assert np.isfinite(np.asarray(got)).all()
-    close(got, want, jnp.float32)
+        m = dispatch.get(impl)
+        got = jax.jit(m.paged_attention)(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
+        out_p, lse_p = jax.jit(m.paged_prefix_attention)(x["q"], x["pool_k"], x["pool_v"], x["meta"])
+    assert got.dtype == dtype
+    close(got, want, dtype)
+    if dtype == jnp.float32:
+        want_p, want_lse = reference.paged_prefix_attention(x["q"], x["pool_k"], x["pool_v"], x["meta"])
+        assert lse_p.dtype == jnp.float32 and lse_p.shape == want_lse.shape
+        has_prefix = np.asarray(jnp.take(x["meta"].prefix_len, x["meta"].segment_ids)) > 0
+        close(out_p[has_prefix], want_p[has_prefix], dtype)
+        close(lse_p[has_prefix], want_lse[has_prefix], dtype)
+        # no prefix: a part the merge must weigh 0
+        assert (np.asarray(lse_p)[~has_prefix] <= reference.MASK_VALUE / 2).all()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -92,50 +120,6 @@ def test_ragged_item_attention(impl: str, lengths: list[int]) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_shared_prefix_attention(impl: str, dtype) -> None:
-    """The whole item-side attention: prefix part + item part + merge, grouped-query (group 4)."""
-    rng = np.random.default_rng(7)
-    n, heads, kv, d, s = 256, 8, 2, 64, 1024
-    q, k, v = rand(rng, n, heads, d, dtype=dtype), rand(rng, n, kv, d, dtype=dtype), rand(rng, n, kv, d, dtype=dtype)
-    pk, pv = rand(rng, s, kv, d, dtype=dtype), rand(rng, s, kv, d, dtype=dtype)
-    seg = segments([20] * 12, n)
-    want = reference.ragged_shared_prefix_attention(
-        q.astype(jnp.float32),
-        k.astype(jnp.float32),
-        v.astype(jnp.float32),
-        seg,
-        20,
-        pk.astype(jnp.float32),
-        pv.astype(jnp.float32),
-        700,
-    )
-    with interpreted(impl):
-        got = dispatch.get(impl).ragged_shared_prefix_attention(q, k, v, seg, jnp.int32(20), pk, pv, jnp.int32(700))
-    assert got.dtype == dtype
-    close(got, want, dtype)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_causal_attention_and_item_attention(impl: str) -> None:
-    """The prefill chunk's causal part, and padded item batches over a prefix."""
-    rng = np.random.default_rng(3)
-    b, t, heads, kv, d, s = 2, 128, 4, 2, 64, 512
-    q, k, v = rand(rng, b, t, heads, d), rand(rng, b, t, kv, d), rand(rng, b, t, kv, d)
-    pk, pv = rand(rng, s, kv, d), rand(rng, s, kv, d)
-    want_out, want_lse = reference.item_attention(q, k, v)
-    with interpreted(impl):
-        m = dispatch.get(impl)
-        out, lse = m.item_attention(q, k, v)
-        causal = m.causal_attention(q, k, v)
-        shared = m.shared_prefix_attention(q, k, v, pk, pv, jnp.int32(200))
-    close(out, want_out, jnp.float32)
-    close(lse, want_lse, jnp.float32)
-    close(causal, want_out, jnp.float32)
-    close(shared, reference.shared_prefix_attention(q, k, v, pk, pv, 200), jnp.float32)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
 def test_merge_attention(impl: str) -> None:
     rng = np.random.default_rng(5)
     oa, ob = rand(rng, 64, 4, 64), rand(rng, 64, 4, 64)
@@ -144,20 +128,6 @@ def test_merge_attention(impl: str) -> None:
     with interpreted(impl):
         got = dispatch.get(impl).merge_attention(oa, la, ob, lb)
     close(got, reference.merge_attention(oa, la, ob, lb), jnp.float32)
-
-
-@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
-def test_untileable_shapes_fall_back(impl: str) -> None:
-    """Token counts and head dims a kernel cannot tile still give the right answer (XLA path)."""
-    rng = np.random.default_rng(9)
-    n, heads, kv, d, s = 50, 4, 2, 16, 64
-    q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
-    pk, pv = rand(rng, s, kv, d), rand(rng, s, kv, d)
-    seg = segments([7, 13, 30], n)
-    want = reference.ragged_shared_prefix_attention(q, k, v, seg, 30, pk, pv, 40)
-    with interpreted(impl):
-        got = dispatch.get(impl).ragged_shared_prefix_attention(q, k, v, seg, jnp.int32(30), pk, pv, jnp.int32(40))
-    close(got, want, jnp.float32)
 
 
 def test_dispatch_names_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,13 +141,16 @@ def test_dispatch_names_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
         dispatch.resolve("nope")
     for name in dispatch.IMPLEMENTATIONS:
         module = dispatch.get(name)
-        for fn in (
-            "prefix_attention",
-            "ragged_item_attention",
-            "item_attention",
-            "merge_attention",
-            "ragged_shared_prefix_attention",
-            "shared_prefix_attention",
-            "causal_attention",
-        ):
+        assert module.SEGMENT_ALIGN >= 1 and selfcheck.ALIGN % module.SEGMENT_ALIGN == 0, name
+        for fn in ("paged_prefix_attention", "ragged_item_attention", "merge_attention", "paged_attention"):
             assert callable(getattr(module, fn)), (name, fn)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_untileable_shapes_fall_back(impl: str) -> None:
+    """Head dims a kernel cannot tile still give the right answer (the XLA path)."""
+    x = selfcheck.case(4, 2, 16, jnp.float32, seed=9)
+    want = reference.paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
+    with interpreted(impl):
+        got = dispatch.get(impl).paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
+    close(got, want, jnp.float32)

@@ -1,0 +1,82 @@
+"""What every attention implementation is handed for one device call: a token stream whose
+tokens read their prefix from pages of the KV pool, plus their own causal items.
+
+The stream of one device call holds tokens of many queries. Tokens are grouped into
+contiguous **segments**; a segment reads the first `prefix_len` tokens of its own
+pages (one page-table row) as its prefix, with no mask inside it. Within a segment,
+tokens form contiguous causal **items** (an item sees itself causally, nothing of
+another item). Three kinds of segment share one call:
+
+- items of a cached query: prefix_len = the query's length;
+- a prefill chunk of a query: prefix_len = where the chunk starts (its earlier
+  chunks, written into the same pages earlier in this call or in an earlier one),
+  the chunk itself one causal item;
+- whole sequences (item_first, the sequential baseline): prefix_len = 0.
+
+The stream has two regions: the first `split` tokens hold prefill chunks (their
+K/V is written into the pool before any token reads it, layer by layer), the rest
+items. They differ only in how long their items are, so the causal part runs per
+region: short items never pay for the long chunks' blocks.
+
+Pool layout: [layers, kv_heads, pages, page_tokens, head_dim]. One kv head's page is
+a contiguous [page_tokens, head_dim] tile, which is what a kernel fetches per step
+(a TPU DMA, a GPU block load) and what the CPU path gathers without a transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionMeta:
+    """Per-call attention metadata (a pytree: arrays are leaves, `split` is static)."""
+
+    segment_ids: jax.Array  # [T] int32: the segment (page-table row) each token reads its prefix from
+    item_ids: jax.Array  # [T] int32: equal (contiguous) ids form one causal item
+    page_table: jax.Array  # [S, P] int32: the pool pages of each segment's prefix, in order
+    prefix_len: jax.Array  # [S] int32: prefix tokens each segment sees (0: none)
+    max_item_len: jax.Array  # [2] int32: an upper bound on an item's length in each region
+    layer: jax.Array  # [] int32: the layer whose pages are read
+    split: int = dataclasses.field(default=0, metadata=dict(static=True))  # tokens of the prefill region
+
+
+def segment_runs(segment_ids: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The contiguous runs of equal segment ids in a stream.
+
+    segment_ids: [T]. Returns starts [max_runs], ends [max_runs] (exclusive) and the
+    number of runs (int32 scalar); entries past it are T. max_runs >= the runs there are.
+    """
+    n = segment_ids.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]])
+    run = jnp.cumsum(is_start.astype(jnp.int32)) - 1
+    starts = jnp.full((max_runs + 1,), n, jnp.int32).at[jnp.where(is_start, run, max_runs)].set(idx)[:max_runs]
+    count = run[-1] + 1
+    ends = jnp.concatenate([starts[1:], jnp.full((1,), n, jnp.int32)])  # unfilled starts are n too
+    return starts, ends, count
+
+
+def causal_by_region(
+    ragged_item_attention: Callable[..., tuple[jax.Array, jax.Array]],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    meta: PagedAttentionMeta,
+) -> tuple[jax.Array, jax.Array]:
+    """The causal part (an implementation's `ragged_item_attention`) of each region on its
+    own, concatenated: the items' short blocks never pay for the prefill chunks' long ones.
+    q: [T, heads, d]; k, v: [T, kv, d]. Returns out [T, heads, d], lse [T, heads] float32."""
+    s = meta.split
+    if s == 0:
+        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len[1])
+    if s == q.shape[0]:
+        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len[0])
+    a = ragged_item_attention(q[:s], k[:s], v[:s], meta.item_ids[:s], meta.max_item_len[0])
+    b = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len[1])
+    return jnp.concatenate([a[0], b[0]]), jnp.concatenate([a[1], b[1]])

@@ -1,0 +1,185 @@
+"""The one device call (per device): prefill chunks of new queries and items of many queries,
+over the paged prefix pool. model/engine.py wraps it in `shard_map` and `jit`, one executable
+per CallShape (model/planner.py lays out its inputs).
+
+Per layer: the projections of every token of the stream; the prefill region's K/V written
+into the pool pages (in place: the pool is a loop carry, donated to the call); then the
+attention of every token over its segment's pages and its own item (kernels/paged.py),
+so chunks and items placed after their query's chunks in the same call see them. Only
+the item rows' last tokens reach the output head, with per-row label sets and softmax.
+Every length that varies between calls is a runtime value, never a shape.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+
+from prefixscore.kernels.paged import PagedAttentionMeta
+from prefixscore.model.config import ModelConfig
+from prefixscore.model.decoder import Params, embed, output_weight, rms_norm, run_layers
+from prefixscore.model.planner import CallInputs
+
+# vocabulary rows per step of the full-vocabulary log-sum-exp: a [rows, VOCAB_CHUNK]
+# float32 logits tile stays in cache instead of a [rows, vocab] matrix in memory
+VOCAB_CHUNK = 2048
+# the smallest step of the output head (see head_rows_loop)
+MIN_HEAD_ROWS = 32
+
+
+def score_call(
+    params: Params,
+    cfg: ModelConfig,
+    pool_k: jax.Array,
+    pool_v: jax.Array,
+    call: CallInputs,
+    *,
+    impl: ModuleType,
+    head_rows: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One device's share of a call. pool_k, pool_v: [layers, kv, pages, page_tokens, hd];
+    call: this device's CallInputs (item region arrays with a leading axis of 1).
+    Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
+    n_rows and columns past a row's labels are 0) and the pool with the chunks written."""
+    prefill = call.prefill
+    items = jax.tree.map(lambda a: a[0], call.items)
+    split = prefill.tokens.shape[0]
+    tokens = jnp.concatenate([prefill.tokens, items.tokens])  # [Tp + Ti]
+    positions = jnp.concatenate([prefill.positions, items.positions])
+    meta = PagedAttentionMeta(
+        segment_ids=jnp.concatenate([prefill.segment_ids, items.segment_ids]),
+        item_ids=jnp.concatenate([prefill.item_ids, items.item_ids]),
+        page_table=call.page_table,
+        prefix_len=call.prefix_len,
+        max_item_len=jnp.stack([call.max_chunk_len, items.max_item_len]),
+        layer=jnp.int32(0),
+        split=split,
+    )
+
+    def attend(q, k, v, layer, pool):
+        pk, pv = pool
+        if split:  # the prefill region's K/V into its pages first: later tokens read them
+            at = (layer, slice(None), prefill.write_pages, prefill.write_offsets)
+            pk = pk.at[at].set(k[0, :split], mode="drop")  # padding's page is out of range
+            pv = pv.at[at].set(v[0, :split], mode="drop")
+        out = impl.paged_attention(q[0], k[0], v[0], pk, pv, _at_layer(meta, layer))
+        return out[None], (pk, pv)
+
+    x = embed(params, tokens[None])
+    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v))
+    with jax.named_scope("head"):
+        rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.apply_softmax)
+        head = lambda h_last, sets, softmax: row_label_probs(  # noqa: E731
+            params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), softmax
+        )
+        probs = head_rows_loop(head, rows, items.n_rows, head_rows)
+    return probs, pool_k, pool_v
+
+
+def _at_layer(meta: PagedAttentionMeta, layer: jax.Array) -> PagedAttentionMeta:
+    return PagedAttentionMeta(
+        meta.segment_ids, meta.item_ids, meta.page_table, meta.prefix_len, meta.max_item_len, layer, meta.split
+    )
+
+
+def vocab_logsumexp(h: jax.Array, w: jax.Array) -> jax.Array:
+    """log(sum(exp(h @ w.T))) per row without materialising the logits.
+
+    h: [rows, hidden] (normalised); w: [vocab, hidden]. Returns [rows] float32.
+    An online max/sum over VOCAB_CHUNK-row slices of w (plus one static remainder).
+    """
+    vocab = w.shape[0]
+    chunk = min(VOCAB_CHUNK, vocab)
+    full = vocab // chunk
+
+    def update(carry: tuple[jax.Array, jax.Array], wc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        m, total = carry
+        s = jnp.einsum("rh,vh->rv", h, wc, preferred_element_type=jnp.float32)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        return m_new, total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=-1)
+
+    def step(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return update(carry, jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk))
+
+    rows = h.shape[0]
+    carry = jax.lax.fori_loop(
+        0, full, step, (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    )
+    if vocab > full * chunk:
+        carry = update(carry, w[full * chunk :])
+    return carry[0] + jnp.log(carry[1])
+
+
+def row_label_probs(
+    params: Params,
+    cfg: ModelConfig,
+    h_last: jax.Array,
+    labels: jax.Array,
+    row_labels: jax.Array,
+    apply_softmax: jax.Array,
+) -> jax.Array:
+    """Each row's label probabilities from its last hidden state.
+
+    h_last: [rows, hidden]; labels: [L] the call's label ids; row_labels: [rows, L] indices
+    into labels (-1: unused); apply_softmax: [rows] bool. The call's label logits are one
+    [rows, L] product; a row's are gathered from it. Rows without softmax get the
+    full-vocabulary probability exp(logit - logsumexp over the vocabulary), computed in
+    cache-sized tiles, and only when some row of the step needs it.
+    Returns [rows, L] float32 (unused columns 0).
+    """
+    h = rms_norm(h_last, params["final_norm"], cfg.rms_norm_eps)
+    w = output_weight(params)
+    logits = jnp.einsum("bh,lh->bl", h, jnp.take(w, labels, axis=0), preferred_element_type=jnp.float32)
+    valid = row_labels >= 0
+    logits = jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1)  # [rows, L]
+    soft = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
+    lse = jax.lax.cond(
+        jnp.any(~apply_softmax),
+        lambda: vocab_logsumexp(h, w),
+        lambda: jnp.zeros(h.shape[0], jnp.float32),
+    )
+    full = jnp.exp(logits - lse[:, None])
+    return jnp.where(valid, jnp.where(apply_softmax[:, None], soft, full), 0.0)
+
+
+def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, head_rows: int = 256) -> jax.Array:
+    """Run the output head only on the rows that hold an item.
+
+    fn(*row_slices) -> [size, out]; rows: arrays with a leading row axis [R, ...]. Full steps
+    of `head_rows` rows run in a loop; the remainder takes one step of the smallest size in
+    head_rows / 2^k (>= MIN_HEAD_ROWS) that covers it. Each step streams the whole output
+    matrix (the full-vocabulary projection is memory-bound for few rows), so few, well-filled
+    steps beat many exact ones. A step near the end is clamped back into range (dynamic slices
+    clamp) and recomputes a few rows identically. Returns [R, out] float32; rows past n_rows
+    are zero or garbage.
+    """
+    total = rows[0].shape[0]
+    big = min(head_rows, total)
+    sizes = [big]
+    while sizes[-1] // 2 >= MIN_HEAD_ROWS:
+        sizes.append(sizes[-1] // 2)
+    sizes = sizes[::-1]  # ascending
+    probe = [jax.ShapeDtypeStruct((big, *a.shape[1:]), a.dtype) for a in rows]
+    n_out = jax.eval_shape(fn, *probe).shape[1]
+
+    def run(start: jax.Array, size: int, out: jax.Array) -> jax.Array:
+        part = [jax.lax.dynamic_slice_in_dim(a, start, size) for a in rows]
+        start = jnp.minimum(start, total - size)  # where dynamic_slice clamped it
+        return jax.lax.dynamic_update_slice_in_dim(out, fn(*part), start, axis=0)
+
+    out = jnp.zeros((total, n_out), jnp.float32)
+    full = n_rows // big
+    if total == big:
+        # a loop over one full-size slice would be loop-invariant: XLA hoists its body out of
+        # the loop and runs it even for zero trips, so branch instead
+        out = jax.lax.cond(full > 0, lambda o: run(0, big, o), lambda o: o, out)
+    else:
+        out = jax.lax.fori_loop(0, full, lambda i, o: run(i * big, big, o), out)
+    done = full * big
+    rest = n_rows - done
+    # branch 0: nothing left; branch k: one step of sizes[k - 1] rows
+    pick = jnp.where(rest == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), rest))
+    branches = [lambda o: o] + [lambda o, z=z: run(done, z, o) for z in sizes]
+    return jax.lax.switch(jnp.minimum(pick, len(sizes)), branches, out)
