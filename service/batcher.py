@@ -1,43 +1,49 @@
-"""The batcher: pending items from all in-flight requests and streams, grouped so that
-items which can share one device call do.
+"""The batcher: pending work of all in-flight requests and streams, and the choice of what the
+next device call carries.
 
-A device call scores items over one prefix KV with one set of label ids and one
-softmax flag. So pending items are grouped by `GroupKey` (prefix token ids,
-label ids, apply_softmax, item_first), first come first served within a group.
-`next_batch` picks the group holding the oldest pending item, hands a window of
-that group's oldest items (from every request of the group) to the engine's
-planner (`ScoringEngine.plan`), and takes the planner's first device call: that
-is where requests sharing a query merge into one device batch. Whatever the
-call could not hold stays queued, in order, for the next one.
+A device call holds prefill chunks of new queries and items of any number of queries
+(model/planner.py). `next_call` offers the planner's `CallBuilder` pending work in
+priority order and plans the call once; what the call could not hold stays queued.
+
+Priority: earliest deadline first, where a request without a deadline counts as due
+DEFAULT_SLACK_S after it arrived (so none waits forever behind deadline traffic), then
+arrival. Fairness: a first pass offers each request at most an equal share of the
+call's item tokens, a second pass offers the rest in priority order, so a small request
+behind a large one rides in the next call instead of after all of the large one.
+A request's query is prefilled (its chunks placed) before its items are offered; its
+items may ride in the call that carries its last chunk.
 
 Pure Python and not thread-safe: the device worker calls it under its lock.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-# (prefix token ids, label token ids, apply_softmax, item_first)
-GroupKey = tuple[tuple[int, ...], tuple[int, ...], bool, bool]
-# lengths, sequence -> planned device calls (objects with `.indices` into lengths), fullest first
-Planner = Callable[[Sequence[int], bool], Sequence[Any]]
+from prefixscore.model.planner import CallBuilder, CallPlan
+from prefixscore.service.prefix_cache import CachedPrefix
+
+# a request without a deadline is scheduled as if due this long after it arrived
+DEFAULT_SLACK_S = 30.0
+# the builder refused this many offers in a row: the call is full enough
+MAX_REFUSALS = 8
 
 
 @dataclasses.dataclass(eq=False)
 class WorkUnit:
-    """Items that are answered together: one unary request, or one batch of a stream.
+    """Items that are answered together: one unary request, one batch of a stream, or (no
+    items) a stream's query to prefill.
 
     items: token ids per item (for item_first, whole sequences start + item + query).
     The worker fills `scores` [len(items), len(label_ids)] float32 and calls
-    `on_done(unit)` once, from the worker thread, when every item is scored or
-    the unit failed (`error` set); never after `DeviceWorker.cancel(unit)`.
+    `on_done(unit)` once, from the worker thread, when every item is scored (or, without
+    items, the query's prefill is launched) or the unit failed (`error` set); never after
+    `DeviceWorker.cancel(unit)`.
     """
 
     prefix: tuple[int, ...]
@@ -50,154 +56,150 @@ class WorkUnit:
     counts_lookup: bool = True  # counts as a prefix-cache hit or miss (stream batches do not: their open did)
     deadline: float | None = None  # time.monotonic() after which queued items are dropped
     created: float = dataclasses.field(default_factory=time.monotonic)
-    # filled in by the batcher and the worker
+    # filled in by the worker and the batcher
+    entry: CachedPrefix | None = None  # the query's pages (None: item_first, no prefix)
     scores: np.ndarray = dataclasses.field(init=False)
     remaining: int = dataclasses.field(init=False)  # items not yet scored
-    queued: int = dataclasses.field(init=False)  # items not yet in a device batch
+    taken: int = 0  # items handed to device calls (in order)
+    seq: int = 0  # arrival order
     cached_tokens: int = 0  # prefix tokens served from the prefix cache
     first_scores_at: float | None = None
     error: BaseException | None = None
     cancelled: bool = False
     finished: bool = False
+    released: bool = False  # its pin on `entry` was given back
 
     def __post_init__(self) -> None:
         self.scores = np.zeros((len(self.items), len(self.label_ids)), np.float32)
         self.remaining = len(self.items)
-        self.queued = len(self.items)
 
     @property
-    def key(self) -> GroupKey:
-        return (self.prefix, self.label_ids, self.apply_softmax, self.item_first)
-
-
-# one queued item: (arrival sequence number, unit, index into unit.items)
-Entry = tuple[int, WorkUnit, int]
-
-
-@dataclasses.dataclass(eq=False)
-class Group:
-    """Pending items of one GroupKey, oldest first."""
-
-    key: GroupKey
-    pending: collections.deque[Entry] = dataclasses.field(default_factory=collections.deque)
-    state: object = None  # the worker's data for the group (the prefix KV); None until resolved
-    waiting: list[WorkUnit] = dataclasses.field(default_factory=list)  # units that joined before `state`
+    def queued(self) -> int:
+        """Items not yet in a device call."""
+        return 0 if self.cancelled else len(self.items) - self.taken
 
     @property
-    def prefix(self) -> tuple[int, ...]:
-        return self.key[0]
-
-    @property
-    def item_first(self) -> bool:
-        return self.key[3]
-
-    def head(self) -> int | None:
-        """Sequence number of the oldest live pending item (dropping cancelled ones), or None."""
-        while self.pending and self.pending[0][1].cancelled:
-            self.pending.popleft()
-        return self.pending[0][0] if self.pending else None
+    def due(self) -> float:
+        return self.deadline if self.deadline is not None else self.created + DEFAULT_SLACK_S
 
 
 @dataclasses.dataclass
-class Batch:
-    """One device call: entries (unit, item index) of one group, and the planner's shape for them."""
+class Call:
+    """One planned device call and what it carries. Rows' refs are (unit, item index)."""
 
-    group: Group
-    entries: list[tuple[WorkUnit, int]]
-    shape: Any  # the planned call (engine BatchShape: .batch rows x .length tokens, .tokens real)
-
-    @property
-    def items(self) -> list[list[int]]:
-        return [unit.items[i] for unit, i in self.entries]
-
-    @property
-    def tokens(self) -> int:
-        """Real tokens of the batch's items."""
-        return sum(len(unit.items[i]) for unit, i in self.entries)
+    plan: CallPlan
+    written: list[CachedPrefix]  # prefixes whose chunks the call writes
 
 
 class Batcher:
-    """Groups pending items and forms device batches (see module doc).
+    """Pending units and the planning of calls (see module doc).
 
-    planner: the engine's `plan(lengths, sequence)`; window: how many of a group's
-    oldest items are offered to it per call (at least what one device call holds).
+    new_builder: an empty CallBuilder for the engine's shapes; chunk: prefill chunk length.
     """
 
-    def __init__(self, planner: Planner, window: int) -> None:
-        self.planner = planner
-        self.window = window
-        self.groups: dict[GroupKey, Group] = {}
-        self.depth = 0  # items pending (not yet in a device batch), the autoscaling signal
+    def __init__(self, new_builder: Callable[[], CallBuilder], chunk: int) -> None:
+        self.new_builder = new_builder
+        self.chunk = chunk
+        self.units: dict[int, WorkUnit] = {}  # seq -> unit, in arrival order
         self._seq = itertools.count()
 
-    def add(self, unit: WorkUnit) -> Group:
-        """Queue all of `unit`'s items; returns its group (state None: the worker must resolve it)."""
-        group = self.groups.get(unit.key)
-        if group is None:
-            group = self.groups[unit.key] = Group(unit.key)
-        if group.state is None:
-            group.waiting.append(unit)
-        else:
-            unit.cached_tokens = len(unit.prefix)  # the group's prefix KV is already on the device
-        group.pending.extend((next(self._seq), unit, index) for index in range(len(unit.items)))
-        self.depth += len(unit.items)
-        return group
+    @property
+    def depth(self) -> int:
+        """Items pending (not yet in a device call): the autoscaling signal."""
+        return sum(u.queued for u in self.units.values())
+
+    def add(self, unit: WorkUnit) -> None:
+        unit.seq = next(self._seq)
+        self.units[unit.seq] = unit
 
     def cancel(self, unit: WorkUnit) -> None:
-        """Drop `unit`'s queued items (lazily: its entries are skipped when reached)."""
+        """Drop `unit`'s queued items."""
         unit.cancelled = True
-        self.depth -= unit.queued
-        unit.queued = 0
-
-    def unresolved(self) -> list[Group]:
-        return [g for g in self.groups.values() if g.state is None]
-
-    def ready(self) -> bool:
-        """Whether next_batch would return a batch."""
-        return any(g.state is not None and g.head() is not None for g in self.groups.values())
+        self.units.pop(unit.seq, None)
 
     def live_units(self) -> Iterator[WorkUnit]:
-        """Every unit with queued items (each once)."""
-        seen: set[int] = set()
-        for group in self.groups.values():
-            for _, unit, _ in group.pending:
-                if not unit.cancelled and id(unit) not in seen:
-                    seen.add(id(unit))
-                    yield unit
+        return iter([u for u in self.units.values() if not u.cancelled])
 
-    def next_batch(self) -> Batch | None:
-        """Take the next device call from the group with the oldest pending item; None when nothing is ready."""
-        best: tuple[int, Group] | None = None
-        for group in self.groups.values():
-            if group.state is None:
-                continue  # its prefix is not on the device yet
-            head = group.head()
-            if head is not None and (best is None or head < best[0]):
-                best = (head, group)
-        if best is None:
+    def ready(self) -> bool:
+        """Whether next_call would plan a call."""
+        return any(self._needs_device(u) for u in self.units.values())
+
+    @staticmethod
+    def _needs_device(unit: WorkUnit) -> bool:
+        return unit.queued > 0 or (unit.entry is not None and not unit.entry.ready and not unit.items)
+
+    def prefilled(self) -> list[WorkUnit]:
+        """Units without items whose query is fully written (by launched calls): done; removed."""
+        done = [u for u in self.units.values() if not u.items and u.entry is not None and u.entry.ready]
+        for unit in done:
+            del self.units[unit.seq]
+        return done
+
+    def next_call(self) -> Call | None:
+        """Plan the next device call from all pending work; None when there is none."""
+        pending = sorted((u for u in self.units.values() if self._needs_device(u)), key=lambda u: (u.due, u.seq))
+        if not pending:
             return None
-        group = best[1]
-        window: list[Entry] = []
-        for entry in group.pending:
-            if not entry[1].cancelled:
-                window.append(entry)
-                if len(window) == self.window:
+        builder = self.new_builder()
+        written: dict[int, tuple[CachedPrefix, int]] = {}  # id(entry) -> (entry, written after this call)
+        offered: dict[int, int] = {}  # unit seq -> items taken in this call
+        capacity = builder.item_capacity * builder.devices
+        share = max(1, capacity // max(1, sum(1 for u in pending if u.queued)))
+        for fair in (True, False):
+            refusals = 0
+            for unit in pending:
+                if refusals >= MAX_REFUSALS:
                     break
-        shape = self.planner([len(unit.items[i]) for _, unit, i in window], group.item_first)[0]
-        chosen = {window[i][0] for i in shape.indices}
-        # keep the rest in arrival order (cancelled entries go now too)
-        group.pending = collections.deque(e for e in group.pending if e[0] not in chosen and not e[1].cancelled)
-        entries = []
-        for seq, unit, index in window:
-            if seq in chosen:
-                entries.append((unit, index))
-                unit.queued -= 1
-        self.depth -= len(entries)
-        return Batch(group, entries, shape)
+                if not self._prefill(builder, unit, written):
+                    continue
+                took, refused = self._offer(builder, unit, offered.get(unit.seq, 0), share if fair else None)
+                offered[unit.seq] = offered.get(unit.seq, 0) + took
+                refusals = refusals + 1 if refused else 0
+        if builder.empty:
+            return None
+        plan = builder.build()
+        for entry, upto in written.values():
+            entry.written = upto
+        for seq, took in offered.items():
+            self.units[seq].taken += took
+        for unit in pending:
+            if unit.items and unit.queued == 0:
+                del self.units[unit.seq]  # all its items are in calls; the worker delivers them
+        return Call(plan, [entry for entry, _ in written.values()])
 
-    def prune(self) -> list[Group]:
-        """Remove and return groups with nothing pending (the worker releases their prefix)."""
-        empty = [g for g in self.groups.values() if g.state is not None and g.head() is None]
-        for group in empty:
-            del self.groups[group.key]
-        return empty
+    def _prefill(self, builder: CallBuilder, unit: WorkUnit, written: dict[int, tuple[CachedPrefix, int]]) -> bool:
+        """Place the unit's query chunks not yet written; whether its items may follow in this call."""
+        entry = unit.entry
+        if entry is None:
+            return True
+        upto = written.get(id(entry), (entry, entry.written))[1]
+        n = len(entry.tokens)
+        while upto < n:
+            size = min(self.chunk, n - upto)
+            if not builder.add_chunk(entry.pages, entry.tokens[upto : upto + size], upto):
+                break
+            upto += size
+        written[id(entry)] = (entry, upto)
+        return upto >= n
+
+    @staticmethod
+    def _offer(builder: CallBuilder, unit: WorkUnit, already: int, share: int | None) -> tuple[int, bool]:
+        """Offer the unit's next items in order (up to `share` tokens); (items taken, refused)."""
+        entry = unit.entry
+        key = id(entry) if entry is not None else None
+        pages = entry.pages if entry is not None else ()
+        prefix_len = len(entry.tokens) if entry is not None else 0
+        took = tokens = 0
+        index = unit.taken + already
+        while index < len(unit.items):
+            item = unit.items[index]
+            if share is not None and took and tokens + len(item) > share:
+                return took, False
+            ok = builder.add_item(key, pages, prefix_len, item, unit.label_ids, unit.apply_softmax, (unit, index))
+            if not ok:
+                return took, True
+            took += 1
+            tokens += len(item)
+            index += 1
+        return took, False
+

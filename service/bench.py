@@ -9,8 +9,13 @@ p50/p95/p99 request latency. Model FLOPs per request (model/flops.py) over wall
 time give achieved FLOP/s, reported against the device's measured peak: the best
 of a large matmul timed in the same process before and after the workloads.
 
-W2 always goes through gRPC: to --target, or to a server started in this process
-on a free port (the same engine; requests still cross the gRPC stack).
+W2, W3-grpc (W3's requests from --concurrency clients) and W4 always go through
+gRPC: to --target, or to a server started in this process on a free port (the same
+engine; requests still cross the gRPC stack). They are concurrent runs: their
+warm-up requests are sent concurrently too, and throughput and FLOP/s are totals
+over the run's wall time. When the run has W1-cold (prefix), each W2/W3/W4 record
+also gets its model FLOP rate as a share of W1-cold's (WORKLOADS.md, "Efficiency
+across workloads"): whether real traffic keeps the device as busy as the ideal request.
 """
 
 from __future__ import annotations
@@ -33,8 +38,13 @@ import numpy as np
 
 from prefixscore.service import bench_workloads as wl
 
-WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3")
+WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4")
 MODES = ("prefix", "packed", "sequential")
+# many clients at once through gRPC; the server runs its prefix path only
+CONCURRENT = ("w2", "w3-grpc", "w4")
+# workloads whose model FLOP rate is reported as a share of W1-cold's
+SHARED_WITH_W1_COLD = ("w2", "w3", "w3-grpc", "w4")
+SHARE_KEY = "flop_rate_share_of_w1_cold"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,12 +89,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="items per request in sequential mode (reported per item) [%(default)s]",
     )
     p.add_argument("--w2-requests", type=int, default=64, help="W2 requests [%(default)s]")
-    p.add_argument("--concurrency", type=int, default=16, help="W2 concurrent clients [%(default)s]")
+    p.add_argument("--concurrency", type=int, default=16, help="W2 and W3-grpc concurrent clients [%(default)s]")
     p.add_argument("--w2-max-query", type=int, default=3000, help="W2 longest query [%(default)s]")
     p.add_argument("--w2-max-items", type=int, default=1000, help="W2 most items per request [%(default)s]")
     p.add_argument("--w2-max-item-tokens", type=int, default=200, help="W2 longest item [%(default)s]")
     p.add_argument("--w3-docs", type=int, default=100, help="W3 documents per request [%(default)s]")
     p.add_argument("--w3-max-doc-tokens", type=int, default=300, help="W3 longest document [%(default)s]")
+    p.add_argument("--w3-requests", type=int, default=64, help="W3-grpc requests [%(default)s]")
+    p.add_argument("--w4-requests", type=int, default=256, help="W4 requests [%(default)s]")
+    p.add_argument("--w4-concurrency", type=int, default=64, help="W4 concurrent clients [%(default)s]")
+    p.add_argument("--w4-query-tokens", type=int, default=300, help="W4 query length [%(default)s]")
+    p.add_argument("--w4-items", type=int, default=10, help="W4 items per request [%(default)s]")
+    p.add_argument("--w4-item-tokens", type=int, default=20, help="W4 item length [%(default)s]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the results (a list of records) here")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -271,6 +287,12 @@ class Bench:
             w2_item_tokens=(min(5, args.w2_max_item_tokens), args.w2_max_item_tokens),
             w3_docs=args.w3_docs,
             w3_doc_tokens=(min(50, args.w3_max_doc_tokens), args.w3_max_doc_tokens),
+            w3_requests=args.w3_requests,
+            w4_requests=args.w4_requests,
+            w4_concurrency=args.w4_concurrency,
+            w4_query=args.w4_query_tokens,
+            w4_items=args.w4_items,
+            w4_item_tokens=args.w4_item_tokens,
         )
 
     @property
@@ -317,24 +339,37 @@ class Bench:
             return wl.w1(gen, self.sizes, labels, cold=workload == "w1-cold", runs=n)
         if workload == "w2":
             return wl.w2(gen, self.sizes, labels, n)
+        if workload == "w4":
+            return wl.w4(gen, self.sizes, labels, n)
         return wl.w3(gen, self.sizes, labels, n)
 
-    def flops(self, req: wl.Request, cached: bool) -> int:
+    def concurrency(self, workload: str) -> int | None:
+        """Clients at once for a concurrent workload; None: one request at a time."""
+        return {
+            "w2": self.sizes.w2_concurrency,
+            "w3-grpc": self.sizes.w2_concurrency,
+            "w4": self.sizes.w4_concurrency,
+        }.get(workload)
+
+    def flops(self, req: wl.Request, cached: int) -> int:
+        """Model FLOPs of a request whose first `cached` query tokens came from the prefix cache."""
         if self.cfg is None:
             return 0
         from prefixscore.model import flops
 
         lens = [len(it) for it in req.items]
-        return flops.request(self.cfg, len(req.query), lens, req.apply_softmax, len(req.labels), prefill=not cached)[
-            "total"
-        ]
+        total = flops.request(self.cfg, len(req.query), lens, req.apply_softmax, len(req.labels))["total"]
+        # A partial hit (W3's shared header) still prefills the rest of the query: take off only the
+        # cached part's prefill, so a hit on 60 header tokens is not booked as a whole query saved.
+        cached = min(cached, len(req.query))
+        return total - flops.request(self.cfg, cached, [], req.apply_softmax, len(req.labels))["prefill"]
 
     def target(self, workload: str) -> InProcess | Remote:
         if self.remote is not None:
             return self.remote
-        if workload != "w2":
+        if workload not in CONCURRENT:
             return InProcess(self.scorer)
-        if self.server is None:  # W2 is measured through gRPC: serve this engine on a free port
+        if self.server is None:  # W2/W3-grpc/W4 are measured through gRPC: serve this engine on a free port
             from prefixscore.service.server import ServerConfig, ServerThread
 
             cfg = ServerConfig(
@@ -354,11 +389,13 @@ class Bench:
 
         args = self.args
         target = self.target(workload)
-        concurrent_run = workload == "w2"
-        n_timed = self.sizes.w2_requests if concurrent_run else args.runs
+        workers = self.concurrency(workload)
+        n_timed = {"w2": self.sizes.w2_requests, "w3-grpc": self.sizes.w3_requests, "w4": self.sizes.w4_requests}.get(
+            workload, args.runs
+        )
         n_warm = max(args.warmup_runs, 1 if workload == "w1-warm" else 0)
-        if concurrent_run:
-            n_warm = min(n_warm * self.sizes.w2_concurrency, n_timed)
+        if workers:
+            n_warm = min(n_warm * workers, n_timed)
         reqs = self.requests(workload, n_warm + n_timed, gen)
         if workload == "w1-warm":  # the warm-up request puts the (one) query in the prefix cache
             reqs = [reqs[0]] * n_warm + reqs[n_warm:]
@@ -367,8 +404,14 @@ class Bench:
             reqs = [dataclasses.replace(r, items=r.items[:k]) for r in reqs]
         warm, timed = reqs[:n_warm], reqs[n_warm:]
         compiles, compile_s, started = CompileCounter.count(), CompileCounter.seconds(), time.perf_counter()
-        for r in warm:
-            target.score(r, mode)
+        if workers:
+            # Concurrently, by as many clients as the timed run: the server batches concurrent requests
+            # together, and only concurrent warm-up compiles the batch shapes the timed run will meet.
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                list(pool.map(lambda r: target.score(r, mode), warm))
+        else:
+            for r in warm:
+                target.score(r, mode)
         warmup = {
             "seconds": time.perf_counter() - started,
             "compilations": CompileCounter.count() - compiles,
@@ -376,12 +419,13 @@ class Bench:
         }
         stats0 = dict(self.scorer.engine.stats) if self.scorer is not None else None
         compiles = CompileCounter.count()
-        timing = self._timed(target, workload, mode, timed, concurrent_run)
+        timing = self._timed(target, workload, mode, timed, workers)
         record = self._record(workload, mode, timed, timing, warmup, stats0, CompileCounter.count() - compiles)
         record["transport"] = target.kind if isinstance(target, InProcess) else f"grpc {target.target}"
+        record["concurrency"] = workers or 1
         return record
 
-    def _timed(self, target, workload: str, mode: str, reqs: list[wl.Request], concurrent_run: bool) -> Timing:
+    def _timed(self, target, workload: str, mode: str, reqs: list[wl.Request], workers: int | None) -> Timing:
         timing = Timing()
         progress = Progress(len(reqs), f"{workload}/{mode}", self.args.progress)
 
@@ -391,11 +435,11 @@ class Bench:
             elapsed = time.perf_counter() - t
             assert len(scores) == len(r.items)
             progress.update()
-            return elapsed, cached, self.flops(r, cached > 0)
+            return elapsed, cached, self.flops(r, cached)
 
         started = time.perf_counter()
-        if concurrent_run:
-            with concurrent.futures.ThreadPoolExecutor(self.sizes.w2_concurrency) as pool:
+        if workers:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                 results = list(pool.map(send, reqs))
         else:
             results = []
@@ -416,7 +460,7 @@ class Bench:
 
     def _record(self, workload, mode, reqs, timing: Timing, warmup, stats0, steady_compiles) -> dict[str, Any]:
         utilisation = None
-        if workload == "w2":  # one concurrent run: totals over its wall time
+        if workload in CONCURRENT:  # one concurrent run: totals over its wall time
             items_per_s = sum(timing.items) / timing.wall
             flops_per_s = sum(timing.flops) / timing.wall
         else:  # one request per run: the median run
@@ -494,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"engine.warmup: {bucket_warmup}", file=sys.stderr)
         gen = wl.Generator(bench.vocab, args.seed)
         for workload in args.workload:
-            modes = ["prefix"] if workload == "w2" or not in_process else args.mode
+            modes = ["prefix"] if workload in CONCURRENT or not in_process else args.mode
             for mode in modes:
                 records.append(bench.one(workload, mode, gen))
         if bench.peak:
@@ -511,6 +555,7 @@ def run(args: argparse.Namespace) -> int:
             if r["utilisation"] is None:
                 r["utilisation"] = r["utilisation_vs_best_peak"]
     _ratios(records)
+    _shares(records)
     ctx = records[0] if records else {}
     print(
         f"model {ctx.get('model')} {ctx.get('dtype')} | {ctx.get('backend')} x{ctx.get('devices')} "
@@ -522,6 +567,9 @@ def run(args: argparse.Namespace) -> int:
     for r in records:
         if r.get("speedup"):
             print(f"{r['workload']} prefix vs {', '.join(f'{m} {x:.1f}x' for m, x in r['speedup'].items())}")
+    shares = share_lines(records)
+    if shares:
+        print("\n".join(shares))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(records, indent=2, default=str))
     return 0
@@ -538,3 +586,36 @@ def _ratios(records: list[dict[str, Any]]) -> None:
             for m in ("packed", "sequential")
             if (workload, m) in by
         }
+
+
+def _shares(records: list[dict[str, Any]]) -> None:
+    """Each W2/W3/W3-grpc/W4 record's model FLOP rate over W1-cold's (prefix) in the same run.
+
+    Same run, same process and device, so the ratio cancels out what the machine can do and
+    says only how much of the ideal request's rate the service keeps on that traffic. No
+    W1-cold prefix record, or no FLOP rate (a remote model of unknown shape): no share.
+    """
+    base = next((r for r in records if r["workload"] == "w1-cold" and r["mode"] == "prefix"), None)
+    base_rate = base and base.get("achieved_flops_per_s")
+    if not base_rate:
+        return
+    for r in records:
+        rate = r.get("achieved_flops_per_s")
+        if r["workload"] in SHARED_WITH_W1_COLD and rate is not None:
+            r[SHARE_KEY] = rate / base_rate
+
+
+def share_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per prefix-mode record with a share ("W2 0.83 of W1-cold's model FLOP rate ...")."""
+    lines = []
+    for r in records:
+        if SHARE_KEY not in r or r["mode"] != "prefix":  # the baselines' shares stay in the JSON only
+            continue
+        name = r["workload"].upper().replace("-GRPC", "-grpc")
+        n = r.get("concurrency", 1)
+        how = "in-process" if r.get("transport") == InProcess.kind else f"gRPC, {n} client{'s' * (n != 1)}"
+        lines.append(
+            f"{name} {r[SHARE_KEY]:.2f} of W1-cold's model FLOP rate "
+            f"({r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s, {how})"
+        )
+    return lines

@@ -49,6 +49,12 @@ class Sizes:
     w3_query: tuple[int, int] = (20, 100)
     w3_docs: int = 100
     w3_doc_tokens: tuple[int, int] = (50, 300)
+    w3_requests: int = 64  # w3-grpc: one concurrent run needs more requests than W1's few runs to fill 16 clients
+    w4_requests: int = 256
+    w4_concurrency: int = 64
+    w4_query: int = 300
+    w4_items: int = 10
+    w4_item_tokens: int = 20
 
 
 def label_ids(vocab: int, tokenizer: object | None = None) -> list[int]:
@@ -109,3 +115,16 @@ def w3(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]
         docs = [gen.tokens(gen.log_uniform(*sizes.w3_doc_tokens)) + suffix for _ in range(sizes.w3_docs)]
         out.append(Request(query, docs, labels, apply_softmax=True))
     return out
+
+
+def w4(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]:
+    """W4: many small requests; each its own new 300-token query with 10 items x 20 tokens.
+
+    No query repeats (not even across warm-up and timed requests), so every request
+    pays its prefill: the workload measures whether the service batches the prefills
+    and items of many queries into one device call, not how well it caches.
+    """
+    return [
+        Request(gen.tokens(sizes.w4_query), [gen.tokens(sizes.w4_item_tokens) for _ in range(sizes.w4_items)], labels)
+        for _ in range(n)
+    ]

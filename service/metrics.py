@@ -86,6 +86,9 @@ class ServiceMetrics:
             "prefixscore_prefix_cache_evictions_total", "Prefix cache evictions.", registry=r
         )
         self.cache_bytes = Gauge("prefixscore_prefix_cache_bytes", "Device bytes held by the prefix cache.", registry=r)
+        self.pool_bytes = Gauge(
+            "prefixscore_prefix_pool_bytes", "Device bytes of the prefix pool (allocated once at start).", registry=r
+        )
         self.cache_entries = Gauge("prefixscore_prefix_cache_entries", "Prefixes held by the prefix cache.", registry=r)
         self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)
         self.compile_seconds = Counter(

@@ -1,79 +1,139 @@
-"""Prefix cache: query token ids -> the query's KV on the device, LRU under a byte budget.
+"""The prefix cache: query token ids -> the pages of the device's prefix pool that hold its KV.
 
-Entries can be pinned (an open ScoreStream holds its query's KV); pinned entries
-are never evicted and count towards the bytes. Thread-safe.
+Host bookkeeping only (the pool itself is the engine's device buffer, allocated once):
+a free list of page ids and an LRU of cached prefixes. A prefix is acquired (pinned) by
+every request or open stream that needs it and released when that is done. Pinned
+prefixes, and prefixes still being prefilled, are never evicted; unpinned, complete ones
+stay cached, least recently used first out, until their pages are needed. When the
+pages a new prefix needs cannot be had, `acquire` raises PoolExhausted: the caller
+refuses the work (RESOURCE_EXHAUSTED) instead of the device running out of memory.
+
+Reusing a page is safe as soon as no queued work needs it: device calls run in launch
+order, so a call that still reads a page runs before any later call that writes it.
+Not thread-safe: the device worker calls it under its lock.
 """
 
 from __future__ import annotations
 
 import collections
-import threading
+import dataclasses
 from collections.abc import Callable
-from typing import Generic, TypeVar
-
-V = TypeVar("V")
-Key = tuple[int, ...]
 
 
-class PrefixCache(Generic[V]):
-    def __init__(self, max_bytes: int, size_of: Callable[[V], int], on_evict: Callable[[int], None] | None = None):
-        self.max_bytes = max_bytes
-        self._size_of = size_of
+class PoolExhausted(Exception):
+    """The pages a prefix needs are all held by prefixes in use."""
+
+    def __init__(self, needed: int, free: int, total: int) -> None:
+        if needed > total:
+            detail = f"the prefix needs {needed} pages, more than the pool's {total}"
+        else:
+            detail = f"the prefix needs {needed} pages; {free} of {total} are free or evictable"
+        super().__init__(f"prefix pool full: {detail}")
+        self.needed = needed
+
+
+@dataclasses.dataclass(eq=False)
+class CachedPrefix:
+    """A query's pages in the pool. `written`: tokens whose K/V a launched call writes (the
+    prefill is chunked; later calls read what earlier ones wrote)."""
+
+    tokens: tuple[int, ...]
+    pages: tuple[int, ...]
+    written: int = 0
+    pins: int = 0
+    discarded: bool = False  # a call writing it failed: never served again
+
+    @property
+    def ready(self) -> bool:
+        return self.written >= len(self.tokens)
+
+
+class PrefixCache:
+    """See the module doc. pages: the pool's page count; page_tokens: tokens per page."""
+
+    def __init__(
+        self, pages: int, page_tokens: int, page_bytes: int, on_evict: Callable[[int], None] | None = None
+    ) -> None:
+        self.total_pages = pages
+        self.page_tokens = page_tokens
+        self.page_bytes = page_bytes
         self._on_evict = on_evict
-        self._entries: collections.OrderedDict[Key, V] = collections.OrderedDict()
-        self._pins: collections.Counter[Key] = collections.Counter()
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
+        self._free: list[int] = list(range(pages - 1, -1, -1))
+        self._entries: collections.OrderedDict[tuple[int, ...], CachedPrefix] = collections.OrderedDict()
         self.evictions = 0
 
-    def get(self, key: Key) -> V | None:
-        with self._lock:
-            value = self._entries.get(key)
-            if value is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return value
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_tokens)
 
-    def put(self, key: Key, value: V) -> None:
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return
-            self._entries[key] = value
-            self.bytes += self._size_of(value)
-            self._evict()
+    def acquire(self, tokens: tuple[int, ...]) -> tuple[CachedPrefix, bool]:
+        """The prefix's entry, pinned; (entry, hit). On a miss its pages are taken (evicting
+        unpinned prefixes, least recently used first) and the prefill is still to run.
+        Raises PoolExhausted when the pages cannot be had."""
+        entry = self._entries.get(tokens)
+        if entry is not None:
+            self._entries.move_to_end(tokens)
+            entry.pins += 1
+            return entry, True
+        needed = self.pages_for(len(tokens))
+        self._make_room(needed)
+        pages = tuple(self._free.pop() for _ in range(needed))
+        entry = CachedPrefix(tokens, pages, pins=1)
+        self._entries[tokens] = entry
+        return entry, False
 
-    def pin(self, key: Key) -> None:
-        with self._lock:
-            self._pins[key] += 1
+    def pin(self, entry: CachedPrefix) -> None:
+        """One more holder of an entry already acquired."""
+        entry.pins += 1
 
-    def unpin(self, key: Key) -> None:
-        with self._lock:
-            self._pins[key] -= 1
-            if self._pins[key] <= 0:
-                del self._pins[key]
-            self._evict()
+    def release(self, entry: CachedPrefix) -> None:
+        """Unpin. A prefix nobody waits for any more is dropped at once if its prefill never
+        finished or a call writing it failed; a complete one stays cached."""
+        entry.pins -= 1
+        if entry.pins <= 0 and (not entry.ready or entry.discarded):
+            self._drop(entry)
 
-    def _evict(self) -> None:
-        """Drop least recently used unpinned entries until within budget (lock held)."""
-        for key in list(self._entries):
-            if self.bytes <= self.max_bytes:
+    def discard(self, entry: CachedPrefix) -> None:
+        """A call that wrote this prefix failed: its pages hold garbage. New requests miss it;
+        its pages return to the pool once its last holder releases it."""
+        entry.discarded = True
+        if self._entries.get(entry.tokens) is entry:
+            del self._entries[entry.tokens]
+        if entry.pins <= 0:
+            self._free.extend(entry.pages)
+            entry.pages = ()
+
+    def _drop(self, entry: CachedPrefix) -> None:
+        if self._entries.get(entry.tokens) is entry:
+            del self._entries[entry.tokens]
+        self._free.extend(entry.pages)
+        entry.pages = ()
+
+    def _make_room(self, needed: int) -> None:
+        if needed <= len(self._free):
+            return
+        evictable = [e for e in self._entries.values() if e.pins <= 0]
+        if needed > len(self._free) + sum(len(e.pages) for e in evictable):
+            raise PoolExhausted(needed, len(self._free) + sum(len(e.pages) for e in evictable), self.total_pages)
+        for entry in evictable:  # least recently used first
+            if needed <= len(self._free):
                 break
-            if self._pins.get(key):
-                continue
-            value = self._entries.pop(key)
-            size = self._size_of(value)
-            self.bytes -= size
+            size = len(entry.pages) * self.page_bytes
+            self._drop(entry)
             self.evictions += 1
             if self._on_evict:
                 self._on_evict(size)
 
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes(self) -> int:
+        """Device bytes of the pages held by cached prefixes."""
+        return (self.total_pages - len(self._free)) * self.page_bytes
+
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: Key) -> bool:
-        return key in self._entries
+    def __contains__(self, tokens: tuple[int, ...]) -> bool:
+        return tokens in self._entries

@@ -37,8 +37,8 @@ class Limits:
         return cls(
             **{
                 "max_labels": b.max_labels,
-                "max_sequence_tokens": b.prefix[-1],
-                "max_item_tokens": b.item[-1],
+                "max_sequence_tokens": b.context,
+                "max_item_tokens": min(b.context, b.tokens[-1]),
                 **overrides,
             }
         )

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from prefixscore.model.buckets import Buckets
-from prefixscore.model.engine import PrefixKV, ScoringEngine
+from prefixscore.model.engine import ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.service.batcher import Batcher, WorkUnit
 from prefixscore.service.prefix_cache import PrefixCache
 from prefixscore.service.requests import Limits, RequestTokenizer, TokenizedRequest
 
@@ -26,19 +27,19 @@ class Usage:
 
 
 class Scorer:
-    """Scores items against a query with SGLang `/v1/score` semantics (see DESIGN.md).
+    """Scores items against a query with SGLang `/v1/score` semantics (see the README).
 
-    `score` is thread-safe; device work is serialised by a lock (the gRPC
-    service uses its own batching worker instead).
+    The same device path as the gRPC service, run synchronously: the prefix cache pins the
+    query's pages, the batcher plans calls that may mix requests (`score_requests`), the
+    engine runs them. `score` is thread-safe; device work is serialised by a lock.
     """
 
-    def __init__(
-        self, model: LoadedModel, engine: ScoringEngine, limits: Limits | None = None, prefix_cache_bytes: int = 1 << 30
-    ) -> None:
+    def __init__(self, model: LoadedModel, engine: ScoringEngine, limits: Limits | None = None) -> None:
         self.model = model
         self.engine = engine
         self.requests = RequestTokenizer(model.cfg, model.tokenizer, limits or Limits.for_engine(engine))
-        self.prefix_cache: PrefixCache[PrefixKV] = PrefixCache(prefix_cache_bytes, lambda kv: kv.nbytes)
+        self.prefix_cache = PrefixCache(engine.pool_pages, engine.buckets.page_tokens, engine.page_bytes)
+        self.batcher = Batcher(engine.builder, engine.buckets.prefill_chunk)
         self.last_usage = Usage(0, 0, 0)
         self._lock = threading.Lock()
 
@@ -50,13 +51,12 @@ class Scorer:
         *,
         buckets: Buckets | None = None,
         attn_impl: str | None = None,
-        prefix_cache_bytes: int = 1 << 30,
+        pool_bytes: int | None = None,
     ) -> Scorer:
         """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py)."""
         loaded = load_model(model, dtype)
-        return cls(
-            loaded, ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl), None, prefix_cache_bytes
-        )
+        engine = ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl, pool_bytes=pool_bytes)
+        return cls(loaded, engine)
 
     @property
     def cfg(self):
@@ -90,26 +90,51 @@ class Scorer:
     def score_tokens(self, req: TokenizedRequest, mode: str = "prefix") -> np.ndarray:
         """Score an already validated request -> [items, labels] float32."""
         labels, softmax = req.label_ids, req.apply_softmax
-        with self._lock:
-            cached = 0
-            if req.item_first:
-                # no shared prefix exists: each item + query is its own sequence
-                if mode == "sequential":
-                    probs = np.concatenate([self.engine.score_sequences([s], labels, softmax) for s in req.items])
-                else:
-                    probs = self.engine.score_sequences(req.items, labels, softmax)
-            elif mode == "sequential":
-                full = [list(req.prefix) + it for it in req.items]
-                probs = np.concatenate([self.engine.score_sequences([s], labels, softmax) for s in full])
-            elif mode == "packed":
+        if mode == "packed" and not req.item_first:
+            with self._lock:
                 probs = self.engine.score_packed(req.prefix, req.items, labels, softmax)
-            else:
-                kv = self.prefix_cache.get(req.prefix)
-                if kv is None:
-                    kv = self.engine.prefill(req.prefix)
-                    self.prefix_cache.put(req.prefix, kv)
-                else:
-                    cached = len(req.prefix)
-                probs = self.engine.score_items(kv, req.items, labels, softmax)
-            self.last_usage = Usage(req.prompt_tokens, cached, len(req.items))
+                self.last_usage = Usage(req.prompt_tokens, 0, len(req.items))
             return probs
+        if mode == "sequential" or (mode == "packed" and req.item_first):
+            # one whole sequence per call: query + item (or item + query) over no prefix
+            sequences = req.items if req.item_first else [list(req.prefix) + it for it in req.items]
+            rows = [
+                self.score_requests([TokenizedRequest((), [s], labels, softmax, True)])[0] for s in sequences
+            ]
+            self.last_usage = Usage(req.prompt_tokens, 0, len(req.items))
+            return np.concatenate(rows)
+        return self.score_requests([req])[0]
+
+    def score_requests(self, reqs: Sequence[TokenizedRequest]) -> list[np.ndarray]:
+        """Several validated requests at once: their prefills and items share device calls
+        (each call is planned from all of them). Returns [items, labels] float32 per request;
+        `last_usage` is the last request's."""
+        with self._lock:
+            units = [WorkUnit(r.prefix, r.items, r.label_ids, r.apply_softmax, r.item_first) for r in reqs]
+            try:
+                for unit in units:
+                    if not unit.item_first:
+                        unit.entry, hit = self.prefix_cache.acquire(unit.prefix)
+                        unit.cached_tokens = len(unit.prefix) if hit else 0
+                    self.batcher.add(unit)
+                self._run()
+            finally:
+                for unit in units:
+                    self.batcher.cancel(unit)  # no-op unless something failed half way
+                    if unit.entry is not None:
+                        self.prefix_cache.release(unit.entry)
+            last = reqs[-1]
+            self.last_usage = Usage(last.prompt_tokens, units[-1].cached_tokens, len(last.items))
+            return [unit.scores for unit in units]
+
+    def _run(self) -> None:
+        """Plan and launch every call the queued work needs, then read them back (launching all
+        before reading any lets host planning overlap device work)."""
+        launched = []
+        while (call := self.batcher.next_call()) is not None:
+            launched.append((call, self.engine.launch(call.plan)))
+        for call, probs in launched:
+            out = np.asarray(probs)
+            for row in call.plan.rows:
+                unit, index = row.ref
+                unit.scores[index] = out[row.row, : row.labels]

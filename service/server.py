@@ -21,7 +21,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -38,7 +38,7 @@ from prefixscore.service.logs import event
 from prefixscore.service.metrics import ServiceMetrics
 from prefixscore.service.requests import InvalidInput, Limits, RequestTokenizer, TokenizedRequest
 from prefixscore.service.wire import RequestConverter, RpcFailure, StreamSpec, invalid, item_scores, parse
-from prefixscore.service.worker import DeadlineExpired, DeviceWorker, QueueFull, WorkerStopped
+from prefixscore.service.worker import DeadlineExpired, DeviceWorker, QueueFull, StreamPin, WorkerStopped
 from prefixscore.v1 import score_service_pb2 as pb
 
 log = logging.getLogger("prefixscore.server")
@@ -58,9 +58,12 @@ class ServerConfig:
     metrics_port: int | None = 9090  # None: no metrics endpoint; 0: any free port
     max_queue_items: int = 65_536  # admission control: items waiting for the device
     max_items: int = 10_000  # items per request or stream batch
-    prefix_cache_bytes: int = 1 << 30
+    # the prefix pool: bytes, or (None) a fraction of the device memory left after the weights
+    pool_bytes: int | None = None
+    pool_memory_fraction: float = 0.5
+    compile_cache: str | None = None  # None: $PREFIXSCORE_COMPILE_CACHE_DIR or the user's cache dir; "off"
     drain_seconds: float = 30.0  # how long SIGTERM waits for in-flight RPCs
-    warmup: bool = True  # compile every bucket before SERVING (engine.warmup, when it exists)
+    warmup: bool = True  # compile every call shape before SERVING (engine.warmup)
     # None: the engine's default for the model's context; or a function of the context
     buckets: Buckets | Callable[[int], Buckets] | None = None
     attn_impl: str | None = None
@@ -80,6 +83,19 @@ def _unit_failure(err: BaseException) -> RpcFailure:
     if isinstance(err, WorkerStopped):
         return RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err))
     return RpcFailure(grpc.StatusCode.INTERNAL, f"device error: {type(err).__name__}: {err}")
+
+
+@contextlib.contextmanager
+def _admission() -> Iterator[None]:
+    """Admission control refusals as gRPC statuses: RESOURCE_EXHAUSTED with a retry hint."""
+    try:
+        yield
+    except QueueFull as full:
+        raise RpcFailure(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {full}", ((RETRY_AFTER_KEY, str(full.retry_after_ms)),)
+        ) from full
+    except WorkerStopped as err:
+        raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
 
 
 def _rpc(method: str) -> Callable:
@@ -122,7 +138,6 @@ class ScoreServer:
             self._startup,
             self.metrics,
             config.max_queue_items,
-            config.prefix_cache_bytes,
             on_ready=self._on_worker_ready,
             batch_wait_s=config.batch_wait_s,
         )
@@ -185,10 +200,18 @@ class ScoreServer:
             engine = cfg.engine
         else:
             buckets = cfg.buckets(loaded.cfg.max_position_embeddings) if callable(cfg.buckets) else cfg.buckets
-            engine = ScoringEngine(loaded.cfg, loaded.params, loaded.dtype, buckets, cfg.attn_impl)
-        import jax
+            engine = ScoringEngine(
+                loaded.cfg,
+                loaded.params,
+                loaded.dtype,
+                buckets,
+                cfg.attn_impl,
+                compile_cache_dir=cfg.compile_cache,
+                pool_bytes=cfg.pool_bytes,
+                pool_memory_fraction=cfg.pool_memory_fraction,
+            )
 
-        self.devices = [f"{d.platform}:{d.id}" for d in getattr(engine, "devices", None) or jax.devices()]
+        self.devices = [f"{d.platform}:{d.id}" for d in engine.devices]
         event(
             log,
             "model_loaded",
@@ -199,27 +222,26 @@ class ScoreServer:
             attention=engine.attn_impl,
             seconds=round(loaded_at - started, 3),
             buckets=dataclasses.asdict(engine.buckets),
+            pool_pages=engine.pool_pages,
+            pool_bytes=engine.pool_bytes,
             tokenizer=loaded.tokenizer is not None,
         )
         compiles, compile_s = CompileCounter.count(), CompileCounter.seconds()
-        warmup = getattr(engine, "warmup", None)
         report: dict = {}
-        if cfg.warmup and callable(warmup):
-            # every shape bucket compiles now, before SERVING, so traffic never waits for XLA
-            report = warmup() or {}
-        check = getattr(engine, "check_attention", None)
-        if callable(check):
-            # the kernels against the oracle on this very device: never serve a miscompiled kernel
-            event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=check())
+        if cfg.warmup:
+            # every call shape compiles now, before SERVING, so traffic never waits for XLA
+            report = engine.warmup()
+        # the kernels against the oracle on this very device: never serve a miscompiled kernel
+        event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=engine.check_attention())
         event(
             log,
             "warmed_up",
-            warmup=bool(cfg.warmup and callable(warmup)),
+            warmup=cfg.warmup,
             executables=report.get("executables"),
             compilations=CompileCounter.count() - compiles,
             compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
             seconds=round(time.monotonic() - loaded_at, 3),
-            compile_cache=getattr(engine, "compile_cache_dir", None),
+            compile_cache=engine.compile_cache_dir,
         )
         self.loaded = loaded
         return engine
@@ -335,16 +357,12 @@ class ScoreServer:
         return self.converter
 
     def _submit(self, unit: WorkUnit) -> None:
-        try:
+        with _admission():
             self.worker.submit(unit)
-        except QueueFull as full:
-            raise RpcFailure(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server busy: {full}",
-                ((RETRY_AFTER_KEY, str(full.retry_after_ms)),),
-            ) from full
-        except WorkerStopped as err:
-            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+
+    def _pin(self, prefix: tuple[int, ...]) -> StreamPin:
+        with _admission():
+            return self.worker.open_prefix(prefix)
 
     @staticmethod
     def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -446,7 +464,7 @@ class _StreamSession:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.spec: StreamSpec | None = None
-        self.pinned: tuple[int, ...] | None = None
+        self.pinned: StreamPin | None = None
         self.cached_tokens = 0
         self.item_tokens = 0
         self.items = 0
@@ -510,12 +528,15 @@ class _StreamSession:
         converter = self.server._check_accepting()
         spec = await asyncio.to_thread(converter.stream_open, msg)
         if spec.prefix:
+            # pin the query's pages (refused at once when the pool cannot hold them) and prefill
+            # it now: its KV stays on the device while the stream is open
+            self.pinned = self.server._pin(spec.prefix)
             try:
-                # prefill now (or hit the cache) and pin: the KV stays on the device while the stream is open
-                self.cached_tokens = await asyncio.wrap_future(self.server.worker.open_prefix(spec.prefix))
+                self.cached_tokens = await asyncio.wrap_future(self.pinned.ready)
             except WorkerStopped as err:
                 raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
-            self.pinned = spec.prefix
+            except Exception as err:
+                raise _unit_failure(err) from err
         self.spec = spec
         opened = pb.StreamOpened(
             prefix_tokens=len(spec.prefix), cached_tokens=self.cached_tokens, label_token_ids=spec.label_ids

@@ -1,15 +1,16 @@
 """The device worker: the one thread that touches the device.
 
-It loads the model (through the `startup` callable it is given), then loops:
-run queued calls (stream opens: prefill and pin a prefix), resolve the prefix KV
-of new groups (prefix cache hit, or prefill on a miss), take the next device
-batch from the `Batcher` and launch it, and only then read back the previous
-batch, so host-side padding and result delivery overlap device work (JAX
-dispatch is asynchronous). Items of all requests that share a query, labels and
-options merge into the same device batches.
+It loads the model (through the `startup` callable it is given), then loops: plan the
+next device call from all pending work (service/batcher.py: prefill chunks of new
+queries and items of any number of queries in one call), launch it, and only then read
+back the previous call, so host-side planning and result delivery overlap device work
+(JAX dispatch is asynchronous).
 
-Other threads only call `submit`, `cancel`, `call` and `release`; results come
-back through each unit's `on_done` callback, on this thread.
+Other threads call `submit`, `cancel`, `open_prefix` and `release`: they take the
+worker's lock, and the prefix cache's pages are acquired there, at once, so a request
+the pool cannot hold is refused before it queues (RESOURCE_EXHAUSTED), never an
+out-of-memory on the device. Results come back through each unit's `on_done`
+callback, on this thread.
 """
 
 from __future__ import annotations
@@ -25,20 +26,20 @@ from typing import Any
 
 import numpy as np
 
-from prefixscore.model.engine import CompileCounter, PrefixKV, ScoringEngine
-from prefixscore.service.batcher import Batch, Batcher, Group, WorkUnit
+from prefixscore.model.engine import CompileCounter, ScoringEngine
+from prefixscore.service.batcher import Batcher, Call, WorkUnit
 from prefixscore.service.logs import event
 from prefixscore.service.metrics import ServiceMetrics
-from prefixscore.service.prefix_cache import PrefixCache
+from prefixscore.service.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
 
 log = logging.getLogger("prefixscore.worker")
 
 
 class QueueFull(Exception):
-    """Admission control refused work; retry after `retry_after_ms`."""
+    """Admission control refused work (the queue, or the prefix pool, is full); retry after `retry_after_ms`."""
 
-    def __init__(self, queued: int, limit: int, retry_after_ms: int) -> None:
-        super().__init__(f"the queue holds {queued} items (limit {limit}); retry after {retry_after_ms} ms")
+    def __init__(self, reason: str, retry_after_ms: int) -> None:
+        super().__init__(f"{reason}; retry after {retry_after_ms} ms")
         self.retry_after_ms = retry_after_ms
 
 
@@ -52,9 +53,18 @@ class WorkerStopped(Exception):
 
 @dataclasses.dataclass
 class _Launched:
-    batch: Batch
-    probs: Any  # [batch, label_bucket] on the device (or numpy for item_first)
+    call: Call
+    probs: Any  # [devices * rows, labels] on the device
     launched_at: float
+
+
+@dataclasses.dataclass
+class StreamPin:
+    """An open stream's hold on its query's pages; `ready` resolves (cached tokens) once the
+    query's prefill is launched."""
+
+    entry: CachedPrefix
+    ready: concurrent.futures.Future
 
 
 class DeviceWorker:
@@ -70,7 +80,6 @@ class DeviceWorker:
         startup: Callable[[], ScoringEngine],
         metrics: ServiceMetrics,
         max_queue_items: int,
-        prefix_cache_bytes: int,
         on_ready: Callable[[BaseException | None], None] = lambda error: None,
         batch_wait_s: float = 0.0,
     ) -> None:
@@ -82,15 +91,11 @@ class DeviceWorker:
         self._on_ready = on_ready
         self.engine: ScoringEngine | None = None
         self.batcher: Batcher | None = None
-        self.cache: PrefixCache[PrefixKV] = PrefixCache(
-            prefix_cache_bytes, lambda kv: kv.nbytes, on_evict=lambda size: metrics.cache_evictions.inc()
-        )
-        self._open: dict[tuple[int, ...], list] = {}  # prefix -> [kv, open streams] (device thread only)
+        self.cache: PrefixCache | None = None
         self._cv = threading.Condition()
-        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._stopping = False
         self._running = False
-        self._exited = False  # the thread ended: calls are refused
+        self._exited = False  # the thread ended: work is refused
         self._paused = 0
         self._items_per_s = 0.0  # moving average, for the retry hint
         self._compiles_seen = CompileCounter.count()
@@ -103,17 +108,21 @@ class DeviceWorker:
         self._thread.start()
 
     def submit(self, unit: WorkUnit) -> None:
-        """Queue `unit`'s items; raises QueueFull (admission control) or WorkerStopped."""
+        """Queue `unit`'s items, pinning its query's pages; raises QueueFull (admission control:
+        the queue or the prefix pool is full) or WorkerStopped."""
         with self._cv:
-            if not self._running or self._stopping:
-                raise WorkerStopped("the device worker is not running")
+            self._check_running()
             assert self.batcher is not None
-            if self.batcher.depth + len(unit.items) > self.max_queue_items:
+            depth = self.batcher.depth
+            if depth + len(unit.items) > self.max_queue_items:
                 self.metrics.rejected.inc()
-                raise QueueFull(self.batcher.depth, self.max_queue_items, self._retry_after_ms())
-            group = self.batcher.add(unit)
-            if group.state is not None and not unit.item_first:
-                self._count_lookup(unit, hit=True)  # joins items whose prefix KV is on the device already
+                reason = f"the queue holds {depth} items (limit {self.max_queue_items})"
+                raise QueueFull(reason, self._retry_after_ms())
+            if not unit.item_first and unit.entry is None:
+                unit.entry, hit = self._acquire(unit.prefix)
+                unit.cached_tokens = len(unit.prefix) if hit else 0
+                self._count_lookup(unit, hit)
+            self.batcher.add(unit)
             self.metrics.queue_depth.set(self.batcher.depth)
             self._cv.notify()
 
@@ -125,53 +134,50 @@ class DeviceWorker:
                 return
             unit.finished = True
             self.batcher.cancel(unit)
+            self._release(unit)
             self.metrics.queue_depth.set(self.batcher.depth)
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` on the device thread before the next batch; its result in the future."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def open_prefix(self, prefix: tuple[int, ...]) -> StreamPin:
+        """Pin `prefix`'s pages for an open stream (prefilling it if new). Raises QueueFull at
+        once when the pool cannot hold it; `ready` resolves with the cached tokens."""
         with self._cv:
-            if self._exited:
-                future.set_exception(WorkerStopped("the device worker is not running"))
-                return future
-            self._calls.append((fn, future))
+            self._check_running()
+            entry, hit = self._acquire(prefix)
+            self.metrics.cache_hits.inc() if hit else self.metrics.cache_misses.inc()
+            ready: concurrent.futures.Future = concurrent.futures.Future()
+            cached = len(prefix) if hit else 0
+            if entry.ready:
+                ready.set_result(cached)
+                return StreamPin(entry, ready)
+
+            def done(unit: WorkUnit) -> None:
+                if unit.error is not None:
+                    ready.set_exception(unit.error)
+                else:
+                    ready.set_result(cached)
+
+            # a unit without items: its query's chunks, then done. It holds a pin of its own, so
+            # the pages stay its until the prefill is launched even if the stream closes first
+            unit = WorkUnit(prefix, [], (), False, False, on_done=done, counts_lookup=False)
+            unit.entry = entry
+            assert self.cache is not None
+            self.cache.pin(entry)
+            assert self.batcher is not None
+            self.batcher.add(unit)
             self._cv.notify()
-        return future
+            return StreamPin(entry, ready)
 
-    def open_prefix(self, prefix: tuple[int, ...]) -> concurrent.futures.Future:
-        """Prefill (or find in the cache) and pin `prefix`; the future gives the cached tokens."""
-
-        def run() -> int:
-            self.cache.pin(prefix)  # pinned before the put, so the new entry is never the one evicted
-            try:
-                kv, hit = self._resolve(prefix)
-            except BaseException:
-                self.cache.unpin(prefix)
-                raise
-            (self.metrics.cache_hits if hit else self.metrics.cache_misses).inc()
-            self._open.setdefault(prefix, [kv, 0])[1] += 1
-            return len(prefix) if hit else 0
-
-        return self.call(run)
-
-    def release(self, prefix: tuple[int, ...]) -> None:
-        """Unpin a prefix opened with open_prefix (on the device thread: eviction frees device memory)."""
-
-        def run() -> None:
-            entry = self._open.get(prefix)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del self._open[prefix]
-            self.cache.unpin(prefix)
-            self._cache_gauges()
-
-        self.call(run)
+    def release(self, pin: StreamPin) -> None:
+        """Unpin a stream's prefix (it stays cached until its pages are needed)."""
+        with self._cv:
+            if self.cache is not None:
+                self.cache.release(pin.entry)
+                self._cache_gauges()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Hold item batches (calls and prefills still run) while inside: lets tests and
-        operators observe queued work deterministically."""
+        """Hold device calls while inside: lets tests and operators observe queued work
+        deterministically."""
         with self._cv:
             self._paused += 1
         try:
@@ -192,19 +198,50 @@ class DeviceWorker:
 
     @property
     def depth(self) -> int:
-        return self.batcher.depth if self.batcher else 0
+        with self._cv:
+            return self.batcher.depth if self.batcher else 0
+
+    def _check_running(self) -> None:
+        """Lock held."""
+        if not self._running or self._stopping:
+            raise WorkerStopped("the device worker is not running")
+
+    def _acquire(self, prefix: tuple[int, ...]) -> tuple[CachedPrefix, bool]:
+        """Lock held: the prefix's pages, pinned; QueueFull when the pool cannot hold it."""
+        assert self.cache is not None
+        try:
+            entry, hit = self.cache.acquire(prefix)
+        except PoolExhausted as full:
+            self.metrics.rejected.inc()
+            retry = self._retry_after_ms() if full.needed <= self.cache.total_pages else 60_000
+            raise QueueFull(str(full), retry) from full
+        self._cache_gauges()
+        return entry, hit
+
+    def _release(self, unit: WorkUnit) -> None:
+        """Lock held: give back the unit's pin on its query's pages, once."""
+        if unit.entry is not None and not unit.released and self.cache is not None:
+            unit.released = True
+            self.cache.release(unit.entry)
+            self._cache_gauges()
 
     # ---- the device thread -----------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.engine = self._startup()
-            self.batcher = Batcher(self._planner, self._window(self.engine))
+            engine = self._startup()
+            b = engine.buckets
+            self.cache = PrefixCache(
+                engine.pool_pages,
+                b.page_tokens,
+                engine.page_bytes,
+                on_evict=lambda size: self.metrics.cache_evictions.inc(),
+            )
+            self.metrics.pool_bytes.set(engine.pool_bytes)
+            self.batcher = Batcher(engine.builder, b.prefill_chunk)
+            self.engine = engine
         except BaseException as err:  # reported to the server, which exits
             with self._cv:
                 self._stopping = self._exited = True
-                calls, self._calls = self._calls, []
-            for _, future in calls:
-                future.set_exception(WorkerStopped("the device worker failed to start"))
             self._on_ready(err)
             return
         self._sync_compile_metrics()
@@ -219,17 +256,6 @@ class DeviceWorker:
                 self._exited = True
             self._fail_all(WorkerStopped("the server is shutting down"))
 
-    def _planner(self, lengths: list[int], sequence: bool) -> list:
-        assert self.engine is not None
-        return self.engine.plan(lengths, sequence=sequence)
-
-    @staticmethod
-    def _window(engine: ScoringEngine) -> int:
-        """Items offered to the planner per device call: at least what one call can hold."""
-        b = engine.buckets
-        per_device = b.rows(b.max_batch_tokens) if hasattr(b, "rows") else b.batch[-1]
-        return max(1, per_device * getattr(engine, "n_devices", 1))
-
     def _loop(self) -> None:
         assert self.batcher is not None
         inflight: _Launched | None = None
@@ -238,31 +264,17 @@ class DeviceWorker:
                 while not self._has_work(inflight):
                     self._cv.wait(timeout=self._wait_timeout())
                     self._expire(time.monotonic())
-                if (
-                    self._stopping
-                    and inflight is None
-                    and not self._calls
-                    and not self.batcher.unresolved()
-                    and not self._batch_ready()
-                ):
+                if self._stopping and inflight is None and not self.batcher.ready():
                     return
-                calls, self._calls = self._calls, []
-                unresolved = [(g, list(g.waiting)) for g in self.batcher.unresolved()]
-            for fn, future in calls:
-                self._run_call(fn, future)
-            for group, waiting in unresolved:
-                self._resolve_group(group, waiting)
             if self.batch_wait_s and inflight is None:
-                time.sleep(self.batch_wait_s)  # let concurrent requests join the first batch
+                time.sleep(self.batch_wait_s)  # let concurrent requests join the first call
             with self._cv:
                 self._expire(time.monotonic())
-                batch = None if self._paused else self.batcher.next_batch()
-                for group in self.batcher.prune():
-                    if not group.item_first:
-                        self.cache.unpin(group.prefix)  # may evict it now, if over the byte budget
-                        self._cache_gauges()
+                for unit in self.batcher.prefilled():
+                    self._finish(unit, None)
+                call = None if self._paused else self.batcher.next_call()
                 self.metrics.queue_depth.set(self.batcher.depth)
-            launched = self._launch(batch) if batch else None
+            launched = self._launch(call) if call else None
             if inflight is not None:
                 self._complete(inflight)
             inflight = launched
@@ -271,17 +283,7 @@ class DeviceWorker:
     def _has_work(self, inflight: _Launched | None) -> bool:
         """Lock held."""
         assert self.batcher is not None
-        return bool(
-            inflight is not None
-            or self._calls
-            or self._stopping
-            or self.batcher.unresolved()
-            or (not self._paused and self._batch_ready())
-        )
-
-    def _batch_ready(self) -> bool:
-        assert self.batcher is not None
-        return self.batcher.ready()
+        return bool(inflight is not None or self._stopping or (not self._paused and self.batcher.ready()))
 
     def _wait_timeout(self) -> float | None:
         """Wake at the next queued deadline so expired work leaves the queue promptly."""
@@ -297,114 +299,46 @@ class DeviceWorker:
             self.batcher.cancel(unit)
             self._finish(unit, DeadlineExpired("the deadline passed before the items were scored"))
 
-    def _run_call(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as err:
-            future.set_exception(err)
-
-    def _resolve(self, prefix: tuple[int, ...]) -> tuple[PrefixKV, bool]:
-        """The prefix KV from the cache, or prefilled and cached; (kv, cache hit)."""
-        assert self.engine is not None
-        kv = self.cache.get(prefix)
-        if kv is not None:
-            return kv, True
-        start = time.monotonic()
-        kv = self.engine.prefill(prefix)
-        # wait here: prefills are rare next to item batches, and this measures them honestly
-        kv.keys.block_until_ready()
-        self.metrics.batch_seconds.labels("prefill").observe(time.monotonic() - start)
-        self.metrics.tokens.labels("prefix").inc(len(prefix))
-        self.cache.put(prefix, kv)
-        self._cache_gauges()
-        return kv, False
-
-    def _resolve_group(self, group: Group, waiting: list[WorkUnit]) -> None:
-        """Give a new group its prefix KV (pinned while the group lives)."""
-        assert self.batcher is not None
-        if group.item_first:
-            state: object = True  # whole sequences, no prefix
-            hit = False
-        else:
-            if all(u.cancelled for u in waiting):
-                with self._cv:
-                    if all(u.cancelled for u in group.waiting):
-                        self.batcher.groups.pop(group.key, None)
-                        return
-            self.cache.pin(group.prefix)
-            try:
-                if group.prefix in self._open:  # an open stream holds it: no lookup to count
-                    state, hit = self._open[group.prefix][0], True
-                else:
-                    state, hit = self._resolve(group.prefix)
-            except Exception as err:
-                self.cache.unpin(group.prefix)
-                log.exception("prefill failed")
-                with self._cv:
-                    self.batcher.groups.pop(group.key, None)
-                    for unit in group.waiting:
-                        self.batcher.cancel(unit)
-                        self._finish(unit, err)
-                return
-        with self._cv:
-            group.state = state
-            for unit in group.waiting:
-                unit.cached_tokens = len(group.prefix) if hit else 0
-                if not group.item_first:
-                    self._count_lookup(unit, hit)
-            group.waiting.clear()
-
-    def _launch(self, batch: Batch) -> _Launched | None:
-        """Start one device batch (asynchronously for prefix batches)."""
+    def _launch(self, call: Call) -> _Launched | None:
+        """Start one device call (asynchronously)."""
         engine = self.engine
         assert engine is not None
-        group = batch.group
-        labels, softmax = group.key[1], group.key[2]
-        items = batch.items
-        stats = getattr(engine, "stats", None)  # the engine's own count of device tokens, when it keeps one
-        device_before = stats["device_tokens"] if stats else 0
+        plan = call.plan
         try:
-            if group.item_first:
-                # whole sequences (no shared prefix): one synchronous engine call
-                probs: Any = engine.score_sequences(items, labels, softmax)
-            else:
-                probs = engine.dispatch_items(group.state, items, batch.shape, labels, softmax)  # type: ignore[arg-type]
+            probs = engine.launch(plan)
         except Exception as err:
-            log.exception("device batch failed to launch")
-            self._fail_batch(batch, err)
+            log.exception("device call failed to launch")
+            self._fail_call(call, err)
             return None
-        real = batch.tokens
-        device = stats["device_tokens"] - device_before if stats else batch.shape.batch * batch.shape.length
-        device = max(device, real)
-        self.metrics.batch_size.observe(len(items))
+        real, device = plan.prefill_tokens + plan.item_tokens, max(plan.device_tokens, 1)
+        self.metrics.batch_size.observe(len(plan.rows))
         self.metrics.batch_padding.observe(1.0 - real / device)
-        self.metrics.padding_tokens.inc(device - real)
-        self.metrics.tokens.labels("item").inc(real)
-        return _Launched(batch, probs, time.monotonic())
+        self.metrics.padding_tokens.inc(max(0, device - real))
+        self.metrics.tokens.labels("item").inc(plan.item_tokens)
+        self.metrics.tokens.labels("prefix").inc(plan.prefill_tokens)
+        return _Launched(call, probs, time.monotonic())
 
     def _complete(self, launched: _Launched) -> None:
-        """Read one batch back and deliver its rows."""
-        batch = launched.batch
-        n_labels = len(batch.group.key[1])
+        """Read one call back and deliver its rows."""
+        call = launched.call
         try:
-            out = np.asarray(launched.probs)[: len(batch.entries), :n_labels]
+            out = np.asarray(launched.probs)
         except Exception as err:
-            log.exception("device batch failed")
-            self._fail_batch(batch, err)
+            log.exception("device call failed")
+            self._fail_call(call, err)
             return
         now = time.monotonic()
-        # device time of this batch: it ran after the previous one finished (one device, in order)
+        # device time of this call: it ran after the previous one finished (one device, in order)
         self.metrics.batch_seconds.labels("items").observe(now - max(launched.launched_at, self._last_done))
         self._last_done = now
-        self.metrics.items_scored.inc(len(batch.entries))
-        self._observe_rate(len(batch.entries), now - launched.launched_at)
+        self.metrics.items_scored.inc(len(call.plan.rows))
+        self._observe_rate(len(call.plan.rows), now - launched.launched_at)
         with self._cv:
-            for row, (unit, index) in enumerate(batch.entries):
+            for row in call.plan.rows:
+                unit, index = row.ref
                 if unit.finished:
                     continue  # cancelled while on the device
-                unit.scores[index] = out[row]
+                unit.scores[index] = out[row.row, : row.labels]
                 unit.remaining -= 1
                 if unit.first_scores_at is None:
                     unit.first_scores_at = now
@@ -413,34 +347,37 @@ class DeviceWorker:
                     self._finish(unit, None)
 
     def _finish(self, unit: WorkUnit, error: BaseException | None) -> None:
-        """Deliver a unit once (lock held)."""
+        """Deliver a unit once and give back its pin (lock held)."""
         if unit.finished:
             return
         unit.finished = True
         unit.error = error
+        self._release(unit)
         try:
             unit.on_done(unit)
         except Exception:
             log.exception("on_done callback failed")
 
-    def _fail_batch(self, batch: Batch, err: BaseException) -> None:
-        assert self.batcher is not None
+    def _fail_call(self, call: Call, err: BaseException) -> None:
+        """A call failed: its rows' units fail, and the prefixes it wrote hold garbage."""
+        assert self.batcher is not None and self.cache is not None
         with self._cv:
-            for unit, _ in batch.entries:
+            for entry in call.written:
+                self.cache.discard(entry)
+            units = {id(row.ref[0]): row.ref[0] for row in call.plan.rows}
+            units.update({id(u): u for u in self.batcher.live_units() if u.entry in call.written})
+            for unit in units.values():
                 if not unit.finished:
                     self.batcher.cancel(unit)
                     self._finish(unit, err)
+            self._cache_gauges()
 
     def _fail_all(self, err: BaseException) -> None:
         with self._cv:
-            calls, self._calls = self._calls, []
             units = list(self.batcher.live_units()) if self.batcher else []
             for unit in units:
                 self.batcher.cancel(unit)  # type: ignore[union-attr]
                 self._finish(unit, err)
-        for _, future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(err)
 
     # ---- metrics ---------------------------------------------------------------------------------
     def _observe_rate(self, items: int, seconds: float) -> None:
@@ -456,11 +393,12 @@ class DeviceWorker:
         return int(min(10_000, max(50, 500 * self.batcher.depth / self._items_per_s)))
 
     def _count_lookup(self, unit: WorkUnit, hit: bool) -> None:
-        """One hit or miss per request (or stream open): hit when no prefill ran for it."""
-        if unit.counts_lookup and not unit.cancelled:
+        """One hit or miss per request (or stream open): hit when no new prefill runs for it."""
+        if unit.counts_lookup:
             (self.metrics.cache_hits if hit else self.metrics.cache_misses).inc()
 
     def _cache_gauges(self) -> None:
+        assert self.cache is not None
         self.metrics.cache_bytes.set(self.cache.bytes)
         self.metrics.cache_entries.set(len(self.cache))
 

@@ -10,6 +10,7 @@ import pytest
 from prefixscore.model import flops
 from prefixscore.model.presets import RANDOM_PRESETS
 from prefixscore.service import bench
+from prefixscore.service import bench_workloads as wl
 
 SMOKE = [
     "bench",
@@ -44,6 +45,62 @@ SMOKE = [
     "4",
     "--w3-max-doc-tokens",
     "60",
+    "--w3-requests",
+    "4",
+    "--w4-requests",
+    "6",
+    "--w4-concurrency",
+    "3",
+    "--w4-query-tokens",
+    "40",
+    "--w4-items",
+    "4",
+    "--w4-item-tokens",
+    "6",
+]
+
+# w1-cold and the three concurrent gRPC workloads, as small as they go (WORKLOADS.md "Efficiency across workloads")
+SHARES = [
+    "bench",
+    "--model",
+    "tiny-qwen3",
+    "--workload",
+    "w1-cold,w4,w2,w3-grpc",
+    "--runs",
+    "2",
+    "--no-progress",
+    "--query-tokens",
+    "64",
+    "--items",
+    "8",
+    "--item-tokens",
+    "4",
+    "--w4-requests",
+    "8",
+    "--w4-concurrency",
+    "4",
+    "--w4-query-tokens",
+    "32",
+    "--w4-items",
+    "4",
+    "--w4-item-tokens",
+    "4",
+    "--w2-requests",
+    "4",
+    "--concurrency",
+    "2",
+    "--w2-max-query",
+    "64",
+    "--w2-max-items",
+    "8",
+    "--w2-max-item-tokens",
+    "8",
+    "--w3-requests",
+    "4",
+    "--w3-docs",
+    "4",
+    "--w3-max-doc-tokens",
+    "16",
 ]
 
 
@@ -71,7 +128,9 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
     assert args.func(args) == 0
     records = json.loads(out.read_text())
     got = {(r["workload"], r["mode"]) for r in records}
-    want = {(w, m) for w in ("w1-cold", "w1-warm", "w3") for m in bench.MODES} | {("w2", "prefix")}
+    want = {(w, m) for w in ("w1-cold", "w1-warm", "w3") for m in bench.MODES} | {
+        (w, "prefix") for w in bench.CONCURRENT
+    }
     assert got == want
     for r in records:
         for key in (
@@ -101,6 +160,11 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
             assert 0 <= r["padding_share"] < 1
     by = {(r["workload"], r["mode"]): r for r in records}
     assert by[("w2", "prefix")]["transport"].startswith("grpc ") and by[("w2", "prefix")]["requests"] == 6
+    assert by[("w4", "prefix")]["transport"].startswith("grpc ") and by[("w4", "prefix")]["requests"] == 6
+    assert by[("w3-grpc", "prefix")]["transport"].startswith("grpc ") and by[("w3-grpc", "prefix")]["requests"] == 4
+    for w in ("w2", "w3", "w3-grpc", "w4"):
+        assert by[(w, "prefix")][bench.SHARE_KEY] > 0
+    assert bench.SHARE_KEY not in by[("w1-cold", "prefix")] and bench.SHARE_KEY not in by[("w1-warm", "prefix")]
     assert by[("w1-cold", "prefix")]["transport"] == "in-process"
     assert by[("w1-warm", "prefix")]["prefix_cache_hit_rate"] == 1.0
     assert by[("w1-cold", "prefix")]["prefix_cache_hit_rate"] == 0.0
@@ -125,3 +189,115 @@ def test_bench_over_grpc_target(tmp_path) -> None:
     records = json.loads(out.read_text())
     assert [(r["workload"], r["mode"]) for r in records] == [("w1-cold", "prefix"), ("w2", "prefix")]
     assert all(r["target"] == server.target and r["backend"] == "remote" and r["items_per_s"] > 0 for r in records)
+
+
+def test_bench_flop_rate_shares_of_w1_cold(tmp_path, capsys) -> None:
+    """W4, W2 and W3 over gRPC: concurrent runs, each with its FLOP rate as a share of W1-cold's."""
+    out = tmp_path / "shares.json"
+    args = parse([*SHARES, "--json", str(out)])
+    assert args.func(args) == 0
+    records = json.loads(out.read_text())
+    assert [(r["workload"], r["mode"]) for r in records] == [
+        ("w1-cold", "prefix"),
+        ("w4", "prefix"),
+        ("w2", "prefix"),
+        ("w3-grpc", "prefix"),
+    ]
+    by = {r["workload"]: r for r in records}
+    assert by["w1-cold"]["transport"] == "in-process" and by["w1-cold"]["achieved_flops_per_s"] > 0
+    want = {"w4": (8, 4, 8 * 4), "w2": (4, 2, None), "w3-grpc": (4, 2, 4 * 4)}
+    for w, (requests, clients, items) in want.items():
+        r = by[w]
+        assert r["transport"].startswith("grpc ") and r["concurrency"] == clients and r["requests"] == requests, w
+        assert items is None or r["items"] == items, w
+        assert r["items_per_s"] > 0 and r["achieved_flops_per_s"] > 0, w
+        assert r[bench.SHARE_KEY] > 0, w
+        assert r[bench.SHARE_KEY] == pytest.approx(r["achieved_flops_per_s"] / by["w1-cold"]["achieved_flops_per_s"])
+        assert r["padding_share"] is None or 0 <= r["padding_share"] < 1, w
+        assert 0 <= r["prefix_cache_hit_rate"] <= 1, w
+    assert by["w4"]["prefix_cache_hit_rate"] == 0.0  # every W4 query is new
+    printed = capsys.readouterr().out
+    for name in ("W4", "W2", "W3-grpc"):
+        assert f"{name} {by[name.lower()][bench.SHARE_KEY]:.2f} of W1-cold's model FLOP rate" in printed
+
+
+def test_w4_requests_are_small_and_all_new() -> None:
+    sizes = wl.Sizes(w4_query=30, w4_items=3, w4_item_tokens=5)
+    reqs = wl.w4(wl.Generator(1000, seed=1), sizes, [7, 8], 12)
+    assert len(reqs) == 12
+    assert all(len(r.query) == 30 and len(r.items) == 3 and r.item_tokens == 15 for r in reqs)
+    assert all(r.labels == [7, 8] and not r.apply_softmax for r in reqs)
+    assert len({tuple(r.query) for r in reqs}) == 12
+    assert wl.Sizes().w4_query == 300 and wl.Sizes().w4_concurrency == 64 and wl.Sizes().w4_requests == 256
+
+
+def test_bench_arguments_for_the_concurrent_workloads() -> None:
+    args = parse(
+        ["bench", "--workload", "all", "--w4-requests", "9", "--w4-concurrency", "5", "--w4-query-tokens", "7"]
+    )
+    assert args.workload == list(bench.WORKLOADS) and {"w3-grpc", "w4"} <= set(args.workload)
+    assert (args.w4_requests, args.w4_concurrency, args.w4_query_tokens) == (9, 5, 7)
+    defaults = parse(["bench"])
+    assert (defaults.w4_requests, defaults.w4_concurrency, defaults.w4_query_tokens) == (256, 64, 300)
+    assert (defaults.w4_items, defaults.w4_item_tokens, defaults.concurrency, defaults.w3_requests) == (10, 20, 16, 64)
+    with pytest.raises(SystemExit):
+        parse(["bench", "--workload", "w5"])
+
+
+def test_flop_rate_shares_on_synthetic_records() -> None:
+    def rec(workload: str, mode: str, rate: float | None, transport: str = "grpc x", clients: int = 16) -> dict:
+        return {
+            "workload": workload,
+            "mode": mode,
+            "achieved_flops_per_s": rate,
+            "transport": transport,
+            "concurrency": clients,
+        }
+
+    records = [
+        rec("w1-cold", "prefix", 2e9, "in-process", 1),
+        rec("w1-cold", "packed", 1e9, "in-process", 1),
+        rec("w1-warm", "prefix", 3e9, "in-process", 1),
+        rec("w2", "prefix", 1e9),
+        rec("w3", "prefix", 5e8, "in-process", 1),
+        rec("w3", "packed", 1e8, "in-process", 1),
+        rec("w3-grpc", "prefix", 1.5e9),
+        rec("w4", "prefix", 4e8, clients=64),
+    ]
+    bench._shares(records)
+    got = {(r["workload"], r["mode"]): r.get(bench.SHARE_KEY) for r in records}
+    assert got == {
+        ("w1-cold", "prefix"): None,
+        ("w1-cold", "packed"): None,
+        ("w1-warm", "prefix"): None,
+        ("w2", "prefix"): 0.5,
+        ("w3", "prefix"): 0.25,
+        ("w3", "packed"): 0.05,
+        ("w3-grpc", "prefix"): 0.75,
+        ("w4", "prefix"): 0.2,
+    }
+    lines = bench.share_lines(records)
+    assert lines == [
+        "W2 0.50 of W1-cold's model FLOP rate (1.0 GFLOP/s, gRPC, 16 clients)",
+        "W3 0.25 of W1-cold's model FLOP rate (0.5 GFLOP/s, in-process)",
+        "W3-grpc 0.75 of W1-cold's model FLOP rate (1.5 GFLOP/s, gRPC, 16 clients)",
+        "W4 0.20 of W1-cold's model FLOP rate (0.4 GFLOP/s, gRPC, 64 clients)",
+    ]
+    # no W1-cold prefix record (or no FLOP rate for it): no shares
+    for base in ([], [rec("w1-cold", "prefix", None, "in-process", 1)]):
+        rest = [rec("w2", "prefix", 1e9), rec("w4", "prefix", 1e9)]
+        bench._shares(base + rest)
+        assert all(bench.SHARE_KEY not in r for r in rest) and bench.share_lines(rest) == []
+
+
+def test_flops_of_a_partial_prefix_cache_hit() -> None:
+    """A hit on part of the query (W3's shared header) saves only that part's prefill."""
+    cfg = RANDOM_PRESETS["qwen3-0.6b-random"][0]
+    b = object.__new__(bench.Bench)  # flops() needs only the model's shapes
+    b.cfg = cfg
+    req = wl.Request(list(range(100)), [[1] * 20] * 5, [1, 2], apply_softmax=True)
+    full = flops.request(cfg, 100, [20] * 5, True, 2)
+    assert b.flops(req, 0) == full["total"]
+    assert b.flops(req, 100) == b.flops(req, 101) == full["total"] - full["prefill"]
+    rest = full["total"] - flops.request(cfg, 60, [], True, 2)["prefill"]
+    assert b.flops(req, 60) == rest and full["total"] - full["prefill"] < rest < full["total"]

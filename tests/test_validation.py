@@ -16,7 +16,7 @@ def no_device(tiny_scorer, monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("device work started for an invalid request")
 
-    for name in ("prefill", "score_items", "score_sequences", "score_packed"):
+    for name in ("launch", "score_packed"):
         monkeypatch.setattr(ScoringEngine, name, boom)
     return tiny_scorer
 
