@@ -10,15 +10,24 @@ import jax
 ENV = "PREFIXSCORE_COMPILE_CACHE_DIR"
 
 
-def enable(path: str | os.PathLike[str] | None = None) -> str | None:
-    """Point jax's `jax_compilation_cache_dir` at `path` (or $PREFIXSCORE_COMPILE_CACHE_DIR).
+OFF = ("off", "none", "false", "0")
 
-    Returns the directory in use, or None when neither is set (the cache stays as jax
-    was configured). Every executable is cached, however fast it compiled: the
-    small models of tests compile in under jax's default 1 s threshold.
+
+def default_dir() -> str:
+    """Under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "prefixscore", "jax")
+
+
+def enable(path: str | os.PathLike[str] | None = None) -> str | None:
+    """Point jax's `jax_compilation_cache_dir` at `path`, else $PREFIXSCORE_COMPILE_CACHE_DIR, else
+    default_dir(): on by default, so a restarted server compiles nothing. "off" disables it.
+
+    Returns the directory in use, or None when disabled. Every executable is cached, however
+    fast it compiled: the small models of tests compile in under jax's default 1 s threshold.
     """
-    path = os.fspath(path) if path else os.environ.get(ENV)
-    if not path:
+    path = os.fspath(path) if path else (os.environ.get(ENV) or default_dir())
+    if path.strip().lower() in OFF:
         return None
     os.makedirs(path, exist_ok=True)
     if jax.config.jax_compilation_cache_dir != path:

@@ -261,7 +261,12 @@ class Bench:
 
             loaded = load_model(args.model, args.dtype)
             engine = ScoringEngine(
-                loaded.cfg, loaded.params, args.dtype, attn_impl=args.attention, devices=args.devices
+                loaded.cfg,
+                loaded.params,
+                args.dtype,
+                attn_impl=args.attention,
+                devices=args.devices,
+                compile_cache_dir=args.compile_cache,
             )
             self.scorer = Scorer(loaded, engine)
             self.cfg = loaded.cfg

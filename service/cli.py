@@ -81,10 +81,24 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="items per request or stream batch [$PREFIXSCORE_MAX_ITEMS, %(default)s]",
     )
     p.add_argument(
-        "--prefix-cache-bytes",
+        "--pool-bytes",
         type=int,
-        default=_env("PREFIX_CACHE_BYTES", 1 << 30, int),
-        help="device bytes for cached query KV [$PREFIXSCORE_PREFIX_CACHE_BYTES, %(default)s]",
+        default=_env("POOL_BYTES", None, int),
+        help="device bytes of the prefix pool (query KV pages, allocated once); default: "
+        "--pool-memory-fraction of the device memory left after the weights, or 1 GiB on CPU "
+        "[$PREFIXSCORE_POOL_BYTES]",
+    )
+    p.add_argument(
+        "--pool-memory-fraction",
+        type=float,
+        default=_env("POOL_MEMORY_FRACTION", 0.5, float),
+        help="share of the free device memory the prefix pool takes [$PREFIXSCORE_POOL_MEMORY_FRACTION, %(default)s]",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default=_env("COMPILE_CACHE_DIR", None),
+        help="persistent XLA compilation cache directory; 'off' disables "
+        "[$PREFIXSCORE_COMPILE_CACHE_DIR, default ~/.cache/prefixscore/jax]",
     )
     p.add_argument(
         "--drain-seconds",
@@ -107,29 +121,16 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "[$PREFIXSCORE_BATCH_WAIT_MS, %(default)s]",
     )
     p.add_argument(
-        "--prefix-buckets",
-        type=_sizes,
-        default=_env("PREFIX_BUCKETS", None, _sizes),
-        help="query lengths to compile, e.g. 64,128,256 (default: x4 steps from 512 to the context) "
-        "[$PREFIXSCORE_PREFIX_BUCKETS]",
-    )
-    p.add_argument(
-        "--item-buckets",
-        type=_sizes,
-        default=_env("ITEM_BUCKETS", None, _sizes),
-        help="item lengths to compile [$PREFIXSCORE_ITEM_BUCKETS]",
-    )
-    p.add_argument(
-        "--batch-buckets",
-        type=_sizes,
-        default=_env("BATCH_BUCKETS", None, _sizes),
-        help="items per device batch to compile [$PREFIXSCORE_BATCH_BUCKETS]",
-    )
-    p.add_argument(
         "--max-batch-tokens",
         type=int,
         default=_env("MAX_BATCH_TOKENS", None, int),
-        help="bound on batch x item length per device batch [$PREFIXSCORE_MAX_BATCH_TOKENS]",
+        help="item tokens per device in one call (default 8192) [$PREFIXSCORE_MAX_BATCH_TOKENS]",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=_env("MAX_PREFILL_TOKENS", None, int),
+        help="query tokens prefilled in one call (default 4096) [$PREFIXSCORE_MAX_PREFILL_TOKENS]",
     )
     p.add_argument(
         "--attention",
@@ -147,20 +148,15 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _buckets(args: argparse.Namespace) -> Callable[[int], Any] | None:
-    """Buckets from the flags as a function of the model's context (unset axes: the engine's default)."""
+    """Buckets from the flags as a function of the model's context (unset: the engine's default)."""
     from prefixscore.model.buckets import Buckets
 
-    if not (args.prefix_buckets or args.item_buckets or args.batch_buckets or args.max_batch_tokens):
+    if not (args.max_batch_tokens or args.max_prefill_tokens):
         return None
 
     def for_context(context: int) -> Buckets:
-        default = Buckets.for_context(context, max_batch_tokens=args.max_batch_tokens or 8192)
-        return Buckets(
-            prefix=args.prefix_buckets or default.prefix,
-            item=args.item_buckets or default.item,
-            batch=args.batch_buckets or default.batch,
-            max_batch_tokens=args.max_batch_tokens or default.max_batch_tokens,
-        )
+        sizes = {"max_batch_tokens": args.max_batch_tokens, "max_prefill_tokens": args.max_prefill_tokens}
+        return Buckets(context=context, **{k: v for k, v in sizes.items() if v})
 
     return for_context
 
@@ -179,7 +175,9 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         max_queue_items=args.max_queue_items,
         max_items=args.max_items,
-        prefix_cache_bytes=args.prefix_cache_bytes,
+        pool_bytes=args.pool_bytes,
+        pool_memory_fraction=args.pool_memory_fraction,
+        compile_cache=args.compile_cache,
         drain_seconds=args.drain_seconds,
         warmup=args.warmup,
         buckets=_buckets(args),

@@ -38,8 +38,7 @@ class Scorer:
         self.model = model
         self.engine = engine
         self.requests = RequestTokenizer(model.cfg, model.tokenizer, limits or Limits.for_engine(engine))
-        self.prefix_cache = PrefixCache(engine.pool_pages, engine.buckets.page_tokens, engine.page_bytes)
-        self.batcher = Batcher(engine.builder, engine.buckets.prefill_chunk)
+        self.runner = EngineRunner(engine)
         self.last_usage = Usage(0, 0, 0)
         self._lock = threading.Lock()
 
@@ -110,22 +109,38 @@ class Scorer:
         (each call is planned from all of them). Returns [items, labels] float32 per request;
         `last_usage` is the last request's."""
         with self._lock:
-            units = [WorkUnit(r.prefix, r.items, r.label_ids, r.apply_softmax, r.item_first) for r in reqs]
-            try:
-                for unit in units:
-                    if not unit.item_first:
-                        unit.entry, hit = self.prefix_cache.acquire(unit.prefix)
-                        unit.cached_tokens = len(unit.prefix) if hit else 0
-                    self.batcher.add(unit)
-                self._run()
-            finally:
-                for unit in units:
-                    self.batcher.cancel(unit)  # no-op unless something failed half way
-                    if unit.entry is not None:
-                        self.prefix_cache.release(unit.entry)
+            scores, cached = self.runner.score_requests(reqs)
             last = reqs[-1]
-            self.last_usage = Usage(last.prompt_tokens, units[-1].cached_tokens, len(last.items))
-            return [unit.scores for unit in units]
+            self.last_usage = Usage(last.prompt_tokens, cached[-1], len(last.items))
+            return scores
+
+
+class EngineRunner:
+    """The service's device path run synchronously on the caller's thread: pages pinned in a
+    prefix cache, calls planned by the batcher from all the given requests, run by the engine.
+    Not thread-safe (Scorer holds a lock around it)."""
+
+    def __init__(self, engine: ScoringEngine) -> None:
+        self.engine = engine
+        self.prefix_cache = PrefixCache(engine.pool_pages, engine.buckets.page_tokens, engine.page_bytes)
+        self.batcher = Batcher(engine.builder, engine.buckets.prefill_chunk)
+
+    def score_requests(self, reqs: Sequence[TokenizedRequest]) -> tuple[list[np.ndarray], list[int]]:
+        """Scores [items, labels] and prefix tokens served from the cache, per request."""
+        units = [WorkUnit(r.prefix, r.items, r.label_ids, r.apply_softmax, r.item_first) for r in reqs]
+        try:
+            for unit in units:
+                if not unit.item_first:
+                    unit.entry, hit = self.prefix_cache.acquire(unit.prefix)
+                    unit.cached_tokens = len(unit.prefix) if hit else 0
+                self.batcher.add(unit)
+            self._run()
+        finally:
+            for unit in units:
+                self.batcher.cancel(unit)  # a no-op unless something failed half way
+                if unit.entry is not None:
+                    self.prefix_cache.release(unit.entry)
+        return [unit.scores for unit in units], [unit.cached_tokens for unit in units]
 
     def _run(self) -> None:
         """Plan and launch every call the queued work needs, then read them back (launching all

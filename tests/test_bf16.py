@@ -1,5 +1,5 @@
-"""bfloat16 end to end (weights, activations, KV cache) with float32 softmax, LSE, merge and
-vocabulary normaliser: scores within 2e-2 of the float32 model."""
+"""bfloat16 end to end (weights, activations, the paged KV pool) with float32 softmax, LSE, merge
+and vocabulary normaliser: scores within 2e-2 of the float32 model."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from conftest import SMALL_QWEN3
 
 from prefixscore.model.buckets import Buckets
 from prefixscore.model.engine import ScoringEngine
+from prefixscore.service.requests import TokenizedRequest
+from prefixscore.service.scorer import EngineRunner
 
-BUCKETS = Buckets(prefix=(128, 512), item=(16, 128), batch=(1, 64), max_batch_tokens=256)
+# a 200-token query takes two 128-token prefill chunks
+BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)
 TOL = 2e-2
 
 
@@ -22,20 +25,29 @@ def engines(loaded_f32, loaded_bf16) -> tuple[ScoringEngine, ScoringEngine]:
     )
 
 
+def score(engine: ScoringEngine, query: list[int], items: list[list[int]], labels: list[int]) -> list[np.ndarray]:
+    """Label softmax and full-vocabulary scores over the query, and whole sequences (item_first)."""
+    label_ids = tuple(labels)
+    seqs = [query[:50] + it for it in items[:10]]
+    reqs = [
+        TokenizedRequest(tuple(query), items, label_ids, True, False),
+        TokenizedRequest(tuple(query), items, label_ids, False, False),
+        TokenizedRequest((), seqs, label_ids, True, True),
+    ]
+    scores, _ = EngineRunner(engine).score_requests(reqs)
+    return scores
+
+
 def compare(f32: ScoringEngine, bf16: ScoringEngine, query: list[int], items: list[list[int]], labels: list[int]):
     """Largest and mean absolute score differences, per head (label softmax, full vocabulary)."""
-    kv32, kv16 = f32.prefill(query), bf16.prefill(query)
-    assert kv16.keys.dtype == jnp.bfloat16 and kv32.keys.dtype == jnp.float32
+    assert bf16._pool[0].dtype == jnp.bfloat16 and f32._pool[0].dtype == jnp.float32
+    a, b = score(f32, query, items, labels), score(bf16, query, items, labels)
     out = {}
-    for softmax, name in ((True, "label_softmax"), (False, "vocab")):
-        a = f32.score_items(kv32, items, labels, softmax)
-        b = bf16.score_items(kv16, items, labels, softmax)
-        assert b.dtype == np.float32
-        out[f"{name}_max"] = float(np.abs(a - b).max())
-        out[f"{name}_mean"] = float(np.abs(a - b).mean())
-    seqs = [query[:50] + it for it in items[:10]]
-    diff = f32.score_sequences(seqs, labels, True) - bf16.score_sequences(seqs, labels, True)
-    out["item_first_max"] = float(np.abs(diff).max())
+    for i, name in ((0, "label_softmax"), (1, "vocab")):
+        assert b[i].dtype == np.float32 and b[i].shape == (len(items), len(labels))
+        out[f"{name}_max"] = float(np.abs(a[i] - b[i]).max())
+        out[f"{name}_mean"] = float(np.abs(a[i] - b[i]).mean())
+    out["item_first_max"] = float(np.abs(a[2] - b[2]).max())
     return out
 
 

@@ -16,11 +16,13 @@ import pytest
 from conftest import SMALL_QWEN3
 
 from prefixscore.model.buckets import Buckets
-from prefixscore.model.engine import CompileCounter, ScoringEngine, split_streams
+from prefixscore.model.engine import CompileCounter, ScoringEngine
 from prefixscore.model.weights import random_params
+from prefixscore.service.requests import TokenizedRequest
+from prefixscore.service.scorer import EngineRunner
 
 CFG = dataclasses.replace(SMALL_QWEN3, name="compile-test")
-BUCKETS = Buckets(prefix=(128, 512), item=(16, 128), batch=(1, 64), max_batch_tokens=256)
+BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)
 
 
 @pytest.fixture(scope="module")
@@ -32,63 +34,43 @@ def engine() -> ScoringEngine:
 
 
 def test_default_buckets_are_few() -> None:
-    """Warm-up of the default buckets stays a few dozen executables, even at a 40k context."""
+    """Warm-up of the default buckets stays a few dozen executables, even at a 128k context:
+    no executable depends on a query's length."""
     for context in (8192, 40960, 131072):
         b = Buckets.for_context(context)
-        assert len(b.prefix) + len(b.item_calls()) * len(b.labels) <= 45, context
-        assert b.prefix[-1] >= context and b.tokens[-1] >= context
-    assert len(Buckets.for_context(8192).item_calls()) + len(Buckets.for_context(8192).prefix) <= 20
-
-
-def test_bucket_pairs_cover_every_servable_call() -> None:
-    """item_calls() prunes only (stream, prefix) pairs no request within the context can need."""
-    b = Buckets.for_context(40960)
-    pairs = set(b.item_calls())
-    for item_len in (1, 8192, 8193, 20000, 32768, 32769, 40000):
-        for prefix_len in (0, 1, 512, 2048, 8000, 40960 - item_len):
-            if prefix_len < 0 or prefix_len + item_len > 40960:
-                continue
-            stream = Buckets.fit(b.tokens, item_len, "tokens")
-            assert (stream, Buckets.fit(b.prefix, max(prefix_len, 1), "prefix")) in pairs, (item_len, prefix_len)
-
-
-def test_split_streams_is_greedy_and_bounded() -> None:
-    assert split_streams([3, 3, 3], 2, 6, 10) == [[0, 1], [2]]
-    assert split_streams([3, 3, 3], 1, 6, 10) is None
-    assert split_streams([7], 4, 6, 10) is None
-    assert split_streams([1] * 5, 3, 100, 2) == [[0, 1], [2, 3], [4]]
-
-
-def test_plan_covers_each_item_once_with_little_padding(engine: ScoringEngine) -> None:
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 128, 300).tolist()
-    plans = engine.plan(lengths)
-    seen = sorted(i for p in plans for i in p.indices)
-    assert seen == list(range(300))
-    device = sum(p.device_tokens for p in plans)
-    assert 1 - sum(lengths) / device < 0.15  # packed streams: padding only at stream ends
+        assert len(b.call_shapes()) <= 30, context
+        assert b.tokens[-1] >= context and b.max_pages * b.page_tokens >= context
 
 
 def test_steady_state_traffic_compiles_nothing(engine: ScoringEngine) -> None:
-    """Queries, item counts, item lengths, label counts, softmax and item_first all vary: zero compilations."""
+    """Every mix: several requests at once with new and cached queries (short and chunked),
+    item counts and lengths, label sets and counts, softmax both ways, item_first: zero compilations."""
     rng = np.random.default_rng(1)
+    runner = EngineRunner(engine)
     before, slots = CompileCounter.count(), len(engine._slots)
-    for step in range(12):
-        query = rng.integers(0, CFG.vocab_size, int(rng.integers(1, 512))).tolist()
-        n_items = int(rng.integers(1, 40))
-        items = [rng.integers(0, CFG.vocab_size, int(rng.integers(1, 128))).tolist() for _ in range(n_items)]
-        labels = rng.integers(0, CFG.vocab_size, int(rng.integers(1, 6))).tolist()
-        softmax = bool(step % 2)
-        probs = engine.score_items(engine.prefill(query), items, labels, softmax)
-        assert probs.shape == (n_items, len(labels)) and np.isfinite(probs).all()
-        sequences = [it + query[:100] for it in items[:5]]  # item_first: whole sequences, no prefix
-        assert engine.score_sequences(sequences, labels, softmax).shape == (len(sequences), len(labels))
+    hot = rng.integers(0, CFG.vocab_size, 300).tolist()
+    for step in range(6):
+        reqs = []
+        for r in range(int(rng.integers(1, 5))):
+            query = hot if r == 0 and step % 2 else rng.integers(0, CFG.vocab_size, int(rng.integers(1, 400))).tolist()
+            items = [
+                rng.integers(0, CFG.vocab_size, int(rng.integers(1, 100))).tolist()
+                for _ in range(int(rng.integers(1, 30)))
+            ]
+            labels = tuple(rng.integers(0, CFG.vocab_size, int(rng.integers(1, 6))).tolist())
+            reqs.append(TokenizedRequest(tuple(query), items, labels, bool((step + r) % 2), False))
+        first = [it + hot[:50] for it in reqs[0].items[:4]]
+        reqs.append(TokenizedRequest((), first, (3, 7), True, True))  # item_first: whole sequences
+        scores, _ = runner.score_requests(reqs)
+        for req, probs in zip(reqs, scores, strict=True):
+            assert probs.shape == (len(req.items), len(req.label_ids)) and np.isfinite(probs).all()
     assert CompileCounter.count() == before, "steady-state traffic compiled"
     assert len(engine._slots) == slots
 
 
 def test_persistent_cache_makes_restart_compile_nothing(tmp_path) -> None:
-    """Two processes warm up against one cache directory: the second compiles nothing."""
+    """Two processes warm up with the default cache (under the user's cache directory, nothing
+    configured): the second compiles nothing."""
     script = textwrap.dedent(
         f"""
         import json, jax.numpy as jnp
@@ -98,12 +80,13 @@ def test_persistent_cache_makes_restart_compile_nothing(tmp_path) -> None:
         from prefixscore.model.weights import random_params
         cfg = ModelConfig(**{CFG.__dict__!r})
         params = random_params(cfg, 0, jnp.float32)
-        buckets = Buckets(prefix=(128,), item=(16,), batch=(1,), max_batch_tokens=256)
+        buckets = Buckets(context=256, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=128)
         eng = ScoringEngine(cfg, params, "float32", buckets)
         print(json.dumps(eng.warmup()))
         """
     )
-    env = {**os.environ, "PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp_path / "xla")}
+    env = {k: v for k, v in os.environ.items() if k != "PREFIXSCORE_COMPILE_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
     runs = [
         json.loads(
             subprocess.run(
@@ -114,4 +97,4 @@ def test_persistent_cache_makes_restart_compile_nothing(tmp_path) -> None:
     ]
     assert runs[0]["compilations"] == runs[0]["executables"] == 2
     assert runs[1]["compilations"] == 0
-    assert any((tmp_path / "xla").iterdir())
+    assert any((tmp_path / "prefixscore" / "jax").iterdir())

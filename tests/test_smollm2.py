@@ -17,7 +17,8 @@ ITEMS = [" banana", " a red apple", " the Eiffel Tower", " carburettor", " mango
 
 @pytest.fixture(scope="module")
 def smollm2():
-    buckets = Buckets(prefix=(64, 128), item=(8, 16), batch=(1, 2, 4, 8), max_batch_tokens=64)
+    # one 128-token prefill chunk holds the query; every call: one 256-token item region
+    buckets = Buckets(context=256, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=128)
     return Scorer.load("smollm2-135m", buckets=buckets)
 
 

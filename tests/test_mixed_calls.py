@@ -1,0 +1,67 @@
+"""One device call carrying several requests gives each exactly the scores it gets alone, for
+every attention implementation (the Pallas kernels interpreted on CPU).
+
+The mix: a new query long enough to prefill in three chunks (its items ride in the call
+that carries its chunks), a short new query with another label set and softmax, a query
+already cached from an earlier call, and an item_first request (whole sequences over no
+prefix); items of many lengths. Alone: each request on a fresh runner (its own calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SMALL_QWEN3
+
+from prefixscore.model.buckets import Buckets
+from prefixscore.model.engine import ScoringEngine
+from prefixscore.model.weights import random_params
+from prefixscore.service.requests import TokenizedRequest
+from prefixscore.service.scorer import EngineRunner
+
+# head_dim 64 and 128-token pages: shapes every kernel family tiles (none falls back to XLA)
+CFG = dataclasses.replace(SMALL_QWEN3, name="mixed-test", head_dim=64, num_layers=1)
+BUCKETS = Buckets(context=1024, max_batch_tokens=512, prefill_chunk=128, max_prefill_tokens=512)
+
+
+def requests(rng: np.random.Generator) -> tuple[TokenizedRequest, list[TokenizedRequest]]:
+    """(the request cached beforehand, the mix)."""
+    tokens = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
+    items = lambda *lengths: [tokens(n) for n in lengths]  # noqa: E731
+    cached = TokenizedRequest(tuple(tokens(150)), items(4, 33), (5, 9), False, False)
+    mix = [
+        TokenizedRequest(tuple(tokens(300)), items(20, 1, 7, 40, 20), (3, 17, 400), False, False),
+        TokenizedRequest(tuple(tokens(40)), items(12, 3, 65), (8, 2), True, False),
+        dataclasses.replace(cached, items=items(9, 2, 25), apply_softmax=True),
+        TokenizedRequest((), [tokens(30) + tokens(20), tokens(5)], (3, 17, 400), False, True),
+    ]
+    return cached, mix
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_tpu", "pallas_gpu"])
+def test_a_mixed_call_scores_each_request_as_alone(impl: str) -> None:
+    engine = ScoringEngine(CFG, random_params(CFG, 0, jnp.float32), "float32", BUCKETS, impl)
+    cached, mix = requests(np.random.default_rng(0))
+    runner = EngineRunner(engine)
+    runner.score_requests([cached])
+    plans = []
+    next_call = runner.batcher.next_call
+
+    def watched():
+        call = next_call()
+        if call is not None:
+            plans.append(call.plan)
+        return call
+
+    runner.batcher.next_call = watched
+    mixed, hits = runner.score_requests(mix)
+    assert len(plans) == 1, "the mix fits one call and must ride in one"
+    assert plans[0].chunks == 4 and len(plans[0].rows) == sum(len(r.items) for r in mix)
+    assert hits == [0, 0, len(cached.prefix), 0]
+    for req, got in zip(mix, mixed, strict=True):
+        alone, _ = EngineRunner(engine).score_requests([req])
+        np.testing.assert_allclose(got, alone[0], atol=1e-6, rtol=0)
+        assert got.shape == (len(req.items), len(req.label_ids))
