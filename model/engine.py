@@ -40,6 +40,7 @@ from prefixscore.model.planner import (
     ItemRegion,
     PrefillRegion,
 )
+from prefixscore.model.prefix_cache import PrefixCache
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 AXIS = "data"
@@ -154,6 +155,12 @@ class ScoringEngine:
             lambda: jnp.zeros(self._pool_shape(), DTYPES[dtype]), out_shardings=self._replicated
         )  # made on the device, never shipped
         self._pool = (zeros(), zeros())
+        # which pages hold which query: one book for the one pool, whoever drives the engine
+        self.prefix_cache = PrefixCache(self.pool_pages, self.buckets.page_tokens, self.page_bytes)
+        # held around planning a call and launching it: calls from any driver (the server's
+        # worker, an in-process Scorer) launch in the order they were planned, so a call never
+        # reads pages a call planned before it has not yet been launched to write
+        self.calls_lock = threading.Lock()
         self._slots: dict[CallShape, _Slot] = {}
         self._lock = threading.Lock()
         # device tokens launched and the real ones among them (padding share = 1 - real / device)

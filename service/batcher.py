@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from prefixscore.model.planner import CallBuilder, CallPlan
-from prefixscore.service.prefix_cache import CachedPrefix
+from prefixscore.model.prefix_cache import CachedPrefix
 
 # a request without a deadline is scheduled as if due this long after it arrived
 DEFAULT_SLACK_S = 30.0
@@ -120,9 +120,9 @@ class Batcher:
     def live_units(self) -> Iterator[WorkUnit]:
         return iter([u for u in self.units.values() if not u.cancelled])
 
-    def ready(self) -> bool:
+    def ready(self, opens_only: bool = False) -> bool:
         """Whether next_call would plan a call."""
-        return any(self._needs_device(u) for u in self.units.values())
+        return any(self._needs_device(u) and not (opens_only and u.items) for u in self.units.values())
 
     @staticmethod
     def _needs_device(unit: WorkUnit) -> bool:
@@ -135,9 +135,13 @@ class Batcher:
             del self.units[unit.seq]
         return done
 
-    def next_call(self) -> Call | None:
-        """Plan the next device call from all pending work; None when there is none."""
-        pending = sorted((u for u in self.units.values() if self._needs_device(u)), key=lambda u: (u.due, u.seq))
+    def next_call(self, opens_only: bool = False) -> Call | None:
+        """Plan the next device call from all pending work (`opens_only`: only the prefills of
+        opening streams); None when there is none."""
+        pending = sorted(
+            (u for u in self.units.values() if self._needs_device(u) and not (opens_only and u.items)),
+            key=lambda u: (u.due, u.seq),
+        )
         if not pending:
             return None
         builder = self.new_builder()
@@ -202,4 +206,3 @@ class Batcher:
             tokens += len(item)
             index += 1
         return took, False
-

@@ -13,7 +13,6 @@ from prefixscore.model.engine import ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.service.batcher import Batcher, WorkUnit
-from prefixscore.service.prefix_cache import PrefixCache
 from prefixscore.service.requests import Limits, RequestTokenizer, TokenizedRequest
 
 MODES = ("prefix", "sequential", "packed")
@@ -97,9 +96,7 @@ class Scorer:
         if mode == "sequential" or (mode == "packed" and req.item_first):
             # one whole sequence per call: query + item (or item + query) over no prefix
             sequences = req.items if req.item_first else [list(req.prefix) + it for it in req.items]
-            rows = [
-                self.score_requests([TokenizedRequest((), [s], labels, softmax, True)])[0] for s in sequences
-            ]
+            rows = [self.score_requests([TokenizedRequest((), [s], labels, softmax, True)])[0] for s in sequences]
             self.last_usage = Usage(req.prompt_tokens, 0, len(req.items))
             return np.concatenate(rows)
         return self.score_requests([req])[0]
@@ -122,7 +119,7 @@ class EngineRunner:
 
     def __init__(self, engine: ScoringEngine) -> None:
         self.engine = engine
-        self.prefix_cache = PrefixCache(engine.pool_pages, engine.buckets.page_tokens, engine.page_bytes)
+        self.prefix_cache = engine.prefix_cache
         self.batcher = Batcher(engine.builder, engine.buckets.prefill_chunk)
 
     def score_requests(self, reqs: Sequence[TokenizedRequest]) -> tuple[list[np.ndarray], list[int]]:
@@ -146,8 +143,12 @@ class EngineRunner:
         """Plan and launch every call the queued work needs, then read them back (launching all
         before reading any lets host planning overlap device work)."""
         launched = []
-        while (call := self.batcher.next_call()) is not None:
-            launched.append((call, self.engine.launch(call.plan)))
+        while True:
+            with self.engine.calls_lock:
+                call = self.batcher.next_call()
+                if call is None:
+                    break
+                launched.append((call, self.engine.launch(call.plan)))
         for call, probs in launched:
             out = np.asarray(probs)
             for row in call.plan.rows:

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from prefixscore.model.engine import CompileCounter, ScoringEngine
+from prefixscore.model.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
 from prefixscore.service.batcher import Batcher, Call, WorkUnit
 from prefixscore.service.logs import event
 from prefixscore.service.metrics import ServiceMetrics
-from prefixscore.service.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
 
 log = logging.getLogger("prefixscore.worker")
 
@@ -176,8 +176,8 @@ class DeviceWorker:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Hold device calls while inside: lets tests and operators observe queued work
-        deterministically."""
+        """Hold device calls while inside (but the prefills of opening streams, which must
+        answer their open): lets tests and operators observe queued work deterministically."""
         with self._cv:
             self._paused += 1
         try:
@@ -230,12 +230,8 @@ class DeviceWorker:
         try:
             engine = self._startup()
             b = engine.buckets
-            self.cache = PrefixCache(
-                engine.pool_pages,
-                b.page_tokens,
-                engine.page_bytes,
-                on_evict=lambda size: self.metrics.cache_evictions.inc(),
-            )
+            self.cache = engine.prefix_cache
+            self.cache.on_evict = lambda size: self.metrics.cache_evictions.inc()
             self.metrics.pool_bytes.set(engine.pool_bytes)
             self.batcher = Batcher(engine.builder, b.prefill_chunk)
             self.engine = engine
@@ -268,13 +264,14 @@ class DeviceWorker:
                     return
             if self.batch_wait_s and inflight is None:
                 time.sleep(self.batch_wait_s)  # let concurrent requests join the first call
-            with self._cv:
-                self._expire(time.monotonic())
-                for unit in self.batcher.prefilled():
-                    self._finish(unit, None)
-                call = None if self._paused else self.batcher.next_call()
-                self.metrics.queue_depth.set(self.batcher.depth)
-            launched = self._launch(call) if call else None
+            with self.engine.calls_lock:  # type: ignore[union-attr]
+                with self._cv:
+                    self._expire(time.monotonic())
+                    for unit in self.batcher.prefilled():
+                        self._finish(unit, None)
+                    call = self.batcher.next_call(opens_only=bool(self._paused))
+                    self.metrics.queue_depth.set(self.batcher.depth)
+                launched = self._launch(call) if call else None
             if inflight is not None:
                 self._complete(inflight)
             inflight = launched
@@ -283,7 +280,7 @@ class DeviceWorker:
     def _has_work(self, inflight: _Launched | None) -> bool:
         """Lock held."""
         assert self.batcher is not None
-        return bool(inflight is not None or self._stopping or (not self._paused and self.batcher.ready()))
+        return bool(inflight is not None or self._stopping or self.batcher.ready(opens_only=bool(self._paused)))
 
     def _wait_timeout(self) -> float | None:
         """Wake at the next queued deadline so expired work leaves the queue promptly."""

@@ -11,15 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prefixscore.kernels import dispatch, reference
+from prefixscore.kernels import dispatch, reference, selfcheck
+from prefixscore.kernels.paged import causal_by_region
 
 BACKEND = jax.default_backend()
 pytestmark = pytest.mark.skipif(BACKEND not in ("gpu", "tpu"), reason="needs a GPU or TPU")
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
-
-
-def rand(rng: np.random.Generator, *shape: int, dtype=jnp.float32) -> jax.Array:
-    return jnp.asarray(rng.normal(size=shape), dtype)
+TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+QWEN3_06B = (16, 8, 128)  # heads, kv heads, head_dim
+ARRAYS = ("q", "k", "v", "pool_k", "pool_v")
 
 
 @pytest.fixture(autouse=True)
@@ -29,54 +28,76 @@ def exact_f32_matmuls():
         yield
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_backend_kernels_match_reference_qwen3_shapes(dtype) -> None:
-    """Qwen3-0.6B head layout (16 query heads, 8 kv heads, head_dim 128), W1-like stream."""
-    impl = dispatch.get(dispatch.resolve(backend=BACKEND))
-    rng = np.random.default_rng(0)
-    n, heads, kv, d, s = 2048, 16, 8, 128, 2048
-    q, k, v = (rand(rng, n, h, d, dtype=dtype) for h in (heads, kv, kv))
-    pk, pv = rand(rng, s, kv, d, dtype=dtype), rand(rng, s, kv, d, dtype=dtype)
-    seg = jnp.asarray(np.minimum(np.arange(n) // 20, 10**6), jnp.int32)
-    f32 = lambda x: x.astype(jnp.float32)
+def close(got: jax.Array, want: jax.Array, tol: float) -> None:
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backend_kernels_match_reference_qwen3_shapes(dtype: str) -> None:
+    """Qwen3-0.6B head layout (16 query heads, 8 kv heads, head_dim 128) on selfcheck's stream:
+    a prefill chunk over its query's earlier pages, items of three queries over out-of-order
+    pages, whole sequences over no prefix, padding."""
+    name = dispatch.resolve(backend=BACKEND)
+    impl = dispatch.get(name)
+    x = selfcheck.case(*QWEN3_06B, dtype)
+    meta = x["meta"]
+    f32 = {n: x[n].astype(jnp.float32) for n in ARRAYS}  # the oracle at full precision
     tol = TOL[dtype]
 
-    out, lse = jax.jit(impl.prefix_attention)(q, pk, pv, jnp.int32(2000))
-    want_out, want_lse = reference.prefix_attention(f32(q), f32(pk), f32(pv), 2000)
-    np.testing.assert_allclose(np.asarray(f32(out)), np.asarray(want_out), atol=tol, rtol=tol)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=tol, rtol=tol)
+    got = jax.jit(impl.paged_attention)(*(x[n] for n in ARRAYS), meta)
+    want = jax.jit(reference.paged_attention)(*(f32[n] for n in ARRAYS), meta)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == want.shape
+    close(got, want, tol)
 
-    out, lse = jax.jit(impl.ragged_item_attention)(q, k, v, seg, jnp.int32(20))
-    want_out, want_lse = reference.ragged_item_attention(f32(q), f32(k), f32(v), seg)
-    np.testing.assert_allclose(np.asarray(f32(out)), np.asarray(want_out), atol=tol, rtol=tol)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=tol, rtol=tol)
+    # the prefix part on its own: rows that have a prefix match; the others must weigh 0 in the merge
+    out_p, lse_p = jax.jit(impl.paged_prefix_attention)(x["q"], x["pool_k"], x["pool_v"], meta)
+    want_p, want_lse = jax.jit(reference.paged_prefix_attention)(f32["q"], f32["pool_k"], f32["pool_v"], meta)
+    assert lse_p.dtype == jnp.float32 and lse_p.shape == want_lse.shape
+    has_prefix = np.asarray(jnp.take(meta.prefix_len, meta.segment_ids)) > 0
+    close(np.asarray(out_p, np.float32)[has_prefix], np.asarray(want_p)[has_prefix], tol)
+    close(np.asarray(lse_p)[has_prefix], np.asarray(want_lse)[has_prefix], tol)
+    assert (np.asarray(lse_p)[~has_prefix] <= reference.MASK_VALUE / 2).all()
 
-    got = jax.jit(impl.ragged_shared_prefix_attention)(q, k, v, seg, jnp.int32(20), pk, pv, jnp.int32(2000))
-    want = reference.ragged_shared_prefix_attention(f32(q), f32(k), f32(v), seg, 20, f32(pk), f32(pv), 2000)
-    np.testing.assert_allclose(np.asarray(f32(got)), np.asarray(want), atol=tol, rtol=tol)
+    # the causal part, per region of the stream
+    ragged = lambda impl: lambda q, k, v: causal_by_region(impl.ragged_item_attention, q, k, v, meta)  # noqa: E731
+    out_i, lse_i = jax.jit(ragged(impl))(x["q"], x["k"], x["v"])
+    want_i, want_lse_i = jax.jit(ragged(reference))(f32["q"], f32["k"], f32["v"])
+    close(out_i, want_i, tol)
+    close(lse_i, want_lse_i, tol)
 
-    b, t = 1, 1024
-    qc, kc, vc = q[:t].reshape(b, t, heads, d), k[:t].reshape(b, t, kv, d), v[:t].reshape(b, t, kv, d)
-    got = jax.jit(impl.causal_attention)(qc, kc, vc)
-    want = reference.causal_attention(f32(qc), f32(kc), f32(vc))
-    np.testing.assert_allclose(np.asarray(f32(got)), np.asarray(want), atol=tol, rtol=tol)
+    # and what the server checks before it reports SERVING
+    errors = selfcheck.verify(name, impl, *QWEN3_06B, dtype)
+    assert max(errors.values()) <= selfcheck.TOLERANCE[dtype]
 
 
 def test_engine_on_device_matches_cpu() -> None:
-    """tiny-qwen3 scores on the accelerator (its default attention) equal the CPU engine's."""
+    """tiny-qwen3 scores on the accelerator (its default attention) equal the CPU engine's, through
+    the service's device path (prefix cache, batcher, planned calls): a 300-token query in two
+    prefill chunks, 50 items of mixed lengths over several calls, softmax both ways, whole sequences."""
     from prefixscore.model.buckets import Buckets
     from prefixscore.model.engine import ScoringEngine
     from prefixscore.model.loader import load_model
+    from prefixscore.service.requests import TokenizedRequest
+    from prefixscore.service.scorer import EngineRunner
 
     loaded = load_model("tiny-qwen3")
-    buckets = Buckets(prefix=(512,), item=(64,), batch=(1, 64), max_batch_tokens=1024)
+    buckets = Buckets(context=512, max_batch_tokens=512, prefill_chunk=256, max_prefill_tokens=512)
     cpu = jax.devices("cpu")[:1]
-    on_device = ScoringEngine(loaded.cfg, loaded.params, "float32", buckets)
-    on_cpu = ScoringEngine(loaded.cfg, loaded.params, "float32", buckets, attn_impl="xla", devices=cpu)
+    pool = 64 << 20
+    on_device = ScoringEngine(loaded.cfg, loaded.params, "float32", buckets, pool_bytes=pool)
+    on_cpu = ScoringEngine(loaded.cfg, loaded.params, "float32", buckets, attn_impl="xla", devices=cpu, pool_bytes=pool)
+    assert on_device.devices[0].platform != "cpu" and on_device.attn_impl != "xla"
     rng = np.random.default_rng(1)
-    query = rng.integers(0, loaded.cfg.vocab_size, 300).tolist()
+    query = tuple(rng.integers(0, loaded.cfg.vocab_size, 300).tolist())
     items = [rng.integers(0, loaded.cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 60, 50)]
-    for softmax in (False, True):
-        a = on_device.score_items(on_device.prefill(query), items, [28, 1017], softmax)
-        b = on_cpu.score_items(on_cpu.prefill(query), items, [28, 1017], softmax)
+    labels = (28, 1017)
+    reqs = [
+        TokenizedRequest(query, items, labels, False, False),
+        TokenizedRequest(query, items, labels, True, False),
+        TokenizedRequest((), [it + list(query[:40]) for it in items[:10]], labels, True, True),
+    ]
+    got, _ = EngineRunner(on_device).score_requests(reqs)
+    want, _ = EngineRunner(on_cpu).score_requests(reqs)
+    assert on_device.stats["calls"] > 1 and on_device.stats["prefill_tokens"] == len(query)
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -2,13 +2,14 @@
 
 Interpret mode (tests/test_kernels.py) checks what the kernels compute; it does not run
 the Triton or Mosaic lowering, which is where block shapes, layouts and unsupported
-operations fail. Here every executable the engine compiles at start-up, at the
-production model's attention shapes (Qwen3-0.6B: 16 query heads, 8 kv heads, head_dim
-128) and its default buckets, is lowered for "cuda" and "tpu" exactly as on that
-hardware (`ScoringEngine.lower_for`), and each must contain its backend's kernels:
-a shape that silently fell back to the XLA path would fail. What is left for the
-hardware is the backends' own compilation (ptxas, Mosaic's TPU compiler) and speed:
-tests/test_kernels_device.py.
+operations fail. Here every executable the engine compiles at start-up (every CallShape:
+item regions alone and beside a prefill region), at the production model's attention
+shapes (Qwen3-0.6B: 16 query heads, 8 kv heads, head_dim 128) and bfloat16, is lowered
+for "cuda" and "tpu" exactly as on that hardware (`ScoringEngine.lower_for`), and each
+must contain its backend's kernels: a shape that silently fell back to the XLA path
+would fail. A 4k context keeps the default bucket list short (every shape kind is there).
+What is left for the hardware is the backends' own compilation (ptxas, Mosaic's TPU
+compiler) and speed: tests/test_kernels_device.py.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import pytest
 
 from prefixscore.kernels import dispatch
 from prefixscore.model import presets
+from prefixscore.model.buckets import Buckets
 from prefixscore.model.engine import ScoringEngine
+from prefixscore.model.planner import CallShape
 from prefixscore.model.weights import random_params
 
-# the kernels each device call must contain, by (implementation, platform)
+# the kernels every device call must contain, by (implementation, platform)
 # (Triton merges in an XLA fusion; Mosaic has a merge kernel)
 GPU_KERNELS = {"_prefix_kernel", "_ragged_kernel"}
 TPU_KERNELS = {"_prefix_kernel", "_ragged_kernel", "_merge_kernel"}
-PLATFORMS = {
-    ("pallas_gpu", "cuda"): {"prefill": GPU_KERNELS, "items": GPU_KERNELS},
-    ("pallas_tpu", "tpu"): {"prefill": TPU_KERNELS, "items": TPU_KERNELS},
-}
+PLATFORMS = {("pallas_gpu", "cuda"): GPU_KERNELS, ("pallas_tpu", "tpu"): TPU_KERNELS}
+CONTEXT = 4096
+BUCKETS = Buckets.for_context(CONTEXT)  # the engine's defaults for this context
 
 
 def kernel_names(lowered_text: str) -> set[str]:
@@ -39,23 +41,33 @@ def kernel_names(lowered_text: str) -> set[str]:
     return set(re.findall(r'name = "(_\w+_kernel)"', lowered_text))
 
 
-def production_shaped(preset: str, dtype: str, attn_impl: str) -> ScoringEngine:
+def production_shaped(preset: str, dtype: str, attn_impl: str, **overrides) -> ScoringEngine:
     """The preset's attention and MLP shapes with 2 layers, a 4k vocabulary and a 4k context:
     kernels see exactly the production shapes; the buckets stay few."""
     cfg = dataclasses.replace(
-        presets.RANDOM_PRESETS[preset][0], num_layers=2, vocab_size=4096, max_position_embeddings=4096
+        presets.RANDOM_PRESETS[preset][0],
+        **{"num_layers": 2, "vocab_size": 4096, "max_position_embeddings": CONTEXT, **overrides},
     )
-    return ScoringEngine(cfg, random_params(cfg, 0, getattr(jnp, dtype)), dtype, attn_impl=attn_impl)
+    return ScoringEngine(cfg, random_params(cfg, 0, getattr(jnp, dtype)), dtype, BUCKETS, attn_impl=attn_impl)
+
+
+def one_of_each_kind(engine: ScoringEngine) -> list[CallShape]:
+    """The largest call without a prefill region, and the largest with one."""
+    keys = engine.executable_keys()
+    size = lambda k: (k.prefill_tokens, k.item_tokens)  # noqa: E731
+    return [max((k for k in keys if (k.prefill_tokens > 0) == kind), key=size) for kind in (False, True)]
 
 
 @pytest.mark.parametrize(("impl", "platform"), list(PLATFORMS))
-def test_every_bucket_lowers_with_the_backend_kernels(impl: str, platform: str):
+def test_every_call_shape_lowers_with_the_backend_kernels(impl: str, platform: str):
     engine = production_shaped("qwen3-0.6b-random", "bfloat16", impl)
     keys = engine.executable_keys()
-    assert {k[0] for k in keys} == {"prefill", "items"}
+    assert {k.prefill_tokens > 0 for k in keys} == {True, False}  # both kinds of call
+    assert {k.item_tokens for k in keys} == set(BUCKETS.tokens)
+    assert {k.prefill_tokens for k in keys} == set(BUCKETS.prefill)
     for key in keys:
         found = kernel_names(engine.lower_for(key, platform).as_text())
-        missing = PLATFORMS[impl, platform][key[0]] - found
+        missing = PLATFORMS[impl, platform] - found
         assert not missing, f"{impl} {key}: {sorted(missing)} fell back to XLA (found {sorted(found)})"
 
 
@@ -63,21 +75,19 @@ def test_every_bucket_lowers_with_the_backend_kernels(impl: str, platform: str):
 def test_bench_cpu_shapes_lower_in_float32(impl: str, platform: str):
     # head_dim 64, 4 query heads over 2 kv heads, float32: the other shapes the kernels claim
     engine = production_shaped("bench-cpu", "float32", impl)
-    for key in (("prefill", 2048), ("items", 1024, 2048, 256)):
+    for key in one_of_each_kind(engine):
         found = kernel_names(engine.lower_for(key, platform).as_text())
-        assert PLATFORMS[impl, platform][key[0]] <= found, (impl, key, found)
+        assert PLATFORMS[impl, platform] <= found, (impl, key, found)
 
 
 def test_untileable_head_dim_falls_back_to_xla():
     # head_dim 80 (Phi-style) is no power of two: the GPU kernels must step aside, not miscompile,
     # and the check above must be able to tell
-    cfg = dataclasses.replace(
-        presets.RANDOM_PRESETS["bench-cpu"][0], num_layers=1, vocab_size=1024, head_dim=80, max_position_embeddings=2048
-    )
-    engine = ScoringEngine(cfg, random_params(cfg, 0, jnp.float32), "float32", attn_impl="pallas_gpu")
-    text = engine.lower_for(("items", 1024, 2048, 256), "cuda").as_text()
-    assert kernel_names(text) == set()
-    assert "xla.gpu.triton" not in text
+    engine = production_shaped("bench-cpu", "float32", "pallas_gpu", num_layers=1, vocab_size=1024, head_dim=80)
+    for key in one_of_each_kind(engine):
+        text = engine.lower_for(key, "cuda").as_text()
+        assert kernel_names(text) == set(), key
+        assert "xla.gpu.triton" not in text, key
 
 
 def test_lowering_for_sets_the_target_only_inside():

@@ -3,19 +3,35 @@ model shapes, a wrong one is caught, and a server whose kernels are wrong never 
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 import pytest
 from conftest import SMALL_BUCKETS
+from jax.experimental.pallas import tpu as pltpu
 
 from prefixscore.kernels import dispatch, selfcheck, xla
+from prefixscore.kernels.paged import causal_by_region
 from prefixscore.model.engine import ScoringEngine
 from prefixscore.model.loader import load_model
 from prefixscore.service.server import ServerConfig, ServerThread, StartupFailed
 
 QWEN3_06B = (16, 8, 128)  # heads, kv heads, head_dim
 BENCH_CPU = (4, 2, 64)
+CALLS = {"paged_attention"}  # what the check runs: the attention the decoder runs per layer
+
+
+@contextlib.contextmanager
+def interpreted(name: str) -> Iterator[None]:
+    """Pallas TPU kernels in the TPU interpreter off TPU (GPU kernels interpret themselves off GPU)."""
+    if name == "pallas_tpu" and jax.default_backend() != "tpu":
+        with pltpu.force_tpu_interpret_mode():
+            yield
+    else:
+        yield
 
 
 @pytest.mark.parametrize(
@@ -28,8 +44,9 @@ BENCH_CPU = (4, 2, 64)
     ],
 )
 def test_implementations_pass(impl: str, shape: tuple[int, int, int], dtype: str):
-    errors = selfcheck.verify(impl, dispatch.get(impl), *shape, dtype)
-    assert set(errors) == {"ragged_shared_prefix_attention", "prefill_chunk_attention"}
+    with interpreted(impl):
+        errors = selfcheck.verify(impl, dispatch.get(impl), *shape, dtype)
+    assert set(errors) == CALLS
     assert max(errors.values()) <= selfcheck.TOLERANCE[dtype]
 
 
@@ -37,20 +54,20 @@ def test_a_wrong_merge_is_caught():
     import broken_attention
 
     errors = selfcheck.check(broken_attention, *BENCH_CPU, "float32")
+    assert set(errors) == CALLS
     assert min(errors.values()) > 1e-2  # far outside float32 noise: the check has teeth
-    with pytest.raises(
-        selfcheck.KernelCheckFailed, match=r"'broken'.*ragged_shared_prefix_attention off by.*--attention xla"
-    ):
+    with pytest.raises(selfcheck.KernelCheckFailed, match=r"'broken'.*paged_attention off by.*--attention xla"):
         selfcheck.verify("broken", broken_attention, *BENCH_CPU, "float32")
 
 
 def test_nan_fails():
-    nan_prefix = lambda *a: tuple(x * jnp.nan for x in xla.prefix_attention(*a))  # noqa: E731
-    impl = types.SimpleNamespace(**{**{n: getattr(xla, n) for n in xla.__all__}, "prefix_attention": nan_prefix})
-    impl.ragged_shared_prefix_attention = lambda q, k, v, s, m, pk, pv, n: xla.merge_attention(
-        *nan_prefix(q, pk, pv, n), *xla.ragged_item_attention(q, k, v, s, m)
+    nan_prefix = lambda *a: tuple(x * jnp.nan for x in xla.paged_prefix_attention(*a))  # noqa: E731
+    impl = types.SimpleNamespace(**{n: getattr(xla, n) for n in xla.__all__}, SEGMENT_ALIGN=xla.SEGMENT_ALIGN)
+    impl.paged_prefix_attention = nan_prefix
+    impl.paged_attention = lambda q, k, v, pk, pv, meta: xla.merge_attention(
+        *nan_prefix(q, pk, pv, meta), *causal_by_region(xla.ragged_item_attention, q, k, v, meta)
     )
-    with pytest.raises(selfcheck.KernelCheckFailed, match="off by nan"):
+    with pytest.raises(selfcheck.KernelCheckFailed, match=r"paged_attention off by nan.*--attention xla"):
         selfcheck.verify("nan", impl, *BENCH_CPU, "float32")
 
 
@@ -58,6 +75,7 @@ def test_server_with_wrong_kernels_never_serves(monkeypatch):
     monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "broken", "broken_attention")
     loaded = load_model("tiny-qwen3", "float32")
     engine = ScoringEngine(loaded.cfg, loaded.params, "float32", SMALL_BUCKETS, attn_impl="broken")
+    assert engine.attn_impl == "broken" and engine.segment_align == xla.SEGMENT_ALIGN
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=None, loaded=loaded, engine=engine, warmup=False)
     srv = ServerThread(config).start(wait_ready=False)
     try:

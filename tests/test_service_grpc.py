@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import AsyncScoreClient, ScoreClient, retry_after_ms
+from prefixscore.model.engine import ScoringEngine
 from prefixscore.service.metrics import ServiceMetrics
 from prefixscore.service.server import SERVICE, ScoreServer, ServerConfig, ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
@@ -111,7 +112,7 @@ def test_stream_equals_scorer_and_pins_the_prefix(server, client, tiny_scorer):
     cache = server.server.worker.cache
     with client.stream(query, LABELS) as session:
         assert (session.prefix_tokens, session.cached_tokens) == (len(prefix), 0)
-        assert cache._pins[prefix] >= 1  # the KV stays on the device while the stream is open
+        assert cache.pins(prefix) >= 1  # the KV stays on the device while the stream is open
         first = session.send(ITEMS[:2])
         pending = [session.submit(ITEMS[2:3]), session.submit(ITEMS[3:])]
         rest = [session.result(i) for i in reversed(pending)]  # matched by batch id, any order
@@ -119,7 +120,7 @@ def test_stream_equals_scorer_and_pins_the_prefix(server, client, tiny_scorer):
     np.testing.assert_allclose(first + rest[1] + rest[0], tiny_scorer.score(query, ITEMS, LABELS), rtol=1e-5)
     item_tokens = sum(len(t) for t in tiny_scorer.requests.item_ids(ITEMS, "text"))
     assert (usage.prompt_tokens, usage.cached_tokens, usage.items) == (len(prefix) + item_tokens, 0, 4)
-    wait_for(lambda: prefix not in cache._pins, 10, "the stream's prefix to be unpinned")
+    wait_for(lambda: cache.pins(prefix) == 0, 10, "the stream's prefix to be unpinned")
     with client.stream(query, LABELS) as again:  # the KV is still cached
         assert again.cached_tokens == len(prefix)
         np.testing.assert_allclose(again.send(["Paris"]), tiny_scorer.score(query, ["Paris"], LABELS), rtol=1e-5)
@@ -223,13 +224,13 @@ def test_cancelled_stream_drops_its_batches_and_unpins(server, client, tiny_scor
     worker = server.server.worker
     query = "A stream that the client abandons."
     prefix = tiny_scorer.requests.request(query, ["x"], LABELS).prefix
+    session = client.stream(query, LABELS)  # its prefill is a device call: before the pause
     with worker.paused():
-        session = client.stream(query, LABELS)
         session.submit(["a", "b", "c"])
         wait_for(lambda: worker.depth == 3, 30, "3 queued stream items")
         session.cancel()
         wait_for(lambda: worker.depth == 0, 30, "the stream's items to leave the queue")
-    wait_for(lambda: prefix not in worker.cache._pins, 10, "the stream's prefix to be unpinned")
+    wait_for(lambda: worker.cache.pins(prefix) == 0, 10, "the stream's prefix to be unpinned")
 
 
 def test_deadline_exceeded_removes_queued_work(server, client):
@@ -276,7 +277,7 @@ BAD_REQUESTS = {
     "oversized text": (_req(query=pb.Input(text="x" * 1_000_001)), "query"),
     "query over the context": (_req(query=_ids([7] * 9000), items=[_ids([5])]), "query"),
     "query over the largest bucket": (_req(query=_ids([7] * 600), items=[_ids([5])]), "query"),
-    "item over the largest bucket": (_req(query=_ids([7]), items=[_ids([5] * 100)]), "items[0]"),
+    "query + item over the context": (_req(query=_ids([7]), items=[_ids([5] * 600)]), "items[0]"),
     "item_first sequence over the largest bucket": (
         _req(query=_ids([7] * 500), items=[_ids([5] * 20)], item_first=True),
         "items[0]",
@@ -339,8 +340,8 @@ def test_model_info(client, tiny_scorer):
     assert (info.model, info.family, info.vocab_size, info.dtype) == ("tiny-qwen3", "qwen3", 49152, "float32")
     assert info.context_length == 8192 and info.has_tokenizer and list(info.devices) == ["cpu:0"]
     assert info.limits.max_items == MAX_QUEUE and info.limits.max_queue_items == MAX_QUEUE
-    assert info.limits.max_sequence_tokens == tiny_scorer.engine.buckets.prefix[-1]
-    assert info.limits.max_item_tokens == tiny_scorer.engine.buckets.item[-1]
+    assert info.limits.max_sequence_tokens == tiny_scorer.engine.buckets.context
+    assert info.limits.max_item_tokens == tiny_scorer.engine.buckets.context
 
 
 def test_health_serving_and_reflection_lists_services(server):
@@ -434,7 +435,7 @@ def test_metrics_after_traffic(server, client, tiny_scorer):
     assert delta("prefixscore_tokens_total{kind=prefix}") == len(prefix)
     assert delta("prefixscore_tokens_total{kind=item}") == 3 * item_tokens
     assert delta("prefixscore_device_batch_size_sum") == 9
-    assert delta("prefixscore_device_batch_duration_seconds_count{kind=prefill}") == 1
+    # the prefill rode in the first request's call (no call of its own); the stream's open hit
     assert delta("prefixscore_device_batch_duration_seconds_count{kind=items}") == 3
     padding = delta("prefixscore_padding_tokens_total")
     assert padding > 0 and delta("prefixscore_device_batch_padding_ratio_count") == 3
@@ -449,15 +450,28 @@ def test_metrics_after_traffic(server, client, tiny_scorer):
     assert after[info] == 1
 
 
-def test_prefix_cache_evicts_under_its_byte_budget(tiny_scorer):
-    """A budget smaller than one prefix: each request's KV is evicted once its group is done."""
-    with ServerThread(config(tiny_scorer, prefix_cache_bytes=1)) as srv, ScoreClient(srv.target) as client:
-        first = client.score(QUERY, ITEMS[:1], LABELS)
-        wait_for(lambda: scrape(srv.server.metrics_port)["prefixscore_prefix_cache_evictions_total"] == 1, 10)
-        again = client.score(QUERY, ITEMS[:1], LABELS)
-        assert first.usage.cached_tokens == again.usage.cached_tokens == 0  # prefilled again
-        metrics = wait_for(
-            lambda: (m := scrape(srv.server.metrics_port))["prefixscore_prefix_cache_evictions_total"] == 2 and m, 10
-        )
-        assert metrics["prefixscore_prefix_cache_misses_total"] == 2
-        assert metrics["prefixscore_prefix_cache_bytes"] == 0 and metrics["prefixscore_prefix_cache_entries"] == 0
+def test_prefix_pool_is_never_exceeded(tiny_scorer):
+    """A pool of 5 pages (128 tokens each): a stream pins 3 for its query, a second stream whose
+    query needs 3 more is refused at open with RESOURCE_EXHAUSTED and a retry hint (never an
+    out-of-memory), unary requests that fit still run, and once the first stream closes its
+    query is evicted (least recently used) for the next one."""
+    model = tiny_scorer.model
+    engine = ScoringEngine(model.cfg, model.params, "float32", tiny_scorer.engine.buckets, pool_bytes=1)
+    assert engine.pool_pages == engine.buckets.max_pages + 1 == 5
+    with ServerThread(config(tiny_scorer, engine=engine)) as srv, ScoreClient(srv.target) as client:
+        first = client.stream(ids(300), LABELS)
+        first.__enter__()
+        assert len(first.send([ids(3, 7)])[0]) == 2
+        with pytest.raises(grpc.RpcError) as refused:
+            with client.stream(ids(300, 1000), LABELS) as second:
+                second.send([ids(3)])
+        assert refused.value.code() == Code.RESOURCE_EXHAUSTED
+        assert "prefix pool full" in refused.value.details() and retry_after_ms(refused.value) > 0
+        assert len(client.score(ids(100, 2000), [ids(4)], LABELS).scores) == 1  # 1 page: fits
+        first.__exit__(None, None, None)
+        with client.stream(ids(300, 1000), LABELS) as second:
+            assert len(second.send([ids(3)])[0]) == 2
+        metrics = scrape(srv.server.metrics_port)
+        assert metrics["prefixscore_prefix_cache_evictions_total"] >= 1
+        assert metrics["prefixscore_prefix_pool_bytes"] == engine.pool_bytes
+        assert metrics["prefixscore_prefix_cache_bytes"] <= engine.pool_bytes

@@ -10,13 +10,15 @@ refuses the work (RESOURCE_EXHAUSTED) instead of the device running out of memor
 
 Reusing a page is safe as soon as no queued work needs it: device calls run in launch
 order, so a call that still reads a page runs before any later call that writes it.
-Not thread-safe: the device worker calls it under its lock.
+The engine owns one cache for its pool (whoever drives the engine shares it); every
+method takes the cache's lock.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from collections.abc import Callable
 
 
@@ -57,10 +59,11 @@ class PrefixCache:
         self.total_pages = pages
         self.page_tokens = page_tokens
         self.page_bytes = page_bytes
-        self._on_evict = on_evict
+        self.on_evict = on_evict  # called with the bytes an eviction frees
         self._free: list[int] = list(range(pages - 1, -1, -1))
         self._entries: collections.OrderedDict[tuple[int, ...], CachedPrefix] = collections.OrderedDict()
         self.evictions = 0
+        self._lock = threading.RLock()
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
@@ -69,38 +72,42 @@ class PrefixCache:
         """The prefix's entry, pinned; (entry, hit). On a miss its pages are taken (evicting
         unpinned prefixes, least recently used first) and the prefill is still to run.
         Raises PoolExhausted when the pages cannot be had."""
-        entry = self._entries.get(tokens)
-        if entry is not None:
-            self._entries.move_to_end(tokens)
-            entry.pins += 1
-            return entry, True
-        needed = self.pages_for(len(tokens))
-        self._make_room(needed)
-        pages = tuple(self._free.pop() for _ in range(needed))
-        entry = CachedPrefix(tokens, pages, pins=1)
-        self._entries[tokens] = entry
-        return entry, False
+        with self._lock:
+            entry = self._entries.get(tokens)
+            if entry is not None:
+                self._entries.move_to_end(tokens)
+                entry.pins += 1
+                return entry, True
+            needed = self.pages_for(len(tokens))
+            self._make_room(needed)
+            pages = tuple(self._free.pop() for _ in range(needed))
+            entry = CachedPrefix(tokens, pages, pins=1)
+            self._entries[tokens] = entry
+            return entry, False
 
     def pin(self, entry: CachedPrefix) -> None:
         """One more holder of an entry already acquired."""
-        entry.pins += 1
+        with self._lock:
+            entry.pins += 1
 
     def release(self, entry: CachedPrefix) -> None:
         """Unpin. A prefix nobody waits for any more is dropped at once if its prefill never
         finished or a call writing it failed; a complete one stays cached."""
-        entry.pins -= 1
-        if entry.pins <= 0 and (not entry.ready or entry.discarded):
-            self._drop(entry)
+        with self._lock:
+            entry.pins -= 1
+            if entry.pins <= 0 and (not entry.ready or entry.discarded):
+                self._drop(entry)
 
     def discard(self, entry: CachedPrefix) -> None:
         """A call that wrote this prefix failed: its pages hold garbage. New requests miss it;
         its pages return to the pool once its last holder releases it."""
-        entry.discarded = True
-        if self._entries.get(entry.tokens) is entry:
-            del self._entries[entry.tokens]
-        if entry.pins <= 0:
-            self._free.extend(entry.pages)
-            entry.pages = ()
+        with self._lock:
+            entry.discarded = True
+            if self._entries.get(entry.tokens) is entry:
+                del self._entries[entry.tokens]
+            if entry.pins <= 0:
+                self._free.extend(entry.pages)
+                entry.pages = ()
 
     def _drop(self, entry: CachedPrefix) -> None:
         if self._entries.get(entry.tokens) is entry:
@@ -120,8 +127,14 @@ class PrefixCache:
             size = len(entry.pages) * self.page_bytes
             self._drop(entry)
             self.evictions += 1
-            if self._on_evict:
-                self._on_evict(size)
+            if self.on_evict:
+                self.on_evict(size)
+
+    def pins(self, tokens: tuple[int, ...]) -> int:
+        """Holders of a cached prefix (0 when it is not cached)."""
+        with self._lock:
+            entry = self._entries.get(tokens)
+            return entry.pins if entry is not None else 0
 
     @property
     def free_pages(self) -> int:
