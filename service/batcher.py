@@ -149,12 +149,14 @@ class Batcher:
         offered: dict[int, int] = {}  # unit seq -> items taken in this call
         capacity = builder.item_capacity * builder.devices
         share = max(1, capacity // max(1, sum(1 for u in pending if u.queued)))
+        prefilling = sum(1 for u in pending if u.entry is not None and not u.entry.ready)
+        prefill_share = max(self.chunk, builder.b.prefill[-1] // max(1, prefilling))
         for fair in (True, False):
             refusals = 0
             for unit in pending:
                 if refusals >= MAX_REFUSALS:
                     break
-                if not self._prefill(builder, unit, written):
+                if not self._prefill(builder, unit, written, prefill_share if fair else None):
                     continue
                 took, refused = self._offer(builder, unit, offered.get(unit.seq, 0), share if fair else None)
                 offered[unit.seq] = offered.get(unit.seq, 0) + took
@@ -171,15 +173,20 @@ class Batcher:
                 del self.units[unit.seq]  # all its items are in calls; the worker delivers them
         return Call(plan, [entry for entry, _ in written.values()])
 
-    def _prefill(self, builder: CallBuilder, unit: WorkUnit, written: dict[int, tuple[CachedPrefix, int]]) -> bool:
-        """Place the unit's query chunks not yet written; whether its items may follow in this call."""
+    def _prefill(
+        self, builder: CallBuilder, unit: WorkUnit, written: dict[int, tuple[CachedPrefix, int]], share: int | None
+    ) -> bool:
+        """Place the unit's query chunks not yet written (up to `share` tokens: a long query
+        does not hold up every new short one); whether its items may follow in this call."""
         entry = unit.entry
         if entry is None:
             return True
-        upto = written.get(id(entry), (entry, entry.written))[1]
+        start = upto = written.get(id(entry), (entry, entry.written))[1]
         n = len(entry.tokens)
         while upto < n:
             size = min(self.chunk, n - upto)
+            if share is not None and upto > start and upto - start + size > share:
+                break
             if not builder.add_chunk(entry.pages, entry.tokens[upto : upto + size], upto):
                 break
             upto += size

@@ -1,133 +1,164 @@
-"""The batcher alone (no device): grouping, merging across requests, planning windows, order, cancellation."""
+"""The batcher and the planner alone (no device): what one call carries, in which order, and
+the layout the engine ships (segments, alignment, rows, label sets, page writes)."""
 
 from __future__ import annotations
 
-import dataclasses
+import numpy as np
+import pytest
 
 from prefixscore.model.buckets import Buckets
+from prefixscore.model.planner import CallBuilder
+from prefixscore.model.prefix_cache import PoolExhausted, PrefixCache
 from prefixscore.service.batcher import Batcher, WorkUnit
 
-
-@dataclasses.dataclass
-class Shape:
-    indices: tuple[int, ...]
+BUCKETS = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256, page_tokens=128)
+POOL_PAGES = 64
 
 
-def planner(capacity_tokens: int = 16):
-    """A stand-in for ScoringEngine.plan: longest first, greedy up to `capacity_tokens` per call."""
-    calls: list[tuple[list[int], bool]] = []
-
-    def plan(lengths, sequence=False):
-        calls.append((list(lengths), sequence))
-        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-        out, current, used = [], [], 0
-        for i in order:
-            if current and used + lengths[i] > capacity_tokens:
-                out.append(Shape(tuple(current)))
-                current, used = [], 0
-            current.append(i)
-            used += lengths[i]
-        return [*out, Shape(tuple(current))]
-
-    plan.calls = calls
-    return plan
+def setup(devices: int = 1, align: int = 1) -> tuple[Batcher, PrefixCache]:
+    cache = PrefixCache(POOL_PAGES, BUCKETS.page_tokens, page_bytes=1)
+    batcher = Batcher(lambda: CallBuilder(BUCKETS, devices, align, POOL_PAGES), BUCKETS.prefill_chunk)
+    return batcher, cache
 
 
-def unit(prefix=(1, 2, 3), lengths=(3,), labels=(5, 6), softmax=False, item_first=False) -> WorkUnit:
-    return WorkUnit(tuple(prefix), [[7] * n for n in lengths], tuple(labels), softmax, item_first)
+def unit(cache, prefix=(1, 2, 3), lengths=(3,), labels=(5, 6), softmax=False, item_first=False, **kw) -> WorkUnit:
+    u = WorkUnit(tuple(prefix), [[7] * n for n in lengths], tuple(labels), softmax, item_first, **kw)
+    if not item_first:
+        u.entry, _ = cache.acquire(u.prefix)
+    return u
 
 
-def resolved(batcher: Batcher) -> None:
-    for group in batcher.unresolved():
-        group.state = "kv"
-        group.waiting.clear()
+def units_of(call) -> list[WorkUnit]:
+    out: list[WorkUnit] = []
+    for row in call.plan.rows:
+        if row.ref[0] not in out:
+            out.append(row.ref[0])
+    return out
 
 
-def test_requests_sharing_a_query_merge_into_one_batch():
-    b = Batcher(planner(), window=8)
-    a, c = unit(lengths=(3, 4)), unit(lengths=(5,))
-    b.add(a)
-    b.add(c)
-    assert b.depth == 3
-    assert b.next_batch() is None  # the prefix is not on the device yet
-    resolved(b)
-    batch = b.next_batch()
-    assert [(u is a, i) for u, i in batch.entries] == [(True, 0), (True, 1), (False, 0)]
-    assert batch.tokens == 12
-    assert b.depth == 0 and a.queued == 0 and c.queued == 0
-    assert b.next_batch() is None
-    assert len(b.prune()) == 1 and not b.groups
-
-
-def test_different_queries_labels_or_options_do_not_merge():
-    b = Batcher(planner(), window=8)
-    for u in (unit(), unit(prefix=(9,)), unit(labels=(5,)), unit(softmax=True), unit(item_first=True)):
+def test_requests_of_different_queries_labels_and_options_share_one_call():
+    b, cache = setup()
+    mix = [
+        unit(cache, lengths=(3, 4)),
+        unit(cache, prefix=(9,) * 40, lengths=(5,)),
+        unit(cache, labels=(5,), softmax=True),
+        unit(cache, prefix=(), lengths=(10,), item_first=True),
+    ]
+    for u in mix:
         b.add(u)
-    resolved(b)
-    sizes = []
-    while (batch := b.next_batch()) is not None:
-        sizes.append(len(batch.entries))
-    assert sizes == [1, 1, 1, 1, 1]
+    call = b.next_call()
+    assert set(units_of(call)) == set(mix) and len(call.plan.rows) == 5
+    assert call.plan.chunks == 2  # both new queries prefill in this very call
+    assert b.depth == 0 and b.next_call() is None
+    inputs = call.plan.inputs
+    # label sets per row: (5, 6) and (5,) share the call's label ids
+    assert sorted(inputs.labels[:2].tolist()) == [5, 6]
+    sets = {tuple(inputs.label_sets[i][inputs.label_sets[i] >= 0]) for i in inputs.items.label_set[0, :5]}
+    assert len(sets) == 2
 
 
-def test_planner_sees_a_window_and_the_rest_stays_in_order():
-    plan = planner(capacity_tokens=10)
-    b = Batcher(plan, window=4)
-    first = unit(lengths=(2, 9, 2, 2, 2, 2))
-    b.add(first)
-    resolved(b)
-    batch = b.next_batch()
-    assert plan.calls[-1] == ([2, 9, 2, 2], False)  # only the window's 4 oldest items
-    assert [i for _, i in batch.entries] == [1]  # the planner's first call: the longest item
-    batch = b.next_batch()
-    assert plan.calls[-1] == ([2, 2, 2, 2], False)  # what was left, oldest first
-    assert [i for _, i in batch.entries] == [0, 2, 3, 4]
-    assert [i for _, i in b.next_batch().entries] == [5]
-    assert b.depth == 0
+def test_chunks_before_items_and_a_long_query_spans_calls():
+    """A 600-token query: five 128-token chunks over three calls (256-token prefill region); its
+    items wait for the call holding its last chunk. A short new query behind it gets its share
+    of the first call's prefill region, and its items ride in that call."""
+    b, cache = setup()
+    long_one = unit(cache, prefix=range(600), lengths=(4, 4))
+    b.add(long_one)
+    short = unit(cache, prefix=(8,) * 10, lengths=(2,))
+    b.add(short)
+    first = b.next_call()
+    assert first.plan.chunks == 2 and long_one.entry.written == 128 and short.entry.ready
+    assert units_of(first) == [short]
+    second = b.next_call()
+    assert second.plan.chunks == 2 and not units_of(second) and long_one.entry.written == 384
+    third = b.next_call()
+    assert third.plan.chunks == 2 and long_one.entry.written == 600 and units_of(third) == [long_one]
+    positions = third.plan.inputs.prefill.positions
+    assert positions[: third.plan.inputs.prefill.tokens.shape[0]].max() == 599
 
 
-def test_oldest_group_goes_first_and_item_first_plans_as_sequences():
-    plan = planner()
-    b = Batcher(plan, window=8)
-    old, new = unit(item_first=True), unit()
-    b.add(old)
-    b.add(new)
-    resolved(b)
-    assert b.next_batch().entries[0][0] is old and plan.calls[-1][1] is True
-    assert b.next_batch().entries[0][0] is new and plan.calls[-1][1] is False
+def test_prefill_chunk_layout_writes_its_pages():
+    b, cache = setup(align=128)
+    u = unit(cache, prefix=range(200), lengths=(3, 5))
+    b.add(u)
+    call = b.next_call()
+    pre = call.plan.inputs.prefill
+    pages = u.entry.pages
+    real = pre.write_pages < POOL_PAGES
+    assert real.sum() == 200  # every query token written once, padding dropped
+    np.testing.assert_array_equal(pre.positions[real], np.arange(200))
+    np.testing.assert_array_equal(pre.write_pages[real], np.asarray(pages)[np.arange(200) // 128])
+    np.testing.assert_array_equal(pre.write_offsets[real], np.arange(200) % 128)
+    # the second chunk starts at an aligned index, in its own segment, with the first chunk as prefix
+    seg = pre.segment_ids
+    assert seg[0] != seg[128] and call.plan.inputs.prefix_len[seg[128]] == 128
+    items = call.plan.inputs.items
+    assert items.positions[0, :3].tolist() == [200, 201, 202]
+    assert items.read_at[0, :2].tolist() == [pre.tokens.shape[0] + 2, pre.tokens.shape[0] + 7]
+
+
+def test_a_small_request_is_not_starved_behind_a_large_one():
+    b, cache = setup()
+    big = unit(cache, lengths=(20,) * 40)  # 800 tokens: several calls
+    b.add(big)
+    small = unit(cache, prefix=(4,) * 5, lengths=(3,))
+    b.add(small)
+    first = b.next_call()
+    assert small in units_of(first) and big in units_of(first)
+
+
+def test_earliest_deadline_first():
+    b, cache = setup()
+    late = unit(cache, lengths=(200,), deadline=1e12)
+    early = unit(cache, prefix=(4,), lengths=(200,), deadline=1.0)
+    b.add(late)
+    b.add(early)
+    assert units_of(b.next_call()) == [early]
+    assert units_of(b.next_call()) == [late]
 
 
 def test_cancelled_units_leave_the_queue():
-    b = Batcher(planner(), window=8)
-    a, c = unit(lengths=(3, 3)), unit(lengths=(3,))
+    b, cache = setup()
+    a, c = unit(cache, lengths=(3, 3)), unit(cache, lengths=(3,))
     b.add(a)
     b.add(c)
-    resolved(b)
     b.cancel(a)
     assert b.depth == 1
-    batch = b.next_batch()
-    assert [u for u, _ in batch.entries] == [c]
+    assert units_of(b.next_call()) == [c]
     assert b.depth == 0 and not b.ready()
 
 
-def test_a_unit_joining_a_resolved_group_counts_the_prefix_as_cached():
-    b = Batcher(planner(), window=8)
-    first = unit(lengths=(3,))
-    b.add(first)
-    resolved(b)
-    second = unit(lengths=(3,))
-    b.add(second)
-    assert second.cached_tokens == 3 and first.cached_tokens == 0
-
-
-def test_with_the_engine_planner(tiny_scorer):
-    """The real ScoringEngine.plan: a window of mixed lengths becomes one packed call."""
-    engine = tiny_scorer.engine
-    b = Batcher(lambda lengths, seq: engine.plan(lengths, sequence=seq), window=64)
-    units = [unit(lengths=(3, 20)), unit(lengths=(7,)), unit(lengths=(1, 1, 1))]
-    for u in units:
+def test_several_devices_split_segments_and_align_them():
+    b, cache = setup(devices=2, align=64)
+    us = [unit(cache, prefix=(k,) * 10, lengths=(20,) * 5) for k in range(3)]
+    for u in us:
         b.add(u)
-    resolved(b)
-    batch = b.next_batch()
-    assert len(batch.entries) == 6 and b.depth == 0
-    assert isinstance(engine.buckets, Buckets)
+    call = b.next_call()
+    items = call.plan.inputs.items
+    assert (items.n_rows > 0).all() and items.n_rows.sum() == 15
+    for dev in range(2):
+        seg = items.segment_ids[dev]
+        starts = np.flatnonzero(np.diff(seg, prepend=-1))
+        assert all(s % 64 == 0 for s in starts), starts
+
+
+def test_pool_pins_eviction_and_exhaustion():
+    cache = PrefixCache(pages=4, page_tokens=128, page_bytes=10)
+    evicted = []
+    cache.on_evict = evicted.append
+    a, hit = cache.acquire(tuple(range(300)))  # 3 pages
+    assert not hit and len(a.pages) == 3 and cache.free_pages == 1
+    with pytest.raises(PoolExhausted, match="needs 2 pages; 1 of 4"):
+        cache.acquire(tuple(range(1000, 1200)))  # a is pinned: never evicted
+    with pytest.raises(PoolExhausted, match="more than the pool's 4"):
+        cache.acquire(tuple(range(600)))
+    a.written = 300
+    cache.release(a)  # complete: stays cached, unpinned
+    assert cache.pins(a.tokens) == 0 and a.tokens in cache
+    again, hit = cache.acquire(a.tokens)
+    assert hit and again is a
+    cache.release(a)
+    b_, _ = cache.acquire(tuple(range(1000, 1200)))  # evicts a (least recently used)
+    assert a.tokens not in cache and evicted == [30] and cache.bytes == 20
+    cache.release(b_)  # never written: dropped at once
+    assert cache.free_pages == 4 and len(cache) == 0
