@@ -1,14 +1,12 @@
 """Pick the attention implementation per backend; overridable by name.
 
 Every implementation exposes the reference's functions and signatures
-(kernels/reference.py):
-  prefix_attention(q [n,h,d], prefix_k, prefix_v, prefix_len) -> out, lse (float32)
-  item_attention(q [b,t,h,d], k, v) -> out, lse            (causal per row)
-  ragged_item_attention(q [n,h,d], k, v, segment_ids, max_item_len) -> out, lse
+(kernels/reference.py; the stream and pool they read: kernels/paged.py):
+  SEGMENT_ALIGN                                  segment starts the planner must align to
+  paged_prefix_attention(q [T,h,d], pool_k, pool_v, meta) -> out, lse (float32)
+  ragged_item_attention(q [n,h,d], k, v, item_ids, max_item_len) -> out, lse
   merge_attention(out_a, lse_a, out_b, lse_b) -> out
-  shared_prefix_attention(q, k, v, prefix_k, prefix_v, prefix_len) -> [b, t, heads, d]
-  ragged_shared_prefix_attention(q, k, v, segment_ids, max_item_len, prefix_k, prefix_v, prefix_len) -> [n, heads, d]
-  causal_attention(q, k, v) -> [b, s, heads, d]
+  paged_attention(q [T,h,d], k, v, pool_k, pool_v, meta) -> [T, h, d]   (what the decoder calls)
 
 Names: reference (the oracle, dense), xla (tiled XLA, the CPU path), pallas_tpu
 (Mosaic TPU kernels), pallas_gpu (Pallas Triton kernels). Pick with the

@@ -109,8 +109,11 @@ def check(impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str
     """Max |impl - reference| per call, computed on the default device. Pure: raises nothing."""
     x = case(heads, kv_heads, head_dim, dtype, seed)
     fast = jax.jit(lambda a: _calls(impl, a))(x)
+    # the oracle in float32 from the same (rounded) inputs: what the fast path approximates
+    # (and XLA:CPU has no bf16 x bf16 -> f32 dot for the oracle's gathered layout)
+    wide = {**x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v", "pool_k", "pool_v")}}
     with jax.default_matmul_precision("highest"):  # no TF32 in the oracle on GPUs
-        exact = jax.jit(lambda a: _calls(reference, a))(x)
+        exact = jax.jit(lambda a: _calls(reference, a))(wide)
     # on the host: XLA's max reduction may skip NaNs, numpy's propagates them
     diff = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))  # noqa: E731
     return {name: diff(fast[name], exact[name]) for name in fast}

@@ -6,9 +6,10 @@ items over a 2k-token prefix), so on a CPU it runs at memory speed. Here the
 work is tiled so the working set of one step stays in cache, and loops whose
 trip count is a runtime value skip the padding of a bucket entirely:
 
-- prefix part: query blocks (a sequential loop) x prefix chunks (an online
-  softmax over the chunks the prefix fills): cost follows the real prefix
-  length, not its padded bucket; only the last chunk is masked;
+- prefix part: per contiguous run of a segment, query blocks starting at the
+  run's first token (no alignment needed) x chunks of the segment's pages
+  gathered from the pool (an online softmax over the chunks its prefix fills):
+  cost follows the real prefix length; only the last chunk is masked;
 - ragged item part: short items (the common case) in one masked softmax over
   two 32-token blocks; longer ones per query block over the key blocks from
   where its first item starts to the diagonal (a runtime trip count);

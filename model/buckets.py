@@ -27,6 +27,14 @@ def geometric(lo: int, hi: int, ratio: int, cap: int | None = None) -> tuple[int
     return tuple(out)
 
 
+def steps(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo to hi, with the midpoints 1.5 x 2^k from 3072 on (capped at hi):
+    a call rounds its tokens up by at most a third past 2048, a half below."""
+    out = set(geometric(lo, hi, 2, cap=hi))
+    out |= {p * 3 // 2 for p in out if p >= 2048 and p * 3 // 2 < hi}
+    return tuple(sorted(out))
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -36,9 +44,10 @@ class Buckets:
     """Padded sizes for every axis of a device call.
 
     context: the longest sequence served (query + item, or an item_first sequence).
-    tokens: item-region lengths per device (derived when empty: 256, then powers of 2 from
-      1024 to max_batch_tokens, then x4 to the context).
-    prefill: prefill-region lengths, 0 first (derived: prefill_chunk, x2 ... max_prefill_tokens).
+    tokens: item-region lengths per device (derived when empty: 256, then steps() from 1024 to
+      max_batch_tokens, then x4 to the context).
+    prefill: prefill-region lengths, 0 first (derived: steps() from 1024, or max_prefill_tokens
+      when smaller, to max_prefill_tokens).
     max_batch_tokens: the item region a call fills before another starts (bounds activation
       memory); longer items and sequences run alone in a larger bucket.
     prefill_chunk: a prefill chunk's longest run (its causal part is one item).
@@ -62,12 +71,12 @@ class Buckets:
 
     def __post_init__(self) -> None:
         if not self.tokens:
-            short = (256, *geometric(1024, self.max_batch_tokens, 2, cap=self.max_batch_tokens))
+            short = (256, *steps(1024, self.max_batch_tokens))
             long = geometric(self.max_batch_tokens, self.context, 4, cap=_round_up(self.context, 256))
             object.__setattr__(self, "tokens", tuple(sorted({t for t in (*short, *long) if t > 0})))
         if not self.prefill:
-            chunks = geometric(self.prefill_chunk, self.max_prefill_tokens, 2, cap=self.max_prefill_tokens)
-            object.__setattr__(self, "prefill", (0, *chunks))
+            lo = min(1024, self.max_prefill_tokens)
+            object.__setattr__(self, "prefill", (0, *steps(lo, self.max_prefill_tokens)))
         if self.prefill[0] != 0 or self.prefill[-1] < self.prefill_chunk:
             raise ValueError(f"prefill buckets {self.prefill} must start at 0 and hold a chunk")
 
