@@ -70,6 +70,8 @@ class Buckets:
     head_rows: int = 256
 
     def __post_init__(self) -> None:
+        # a chunk never exceeds the region that holds it
+        object.__setattr__(self, "prefill_chunk", min(self.prefill_chunk, self.max_prefill_tokens))
         if not self.tokens:
             short = (256, *steps(1024, self.max_batch_tokens))
             long = geometric(self.max_batch_tokens, self.context, 4, cap=_round_up(self.context, 256))

@@ -36,12 +36,8 @@ SERVE = [
     "0",
     "--warmup",
     "false",
-    "--prefix-buckets",
-    "64,128,256,512",
-    "--item-buckets",
-    "8,16,32,64",
-    "--batch-buckets",
-    "1,2,4,8,16",
+    "--max-prefill-tokens",
+    "256",
     "--max-batch-tokens",
     "256",
     "--drain-seconds",
@@ -99,7 +95,8 @@ def served():
 def test_startup_logs_say_what_the_server_is(served):
     loaded = served.event("model_loaded")
     assert loaded["model"] == "tiny-qwen3" and loaded["dtype"] == "float32" and loaded["devices"] == ["cpu:0"]
-    assert loaded["buckets"]["prefix"] == [64, 128, 256, 512] and loaded["buckets"]["max_batch_tokens"] == 256
+    assert loaded["buckets"]["max_prefill_tokens"] == 256 and loaded["buckets"]["max_batch_tokens"] == 256
+    assert loaded["pool_pages"] > 0 and loaded["pool_bytes"] > 0
     warmed = served.event("warmed_up")
     assert {"compilations", "compile_seconds", "seconds"} <= set(warmed)
 
@@ -150,7 +147,7 @@ def test_models_command(served, capsys):
     assert "tiny-qwen3" in capsys.readouterr().out
     assert cli.main(["models", "--target", served.target]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["model"] == "tiny-qwen3" and info["limits"]["max_item_tokens"] == 64
+    assert info["model"] == "tiny-qwen3" and info["limits"]["max_item_tokens"] == 8192  # the context
 
 
 def test_console_script_is_installed():

@@ -52,12 +52,8 @@ SCRAPE_LABELS = {"cluster": "e2e", "namespace": "prefixscore-e2e", "pod": "prefi
 JOB = "prefixscore"
 # Small shape buckets: the tiny model compiles in seconds on a shared CPU.
 SERVE_FLAGS = [
-    "--prefix-buckets",
-    "64,128",
-    "--item-buckets",
-    "8,16",
-    "--batch-buckets",
-    "4,16",
+    "--max-prefill-tokens",
+    "256",
     "--max-batch-tokens",
     "256",
     "--log-format",

@@ -41,7 +41,7 @@ def no_device(tiny_scorer, monkeypatch):
         (dict(query="q", items=["a", ""], label_token_ids=LABELS), r"items\[1\]"),
         (dict(query=[1] * 8192, items=[[1]], label_token_ids=LABELS), "query"),
         (dict(query=[1] * 500, items=[[1] * 20], label_token_ids=LABELS), r"items\[0\]"),
-        (dict(query=[1] * 10, items=[[1] * 65], label_token_ids=LABELS), r"items\[0\]"),
+        (dict(query=[1] * 10, items=[[1] * 600], label_token_ids=LABELS), r"items\[0\]"),
         (dict(query=[1] * 400, items=[[1] * 10, [1] * 120], label_token_ids=LABELS), r"items\[1\]"),
         (dict(query=3, items=[[1]], label_token_ids=LABELS), "query"),
         (dict(query="q", items="abc", label_token_ids=LABELS), "items"),
