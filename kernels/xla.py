@@ -41,6 +41,10 @@ SEGMENT_ALIGN = 1
 # wasted pairs (keys of a neighbouring item) small for short items.
 Q_BLOCK = 256
 K_CHUNK = 1024
+# a segment's last query tokens and a prefix's last keys go in finer steps: short segments and
+# short prefixes (many small requests) would otherwise pad each to a whole block
+Q_TAIL = 64
+K_TAIL = 256
 ITEM_BLOCK = 32
 LONG_ITEM_BLOCK = 128
 
@@ -106,44 +110,6 @@ def from_rows(x: jax.Array, heads: int) -> jax.Array:
 def lse_from_rows(lse: jax.Array, heads: int) -> jax.Array:
     """[kv, n * g] -> [n, heads]."""
     return from_rows(lse[..., None], heads)[..., 0]
-
-
-def prefix_rows(
-    qr: jax.Array, kt: jax.Array, vt1: jax.Array, prefix_len: jax.Array, group: int, chunk: int
-) -> tuple[jax.Array, jax.Array]:
-    """Prefix part on rows. qr: [kv, rows, d] (rows a multiple of Q_BLOCK * group); kt: [kv, s, d];
-    vt1: [kv, s, d + 1] (values and a ones column). Returns out [kv, rows, d] and lse [kv, rows],
-    float32. A loop over query blocks (written in place) x a loop over the prefix chunks."""
-    kv_heads, rows, d = qr.shape
-    s = kt.shape[1]
-    r = Q_BLOCK * group
-    scale = d**-0.5
-    full = prefix_len // chunk
-
-    def step(qblk: jax.Array, i: jax.Array, carry: tuple[jax.Array, jax.Array], masked: bool):
-        at = jnp.minimum(i * chunk, s - chunk)  # a tail step past a full bucket re-reads the last chunk...
-        kc = jax.lax.dynamic_slice_in_dim(kt, at, chunk, axis=1)
-        vc = jax.lax.dynamic_slice_in_dim(vt1, at, chunk, axis=1)
-        sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
-        if masked:  # ...with every key masked (col < i * chunk)
-            col = at + jnp.arange(chunk)
-            sc = jnp.where((col >= i * chunk) & (col < prefix_len), sc, MASK_VALUE)
-        return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
-
-    def block(b: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        qblk = jax.lax.dynamic_slice_in_dim(qr, b * r, r, axis=1)
-        init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
-        carry = jax.lax.fori_loop(0, full, lambda i, c: step(qblk, i, c, False), init)
-        # the masked remainder, when there is one (a prefill chunk's prefix has none)
-        carry = jax.lax.cond(prefix_len > full * chunk, lambda c: step(qblk, full, c, True), lambda c: c, carry)
-        out, lse = _finish(*carry, jnp.float32)
-        return (
-            jax.lax.dynamic_update_slice_in_dim(outs[0], out, b * r, axis=1),
-            jax.lax.dynamic_update_slice_in_dim(outs[1], lse, b * r, axis=1),
-        )
-
-    init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.zeros((kv_heads, rows), jnp.float32))
-    return jax.lax.fori_loop(0, rows // r, block, init)
 
 
 def dense_masked_attention(
@@ -313,22 +279,22 @@ def paged_prefix_rows(
 ) -> tuple[jax.Array, jax.Array]:
     """Prefix part on rows. qr: [kv, rows, d] with rows >= (n + Q_BLOCK) * group (room for a block
     starting at any token). Per contiguous run of a segment: query blocks of Q_BLOCK tokens from the
-    run's first token, each an online softmax over its segment's pages, K_CHUNK keys (whole pages)
-    a step, gathered from the pool; only the last step is masked, and steps stop at prefix_len.
-    Rows outside the run are left as they were. Returns out [kv, rows, d], lse [kv, rows] float32
-    (rows of segments without a prefix: 0 and MASK_VALUE)."""
+    run's first token, then blocks of Q_TAIL for the run's rest (a short segment wastes little);
+    each block an online softmax over its segment's pages gathered from the pool, K_CHUNK keys a
+    step, then K_TAIL-key steps for the prefix's rest (a 300-token prefix computes 512 keys, not
+    1,024), only those masked; steps stop at prefix_len. Rows outside the run are left as they
+    were. Returns out [kv, rows, d], lse [kv, rows] float32 (rows of segments without a prefix:
+    0 and MASK_VALUE)."""
     kv_heads, rows, d = qr.shape
     _, _, pool_pages, page_tokens, _ = pool_k.shape
     table = meta.page_table
     chunk_pages = max(1, min(K_CHUNK // page_tokens, table.shape[1]))
-    chunk = chunk_pages * page_tokens
+    tail_pages = max(1, min(K_TAIL // page_tokens, chunk_pages))
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % chunk_pages)))  # whole chunks of page ids
     flat_k = pool_k.reshape(-1, page_tokens, d)
     flat_v = pool_v.reshape(-1, page_tokens, d)
     head_index = (meta.layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)) * pool_pages
     starts, ends, count = segment_runs(meta.segment_ids, n)
-    r = Q_BLOCK * group
-    token = jnp.repeat(jnp.arange(Q_BLOCK, dtype=jnp.int32), group)  # row -> token within its block
     scale = d**-0.5
 
     def run(i: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -336,25 +302,31 @@ def paged_prefix_rows(
         seg = meta.segment_ids[start]
         length = meta.prefix_len[seg]
         pages = table[seg]
-        full = length // chunk
+        full = length // (chunk_pages * page_tokens)
+        tail_start = full * chunk_pages  # in pages
+        tails = (length - tail_start * page_tokens + tail_pages * page_tokens - 1) // (tail_pages * page_tokens)
 
-        def step(qblk: jax.Array, c: jax.Array, carry, masked: bool):
-            ids = jax.lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages)
+        def step(qblk: jax.Array, first_page: jax.Array, n_pages: int, carry, masked: bool):
+            ids = jax.lax.dynamic_slice_in_dim(pages, first_page, n_pages)
             kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens)
             vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens))
             sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
             if masked:
-                sc = jnp.where(c * chunk + jnp.arange(chunk) < length, sc, MASK_VALUE)
+                sc = jnp.where(first_page * page_tokens + jnp.arange(n_pages * page_tokens) < length, sc, MASK_VALUE)
             return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
 
-        def block(b: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            at = (start + b * Q_BLOCK) * group
+        def block(first_token: jax.Array, size: int, outs: tuple[jax.Array, jax.Array]):
+            r = size * group
+            at = first_token * group
             qblk = jax.lax.dynamic_slice_in_dim(qr, at, r, axis=1)
-            init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
-            carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c, cr, False), init)
-            carry = jax.lax.cond(length > full * chunk, lambda cr: step(qblk, full, cr, True), lambda cr: cr, carry)
+            carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
+            carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_pages, chunk_pages, cr, False), carry)
+            carry = jax.lax.fori_loop(
+                0, tails, lambda c, cr: step(qblk, tail_start + c * tail_pages, tail_pages, cr, True), carry
+            )
             out, lse = _finish(*carry, jnp.float32)
-            mine = start + b * Q_BLOCK + token < end  # [r]: rows of this run (a block may overhang it)
+            token = jnp.repeat(jnp.arange(size, dtype=jnp.int32), group)  # row -> token within the block
+            mine = first_token + token < end  # [r]: rows of this run (the last block may overhang it)
             old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
             old_lse = jax.lax.dynamic_slice_in_dim(outs[1], at, r, axis=1)
             return (
@@ -362,8 +334,12 @@ def paged_prefix_rows(
                 jax.lax.dynamic_update_slice_in_dim(outs[1], jnp.where(mine, lse, old_lse), at, axis=1),
             )
 
-        blocks = jnp.where(length > 0, (end - start + Q_BLOCK - 1) // Q_BLOCK, 0)
-        return jax.lax.fori_loop(0, blocks, block, outs)
+        tokens = jnp.where(length > 0, end - start, 0)
+        big = tokens // Q_BLOCK
+        outs = jax.lax.fori_loop(0, big, lambda b, o: block(start + b * Q_BLOCK, Q_BLOCK, o), outs)
+        small = (tokens - big * Q_BLOCK + Q_TAIL - 1) // Q_TAIL
+        rest = start + big * Q_BLOCK
+        return jax.lax.fori_loop(0, small, lambda b, o: block(rest + b * Q_TAIL, Q_TAIL, o), outs)
 
     init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.full((kv_heads, rows), MASK_VALUE, jnp.float32))
     return jax.lax.fori_loop(0, count, run, init)

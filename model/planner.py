@@ -143,7 +143,7 @@ class _Layout:
 
     def __init__(self, devices: int, capacity: int, rows: int, align: int) -> None:
         self.devices, self.capacity, self.max_rows, self.align = devices, capacity, rows, align
-        self.placed: list[list[tuple[int, int, int]]] = [[]]  # per device: (segment, item, offset)
+        self.placed: list[list[tuple[int, int]]] = [[]]  # per device, in stream order: (segment, offset)
         self.used = 0
         self.rows = 0
         self.runs = 0  # runs of segments other than 0
@@ -174,7 +174,7 @@ class _Layout:
             start = 0
         if self.last != seg_index and needs_row:
             self.runs += 1
-        self.placed[-1].append((seg_index, len(self.placed[-1]), start))
+        self.placed[-1].append((seg_index, start))
         self.used = start + n
         self.rows += 1
         self.last = seg_index
@@ -350,9 +350,6 @@ class CallBuilder:
             return None
         return lay
 
-    def _page_row(self, table: np.ndarray, slot: int, pages: Sequence[int]) -> None:
-        table[slot, : len(pages)] = pages
-
     def _prefill_region(self, tp: int, table: np.ndarray, prefix_len: np.ndarray, slot: int) -> PrefillRegion:
         pt = self.b.page_tokens
         tokens = np.zeros(tp, np.int32)
@@ -374,7 +371,7 @@ class CallBuilder:
             item_ids[where] = c
             write_pages[where] = np.asarray(chunk.pages, np.int32)[pos // pt]
             write_offsets[where] = pos % pt
-            self._page_row(table, slot + c, chunk.pages)
+            table[slot + c, : len(chunk.pages)] = chunk.pages
             prefix_len[slot + c] = chunk.start
             at = start + n
         # the tail up to the next aligned index continues the last chunk; beyond it, no prefix
@@ -401,13 +398,13 @@ class CallBuilder:
         for dev, placed in enumerate(layout.placed):
             run_slot: dict[int, int] = {}
             end = 0
-            for row, (seg_index, _, start) in enumerate(placed):
+            for row, (seg_index, start) in enumerate(placed):
                 seg = self.segments[seg_index]
                 item = seg.items[cursor[seg_index]]
                 cursor[seg_index] += 1
                 if seg.prefix_len and seg_index not in run_slot:
                     run_slot[seg_index] = slot
-                    self._page_row(table, slot, seg.pages)
+                    table[slot, : len(seg.pages)] = seg.pages
                     prefix_len[slot] = seg.prefix_len
                     slot += 1
                 seg_row = run_slot.get(seg_index, 0)

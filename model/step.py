@@ -148,19 +148,18 @@ def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, head_rows
     """Run the output head only on the rows that hold an item.
 
     fn(*row_slices) -> [size, out]; rows: arrays with a leading row axis [R, ...]. Full steps
-    of `head_rows` rows run in a loop; the remainder takes one step of the smallest size in
-    head_rows / 2^k (>= MIN_HEAD_ROWS) that covers it. Each step streams the whole output
-    matrix (the full-vocabulary projection is memory-bound for few rows), so few, well-filled
-    steps beat many exact ones. A step near the end is clamped back into range (dynamic slices
-    clamp) and recomputes a few rows identically. Returns [R, out] float32; rows past n_rows
-    are zero or garbage.
+    of `head_rows` rows run in a loop; the remainder in at most one step of each smaller size
+    head_rows / 2^k (>= MIN_HEAD_ROWS), largest first, the last rounded up to MIN_HEAD_ROWS:
+    130 rows are 128 + 32, not 256. Each step streams the whole output matrix (memory-bound
+    for few rows), so steps stay few; rows it computes in vain stay under MIN_HEAD_ROWS. A
+    step near the end is clamped back into range (dynamic slices clamp) and recomputes a few
+    rows identically. Returns [R, out] float32; rows past n_rows are zero or garbage.
     """
     total = rows[0].shape[0]
     big = min(head_rows, total)
     sizes = [big]
     while sizes[-1] // 2 >= MIN_HEAD_ROWS:
         sizes.append(sizes[-1] // 2)
-    sizes = sizes[::-1]  # ascending
     probe = [jax.ShapeDtypeStruct((big, *a.shape[1:]), a.dtype) for a in rows]
     n_out = jax.eval_shape(fn, *probe).shape[1]
 
@@ -178,8 +177,9 @@ def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, head_rows
     else:
         out = jax.lax.fori_loop(0, full, lambda i, o: run(i * big, big, o), out)
     done = full * big
-    rest = n_rows - done
-    # branch 0: nothing left; branch k: one step of sizes[k - 1] rows
-    pick = jnp.where(rest == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), rest))
-    branches = [lambda o: o] + [lambda o, z=z: run(done, z, o) for z in sizes]
-    return jax.lax.switch(jnp.minimum(pick, len(sizes)), branches, out)
+    for z in sizes[1:]:  # the remainder, largest steps first
+        out, done = jax.lax.cond(
+            n_rows - done >= z, lambda o, at, z=z: (run(at, z, o), at + z), lambda o, at: (o, at), out, done
+        )
+    smallest = sizes[-1]
+    return jax.lax.cond(n_rows > done, lambda o: run(done, smallest, o), lambda o: o, out)
