@@ -45,6 +45,8 @@ CONCURRENT = ("w2", "w3-grpc", "w4")
 # workloads whose model FLOP rate is reported as a share of W1-cold's
 SHARED_WITH_W1_COLD = ("w2", "w3", "w3-grpc", "w4")
 SHARE_KEY = "flop_rate_share_of_w1_cold"
+# the same share with each rate taken against the matmul rate measured around it
+UTIL_SHARE_KEY = "utilisation_share_of_w1_cold"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -442,19 +444,25 @@ class Bench:
             progress.update()
             return elapsed, cached, self.flops(r, cached)
 
-        started = time.perf_counter()
         if workers:
+            # the machine's matmul rate right before and after the run: a shared machine's speed
+            # drifts between runs, and the utilisation share cancels that drift out
+            before = self.peak.probe() if self.peak else 0.0
+            started = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                 results = list(pool.map(send, reqs))
+            timing.wall = time.perf_counter() - started
+            timing.peaks.append(max(before, self.peak.probe() if self.peak else 0.0))
         else:
             results = []
+            started = time.perf_counter()
             before = self.peak.probe() if self.peak else 0.0
             for r in reqs:
                 results.append(send(r))
                 after = self.peak.probe() if self.peak else 0.0
                 timing.peaks.append(max(before, after))
                 before = after
-        timing.wall = time.perf_counter() - started
+            timing.wall = time.perf_counter() - started
         progress.close()
         for r, (elapsed, cached, fl) in zip(reqs, results, strict=True):
             timing.latencies.append(elapsed)
@@ -468,6 +476,8 @@ class Bench:
         if workload in CONCURRENT:  # one concurrent run: totals over its wall time
             items_per_s = sum(timing.items) / timing.wall
             flops_per_s = sum(timing.flops) / timing.wall
+            if timing.peaks and all(timing.peaks) and self.cfg is not None:
+                utilisation = flops_per_s / timing.peaks[0]
         else:  # one request per run: the median run
             items_per_s = statistics.median(n / t for n, t in zip(timing.items, timing.latencies, strict=True))
             rates = [f / t for f, t in zip(timing.flops, timing.latencies, strict=True)]
@@ -604,10 +614,13 @@ def _shares(records: list[dict[str, Any]]) -> None:
     base_rate = base and base.get("achieved_flops_per_s")
     if not base_rate:
         return
+    base_util = base.get("utilisation")
     for r in records:
         rate = r.get("achieved_flops_per_s")
         if r["workload"] in SHARED_WITH_W1_COLD and rate is not None:
             r[SHARE_KEY] = rate / base_rate
+            if base_util and r.get("utilisation"):
+                r[UTIL_SHARE_KEY] = r["utilisation"] / base_util
 
 
 def share_lines(records: list[dict[str, Any]]) -> list[str]:
@@ -619,8 +632,9 @@ def share_lines(records: list[dict[str, Any]]) -> list[str]:
         name = r["workload"].upper().replace("-GRPC", "-grpc")
         n = r.get("concurrency", 1)
         how = "in-process" if r.get("transport") == InProcess.kind else f"gRPC, {n} client{'s' * (n != 1)}"
+        against = f"; {r[UTIL_SHARE_KEY]:.2f} against the matmul rate around each" if UTIL_SHARE_KEY in r else ""
         lines.append(
             f"{name} {r[SHARE_KEY]:.2f} of W1-cold's model FLOP rate "
-            f"({r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s, {how})"
+            f"({r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s, {how}{against})"
         )
     return lines
