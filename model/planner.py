@@ -286,20 +286,29 @@ class CallBuilder:
         return True
 
     # ---- the plan ---------------------------------------------------------------------------
-    def build(self) -> CallPlan:
-        """Lay out what was taken in the smallest buckets that hold it."""
-        b, d = self.b, self.devices
+    def _buckets(self) -> tuple[int, int, _Layout]:
+        """The smallest prefill and item-region buckets that hold what was taken, and the layout."""
+        b = self.b
         tp = Buckets.fit(b.prefill, self.prefill_used, "prefill tokens") if self.chunks else 0
         candidates = [t for t in b.tokens if t <= self.item_capacity]
         if tp:
             candidates = [t for t in candidates if t <= b.max_batch_tokens]
-        layout = None
         for ti in candidates:
             layout = self._place(ti)
             if layout is not None:
-                break
-        if layout is None:  # cannot happen: add_item checked the largest
-            raise RuntimeError("the planned items do not fit the call they were admitted to")
+                return tp, ti, layout
+        raise RuntimeError("the planned items do not fit the call they were admitted to")  # add_item checked
+
+    def fill(self) -> tuple[int, int]:
+        """(real tokens, device tokens) the call would have: its padding, before building it."""
+        tp, ti, _ = self._buckets()
+        real = sum(len(c.tokens) for c in self.chunks) + sum(len(it.tokens) for s in self.segments for it in s.items)
+        return real, self.devices * (tp + ti)
+
+    def build(self) -> CallPlan:
+        """Lay out what was taken in the smallest buckets that hold it."""
+        b, d = self.b, self.devices
+        tp, ti, layout = self._buckets()
         rows = b.rows(ti)
         labels_bucket = Buckets.fit(b.labels, max(1, len(self.labels)), "label_token_ids")
         shape = CallShape(tp, ti, rows, labels_bucket)

@@ -32,6 +32,11 @@ from prefixscore.model.prefix_cache import CachedPrefix
 DEFAULT_SLACK_S = 30.0
 # the builder refused this many offers in a row: the call is full enough
 MAX_REFUSALS = 8
+# a call more padded than this is also planned with up to TRIM_TRIES fewer requests, keeping
+# at least TRIM_KEEP of its real tokens: the best-filled plan runs
+PADDING_GOAL = 0.05
+TRIM_TRIES = 4
+TRIM_KEEP = 0.7
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,6 +96,16 @@ class Call:
     written: list[CachedPrefix]  # prefixes whose chunks the call writes
 
 
+@dataclasses.dataclass
+class _Fill:
+    """One way of filling a call: the builder, and what committing it would change."""
+
+    builder: CallBuilder
+    written: dict[int, tuple[CachedPrefix, int]] = dataclasses.field(default_factory=dict)  # id(entry) ->
+    offered: dict[int, int] = dataclasses.field(default_factory=dict)  # unit seq -> items taken
+    admitted: int = 0  # units that got chunks or items
+
+
 class Batcher:
     """Pending units and the planning of calls (see module doc).
 
@@ -137,41 +152,71 @@ class Batcher:
 
     def next_call(self, opens_only: bool = False) -> Call | None:
         """Plan the next device call from all pending work (`opens_only`: only the prefills of
-        opening streams); None when there is none."""
+        opening streams); None when there is none.
+
+        The call is filled in priority order; when that leaves it padded past PADDING_GOAL (its
+        tokens fall just past a bucket), fills that stop a few requests earlier are tried too
+        and the best-filled one that keeps most of the work is taken. Lower-priority requests
+        only ever wait for the next call."""
         pending = sorted(
             (u for u in self.units.values() if self._needs_device(u) and not (opens_only and u.items)),
             key=lambda u: (u.due, u.seq),
         )
         if not pending:
             return None
+        best = self._fill(pending, None)
+        if best.builder.empty:
+            return None
+        real, device = best.builder.fill()
+        full_real, best_share = real, real / device
+        for fewer in range(1, TRIM_TRIES + 1):
+            if best_share >= 1 - PADDING_GOAL or best.admitted - fewer < 1:
+                break
+            trial = self._fill(pending, best.admitted - fewer)
+            real, device = trial.builder.fill()
+            if real < TRIM_KEEP * full_real:
+                break
+            # only a trim: fewer requests must not let one of them take more (fair shares hold)
+            if real <= full_real and real / device > best_share:
+                best, best_share = trial, real / device
+        plan = best.builder.build()
+        for entry, upto in best.written.values():
+            entry.written = upto
+        for seq, took in best.offered.items():
+            self.units[seq].taken += took
+        for unit in pending:
+            if unit.items and unit.queued == 0:
+                del self.units[unit.seq]  # all its items are in calls; the worker delivers them
+        return Call(plan, [entry for entry, _ in best.written.values()])
+
+    def _fill(self, pending: list[WorkUnit], limit: int | None) -> _Fill:
+        """Offer pending work to a new builder in priority order; `limit`: at most this many
+        units get anything. Mutates nothing but the builder (next_call commits)."""
         builder = self.new_builder()
-        written: dict[int, tuple[CachedPrefix, int]] = {}  # id(entry) -> (entry, written after this call)
-        offered: dict[int, int] = {}  # unit seq -> items taken in this call
+        fill = _Fill(builder)
         capacity = builder.item_capacity * builder.devices
         share = max(1, capacity // max(1, sum(1 for u in pending if u.queued)))
         prefilling = sum(1 for u in pending if u.entry is not None and not u.entry.ready)
         prefill_share = max(self.chunk, builder.b.prefill[-1] // max(1, prefilling))
+        admitted: set[int] = set()
         for fair in (True, False):
             refusals = 0
             for unit in pending:
                 if refusals >= MAX_REFUSALS:
                     break
-                if not self._prefill(builder, unit, written, prefill_share if fair else None):
+                if limit is not None and unit.seq not in admitted and len(admitted) >= limit:
                     continue
-                took, refused = self._offer(builder, unit, offered.get(unit.seq, 0), share if fair else None)
-                offered[unit.seq] = offered.get(unit.seq, 0) + took
+                chunks = builder.chunks[:]
+                ready = self._prefill(builder, unit, fill.written, prefill_share if fair else None)
+                took, refused = (0, False)
+                if ready:
+                    took, refused = self._offer(builder, unit, fill.offered.get(unit.seq, 0), share if fair else None)
+                    fill.offered[unit.seq] = fill.offered.get(unit.seq, 0) + took
+                if took or len(builder.chunks) > len(chunks):
+                    admitted.add(unit.seq)
                 refusals = refusals + 1 if refused else 0
-        if builder.empty:
-            return None
-        plan = builder.build()
-        for entry, upto in written.values():
-            entry.written = upto
-        for seq, took in offered.items():
-            self.units[seq].taken += took
-        for unit in pending:
-            if unit.items and unit.queued == 0:
-                del self.units[unit.seq]  # all its items are in calls; the worker delivers them
-        return Call(plan, [entry for entry, _ in written.values()])
+        fill.admitted = len(admitted)
+        return fill
 
     def _prefill(
         self, builder: CallBuilder, unit: WorkUnit, written: dict[int, tuple[CachedPrefix, int]], share: int | None

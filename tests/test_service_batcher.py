@@ -162,3 +162,20 @@ def test_pool_pins_eviction_and_exhaustion():
     assert a.tokens not in cache and evicted == [30] and cache.bytes == 20
     cache.release(b_)  # never written: dropped at once
     assert cache.free_pages == 4 and len(cache) == 0
+
+
+def test_a_call_padded_past_its_bucket_takes_fewer_requests():
+    """64 new 300-token queries with 10 items of 20 tokens (W4): filled greedily a call takes 13
+    (3,900 prefill tokens in 4,096, 2,600 item tokens in 3,072: 9% padding); 10 fill 3,072 and
+    2,048 almost exactly, so the call takes 10 and the rest wait for the next."""
+    buckets = Buckets.for_context(8192)
+    cache = PrefixCache(1024, buckets.page_tokens, page_bytes=1)
+    b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk)
+    units = [unit(cache, prefix=(k,) * 300, lengths=(20,) * 10) for k in range(64)]
+    for u in units:
+        b.add(u)
+    call = b.next_call()
+    plan = call.plan
+    assert units_of(call) == units[:10] and plan.chunks == 10
+    assert 1 - (plan.prefill_tokens + plan.item_tokens) / plan.device_tokens < 0.05
+    assert b.depth == 540
