@@ -23,6 +23,7 @@ never repeated. Softmax statistics, LSE and the merge are float32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -33,8 +34,10 @@ from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = ["merge_attention", "paged_attention", "paged_prefix_attention", "ragged_item_attention"]
 
-# the CPU loops start a query block at any token, so segments need no alignment
+# the CPU loops start a query block at any token, so segments need no alignment; prefill
+# chunks start on a CHUNK_BLOCK boundary, so a chunk's causal part is whole blocks
 SEGMENT_ALIGN = 1
+CHUNK_ALIGN = 128
 
 # Tile sizes (measured on a 2-core Sapphire Rapids, docs/benchmarks.md): a [kv, Q_BLOCK * group,
 # K_CHUNK] float32 score tile is a few MB; 32-token item blocks keep the item part's
@@ -49,6 +52,9 @@ ITEM_BLOCK = 32
 # longer items (and prefill chunks): 64-token blocks from each block's first item to the diagonal
 # (on W2-like items of 5-200 tokens, 32% faster than 128-token blocks; on 512-token chunks, 26%)
 LONG_ITEM_BLOCK = 64
+# prefill chunks (hundreds of tokens, aligned): bigger blocks, fewer steps (a 2,000-token query
+# prefills 40% faster than in 64-token blocks)
+CHUNK_BLOCK = 128
 
 
 def _with_ones(v: jax.Array) -> jax.Array:
@@ -152,13 +158,19 @@ def dense_masked_attention(
 
 
 def ragged_rows(
-    qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int, group: int
+    qr: jax.Array,
+    kt: jax.Array,
+    vt1: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int,
+    group: int,
+    long_block: int = LONG_ITEM_BLOCK,
 ) -> tuple[jax.Array, jax.Array]:
     """Item part on rows. qr: [kv, n * g, d]; kt: [kv, n, d]; vt1: [kv, n, d + 1]; segment_ids: [n]
-    (n a multiple of LONG_ITEM_BLOCK). A runtime branch on max_item_len picks the work's shape:
+    (n a multiple of long_block). A runtime branch on max_item_len picks the work's shape:
     - every item fits ITEM_BLOCK + 1 tokens (short items): block j attends to blocks j - 1 and j
       in one softmax (2 * ITEM_BLOCK keys per token);
-    - otherwise query blocks of LONG_ITEM_BLOCK tokens, each looping over the key blocks from
+    - otherwise query blocks of long_block tokens, each looping over the key blocks from
       the one where its first item starts to the diagonal (a per-block runtime trip count):
       a long item costs its causal triangle at block granularity, never the whole stream.
     Returns out [kv, n * g, d], lse [kv, n * g] (float32)."""
@@ -167,7 +179,7 @@ def ragged_rows(
     return jax.lax.cond(
         jnp.asarray(max_item_len) <= short + 1,
         lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short),
-        lambda: _item_blocks(qr, kt, vt1, segment_ids, group, min(LONG_ITEM_BLOCK, n)),
+        lambda: _item_blocks(qr, kt, vt1, segment_ids, group, min(long_block, n)),
     )
 
 
@@ -253,16 +265,21 @@ def _ragged_inputs(k: jax.Array, v: jax.Array, segment_ids: jax.Array, multiple:
 
 
 def ragged_item_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int,
+    long_block: int = LONG_ITEM_BLOCK,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal attention of items packed back to back in one stream (see reference.ragged_item_attention
     and ragged_rows). q: [n, heads, d]; k, v: [n, kv_heads, d]; segment_ids: [n]; max_item_len:
     int32 scalar >= every item's length. Returns out [n, heads, d] and lse [n, heads] float32."""
     n, heads, _ = q.shape
     kv_heads = k.shape[1]
-    kt, vt1, seg = _ragged_inputs(k, v, segment_ids, LONG_ITEM_BLOCK)
-    qr = to_rows(_pad_rows(q, LONG_ITEM_BLOCK), kv_heads)
-    out, lse = ragged_rows(qr, kt, vt1, seg, max_item_len, heads // kv_heads)
+    kt, vt1, seg = _ragged_inputs(k, v, segment_ids, long_block)
+    qr = to_rows(_pad_rows(q, long_block), kv_heads)
+    out, lse = ragged_rows(qr, kt, vt1, seg, max_item_len, heads // kv_heads, long_block)
     return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
 
 
@@ -366,5 +383,6 @@ def paged_attention(
     """A call's whole stream: prefix part from the pool, causal part per region, merged in float32.
     q: [T, heads, d]; k, v: [T, kv, d]. Returns [T, heads, d]."""
     out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
-    out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta)
+    chunks = functools.partial(ragged_item_attention, long_block=CHUNK_BLOCK)
+    out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta, chunks)
     return merge_attention(out_p, lse_p, out_i, lse_i)
