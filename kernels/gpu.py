@@ -52,7 +52,6 @@ __all__ = [
 # Segment starts (and the prefill region's length) are multiples of this, so one prefix
 # query block never straddles two segments' page tables.
 SEGMENT_ALIGN = 64
-CHUNK_ALIGN = SEGMENT_ALIGN  # prefill chunks: no finer alignment needed
 BLOCK_Q = SEGMENT_ALIGN  # prefix part: queries per program
 BLOCK_K = 64  # prefix part: keys per loop step (a page holds a whole number of them)
 ITEM_BLOCK = 64  # item part: queries per program and keys per step

@@ -58,7 +58,6 @@ LANES = 128
 ITEM_BLOCK = 128  # tokens per query / key block (a power of two, a lane width)
 # segments start on a query block: one block reads one segment's pages
 SEGMENT_ALIGN = ITEM_BLOCK
-CHUNK_ALIGN = SEGMENT_ALIGN  # prefill chunks: no finer alignment needed
 # K and V of one kv head's whole stream, double-buffered, must fit this share of VMEM
 VMEM_STREAM_BYTES = 16 << 20
 NT = (((1,), (1,)), ((), ()))  # dot_general dims for q @ k.T

@@ -20,7 +20,6 @@ from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region
 
 # the oracle takes a segment starting at any token
 SEGMENT_ALIGN = 1
-CHUNK_ALIGN = SEGMENT_ALIGN  # prefill chunks: no finer alignment needed
 
 # Finite, so a fully masked row gives a very negative LSE instead of NaN; the
 # merge then weighs that part by exp(-huge) = 0.

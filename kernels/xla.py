@@ -34,10 +34,10 @@ from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = ["merge_attention", "paged_attention", "paged_prefix_attention", "ragged_item_attention"]
 
-# the CPU loops start a query block at any token, so segments need no alignment; prefill
-# chunks start on a CHUNK_BLOCK boundary, so a chunk's causal part is whole blocks
+# the CPU loops start a query block at any token, so segments need no alignment (prefill
+# chunks of short queries pack back to back; a long query's chunks fall on block boundaries
+# anyway, being whole multiples of them)
 SEGMENT_ALIGN = 1
-CHUNK_ALIGN = 128
 
 # Tile sizes (measured on a 2-core Sapphire Rapids, docs/benchmarks.md): a [kv, Q_BLOCK * group,
 # K_CHUNK] float32 score tile is a few MB; 32-token item blocks keep the item part's
@@ -52,8 +52,8 @@ ITEM_BLOCK = 32
 # longer items (and prefill chunks): 64-token blocks from each block's first item to the diagonal
 # (on W2-like items of 5-200 tokens, 32% faster than 128-token blocks; on 512-token chunks, 26%)
 LONG_ITEM_BLOCK = 64
-# prefill chunks (hundreds of tokens, aligned): bigger blocks, fewer steps (a 2,000-token query
-# prefills 40% faster than in 64-token blocks)
+# prefill chunks (hundreds of tokens): bigger blocks, fewer steps (a 2,000-token query
+# prefills about 40% faster than in 64-token blocks)
 CHUNK_BLOCK = 128
 
 

@@ -196,9 +196,7 @@ class ScoringEngine:
 
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (model/planner.py), for this engine's shapes."""
-        return CallBuilder(
-            self.buckets, self.n_devices, self.segment_align, self.pool_pages, int(self._impl.CHUNK_ALIGN)
-        )
+        return CallBuilder(self.buckets, self.n_devices, self.segment_align, self.pool_pages)
 
     # ---- executables ----------------------------------------------------------
     def _executable(self, shape: CallShape) -> Any:

@@ -184,11 +184,10 @@ class _Layout:
 class CallBuilder:
     """Collects one call's work in priority order (see module doc)."""
 
-    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int, chunk_align: int = 0) -> None:
+    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int) -> None:
         self.b = buckets
         self.devices = devices
         self.align = align
-        self.chunk_align = max(align, chunk_align)  # a chunk is a segment: a multiple of both
         self.pool_pages = pool_pages
         self.chunks: list[_Chunk] = []
         self.prefill_used = 0
@@ -221,7 +220,7 @@ class CallBuilder:
         already written (in an earlier call, or by an earlier chunk of this one)."""
         if self.closed or len(tokens) > self.b.prefill_chunk:
             return False
-        at = align_up(self.prefill_used, self.chunk_align)
+        at = align_up(self.prefill_used, self.align)
         if at + len(tokens) > self.b.prefill[-1] or not self._slots_free(extra_chunks=1):
             return False
         self.chunks.append(_Chunk(pages, tokens, start))
@@ -370,7 +369,7 @@ class CallBuilder:
         write_offsets = np.zeros(tp, np.int32)
         at = 0
         for c, chunk in enumerate(self.chunks):
-            start = align_up(at, self.chunk_align)
+            start = align_up(at, self.align)
             segment_ids[at:start] = segment_ids[at - 1] if at else 0  # the gap continues the last chunk
             n = len(chunk.tokens)
             where = slice(start, start + n)
