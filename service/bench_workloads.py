@@ -1,4 +1,4 @@
-"""The benchmark workloads of ../shared/WORKLOADS.md as request generators (token ids).
+"""The benchmark workloads (W1-W4, docs/benchmarks.md) as request generators (token ids).
 
 Every size is a parameter, so CI-sized smoke runs use the same code as the
 published figures. Token ids are drawn from a fixed seed: two runs send the
