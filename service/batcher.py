@@ -206,13 +206,13 @@ class Batcher:
                     break
                 if limit is not None and unit.seq not in admitted and len(admitted) >= limit:
                     continue
-                chunks = builder.chunks[:]
+                chunks = len(builder.chunks)
                 ready = self._prefill(builder, unit, fill.written, prefill_share if fair else None)
                 took, refused = (0, False)
                 if ready:
                     took, refused = self._offer(builder, unit, fill.offered.get(unit.seq, 0), share if fair else None)
                     fill.offered[unit.seq] = fill.offered.get(unit.seq, 0) + took
-                if took or len(builder.chunks) > len(chunks):
+                if took or len(builder.chunks) > chunks:
                     admitted.add(unit.seq)
                 refusals = refusals + 1 if refused else 0
         fill.admitted = len(admitted)
