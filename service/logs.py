@@ -12,7 +12,27 @@ import sys
 import time
 from typing import Any
 
+from prefixscore.service import request_ids
+
 _FIELDS = "prefixscore_fields"
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The event's fields, with the request id bound where it was logged (if any)."""
+    fields = dict(getattr(record, _FIELDS, {}))
+    rid = getattr(record, "request_id", None)
+    if rid is not None:
+        fields.setdefault("request_id", rid)
+    return fields
+
+
+class _RequestIdFilter(logging.Filter):
+    """Stamps each record with the request id bound in the logging context (request_ids.bound)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = request_ids.current()
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -25,7 +45,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "event": record.getMessage(),
         }
-        out.update(getattr(record, _FIELDS, {}))
+        out.update(_fields(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -37,7 +57,7 @@ class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         parts = [f"ts={ts}", f"level={record.levelname.lower()}", f"event={record.getMessage()}"]
-        for key, value in getattr(record, _FIELDS, {}).items():
+        for key, value in _fields(record).items():
             text = value if isinstance(value, str) else json.dumps(value, default=str, separators=(",", ":"))
             quote = not text or any(c in text for c in ' ="')
             parts.append(f"{key}={json.dumps(text) if quote else text}")
@@ -51,6 +71,7 @@ def configure(fmt: str = "json", level: str = "INFO") -> None:
     """Route the `prefixscore` loggers to stderr in `fmt` ("json" or "text")."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else KeyValueFormatter())
+    handler.addFilter(_RequestIdFilter())
     root = logging.getLogger("prefixscore")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
