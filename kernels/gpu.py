@@ -250,6 +250,9 @@ def paged_attention(
     """A device call's whole stream (kernels/paged.py): the prefix part from the pool, the
     causal part per region, merged by their LSEs. q: [T, heads, d]; k, v: [T, kv, d];
     pool_k, pool_v: [layers, kv, pages, page_tokens, d]. Returns [T, heads, d]."""
-    out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
-    out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta)
-    return merge_attention(out_p, lse_p, out_i, lse_i)
+    with jax.named_scope("prefix_part"):  # scopes: the parts `bench --profile` reports
+        out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
+    with jax.named_scope("item_part"):
+        out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta)
+    with jax.named_scope("merge"):
+        return merge_attention(out_p, lse_p, out_i, lse_i)

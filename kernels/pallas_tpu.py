@@ -371,10 +371,13 @@ def paged_attention(
         return xla.paged_attention(q, k, v, pool_k, pool_v, meta)
     group = heads // kv_heads
     q_rows = to_rows(q, kv_heads)  # [kv, T * g, d]
-    out_p, lse_p = paged_prefix_rows(q_rows, pool_k, pool_v, meta, group)
+    with jax.named_scope("prefix_part"):  # scopes: the parts `bench --profile` reports
+        out_p, lse_p = paged_prefix_rows(q_rows, pool_k, pool_v, meta, group)
     # The causal part of both regions in one call, not one per region (causal_by_region):
     # an item starting at `split` at the latest, the kernel's loop for an item-region block
     # never reaches back into the prefill chunks, so short items already skip their blocks,
     # and no row slices of the regions are copied out and concatenated back.
-    out_i, lse_i = ragged_rows(q_rows, k, v, segment_starts(meta.item_ids, meta.split), group)
-    return from_rows(merge_rows(out_p, lse_p, out_i, lse_i, group * ITEM_BLOCK), heads)
+    with jax.named_scope("item_part"):
+        out_i, lse_i = ragged_rows(q_rows, k, v, segment_starts(meta.item_ids, meta.split), group)
+    with jax.named_scope("merge"):
+        return from_rows(merge_rows(out_p, lse_p, out_i, lse_i, group * ITEM_BLOCK), heads)

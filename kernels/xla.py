@@ -382,7 +382,10 @@ def paged_attention(
 ) -> jax.Array:
     """A call's whole stream: prefix part from the pool, causal part per region, merged in float32.
     q: [T, heads, d]; k, v: [T, kv, d]. Returns [T, heads, d]."""
-    out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
-    chunks = functools.partial(ragged_item_attention, long_block=CHUNK_BLOCK)
-    out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta, chunks)
-    return merge_attention(out_p, lse_p, out_i, lse_i)
+    with jax.named_scope("prefix_part"):  # scopes: the parts `bench --profile` reports
+        out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
+    with jax.named_scope("item_part"):
+        chunks = functools.partial(ragged_item_attention, long_block=CHUNK_BLOCK)
+        out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta, chunks)
+    with jax.named_scope("merge"):
+        return merge_attention(out_p, lse_p, out_i, lse_i)

@@ -46,8 +46,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 AXIS = "data"
 # the pool's share of the device memory left after the weights, on devices that report it
 POOL_MEMORY_FRACTION = 0.5
-# without a device memory figure (CPU): this budget, and never more than this many full contexts
+# without a device memory figure (CPU): this budget
 DEFAULT_POOL_BYTES = 1 << 30
+# never more than this many full contexts, unless asked for in bytes: more pages than any
+# traffic pins would only slow the page book, and small models would take a device's memory
 POOL_CONTEXTS = 64
 
 
@@ -162,6 +164,9 @@ class ScoringEngine:
         # reads pages a call planned before it has not yet been launched to write
         self.calls_lock = threading.Lock()
         self._slots: dict[CallShape, _Slot] = {}
+        # float32 means float32 arithmetic: GPUs would otherwise run float32 matmuls as TF32
+        # (about 1e-3 relative error); bfloat16 keeps the backend's default
+        self._precision = "highest" if dtype == "float32" else None
         self._lock = threading.Lock()
         # device tokens launched and the real ones among them (padding share = 1 - real / device)
         self.stats = {"calls": 0, "device_tokens": 0, "tokens": 0, "items": 0, "prefill_tokens": 0}
@@ -184,15 +189,16 @@ class ScoringEngine:
         return (c.num_layers, c.num_kv_heads, self.pool_pages, self.buckets.page_tokens, c.head_dim)
 
     def _pool_budget(self, pool_bytes: int | None, fraction: float) -> int:
-        """Explicit bytes; else a fraction of the device memory left after the weights; else (CPU)
-        DEFAULT_POOL_BYTES, capped at POOL_CONTEXTS full contexts (tests make many engines)."""
+        """Explicit bytes; else a fraction of the device memory left after the weights, or (CPU)
+        DEFAULT_POOL_BYTES, either capped at POOL_CONTEXTS full contexts."""
         if pool_bytes:
             return pool_bytes
         stats = self.devices[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            return int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-        cap = POOL_CONTEXTS * self.buckets.max_pages * page_bytes(self.cfg, self.dtype, self.buckets.page_tokens)
-        return min(DEFAULT_POOL_BYTES, cap)
+            budget = int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+        else:
+            budget = DEFAULT_POOL_BYTES
+        return min(budget, POOL_CONTEXTS * self.buckets.max_pages * self.page_bytes)
 
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (model/planner.py), for this engine's shapes."""
@@ -255,13 +261,20 @@ class ScoringEngine:
             out_specs=(rep, rep, rep),
             check_vma=False,
         )
-        return jax.jit(mapped, donate_argnums=(1, 2)).trace(params, pool, pool, self._call_specs(shape))
+        with jax.default_matmul_precision(self._precision):
+            return jax.jit(mapped, donate_argnums=(1, 2)).trace(params, pool, pool, self._call_specs(shape))
 
     def _call_fn(self, params: Params, pool_k: jax.Array, pool_v: jax.Array, call: CallInputs):
         probs, pool_k, pool_v = step.score_call(
             params, self.cfg, pool_k, pool_v, call, impl=self._impl, head_rows=self.buckets.head_rows
         )
         return jax.lax.all_gather(probs, AXIS, tiled=True), pool_k, pool_v  # [devices * R, L]
+
+    def hlo_texts(self) -> list[str]:
+        """The compiled HLO of every executable built so far (bench --profile maps kernels to scopes)."""
+        with self._lock:
+            slots = list(self._slots.values())
+        return [slot.exe.as_text() for slot in slots if slot.exe is not None]
 
     def executable_keys(self) -> list[CallShape]:
         """Every executable the engine can be asked for with its buckets."""
@@ -337,15 +350,16 @@ class ScoringEngine:
         ids = np.zeros(Buckets.fit(self.buckets.labels, len(label_ids), "label_token_ids"), np.int32)
         ids[: len(label_ids)] = label_ids
         valid = np.arange(len(ids)) < len(label_ids)
-        probs = forward.score_packed(
-            self.params,
-            self.cfg,
-            jnp.asarray(tokens),
-            jnp.asarray(positions),
-            jnp.asarray(segments),
-            jnp.asarray(read_at),
-            jnp.asarray(ids),
-            jnp.asarray(valid),
-            apply_softmax=apply_softmax,
-        )
+        with jax.default_matmul_precision(self._precision):
+            probs = forward.score_packed(
+                self.params,
+                self.cfg,
+                jnp.asarray(tokens),
+                jnp.asarray(positions),
+                jnp.asarray(segments),
+                jnp.asarray(read_at),
+                jnp.asarray(ids),
+                jnp.asarray(valid),
+                apply_softmax=apply_softmax,
+            )
         return np.asarray(probs)[:, : len(label_ids)]

@@ -61,9 +61,10 @@ def score_call(
     def attend(q, k, v, layer, pool):
         pk, pv = pool
         if split:  # the prefill region's K/V into its pages first: later tokens read them
-            at = (layer, slice(None), prefill.write_pages, prefill.write_offsets)
-            pk = pk.at[at].set(k[0, :split], mode="drop")  # padding's page is out of range
-            pv = pv.at[at].set(v[0, :split], mode="drop")
+            with jax.named_scope("pool_write"):
+                at = (layer, slice(None), prefill.write_pages, prefill.write_offsets)
+                pk = pk.at[at].set(k[0, :split], mode="drop")  # padding's page is out of range
+                pv = pv.at[at].set(v[0, :split], mode="drop")
         out = impl.paged_attention(q[0], k[0], v[0], pk, pv, _at_layer(meta, layer))
         return out[None], (pk, pv)
 

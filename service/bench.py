@@ -103,6 +103,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--w4-query-tokens", type=int, default=300, help="W4 query length [%(default)s]")
     p.add_argument("--w4-items", type=int, default=10, help="W4 items per request [%(default)s]")
     p.add_argument("--w4-item-tokens", type=int, default=20, help="W4 item length [%(default)s]")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after the workloads, trace one cold W1 request with jax.profiler into DIR and print where "
+        "its time went (in process only)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the results (a list of records) here")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -511,6 +518,27 @@ class Bench:
             "sizes": dataclasses.asdict(self.sizes),
         }
 
+    def profile(self, log_dir: Path, gen: wl.Generator) -> dict[str, Any]:
+        """Trace one W1 request over a new query (prefill included) after its shapes have
+        compiled; returns service/profile.py's summary, also written to log_dir/summary.json
+        (with the compiled HLO the summary maps kernels through)."""
+        import jax
+
+        from prefixscore.service import profile
+
+        target = InProcess(self.scorer)
+        warm, cold = self.requests("w1-cold", 2, gen)
+        target.score(warm, "prefix")  # compiles what the traced request needs, if no run did
+        with jax.profiler.trace(str(log_dir)):
+            started = time.perf_counter()
+            target.score(cold, "prefix")
+            wall = time.perf_counter() - started
+        hlo = self.scorer.engine.hlo_texts()
+        summary = profile.summarize(profile.latest_xplane(log_dir), hlo, wall)
+        (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (log_dir / "executables.hlo.txt").write_text("\n".join(hlo))  # to summarize the trace again elsewhere
+        return summary
+
     def close(self) -> None:
         if self.server is not None:
             self.local_remote.close()
@@ -542,7 +570,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the selected workloads and modes; print the table; write --json."""
     bench = Bench(args)
     records: list[dict[str, Any]] = []
-    bucket_warmup = None
+    bucket_warmup = profiled = None
     try:
         in_process = bench.scorer is not None
         if in_process:
@@ -558,6 +586,8 @@ def run(args: argparse.Namespace) -> int:
                 records.append(bench.one(workload, mode, gen))
         if bench.peak:
             bench.peak.measure()
+        if args.profile and in_process:
+            profiled = bench.profile(Path(args.profile), gen)
     finally:
         bench.close()
     peak = bench.peak
@@ -585,6 +615,10 @@ def run(args: argparse.Namespace) -> int:
     shares = share_lines(records)
     if shares:
         print("\n".join(shares))
+    if profiled:
+        from prefixscore.service.profile import format_summary
+
+        print(format_summary(profiled))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(records, indent=2, default=str))
     return 0

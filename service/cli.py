@@ -85,8 +85,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=_env("POOL_BYTES", None, int),
         help="device bytes of the prefix pool (query KV pages, allocated once); default: "
-        "--pool-memory-fraction of the device memory left after the weights, or 1 GiB on CPU "
-        "[$PREFIXSCORE_POOL_BYTES]",
+        "--pool-memory-fraction of the device memory left after the weights, or 1 GiB on CPU, "
+        "at most 64 full contexts [$PREFIXSCORE_POOL_BYTES]",
     )
     p.add_argument(
         "--pool-memory-fraction",
