@@ -17,10 +17,13 @@ if [[ -d .whl ]] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 PKG=/tmp/prefixscore-path/prefixscore
 mkdir -p "$PKG"
-for d in __init__.py model kernels service; do ln -sfn "$ROOT/$d" "$PKG/$d"; done
+for d in __init__.py client.py model kernels service; do ln -sfn "$ROOT/$d" "$PKG/$d"; done
 ln -sfn "$ROOT/protos/prefixscore/v1" "$PKG/v1"
 export PYTHONPATH="/tmp/prefixscore-path:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# .accel/cache: derived files made on another machine (SmolLM2's converted tokenizer: its
+# 94 MB GGUF package may not travel), used as $PREFIXSCORE_CACHE
+[[ -d .accel/cache ]] && export PREFIXSCORE_CACHE="${PREFIXSCORE_CACHE:-$ROOT/.accel/cache}"
 export PREFIXSCORE_COMPILE_CACHE_DIR="${PREFIXSCORE_COMPILE_CACHE_DIR:-/tmp/prefixscore-jax-cache}"
 BENCH_MODEL="${BENCH_MODEL:-qwen3-0.6b-random}"
 BENCH_ARGS="${BENCH_ARGS:-}"

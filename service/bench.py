@@ -394,8 +394,13 @@ class Bench:
                 loaded=self.scorer.model,
                 engine=self.scorer.engine,
             )
-            self.server = ServerThread(cfg).start()
-            self.local_remote = Remote(self.server.target)
+            server = ServerThread(cfg).start()
+            try:
+                self.local_remote = Remote(server.target)
+            except BaseException:
+                server.stop()
+                raise
+            self.server = server
         return self.local_remote
 
     def one(self, workload: str, mode: str, gen: wl.Generator) -> dict[str, Any]:
