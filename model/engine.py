@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -44,6 +45,8 @@ from prefixscore.model.prefix_cache import PrefixCache
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 AXIS = "data"
+# where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # the pool's share of the device memory left after the weights, on devices that report it
 POOL_MEMORY_FRACTION = 0.5
 # without a device memory figure (CPU): this budget
@@ -211,14 +214,14 @@ class ScoringEngine:
             slot = self._slots.setdefault(shape, _Slot())
         with slot.lock:
             if slot.exe is None:
-                slot.exe = self._traced(shape).lower().compile()
+                slot.exe = self._traced(shape, self.devices[0].platform).lower().compile()
         return slot.exe
 
     def lower_for(self, shape: CallShape, platform: str) -> jax.stages.Lowered:
         """A call shape lowered for `platform` ("cuda", "tpu") with that platform's kernels, on
         any machine: proves the kernels lower for real hardware without it."""
         with dispatch.lowering_for(platform):
-            return self._traced(shape).lower(lowering_platforms=(platform,))
+            return self._traced(shape, platform).lower(lowering_platforms=(platform,))
 
     def _call_specs(self, shape: CallShape) -> CallInputs:
         """ShapeDtypeStructs (with shardings) of a call's inputs: what an executable is traced on."""
@@ -248,14 +251,15 @@ class ScoringEngine:
             max_chunk_len=rep,
         )
 
-    def _traced(self, shape: CallShape) -> jax.stages.Traced:
+    def _traced(self, shape: CallShape, platform: str) -> jax.stages.Traced:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)  # noqa: E731
         params = jax.tree.map(spec, self.params)
         pool = spec(self._pool[0])
         partition = jax.tree.map(lambda s: s.spec, self._call_shardings())
         rep = P()
+        call_fn = functools.partial(self._call_fn, static_head=platform in GPU_PLATFORMS)
         mapped = jax.shard_map(
-            self._call_fn,
+            call_fn,
             mesh=self.mesh,
             in_specs=(rep, rep, rep, partition),
             out_specs=(rep, rep, rep),
@@ -264,9 +268,16 @@ class ScoringEngine:
         with jax.default_matmul_precision(self._precision):
             return jax.jit(mapped, donate_argnums=(1, 2)).trace(params, pool, pool, self._call_specs(shape))
 
-    def _call_fn(self, params: Params, pool_k: jax.Array, pool_v: jax.Array, call: CallInputs):
+    def _call_fn(self, params: Params, pool_k: jax.Array, pool_v: jax.Array, call: CallInputs, static_head: bool):
         probs, pool_k, pool_v = step.score_call(
-            params, self.cfg, pool_k, pool_v, call, impl=self._impl, head_rows=self.buckets.head_rows
+            params,
+            self.cfg,
+            pool_k,
+            pool_v,
+            call,
+            impl=self._impl,
+            head_rows=self.buckets.head_rows,
+            static_head=static_head,
         )
         return jax.lax.all_gather(probs, AXIS, tiled=True), pool_k, pool_v  # [devices * R, L]
 

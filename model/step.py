@@ -38,9 +38,14 @@ def score_call(
     *,
     impl: ModuleType,
     head_rows: int,
+    static_head: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's share of a call. pool_k, pool_v: [layers, kv, pages, page_tokens, hd];
     call: this device's CallInputs (item region arrays with a leading axis of 1).
+    static_head: the output head over every row slot, with no loop or branch on runtime
+    values. On GPUs such a loop or branch reads its predicate back to the host, so the
+    launch would return only when the device reached the head: the host could not plan the
+    next call meanwhile. The rows computed in vain cost far less there than that wait.
     Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
     n_rows and columns past a row's labels are 0) and the pool with the chunks written."""
     prefill = call.prefill
@@ -75,7 +80,12 @@ def score_call(
         head = lambda h_last, sets, softmax: row_label_probs(  # noqa: E731
             params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), softmax
         )
-        probs = head_rows_loop(head, rows, items.n_rows, head_rows)
+        if static_head:
+            probs = row_label_probs(
+                params, cfg, rows[0], call.labels, jnp.take(call.label_sets, rows[1], axis=0), rows[2], always_lse=True
+            )
+        else:
+            probs = head_rows_loop(head, rows, items.n_rows, head_rows)
     return probs, pool_k, pool_v
 
 
@@ -120,6 +130,7 @@ def row_label_probs(
     labels: jax.Array,
     row_labels: jax.Array,
     apply_softmax: jax.Array,
+    always_lse: bool = False,
 ) -> jax.Array:
     """Each row's label probabilities from its last hidden state.
 
@@ -127,8 +138,8 @@ def row_label_probs(
     into labels (-1: unused); apply_softmax: [rows] bool. The call's label logits are one
     [rows, L] product; a row's are gathered from it. Rows without softmax get the
     full-vocabulary probability exp(logit - logsumexp over the vocabulary), computed in
-    cache-sized tiles, and only when some row of the step needs it.
-    Returns [rows, L] float32 (unused columns 0).
+    cache-sized tiles, and only when some row of the step needs it (always with
+    `always_lse`: no branch on a runtime value). Returns [rows, L] float32 (unused columns 0).
     """
     h = rms_norm(h_last, params["final_norm"], cfg.rms_norm_eps)
     w = output_weight(params)
@@ -136,11 +147,14 @@ def row_label_probs(
     valid = row_labels >= 0
     logits = jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1)  # [rows, L]
     soft = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
-    lse = jax.lax.cond(
-        jnp.any(~apply_softmax),
-        lambda: vocab_logsumexp(h, w),
-        lambda: jnp.zeros(h.shape[0], jnp.float32),
-    )
+    if always_lse:
+        lse = vocab_logsumexp(h, w)
+    else:
+        lse = jax.lax.cond(
+            jnp.any(~apply_softmax),
+            lambda: vocab_logsumexp(h, w),
+            lambda: jnp.zeros(h.shape[0], jnp.float32),
+        )
     full = jnp.exp(logits - lse[:, None])
     return jnp.where(valid, jnp.where(apply_softmax[:, None], soft, full), 0.0)
 

@@ -101,3 +101,17 @@ def test_lowering_for_sets_the_target_only_inside():
     with pytest.raises(ValueError, match="platform 'metal' unknown"):
         with dispatch.lowering_for("metal"):
             pass
+
+
+def test_gpu_calls_have_no_host_synchronising_control_flow():
+    """On GPUs a loop or branch on a runtime value reads its predicate back to the host, which
+    blocks the launch until the device gets there: a call for "cuda" has only fixed-trip loops
+    (the layer scan, the vocabulary tiles) and no branches. CPU calls keep the row loop of the
+    output head (on CPU, rows computed in vain cost real time)."""
+    engine = production_shaped("qwen3-0.6b-random", "bfloat16", "pallas_gpu")
+    key = max(engine.executable_keys(), key=lambda k: (k.prefill_tokens, k.item_tokens))
+    gpu = engine.lower_for(key, "cuda").as_text()
+    assert not re.search(r"stablehlo\.(case|if)\b", gpu)
+    cpu = production_shaped("qwen3-0.6b-random", "bfloat16", "xla").lower_for(key, "cpu").as_text()
+    assert re.search(r"stablehlo\.(case|if)\b", cpu)
+    assert gpu.count("stablehlo.while") < cpu.count("stablehlo.while")
