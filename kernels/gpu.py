@@ -62,8 +62,11 @@ def _interpret() -> bool:
     return dispatch.target_backend() != "gpu"
 
 
+NUM_STAGES = 2  # software pipelining depth of the key loops (Triton's num_stages)
+
+
 def _params(d: int) -> plgpu.CompilerParams:
-    return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+    return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=NUM_STAGES)
 
 
 def _tileable_dim(d: int) -> bool:
