@@ -63,25 +63,25 @@ def main() -> None:
         want_p, _ = jax.jit(reference.paged_prefix_attention)(f32(q), f32(pool_k), f32(pool_v), meta)
     prefix_flops = 4 * T * PREFIX * D * HEADS
     rows = []
-    for block_k, stages in itertools.product((64, 128), (2, 3, 4)):
-        gpu.BLOCK_K, gpu.NUM_STAGES = block_k, stages
+    for block_k, stages, warps in itertools.product((64, 128), (2, 3), (4, 8)):
+        gpu.BLOCK_K, gpu.NUM_STAGES, gpu.NUM_WARPS = block_k, stages, warps
         try:
             fn = jax.jit(gpu.paged_prefix_attention)
             got, _ = fn(q, pool_k, pool_v, meta)
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want_p)))
             sec = timed(fn, q, pool_k, pool_v, meta)
-            rows.append(("prefix", block_k, stages, sec * 1e3, prefix_flops / sec / 1e12, err))
+            rows.append(("prefix", block_k, stages, warps, sec * 1e3, prefix_flops / sec / 1e12, err))
         except Exception as e:  # a setting Triton cannot compile (shared memory): report it, go on
-            rows.append(("prefix", block_k, stages, float("nan"), 0.0, f"{type(e).__name__}: {str(e)[:80]}"))
+            rows.append(("prefix", block_k, stages, warps, float("nan"), 0.0, f"{type(e).__name__}: {str(e)[:80]}"))
     gpu.BLOCK_K = 64
-    for stages in (2, 3, 4):
-        gpu.NUM_STAGES = stages
+    for stages, warps in itertools.product((2, 3), (4, 8)):
+        gpu.NUM_STAGES, gpu.NUM_WARPS = stages, warps
         fn = jax.jit(gpu.ragged_item_attention)
         sec = timed(fn, q, k, v, meta.item_ids, ITEM)
-        rows.append(("item", gpu.ITEM_BLOCK, stages, sec * 1e3, 0.0, ""))
-    print(f"{'kernel':8} {'block_k':>7} {'stages':>6} {'ms':>8} {'TFLOP/s':>8}  max err")
-    for r in sorted(rows, key=lambda r: (r[0], r[3])):
-        print(f"{r[0]:8} {r[1]:7} {r[2]:6} {r[3]:8.3f} {r[4]:8.1f}  {r[5]}")
+        rows.append(("item", gpu.ITEM_BLOCK, stages, warps, sec * 1e3, 0.0, ""))
+    print(f"{'kernel':8} {'block_k':>7} {'stages':>6} {'warps':>5} {'ms':>8} {'TFLOP/s':>8}  max err")
+    for r in sorted(rows, key=lambda r: (r[0], r[4])):
+        print(f"{r[0]:8} {r[1]:7} {r[2]:6} {r[3]:5} {r[4]:8.3f} {r[5]:8.1f}  {r[6]}")
 
 
 if __name__ == "__main__":

@@ -63,10 +63,12 @@ def _interpret() -> bool:
 
 
 NUM_STAGES = 2  # software pipelining depth of the key loops (Triton's num_stages)
+NUM_WARPS: int | None = None  # None: 4 for head_dim <= 64, else 8
 
 
 def _params(d: int) -> plgpu.CompilerParams:
-    return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=NUM_STAGES)
+    warps = NUM_WARPS or (4 if d <= 64 else 8)
+    return plgpu.CompilerParams(num_warps=warps, num_stages=NUM_STAGES)
 
 
 def _tileable_dim(d: int) -> bool:
