@@ -64,7 +64,7 @@ def main() -> None:
     prefix_flops = 4 * T * PREFIX * D * HEADS
     rows = []
     for block_k, stages, warps in itertools.product((64, 128), (2, 3), (4, 8)):
-        gpu.BLOCK_K, gpu.NUM_STAGES, gpu.NUM_WARPS = block_k, stages, warps
+        gpu.BLOCK_K, gpu.PREFIX_STAGES, gpu.NUM_WARPS = block_k, stages, warps
         try:
             fn = jax.jit(gpu.paged_prefix_attention)
             got, _ = fn(q, pool_k, pool_v, meta)
@@ -75,7 +75,7 @@ def main() -> None:
             rows.append(("prefix", block_k, stages, warps, float("nan"), 0.0, f"{type(e).__name__}: {str(e)[:80]}"))
     gpu.BLOCK_K = 64
     for stages, warps in itertools.product((2, 3), (4, 8)):
-        gpu.NUM_STAGES, gpu.NUM_WARPS = stages, warps
+        gpu.ITEM_STAGES, gpu.NUM_WARPS = stages, warps
         fn = jax.jit(gpu.ragged_item_attention)
         sec = timed(fn, q, k, v, meta.item_ids, ITEM)
         rows.append(("item", gpu.ITEM_BLOCK, stages, warps, sec * 1e3, 0.0, ""))

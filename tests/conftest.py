@@ -8,8 +8,14 @@ import os
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+if jax.default_backend() == "gpu":
+    # The tests compare float32 arithmetic with float32 oracles: GPUs would run the oracles'
+    # (and the tests' own) float32 matmuls as TF32. float32 engines set this themselves.
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 from prefixscore.model.buckets import Buckets  # noqa: E402
 from prefixscore.model.config import ModelConfig  # noqa: E402
