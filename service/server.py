@@ -128,6 +128,7 @@ class ScoreServer:
         self.template: RerankTemplate | None = None
         self.ready = False
         self.draining = False
+        self.started_at = time.time()  # /v1/models' "created"
         self.loaded: LoadedModel | None = None
         self.engine: ScoringEngine | None = None
         self.converter: RequestConverter | None = None
@@ -372,6 +373,25 @@ class ScoreServer:
         finally:
             self.metrics.inflight.dec()
             self.metrics.requests.labels(method, code.name).inc()
+            self.metrics.request_seconds.labels(method).observe(time.monotonic() - started)
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    @contextlib.contextmanager
+    def accounted(self, method: str) -> Iterator[list[str]]:
+        """A request of another transport (HTTP) counted like an RPC: in flight (drain waits
+        for it), then by status and latency. The caller sets `status[0]` to a gRPC code name."""
+        started = time.monotonic()
+        self._inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.inc()
+        status = ["OK"]
+        try:
+            yield status
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(method, status[0]).inc()
             self.metrics.request_seconds.labels(method).observe(time.monotonic() - started)
             self._inflight -= 1
             if self._inflight == 0:
