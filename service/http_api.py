@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from prefixscore.service import request_ids
+from prefixscore.service.logs import event
 from prefixscore.service.requests import InvalidInput
 from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer
 from prefixscore.service.templates import ranked
@@ -286,6 +288,7 @@ def build_app(server: ScoreServer) -> FastAPI:
     def handled(method: str) -> Iterator[dict]:
         """Count the request like an RPC (drain waits for it) and turn errors into responses."""
         outcome: dict[str, Any] = {}
+        started = time.monotonic()
         with server.accounted(method) as status:
             try:
                 yield outcome
@@ -299,6 +302,10 @@ def build_app(server: ScoreServer) -> FastAPI:
                 status[0] = "INTERNAL"
                 log.exception("%s failed", method)
                 outcome["response"] = error(500, f"internal error: {type(err).__name__}: {err}", "InternalServerError")
+            finally:
+                # an access-log line; it carries the request id like every line logged while handling it
+                seconds = round(time.monotonic() - started, 6)
+                event(log, "http_request", logging.DEBUG, method=method, status=status[0], seconds=seconds)
 
     @app.post(
         "/v1/score",
