@@ -3,6 +3,8 @@
 from prefixscore.service.client import (
     AsyncScoreClient,
     AsyncScoreStream,
+    RerankedDocument,
+    RerankResult,
     ScoreClient,
     ScoreResult,
     ScoreStream,
@@ -13,6 +15,8 @@ from prefixscore.service.client import (
 __all__ = [
     "AsyncScoreClient",
     "AsyncScoreStream",
+    "RerankedDocument",
+    "RerankResult",
     "ScoreClient",
     "ScoreResult",
     "ScoreStream",

@@ -41,6 +41,9 @@ def _metrics_port(text: str) -> int | None:
     return None if text.strip().lower() in ("off", "none", "-1") else int(text)
 
 
+_http_port = _metrics_port  # same spelling: a port, 0 for any free one, or off
+
+
 # ---- serve ---------------------------------------------------------------------------------------
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the gRPC ScoreService", description="Run the gRPC ScoreService.")
@@ -67,6 +70,19 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         type=_metrics_port,
         default=_env("METRICS_PORT", 9090, _metrics_port),
         help="Prometheus /metrics port; 0 picks a free one, 'off' disables [$PREFIXSCORE_METRICS_PORT, %(default)s]",
+    )
+    p.add_argument(
+        "--http-port",
+        type=_http_port,
+        default=_env("HTTP_PORT", None, _http_port),
+        help="HTTP API port (/v1/score, /v1/rerank, /v1/models, /health, /ready); 0 picks a free one; "
+        "'off' (the default) disables [$PREFIXSCORE_HTTP_PORT]",
+    )
+    p.add_argument(
+        "--template",
+        default=_env("TEMPLATE", "qwen3-reranker"),
+        choices=("qwen3-reranker", "chat", "none"),
+        help="reranker prompt template of Rerank and /v1/rerank [$PREFIXSCORE_TEMPLATE, %(default)s]",
     )
     p.add_argument(
         "--max-queue-items",
@@ -173,6 +189,8 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        template=args.template,
         max_queue_items=args.max_queue_items,
         max_items=args.max_items,
         pool_bytes=args.pool_bytes,
@@ -288,6 +306,47 @@ def run_score(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- rerank --------------------------------------------------------------------------------------
+def add_rerank(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "rerank",
+        help="rank documents by relevance to a query on a running server",
+        description="Rank documents by relevance to a query with the server's reranker template (gRPC Rerank).",
+    )
+    p.add_argument(
+        "--target", default=_env("TARGET", DEFAULT_TARGET), help="host:port [$PREFIXSCORE_TARGET, %(default)s]"
+    )
+    p.add_argument("--query", "-q", required=True, help="query text")
+    p.add_argument("--document", "-d", action="append", default=[], help="a document (repeat the flag)")
+    p.add_argument("--instruction", help="the template's task instruction")
+    p.add_argument("--top-n", type=int, default=0, help="only the top N documents (0: all)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.set_defaults(func=run_rerank)
+
+
+def run_rerank(args: argparse.Namespace) -> int:
+    import grpc
+
+    from prefixscore.service.client import ScoreClient
+
+    with ScoreClient(args.target) as client:
+        try:
+            result = client.rerank(
+                args.query, args.document, instruction=args.instruction, top_n=args.top_n, timeout=args.timeout
+            )
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result)))
+        return 0
+    for r in result.results:
+        text = r.document if len(r.document) <= 60 else r.document[:59] + "…"
+        print(f"{r.index:>4}  {r.relevance_score:.6f}  {text}")
+    return 0
+
+
 # ---- models --------------------------------------------------------------------------------------
 def add_models(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the built-in models, or describe a running server's model")
@@ -329,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve(sub)
     add_score(sub)
+    add_rerank(sub)
     add_models(sub)
     try:
         bench = importlib.import_module("prefixscore.service.bench")

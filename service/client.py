@@ -45,6 +45,41 @@ class ScoreResult:
     label_token_ids: list[int]  # the labels scored (resolved by the server when label strings were sent)
 
 
+@dataclasses.dataclass(frozen=True)
+class RerankedDocument:
+    index: int  # the document's index in the request
+    relevance_score: float
+    document: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RerankResult:
+    results: list[RerankedDocument]  # most relevant first
+    usage: Usage
+    template: str  # the server's reranker template
+
+
+def rerank_request(
+    query: str, documents: Sequence[str], instruction: str | None = None, top_n: int = 0, max_tokens_per_doc: int = 0
+) -> pb.RerankRequest:
+    """Build a RerankRequest message (documents are echoed back)."""
+    if isinstance(documents, str):
+        raise TypeError("documents: expected a list of strings, got a string")
+    return pb.RerankRequest(
+        query=query,
+        documents=list(documents),
+        instruction=instruction or "",
+        top_n=top_n,
+        return_documents=True,
+        max_tokens_per_doc=max_tokens_per_doc,
+    )
+
+
+def _reranked(response: pb.RerankResponse) -> RerankResult:
+    results = [RerankedDocument(r.index, r.relevance_score, r.document) for r in response.results]
+    return RerankResult(results, _usage(response.usage), response.template)
+
+
 def _input(value: Any, field: str) -> pb.Input:
     if isinstance(value, str):
         return pb.Input(text=value)
@@ -253,6 +288,19 @@ class ScoreClient:
         """Open a ScoreStream session over `query` (returns once the server has its KV on the device)."""
         return ScoreStream(self._stub, stream_open(query, label_token_ids, apply_softmax, item_first, labels), timeout)
 
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        instruction: str | None = None,
+        top_n: int = 0,
+        max_tokens_per_doc: int = 0,
+        timeout: float | None = None,
+    ) -> RerankResult:
+        """Documents sorted by the server template's relevance to `query` (top_n: only the first N)."""
+        request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
+        return _reranked(self._stub.Rerank(request, timeout=timeout))
+
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
 
@@ -356,6 +404,18 @@ class AsyncScoreClient:
             await call  # raises the status that ended the stream
             raise RuntimeError("ScoreStream: the server did not acknowledge the open")
         return session
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        instruction: str | None = None,
+        top_n: int = 0,
+        max_tokens_per_doc: int = 0,
+        timeout: float | None = None,
+    ) -> RerankResult:
+        request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
+        return _reranked(await self._stub.Rerank(request, timeout=timeout))
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)

@@ -1,7 +1,6 @@
-"""Request validation and tokenization: everything checked before any device work.
-
-Shared by the in-process `Scorer` and the gRPC service, so both reject the same
-inputs with the same messages. Every error names the offending field.
+"""The checks and tokenization of request inputs, used by the one validation pass
+(`service/validate.py`) that the in-process `Scorer`, gRPC and HTTP share.
+Every error names the offending field.
 """
 
 from __future__ import annotations
@@ -14,11 +13,14 @@ from prefixscore.model.tokenizer import TextTokenizer
 
 
 class InvalidInput(ValueError):
-    """Bad request input; `field` names what is wrong (gRPC maps it to INVALID_ARGUMENT)."""
+    """Bad request input; `field` names what is wrong. `too_large`: a size limit was exceeded
+    (gRPC RESOURCE_EXHAUSTED, HTTP 413) rather than a malformed input (INVALID_ARGUMENT, 400)."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, too_large: bool = False) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+        self.too_large = too_large
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,54 +112,44 @@ class RequestTokenizer:
         check_ids("query", query, self.cfg.vocab_size)
         return list(query)
 
-    def item_ids(self, items: Sequence[str] | Sequence[Sequence[int]], kind: str | None = None) -> list[list[int]]:
-        """Tokenize items; `kind` ("text" or "ids") is the query's kind, and items must match it."""
+    def item_ids(
+        self, items: Sequence[str] | Sequence[Sequence[int]], kind: str | None = None, field: str = "items"
+    ) -> list[list[int]]:
+        """Tokenize items; `kind` ("text" or "ids") is the query's kind, and items must match it.
+        `field`: what errors call the list ("items", or "documents" for a rerank)."""
         if not isinstance(items, (list, tuple)):
-            raise InvalidInput("items", "must be a list of strings or a list of token-id lists")
+            raise InvalidInput(field, "must be a list of strings or a list of token-id lists")
         if len(items) > self.limits.max_items:
-            raise InvalidInput("items", f"{len(items)} items exceed the limit of {self.limits.max_items}")
+            limit = self.limits.max_items
+            raise InvalidInput(field, f"{len(items)} items exceed the limit of {limit} per request", too_large=True)
         texts = [isinstance(it, str) for it in items]
         if any(texts) and not all(texts):
-            raise InvalidInput("items", "mixes text and token ids; send all items the same way")
+            raise InvalidInput(field, "mixes text and token ids; send all items the same way")
         item_kind = "text" if items and texts[0] else "ids"
         if items and kind is not None and item_kind != kind:
-            raise InvalidInput("items", f"items are {item_kind} but the query is {kind}; do not mix text and token ids")
+            raise InvalidInput(field, f"items are {item_kind} but the query is {kind}; do not mix text and token ids")
         if item_kind == "text":
             for j, it in enumerate(items):
                 if not it:
-                    raise InvalidInput(f"items[{j}]", "the item is empty")
+                    raise InvalidInput(f"{field}[{j}]", "the item is empty")
                 if len(it) > self.limits.max_text_chars:
                     raise InvalidInput(
-                        f"items[{j}]", f"text exceeds the limit of {self.limits.max_text_chars} characters"
+                        f"{field}[{j}]", f"text exceeds the limit of {self.limits.max_text_chars} characters"
                     )
             if self.tokenizer is None:
-                raise InvalidInput("items", f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
+                raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
             out = self.tokenizer.encode_many(list(items))
         else:
             out = []
             for j, it in enumerate(items):
                 if not _is_ids(it):
-                    raise InvalidInput(f"items[{j}]", "must be a list of integer token ids")
-                check_ids(f"items[{j}]", it, self.cfg.vocab_size)
+                    raise InvalidInput(f"{field}[{j}]", "must be a list of integer token ids")
+                check_ids(f"{field}[{j}]", it, self.cfg.vocab_size)
                 out.append(list(it))
         for j, ids in enumerate(out):
             if not ids:
-                raise InvalidInput(f"items[{j}]", "the item is empty (no tokens)")
+                raise InvalidInput(f"{field}[{j}]", "the item is empty (no tokens)")
         return out
-
-    def request(
-        self,
-        query: str | Sequence[int],
-        items: Sequence[str] | Sequence[Sequence[int]],
-        label_token_ids: Sequence[int],
-        apply_softmax: bool = False,
-        item_first: bool = False,
-    ) -> TokenizedRequest:
-        """Validate and tokenize a whole request; raises InvalidInput naming the field."""
-        labels = check_labels(label_token_ids, self.cfg.vocab_size, self.limits)
-        q = self.query_ids(query)
-        item_ids = self.item_ids(items, "text" if isinstance(query, str) else "ids")
-        return self.assemble(q, item_ids, labels, bool(apply_softmax), bool(item_first))
 
     def assemble(
         self, query: list[int], items: list[list[int]], labels: tuple[int, ...], apply_softmax: bool, item_first: bool

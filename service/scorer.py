@@ -14,6 +14,8 @@ from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.service.batcher import Batcher, WorkUnit
 from prefixscore.service.requests import Limits, RequestTokenizer, TokenizedRequest
+from prefixscore.service.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
+from prefixscore.service.validate import RerankInput, ScoreInput, Validator
 
 MODES = ("prefix", "sequential", "packed")
 
@@ -25,6 +27,13 @@ class Usage:
     items: int
 
 
+@dataclasses.dataclass(frozen=True)
+class RerankResult:
+    index: int  # the document's index in the request
+    relevance_score: float  # the template's relevance, in [0, 1]
+    document: str
+
+
 class Scorer:
     """Scores items against a query with SGLang `/v1/score` semantics (see the README).
 
@@ -33,10 +42,18 @@ class Scorer:
     engine runs them. `score` is thread-safe; device work is serialised by a lock.
     """
 
-    def __init__(self, model: LoadedModel, engine: ScoringEngine, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        engine: ScoringEngine,
+        limits: Limits | None = None,
+        template: str = DEFAULT_TEMPLATE,
+    ) -> None:
         self.model = model
         self.engine = engine
         self.requests = RequestTokenizer(model.cfg, model.tokenizer, limits or Limits.for_engine(engine))
+        self.template = RerankTemplate(template, model.tokenizer) if model.tokenizer is not None else None
+        self.validator = Validator(self.requests, self.template)  # the service's one validation pass
         self.runner = EngineRunner(engine)
         self.last_usage = Usage(0, 0, 0)
         self._lock = threading.Lock()
@@ -50,11 +67,13 @@ class Scorer:
         buckets: Buckets | None = None,
         attn_impl: str | None = None,
         pool_bytes: int | None = None,
+        template: str = DEFAULT_TEMPLATE,
     ) -> Scorer:
-        """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py)."""
+        """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py).
+        template: the reranker prompt of `rerank` (see service/templates.py)."""
         loaded = load_model(model, dtype)
         engine = ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl, pool_bytes=pool_bytes)
-        return cls(loaded, engine)
+        return cls(loaded, engine, template=template)
 
     @property
     def cfg(self):
@@ -79,11 +98,48 @@ class Scorer:
         """
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {MODES}")
-        req = self.requests.request(query, items, label_token_ids, apply_softmax, item_first)
+        req = self.tokenize(query, items, label_token_ids, apply_softmax, item_first)
         if not req.items:
             self.last_usage = Usage(0, 0, 0)
             return []
         return self.score_tokens(req, mode).tolist()
+
+    def tokenize(
+        self,
+        query: str | Sequence[int],
+        items: Sequence[str] | Sequence[Sequence[int]],
+        label_token_ids: Sequence[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> TokenizedRequest:
+        """The validated token ids `score` runs (the same validation as the gRPC and HTTP APIs)."""
+        inp = ScoreInput(query, items, label_token_ids, apply_softmax=apply_softmax, item_first=item_first)
+        return self.validator.score(inp).request
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        instruction: str | None = None,
+        top_n: int | None = None,
+        max_tokens_per_doc: int | None = None,
+        truncate: str = "end",
+    ) -> list[RerankResult]:
+        """Documents sorted by the template's relevance to `query`, highest first (the `top_n`
+        first when given), as the gRPC Rerank and HTTP /v1/rerank return them."""
+        checked = self.validator.rerank(
+            RerankInput(
+                query, list(documents), instruction, top_n, max_tokens_per_doc=max_tokens_per_doc, truncate=truncate
+            )
+        )
+        req = checked.scored.request
+        if not req.items:
+            self.last_usage = Usage(0, 0, 0)
+            return []
+        scores = self.score_requests([req])[0]
+        return [
+            RerankResult(r.index, r.relevance_score, checked.documents[r.index]) for r in ranked(scores, checked.top_n)
+        ]
 
     def score_tokens(self, req: TokenizedRequest, mode: str = "prefix") -> np.ndarray:
         """Score an already validated request -> [items, labels] float32."""

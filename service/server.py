@@ -33,11 +33,13 @@ from prefixscore.model.buckets import Buckets
 from prefixscore.model.engine import CompileCounter, ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.service import request_ids
 from prefixscore.service.batcher import WorkUnit
 from prefixscore.service.logs import event
 from prefixscore.service.metrics import ServiceMetrics
 from prefixscore.service.requests import InvalidInput, Limits, RequestTokenizer, TokenizedRequest
-from prefixscore.service.wire import RequestConverter, RpcFailure, StreamSpec, invalid, item_scores, parse
+from prefixscore.service.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
+from prefixscore.service.wire import RequestConverter, RpcFailure, StreamSpec, invalid, item_scores, parse, usage
 from prefixscore.service.worker import DeadlineExpired, DeviceWorker, QueueFull, StreamPin, WorkerStopped
 from prefixscore.v1 import score_service_pb2 as pb
 
@@ -56,6 +58,8 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051  # 0: any free port (see ScoreServer.port)
     metrics_port: int | None = 9090  # None: no metrics endpoint; 0: any free port
+    http_port: int | None = None  # the HTTP API (service/http_api.py); None: off; 0: any free port
+    template: str = DEFAULT_TEMPLATE  # the reranker prompt template of Rerank and /v1/rerank
     max_queue_items: int = 65_536  # admission control: items waiting for the device
     max_items: int = 10_000  # items per request or stream batch
     # the prefix pool: bytes, or (None) a fraction of the device memory left after the weights
@@ -120,14 +124,18 @@ class ScoreServer:
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self.template: RerankTemplate | None = None
         self.ready = False
         self.draining = False
+        self.started_at = time.time()  # /v1/models' "created"
         self.loaded: LoadedModel | None = None
         self.engine: ScoringEngine | None = None
         self.converter: RequestConverter | None = None
         self.devices: list[str] = []
         self._server: grpc.aio.Server | None = None
         self._metrics_httpd: Any = None
+        self._http: Any = None  # http_api.HttpServer when http_port is set
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -172,6 +180,9 @@ class ScoreServer:
                         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                             self.get_model_info, response_serializer=pb.GetModelInfoResponse.SerializeToString, **raw
                         ),
+                        "Rerank": grpc.unary_unary_rpc_method_handler(
+                            self.rerank, response_serializer=pb.RerankResponse.SerializeToString, **raw
+                        ),
                     },
                 ),
             )
@@ -186,7 +197,12 @@ class ScoreServer:
         if cfg.metrics_port is not None:
             self._metrics_httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
             self.metrics_port = self._metrics_httpd.server_port
-        event(log, "listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port)
+        if cfg.http_port is not None:
+            from prefixscore.service.http_api import HttpServer  # the ASGI stack loads only when asked for
+
+            self._http = HttpServer(self, cfg.host, cfg.http_port)
+            self.http_port = await self._http.start()
+        event(log, "listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port, http_port=self.http_port)
         self.worker.start()
         self._ready_task = asyncio.ensure_future(self._become_ready())
 
@@ -212,6 +228,8 @@ class ScoreServer:
             )
 
         self.devices = [f"{d.platform}:{d.id}" for d in engine.devices]
+        # a template the model cannot serve (no chat template, labels not single tokens) fails startup
+        self.template = RerankTemplate(cfg.template, loaded.tokenizer) if loaded.tokenizer is not None else None
         event(
             log,
             "model_loaded",
@@ -269,7 +287,7 @@ class ScoreServer:
         loaded = self.loaded
         # the Scorer's limits (sequences within the compiled buckets), and no request larger than the queue
         limits = Limits.for_engine(self.engine, max_items=min(self.config.max_items, self.config.max_queue_items))
-        self.converter = RequestConverter(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits))
+        self.converter = RequestConverter(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits), self.template)
         self.metrics.model_info.info(
             dict(model=loaded.name, family=loaded.cfg.family, dtype=loaded.dtype, devices=",".join(self.devices))
         )
@@ -304,6 +322,9 @@ class ScoreServer:
         self.draining = True
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         await asyncio.to_thread(self.worker.stop, 30.0)
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
@@ -319,6 +340,13 @@ class ScoreServer:
 
     # ---- RPC plumbing ----------------------------------------------------------------------------
     async def _observe(self, method: str, fn: Callable, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # the client's x-request-id (or a new one): in every log line, echoed in the initial metadata
+        sent = dict(context.invocation_metadata() or ()).get(request_ids.HEADER)
+        with request_ids.bound(request_ids.accept(sent)) as rid:
+            await context.send_initial_metadata(((request_ids.HEADER, rid),))
+            return await self._observe_bound(method, fn, request, context)
+
+    async def _observe_bound(self, method: str, fn: Callable, request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.monotonic()
         self._inflight += 1
         self._idle.clear()
@@ -330,8 +358,9 @@ class ScoreServer:
             code = failure.code
             await context.abort(failure.code, failure.message, trailing_metadata=failure.trailers)
         except InvalidInput as err:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, str(err))
+            failure = invalid(err)
+            code = failure.code
+            await context.abort(code, failure.message)
         except asyncio.CancelledError:
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
@@ -344,6 +373,25 @@ class ScoreServer:
         finally:
             self.metrics.inflight.dec()
             self.metrics.requests.labels(method, code.name).inc()
+            self.metrics.request_seconds.labels(method).observe(time.monotonic() - started)
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    @contextlib.contextmanager
+    def accounted(self, method: str) -> Iterator[list[str]]:
+        """A request of another transport (HTTP) counted like an RPC: in flight (drain waits
+        for it), then by status and latency. The caller sets `status[0]` to a gRPC code name."""
+        started = time.monotonic()
+        self._inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.inc()
+        status = ["OK"]
+        try:
+            yield status
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(method, status[0]).inc()
             self.metrics.request_seconds.labels(method).observe(time.monotonic() - started)
             self._inflight -= 1
             if self._inflight == 0:
@@ -380,17 +428,15 @@ class ScoreServer:
             deadline=self._deadline(context),
         )
 
-    # ---- Score -----------------------------------------------------------------------------------
-    @_rpc("Score")
-    async def score(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        msg = parse(pb.ScoreRequest, raw)
-        converter = self._check_accepting()
-        req = await asyncio.to_thread(converter.score_request, msg)
-        if not req.items:
-            return pb.ScoreResponse(usage=pb.Usage(), label_token_ids=req.label_ids)
+    async def run(self, req: TokenizedRequest, method: str, deadline: float | None = None) -> WorkUnit:
+        """Score a validated request on the device worker, whatever the transport (gRPC Score and
+        Rerank, HTTP /v1/score and /v1/rerank): its items join the same batches as everyone's.
+        Returns the finished unit (scores, cached_tokens); raises RpcFailure."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        unit = self._unit(req, "Score", context)
+        unit = WorkUnit(
+            req.prefix, req.items, req.label_ids, req.apply_softmax, req.item_first, method=method, deadline=deadline
+        )
         unit.on_done = lambda u: loop.call_soon_threadsafe(_settle, done, u)
         self._submit(unit)
         try:
@@ -400,10 +446,49 @@ class ScoreServer:
             raise
         if unit.error is not None:
             raise _unit_failure(unit.error)
+        return unit
+
+    # ---- Score -----------------------------------------------------------------------------------
+    @_rpc("Score")
+    async def score(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        msg = parse(pb.ScoreRequest, raw)
+        converter = self._check_accepting()
+        checked = await asyncio.to_thread(converter.score_request, msg)
+        req = checked.request
+        differs = checked.joined_differs or []
+        if not req.items:
+            return pb.ScoreResponse(usage=pb.Usage(), label_token_ids=req.label_ids)
+        unit = await self.run(req, "Score", self._deadline(context))
         return pb.ScoreResponse(
             scores=item_scores(unit.scores),
-            usage=pb.Usage(prompt_tokens=req.prompt_tokens, cached_tokens=unit.cached_tokens, items=len(req.items)),
+            usage=usage(req, unit.cached_tokens, checked.truncation),
             label_token_ids=req.label_ids,
+            joined_tokenization_differs=differs,
+        )
+
+    # ---- Rerank ----------------------------------------------------------------------------------
+    @_rpc("Rerank")
+    async def rerank(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
+        msg = parse(pb.RerankRequest, raw)
+        converter = self._check_accepting()
+        checked = await asyncio.to_thread(converter.rerank_request, msg)
+        req = checked.scored.request
+        template = self.template.name if self.template else ""
+        if not req.items:
+            return pb.RerankResponse(usage=pb.Usage(), template=template)
+        unit = await self.run(req, "Rerank", self._deadline(context))
+        differs = checked.scored.joined_differs
+        results = [
+            pb.RerankResult(
+                index=r.index,
+                relevance_score=r.relevance_score,
+                document=checked.documents[r.index] if msg.return_documents else "",
+                joined_tokenization_differs=bool(differs and differs[r.index]),
+            )
+            for r in ranked(unit.scores, checked.top_n)
+        ]
+        return pb.RerankResponse(
+            results=results, usage=usage(req, unit.cached_tokens, checked.scored.truncation), template=template
         )
 
     # ---- ScoreStream -----------------------------------------------------------------------------
@@ -445,6 +530,7 @@ class ScoreServer:
             has_tokenizer=loaded.tokenizer is not None,
             attention=self.engine.attn_impl if self.engine else "",
             version=__version__,
+            template=self.template.name if self.template else "",
         )
 
 

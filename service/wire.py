@@ -1,24 +1,39 @@
-"""Proto messages -> validated token-id requests, and scores -> proto messages.
+"""Proto messages <-> the transport-neutral inputs of `service/validate.py`, and the
+gRPC statuses of its errors.
 
-Every check happens here, before any device work, and reuses
-`service/requests.py` (with `Limits.for_engine`, so sequences fit the
-compiled buckets), so the gRPC service and the in-process `Scorer` reject the
-same inputs with the same messages. On top of those, a request or stream batch
-with more items than the per-request limit gets RESOURCE_EXHAUSTED, and label
-strings are resolved to single token ids.
+This module only moves fields: every check is the one validation pass in
+validate.py, which HTTP and the in-process `Scorer` share. Its `InvalidInput`
+becomes INVALID_ARGUMENT, or RESOURCE_EXHAUSTED when a size limit was exceeded.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from prefixscore.service.requests import InvalidInput, RequestTokenizer, TokenizedRequest, check_labels
+from prefixscore.service.requests import InvalidInput, RequestTokenizer, TokenizedRequest
+from prefixscore.service.templates import RerankTemplate
+from prefixscore.service.validate import (
+    RerankInput,
+    ScoreInput,
+    StreamSpec,
+    Truncation,
+    Validated,
+    ValidatedRerank,
+    Validator,
+)
 from prefixscore.v1 import score_service_pb2 as pb
+
+TRUNCATE = {pb.TRUNCATE_NONE: "none", pb.TRUNCATE_END: "end"}
+QUERY_TRUNCATION = {
+    pb.QUERY_TRUNCATION_UNSPECIFIED: "none",
+    pb.QUERY_TRUNCATION_NONE: "none",
+    pb.QUERY_TRUNCATION_LEFT: "left",
+    pb.QUERY_TRUNCATION_RIGHT: "right",
+}
 
 
 class RpcFailure(Exception):
@@ -32,7 +47,8 @@ class RpcFailure(Exception):
 
 
 def invalid(err: InvalidInput) -> RpcFailure:
-    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if err.too_large else grpc.StatusCode.INVALID_ARGUMENT
+    return RpcFailure(code, str(err))
 
 
 def parse(cls: type[Message], raw: bytes, field: str = "request") -> Message:
@@ -54,82 +70,87 @@ def _input(field: str, value: pb.Input) -> str | list[int]:
     raise InvalidInput(field, "set either text or token_ids")
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamSpec:
-    """A validated StreamOpen. prefix: start tokens + query (empty for item_first)."""
+def _query(msg: pb.ScoreRequest | pb.StreamOpen) -> str | list[int]:
+    if not msg.HasField("query"):
+        raise InvalidInput("query", "is required (set query.text or query.token_ids)")
+    return _input("query", msg.query)
 
-    query: list[int]
-    kind: str  # "text" or "ids": every batch's items must be the same
-    label_ids: tuple[int, ...]
-    apply_softmax: bool
-    item_first: bool
-    prefix: tuple[int, ...]
+
+def _items(items: Sequence[pb.Input]) -> list[str | list[int]]:
+    return [_input(f"items[{j}]", it) for j, it in enumerate(items)]
+
+
+def _truncate(value: int, default: str) -> str:
+    return TRUNCATE.get(value, default)
 
 
 class RequestConverter:
-    """Validates and tokenizes the service's messages for one model and bucket set."""
+    """Turns the service's messages into validated requests for one model and bucket set."""
 
-    def __init__(self, requests: RequestTokenizer) -> None:
+    def __init__(self, requests: RequestTokenizer, template: RerankTemplate | None = None) -> None:
         self.requests = requests
-        context = requests.cfg.max_position_embeddings
-        self.max_sequence_tokens = min(context, requests.limits.max_sequence_tokens or context)
-        self.max_item_tokens = min(self.max_sequence_tokens, requests.limits.max_item_tokens or context)
+        self.validator = Validator(requests, template)
+        self.max_sequence_tokens = self.validator.max_sequence_tokens
+        self.max_item_tokens = self.validator.max_item_tokens
 
-    # ---- the pieces ------------------------------------------------------------------------------
-    def _query(self, msg: pb.ScoreRequest | pb.StreamOpen) -> str | list[int]:
-        if not msg.HasField("query"):
-            raise InvalidInput("query", "is required (set query.text or query.token_ids)")
-        return _input("query", msg.query)
-
-    def _items(self, items: Sequence[pb.Input]) -> list[str | list[int]]:
-        limit = self.requests.limits.max_items
-        if len(items) > limit:
-            raise RpcFailure(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"items: {len(items)} items exceed the limit of {limit} per request"
+    def score_request(self, msg: pb.ScoreRequest) -> Validated:
+        """A ScoreRequest -> a validated request; raises InvalidInput or RpcFailure."""
+        return self.validator.score(
+            ScoreInput(
+                query=_query(msg),
+                items=_items(msg.items),
+                label_token_ids=list(msg.label_token_ids),
+                labels=list(msg.labels),
+                apply_softmax=msg.apply_softmax,
+                item_first=msg.item_first,
+                truncate=_truncate(msg.truncate, "none"),
+                query_truncation=QUERY_TRUNCATION.get(msg.query_truncation, "none"),
+                max_query_tokens=msg.max_query_tokens or None,
+                check_tokenization=msg.check_tokenization,
             )
-        return [_input(f"items[{j}]", it) for j, it in enumerate(items)]
+        )
 
-    def _labels(self, ids: Sequence[int], labels: Sequence[str]) -> tuple[int, ...]:
-        limits = self.requests.limits
-        if ids and labels:
-            raise InvalidInput("labels", "set either label_token_ids or labels, not both")
-        if labels:
-            tokenizer = self.requests.tokenizer
-            if tokenizer is None:
-                raise InvalidInput("labels", "the model has no tokenizer; send label_token_ids instead")
-            if len(labels) > limits.max_labels:
-                raise InvalidInput("labels", f"{len(labels)} labels exceed the limit of {limits.max_labels}")
-            resolved = []
-            for j, label in enumerate(labels):
-                try:
-                    resolved.append(tokenizer.token_id(label))
-                except ValueError as err:
-                    raise InvalidInput(f"labels[{j}]", str(err)) from err
-            ids = resolved
-        return check_labels(list(ids), self.requests.cfg.vocab_size, limits)
-
-    # ---- messages --------------------------------------------------------------------------------
-    def score_request(self, msg: pb.ScoreRequest) -> TokenizedRequest:
-        """A ScoreRequest -> a validated TokenizedRequest; raises InvalidInput or RpcFailure."""
-        labels = self._labels(msg.label_token_ids, msg.labels)
-        query = self._query(msg)
-        items = self._items(msg.items)
-        return self.requests.request(query, items, labels, msg.apply_softmax, msg.item_first)
+    def rerank_request(self, msg: pb.RerankRequest) -> ValidatedRerank:
+        return self.validator.rerank(
+            RerankInput(
+                query=msg.query,
+                documents=list(msg.documents),
+                instruction=msg.instruction or None,
+                top_n=msg.top_n or None,
+                return_documents=msg.return_documents,
+                max_tokens_per_doc=msg.max_tokens_per_doc or None,
+                truncate=_truncate(msg.truncate, "end"),
+                check_tokenization=msg.check_tokenization,
+            )
+        )
 
     def stream_open(self, msg: pb.StreamOpen) -> StreamSpec:
         """A StreamOpen -> the stream's validated query, labels and options."""
-        labels = self._labels(msg.label_token_ids, msg.labels)
-        query = self._query(msg)
-        ids = self.requests.query_ids(query)
-        # no items yet: this checks the query leaves room for one and gives the prefix
-        opened = self.requests.assemble(ids, [], labels, bool(msg.apply_softmax), bool(msg.item_first))
-        kind = "text" if isinstance(query, str) else "ids"
-        return StreamSpec(ids, kind, labels, opened.apply_softmax, opened.item_first, opened.prefix)
+        return self.validator.stream_open(
+            ScoreInput(
+                query=_query(msg),
+                items=[],
+                label_token_ids=list(msg.label_token_ids),
+                labels=list(msg.labels),
+                apply_softmax=msg.apply_softmax,
+                item_first=msg.item_first,
+            )
+        )
 
     def stream_batch(self, spec: StreamSpec, msg: pb.ItemBatch) -> TokenizedRequest:
         """One ItemBatch of an open stream -> a validated TokenizedRequest over the stream's query."""
-        items = self.requests.item_ids(self._items(msg.items), spec.kind)
-        return self.requests.assemble(spec.query, items, spec.label_ids, spec.apply_softmax, spec.item_first)
+        return self.validator.stream_batch(spec, _items(msg.items))
+
+
+def usage(req: TokenizedRequest, cached_tokens: int, truncation: Truncation) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=req.prompt_tokens,
+        cached_tokens=cached_tokens,
+        items=len(req.items),
+        truncated_query_tokens=truncation.query_tokens,
+        truncated_items=truncation.items,
+        truncated_item_tokens=truncation.item_tokens,
+    )
 
 
 def item_scores(scores: np.ndarray) -> list[pb.ItemScores]:

@@ -79,7 +79,13 @@ def test_public_names():
     service = pb.DESCRIPTOR.services_by_name["ScoreService"]
     assert service.full_name == "prefixscore.v1.ScoreService"
     methods = {m.name: (m.client_streaming, m.server_streaming) for m in service.methods}
-    assert methods == {"Score": (False, False), "ScoreStream": (True, True), "GetModelInfo": (False, False)}
+    assert methods == {
+        "Score": (False, False),
+        "ScoreStream": (True, True),
+        "GetModelInfo": (False, False),
+        "Rerank": (False, False),
+    }
     request = pb.ScoreRequest.DESCRIPTOR.fields_by_name
     assert set(request) >= {"query", "items", "label_token_ids", "labels", "apply_softmax", "item_first"}
-    assert set(pb.Usage.DESCRIPTOR.fields_by_name) == {"prompt_tokens", "cached_tokens", "items"}
+    assert set(pb.Usage.DESCRIPTOR.fields_by_name) >= {"prompt_tokens", "cached_tokens", "items"}
+    assert set(pb.RerankRequest.DESCRIPTOR.fields_by_name) >= {"query", "documents", "top_n", "return_documents"}

@@ -73,7 +73,7 @@ def test_score_equals_in_process_scorer(client, tiny_scorer, case):
     expected = tiny_scorer.score(**case)
     result = client.score(**case)
     np.testing.assert_allclose(result.scores, expected, rtol=1e-6, atol=0)
-    req = tiny_scorer.requests.request(
+    req = tiny_scorer.tokenize(
         case["query"],
         case["items"],
         case["label_token_ids"],
@@ -87,7 +87,7 @@ def test_score_equals_in_process_scorer(client, tiny_scorer, case):
 
 def test_usage_counts_cached_prefix_tokens(client, tiny_scorer):
     query = "A query nobody sent before: is this cached?"
-    prefix = tiny_scorer.requests.request(query, ["x"], LABELS).prefix
+    prefix = tiny_scorer.tokenize(query, ["x"], LABELS).prefix
     first = client.score(query, ["one", "two"], LABELS)
     again = client.score(query, ["three"], LABELS)
     assert (first.usage.cached_tokens, again.usage.cached_tokens) == (0, len(prefix))
@@ -108,7 +108,7 @@ def test_empty_items_return_no_scores(client):
 
 def test_stream_equals_scorer_and_pins_the_prefix(server, client, tiny_scorer):
     query = "Stream query: rank these against France."
-    prefix = tiny_scorer.requests.request(query, ["x"], LABELS).prefix
+    prefix = tiny_scorer.tokenize(query, ["x"], LABELS).prefix
     cache = server.server.worker.cache
     with client.stream(query, LABELS) as session:
         assert (session.prefix_tokens, session.cached_tokens) == (len(prefix), 0)
@@ -223,7 +223,7 @@ def test_cancelled_request_leaves_the_queue_unscored(server, stub):
 def test_cancelled_stream_drops_its_batches_and_unpins(server, client, tiny_scorer):
     worker = server.server.worker
     query = "A stream that the client abandons."
-    prefix = tiny_scorer.requests.request(query, ["x"], LABELS).prefix
+    prefix = tiny_scorer.tokenize(query, ["x"], LABELS).prefix
     session = client.stream(query, LABELS)  # its prefill is a device call: before the pause
     with worker.paused():
         session.submit(["a", "b", "c"])
@@ -404,7 +404,7 @@ def test_health_transitions_and_graceful_drain(server, tiny_scorer, monkeypatch)
 def test_metrics_after_traffic(server, client, tiny_scorer):
     port = server.server.metrics_port
     query = "Metrics query, sent three times."
-    prefix = tiny_scorer.requests.request(query, ["x"], LABELS).prefix
+    prefix = tiny_scorer.tokenize(query, ["x"], LABELS).prefix
     items = ["one", "two words", "three more words"]
     item_tokens = sum(len(t) for t in tiny_scorer.requests.item_ids(items, "text"))
     before = scrape(port)

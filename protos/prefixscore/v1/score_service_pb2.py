@@ -24,43 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"prefixscore/v1/score_service.proto\x12\x0eprefixscore.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"N\n\x05Input\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.prefixscore.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xae\x01\n\x0cScoreRequest\x12$\n\x05query\x18\x01 \x01(\x0b\x32\x15.prefixscore.v1.Input\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.prefixscore.v1.Input\x12\x17\n\x0flabel_token_ids\x18\x03 \x03(\x05\x12\x0e\n\x06labels\x18\x04 \x03(\t\x12\x15\n\rapply_softmax\x18\x05 \x01(\x08\x12\x12\n\nitem_first\x18\x06 \x01(\x08\"#\n\nItemScores\x12\x15\n\rprobabilities\x18\x01 \x03(\x02\"D\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x15\n\rcached_tokens\x18\x02 \x01(\x04\x12\r\n\x05items\x18\x03 \x01(\x04\"z\n\rScoreResponse\x12*\n\x06scores\x18\x01 \x03(\x0b\x32\x1a.prefixscore.v1.ItemScores\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.prefixscore.v1.Usage\x12\x17\n\x0flabel_token_ids\x18\x03 \x03(\x05\"\x86\x01\n\nStreamOpen\x12$\n\x05query\x18\x01 \x01(\x0b\x32\x15.prefixscore.v1.Input\x12\x17\n\x0flabel_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12\x15\n\rapply_softmax\x18\x04 \x01(\x08\x12\x12\n\nitem_first\x18\x05 \x01(\x08\"C\n\tItemBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.prefixscore.v1.Input\"t\n\x12ScoreStreamRequest\x12*\n\x04open\x18\x01 \x01(\x0b\x32\x1a.prefixscore.v1.StreamOpenH\x00\x12*\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.prefixscore.v1.ItemBatchH\x00\x42\x06\n\x04kind\"U\n\x0cStreamOpened\x12\x15\n\rprefix_tokens\x18\x01 \x01(\x04\x12\x15\n\rcached_tokens\x18\x02 \x01(\x04\x12\x17\n\x0flabel_token_ids\x18\x03 \x03(\x05\"K\n\x0b\x42\x61tchScores\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12*\n\x06scores\x18\x02 \x03(\x0b\x32\x1a.prefixscore.v1.ItemScores\"\xa3\x01\n\x13ScoreStreamResponse\x12.\n\x06opened\x18\x01 \x01(\x0b\x32\x1c.prefixscore.v1.StreamOpenedH\x00\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1b.prefixscore.v1.BatchScoresH\x00\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x15.prefixscore.v1.UsageH\x00\x42\x06\n\x04kind\"\x15\n\x13GetModelInfoRequest\"\x96\x01\n\x06Limits\x12\x11\n\tmax_items\x18\x01 \x01(\r\x12\x12\n\nmax_labels\x18\x02 \x01(\r\x12\x16\n\x0emax_text_chars\x18\x03 \x01(\r\x12\x17\n\x0fmax_queue_items\x18\x04 \x01(\r\x12\x1b\n\x13max_sequence_tokens\x18\x05 \x01(\r\x12\x17\n\x0fmax_item_tokens\x18\x06 \x01(\r\"\xe4\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x06 \x03(\t\x12&\n\x06limits\x18\x07 \x01(\x0b\x32\x16.prefixscore.v1.Limits\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x11\n\tattention\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t2\x8b\x02\n\x0cScoreService\x12\x44\n\x05Score\x12\x1c.prefixscore.v1.ScoreRequest\x1a\x1d.prefixscore.v1.ScoreResponse\x12Z\n\x0bScoreStream\x12\".prefixscore.v1.ScoreStreamRequest\x1a#.prefixscore.v1.ScoreStreamResponse(\x01\x30\x01\x12Y\n\x0cGetModelInfo\x12#.prefixscore.v1.GetModelInfoRequest\x1a$.prefixscore.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"prefixscore/v1/score_service.proto\x12\x0eprefixscore.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"N\n\x05Input\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.prefixscore.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xcb\x02\n\x0cScoreRequest\x12$\n\x05query\x18\x01 \x01(\x0b\x32\x15.prefixscore.v1.Input\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.prefixscore.v1.Input\x12\x17\n\x0flabel_token_ids\x18\x03 \x03(\x05\x12\x0e\n\x06labels\x18\x04 \x03(\t\x12\x15\n\rapply_softmax\x18\x05 \x01(\x08\x12\x12\n\nitem_first\x18\x06 \x01(\x08\x12*\n\x08truncate\x18\x1e \x01(\x0e\x32\x18.prefixscore.v1.Truncate\x12\x39\n\x10query_truncation\x18\x1f \x01(\x0e\x32\x1f.prefixscore.v1.QueryTruncation\x12\x18\n\x10max_query_tokens\x18  \x01(\r\x12\x1a\n\x12\x63heck_tokenization\x18! \x01(\x08\"#\n\nItemScores\x12\x15\n\rprobabilities\x18\x01 \x03(\x02\"\x9c\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x15\n\rcached_tokens\x18\x02 \x01(\x04\x12\r\n\x05items\x18\x03 \x01(\x04\x12\x1e\n\x16truncated_query_tokens\x18\x1e \x01(\x04\x12\x17\n\x0ftruncated_items\x18\x1f \x03(\r\x12\x1d\n\x15truncated_item_tokens\x18  \x01(\x04\"\x9f\x01\n\rScoreResponse\x12*\n\x06scores\x18\x01 \x03(\x0b\x32\x1a.prefixscore.v1.ItemScores\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.prefixscore.v1.Usage\x12\x17\n\x0flabel_token_ids\x18\x03 \x03(\x05\x12#\n\x1bjoined_tokenization_differs\x18\x1e \x03(\x08\"\x86\x01\n\nStreamOpen\x12$\n\x05query\x18\x01 \x01(\x0b\x32\x15.prefixscore.v1.Input\x12\x17\n\x0flabel_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12\x15\n\rapply_softmax\x18\x04 \x01(\x08\x12\x12\n\nitem_first\x18\x05 \x01(\x08\"C\n\tItemBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.prefixscore.v1.Input\"t\n\x12ScoreStreamRequest\x12*\n\x04open\x18\x01 \x01(\x0b\x32\x1a.prefixscore.v1.StreamOpenH\x00\x12*\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.prefixscore.v1.ItemBatchH\x00\x42\x06\n\x04kind\"U\n\x0cStreamOpened\x12\x15\n\rprefix_tokens\x18\x01 \x01(\x04\x12\x15\n\rcached_tokens\x18\x02 \x01(\x04\x12\x17\n\x0flabel_token_ids\x18\x03 \x03(\x05\"K\n\x0b\x42\x61tchScores\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12*\n\x06scores\x18\x02 \x03(\x0b\x32\x1a.prefixscore.v1.ItemScores\"\xa3\x01\n\x13ScoreStreamResponse\x12.\n\x06opened\x18\x01 \x01(\x0b\x32\x1c.prefixscore.v1.StreamOpenedH\x00\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1b.prefixscore.v1.BatchScoresH\x00\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x15.prefixscore.v1.UsageH\x00\x42\x06\n\x04kind\"\x15\n\x13GetModelInfoRequest\"\x96\x01\n\x06Limits\x12\x11\n\tmax_items\x18\x01 \x01(\r\x12\x12\n\nmax_labels\x18\x02 \x01(\r\x12\x16\n\x0emax_text_chars\x18\x03 \x01(\r\x12\x17\n\x0fmax_queue_items\x18\x04 \x01(\r\x12\x1b\n\x13max_sequence_tokens\x18\x05 \x01(\r\x12\x17\n\x0fmax_item_tokens\x18\x06 \x01(\r\"\xf6\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x06 \x03(\t\x12&\n\x06limits\x18\x07 \x01(\x0b\x32\x16.prefixscore.v1.Limits\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x11\n\tattention\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\x12\x10\n\x08template\x18\x1e \x01(\t\"\xd3\x01\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x11\n\tdocuments\x18\x02 \x03(\t\x12\x13\n\x0binstruction\x18\x03 \x01(\t\x12\r\n\x05top_n\x18\x04 \x01(\r\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x1a\n\x12max_tokens_per_doc\x18\x06 \x01(\r\x12*\n\x08truncate\x18\x07 \x01(\x0e\x32\x18.prefixscore.v1.Truncate\x12\x1a\n\x12\x63heck_tokenization\x18\x08 \x01(\x08\"m\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\x17\n\x0frelevance_score\x18\x02 \x01(\x01\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\x12#\n\x1bjoined_tokenization_differs\x18\x04 \x01(\x08\"w\n\x0eRerankResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.prefixscore.v1.RerankResult\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.prefixscore.v1.Usage\x12\x10\n\x08template\x18\x03 \x01(\t*I\n\x08Truncate\x12\x18\n\x14TRUNCATE_UNSPECIFIED\x10\x00\x12\x11\n\rTRUNCATE_NONE\x10\x01\x12\x10\n\x0cTRUNCATE_END\x10\x02*\x85\x01\n\x0fQueryTruncation\x12 \n\x1cQUERY_TRUNCATION_UNSPECIFIED\x10\x00\x12\x19\n\x15QUERY_TRUNCATION_NONE\x10\x01\x12\x19\n\x15QUERY_TRUNCATION_LEFT\x10\x02\x12\x1a\n\x16QUERY_TRUNCATION_RIGHT\x10\x03\x32\xd4\x02\n\x0cScoreService\x12\x44\n\x05Score\x12\x1c.prefixscore.v1.ScoreRequest\x1a\x1d.prefixscore.v1.ScoreResponse\x12Z\n\x0bScoreStream\x12\".prefixscore.v1.ScoreStreamRequest\x1a#.prefixscore.v1.ScoreStreamResponse(\x01\x30\x01\x12Y\n\x0cGetModelInfo\x12#.prefixscore.v1.GetModelInfoRequest\x1a$.prefixscore.v1.GetModelInfoResponse\x12G\n\x06Rerank\x12\x1d.prefixscore.v1.RerankRequest\x1a\x1e.prefixscore.v1.RerankResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefixscore.v1.score_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRUNCATE']._serialized_start=2376
+  _globals['_TRUNCATE']._serialized_end=2449
+  _globals['_QUERYTRUNCATION']._serialized_start=2452
+  _globals['_QUERYTRUNCATION']._serialized_end=2585
   _globals['_TOKENIDS']._serialized_start=54
   _globals['_TOKENIDS']._serialized_end=77
   _globals['_INPUT']._serialized_start=79
   _globals['_INPUT']._serialized_end=157
   _globals['_SCOREREQUEST']._serialized_start=160
-  _globals['_SCOREREQUEST']._serialized_end=334
-  _globals['_ITEMSCORES']._serialized_start=336
-  _globals['_ITEMSCORES']._serialized_end=371
-  _globals['_USAGE']._serialized_start=373
-  _globals['_USAGE']._serialized_end=441
-  _globals['_SCORERESPONSE']._serialized_start=443
-  _globals['_SCORERESPONSE']._serialized_end=565
-  _globals['_STREAMOPEN']._serialized_start=568
-  _globals['_STREAMOPEN']._serialized_end=702
-  _globals['_ITEMBATCH']._serialized_start=704
-  _globals['_ITEMBATCH']._serialized_end=771
-  _globals['_SCORESTREAMREQUEST']._serialized_start=773
-  _globals['_SCORESTREAMREQUEST']._serialized_end=889
-  _globals['_STREAMOPENED']._serialized_start=891
-  _globals['_STREAMOPENED']._serialized_end=976
-  _globals['_BATCHSCORES']._serialized_start=978
-  _globals['_BATCHSCORES']._serialized_end=1053
-  _globals['_SCORESTREAMRESPONSE']._serialized_start=1056
-  _globals['_SCORESTREAMRESPONSE']._serialized_end=1219
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1221
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1242
-  _globals['_LIMITS']._serialized_start=1245
-  _globals['_LIMITS']._serialized_end=1395
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1398
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1626
-  _globals['_SCORESERVICE']._serialized_start=1629
-  _globals['_SCORESERVICE']._serialized_end=1896
+  _globals['_SCOREREQUEST']._serialized_end=491
+  _globals['_ITEMSCORES']._serialized_start=493
+  _globals['_ITEMSCORES']._serialized_end=528
+  _globals['_USAGE']._serialized_start=531
+  _globals['_USAGE']._serialized_end=687
+  _globals['_SCORERESPONSE']._serialized_start=690
+  _globals['_SCORERESPONSE']._serialized_end=849
+  _globals['_STREAMOPEN']._serialized_start=852
+  _globals['_STREAMOPEN']._serialized_end=986
+  _globals['_ITEMBATCH']._serialized_start=988
+  _globals['_ITEMBATCH']._serialized_end=1055
+  _globals['_SCORESTREAMREQUEST']._serialized_start=1057
+  _globals['_SCORESTREAMREQUEST']._serialized_end=1173
+  _globals['_STREAMOPENED']._serialized_start=1175
+  _globals['_STREAMOPENED']._serialized_end=1260
+  _globals['_BATCHSCORES']._serialized_start=1262
+  _globals['_BATCHSCORES']._serialized_end=1337
+  _globals['_SCORESTREAMRESPONSE']._serialized_start=1340
+  _globals['_SCORESTREAMRESPONSE']._serialized_end=1503
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1505
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1526
+  _globals['_LIMITS']._serialized_start=1529
+  _globals['_LIMITS']._serialized_end=1679
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1682
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1928
+  _globals['_RERANKREQUEST']._serialized_start=1931
+  _globals['_RERANKREQUEST']._serialized_end=2142
+  _globals['_RERANKRESULT']._serialized_start=2144
+  _globals['_RERANKRESULT']._serialized_end=2253
+  _globals['_RERANKRESPONSE']._serialized_start=2255
+  _globals['_RERANKRESPONSE']._serialized_end=2374
+  _globals['_SCORESERVICE']._serialized_start=2588
+  _globals['_SCORESERVICE']._serialized_end=2928
 # @@protoc_insertion_point(module_scope)

@@ -1,10 +1,31 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Truncate(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUNCATE_UNSPECIFIED: _ClassVar[Truncate]
+    TRUNCATE_NONE: _ClassVar[Truncate]
+    TRUNCATE_END: _ClassVar[Truncate]
+
+class QueryTruncation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUERY_TRUNCATION_UNSPECIFIED: _ClassVar[QueryTruncation]
+    QUERY_TRUNCATION_NONE: _ClassVar[QueryTruncation]
+    QUERY_TRUNCATION_LEFT: _ClassVar[QueryTruncation]
+    QUERY_TRUNCATION_RIGHT: _ClassVar[QueryTruncation]
+TRUNCATE_UNSPECIFIED: Truncate
+TRUNCATE_NONE: Truncate
+TRUNCATE_END: Truncate
+QUERY_TRUNCATION_UNSPECIFIED: QueryTruncation
+QUERY_TRUNCATION_NONE: QueryTruncation
+QUERY_TRUNCATION_LEFT: QueryTruncation
+QUERY_TRUNCATION_RIGHT: QueryTruncation
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -21,20 +42,28 @@ class Input(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first")
+    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     APPLY_SOFTMAX_FIELD_NUMBER: _ClassVar[int]
     ITEM_FIRST_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TRUNCATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_TOKENIZATION_FIELD_NUMBER: _ClassVar[int]
     query: Input
     items: _containers.RepeatedCompositeFieldContainer[Input]
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
     labels: _containers.RepeatedScalarFieldContainer[str]
     apply_softmax: bool
     item_first: bool
-    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ...) -> None: ...
+    truncate: Truncate
+    query_truncation: QueryTruncation
+    max_query_tokens: int
+    check_tokenization: bool
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ...) -> None: ...
 
 class ItemScores(_message.Message):
     __slots__ = ("probabilities",)
@@ -43,24 +72,32 @@ class ItemScores(_message.Message):
     def __init__(self, probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "items")
+    __slots__ = ("prompt_tokens", "cached_tokens", "items", "truncated_query_tokens", "truncated_items", "truncated_item_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_ITEM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     items: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., items: _Optional[int] = ...) -> None: ...
+    truncated_query_tokens: int
+    truncated_items: _containers.RepeatedScalarFieldContainer[int]
+    truncated_item_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., items: _Optional[int] = ..., truncated_query_tokens: _Optional[int] = ..., truncated_items: _Optional[_Iterable[int]] = ..., truncated_item_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("scores", "usage", "label_token_ids")
+    __slots__ = ("scores", "usage", "label_token_ids", "joined_tokenization_differs")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_TOKENIZATION_DIFFERS_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedCompositeFieldContainer[ItemScores]
     usage: Usage
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    joined_tokenization_differs: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., joined_tokenization_differs: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
     __slots__ = ("query", "label_token_ids", "labels", "apply_softmax", "item_first")
@@ -141,7 +178,7 @@ class Limits(_message.Message):
     def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version")
+    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +189,7 @@ class GetModelInfoResponse(_message.Message):
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     vocab_size: int
@@ -162,4 +200,47 @@ class GetModelInfoResponse(_message.Message):
     has_tokenizer: bool
     attention: str
     version: str
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    template: str
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("query", "documents", "instruction", "top_n", "return_documents", "max_tokens_per_doc", "truncate", "check_tokenization")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_DOC_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_TOKENIZATION_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    instruction: str
+    top_n: int
+    return_documents: bool
+    max_tokens_per_doc: int
+    truncate: Truncate
+    check_tokenization: bool
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., instruction: _Optional[str] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., max_tokens_per_doc: _Optional[int] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., check_tokenization: _Optional[bool] = ...) -> None: ...
+
+class RerankResult(_message.Message):
+    __slots__ = ("index", "relevance_score", "document", "joined_tokenization_differs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RELEVANCE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    JOINED_TOKENIZATION_DIFFERS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    relevance_score: float
+    document: str
+    joined_tokenization_differs: bool
+    def __init__(self, index: _Optional[int] = ..., relevance_score: _Optional[float] = ..., document: _Optional[str] = ..., joined_tokenization_differs: _Optional[bool] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("results", "usage", "template")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    usage: Usage
+    template: str
+    def __init__(self, results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., template: _Optional[str] = ...) -> None: ...

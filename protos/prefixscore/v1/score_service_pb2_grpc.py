@@ -51,6 +51,11 @@ class ScoreServiceStub:
                 request_serializer=prefixscore_dot_v1_dot_score__service__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=prefixscore_dot_v1_dot_score__service__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/prefixscore.v1.ScoreService/Rerank',
+                request_serializer=prefixscore_dot_v1_dot_score__service__pb2.RerankRequest.SerializeToString,
+                response_deserializer=prefixscore_dot_v1_dot_score__service__pb2.RerankResponse.FromString,
+                _registered_method=True)
 
 
 class ScoreServiceServicer:
@@ -83,6 +88,15 @@ class ScoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rerank(self, request, context):
+        """Rerank scores documents against a query through the server's reranker
+        template (see GetModelInfoResponse.template) and returns them sorted by
+        relevance, highest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ScoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +114,11 @@ def add_ScoreServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=prefixscore_dot_v1_dot_score__service__pb2.GetModelInfoRequest.FromString,
                     response_serializer=prefixscore_dot_v1_dot_score__service__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=prefixscore_dot_v1_dot_score__service__pb2.RerankRequest.FromString,
+                    response_serializer=prefixscore_dot_v1_dot_score__service__pb2.RerankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +204,33 @@ class ScoreService:
             '/prefixscore.v1.ScoreService/GetModelInfo',
             prefixscore_dot_v1_dot_score__service__pb2.GetModelInfoRequest.SerializeToString,
             prefixscore_dot_v1_dot_score__service__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixscore.v1.ScoreService/Rerank',
+            prefixscore_dot_v1_dot_score__service__pb2.RerankRequest.SerializeToString,
+            prefixscore_dot_v1_dot_score__service__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,487 @@
+"""The HTTP API: SGLang's `/v1/score`, a Cohere/Jina/vLLM-style `/v1/rerank`, `/v1/models`,
+`/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the gRPC server's
+own event loop, on its own port.
+
+Routes only map JSON onto the transport-neutral inputs of `service/validate.py` (the one
+validation pass gRPC shares) and hand the validated request to `ScoreServer.run`, the same
+device worker and batcher as gRPC: items of HTTP and gRPC requests over one query ride in
+the same device calls. Errors keep SGLang's shape,
+`{"object": "error", "message", "type", "param", "code"}`, with `message` starting with
+the field at fault: 400 bad input, 413 over a size limit, 429 queue full (Retry-After),
+503 loading or draining, 504 deadline, 500 internal.
+
+Every response carries `x-request-id` (the client's when well formed, else a new one),
+which is also bound to every log line written while the request is handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from prefixscore.service import request_ids
+from prefixscore.service.logs import event
+from prefixscore.service.requests import InvalidInput
+from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer
+from prefixscore.service.templates import ranked
+from prefixscore.service.validate import RerankInput, ScoreInput, Truncation, Validator
+from prefixscore.service.wire import RpcFailure
+
+log = logging.getLogger("prefixscore.http")
+
+# gRPC status of a refused request -> HTTP status and the error `type` (OpenAI/SGLang names)
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "BadRequestError"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "BadRequestError"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "TooManyRequests"),
+    grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "GatewayTimeout"),
+}
+
+
+# ---- JSON bodies -------------------------------------------------------------------------------
+class ErrorResponse(BaseModel):
+    """SGLang's (and vLLM's) error body."""
+
+    object: Literal["error"] = "error"
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ScoringRequest(BaseModel):
+    """SGLang's /v1/score request, field for field, plus prefixscore's options (all optional)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    query: str | list[int] | None = Field(None, description="Query text or token ids.")
+    items: str | list[str] | list[list[int]] | None = Field(
+        None, description="Item text(s) or token-id lists; a single string is one item."
+    )
+    label_token_ids: list[int] | None = Field(None, description="Token ids whose next-token probability is returned.")
+    apply_softmax: bool = Field(False, description="Softmax over the label logits only (else full vocabulary).")
+    item_first: bool = Field(False, description="Score item + query instead of query + item.")
+    model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
+    labels: list[str] | None = Field(None, description="Label strings (one token each) instead of label_token_ids.")
+    truncate: Literal["none", "end"] = Field(
+        "none", description="An item too long for the context: 'none' rejects (SGLang), 'end' keeps its start."
+    )
+    query_truncation: Literal["none", "left", "right"] = Field(
+        "none", description="A query over max_query_tokens (or the context): 'left' keeps its end, 'right' its start."
+    )
+    max_query_tokens: int | None = Field(None, ge=0, description="With query_truncation: the most query tokens kept.")
+    check_tokenization: bool = Field(
+        False,
+        description="Text inputs: report per item whether tokenizing query + item as one string (as SGLang does) "
+        "gives other tokens than prefixscore's separate tokenization.",
+    )
+
+
+class CachedTokens(BaseModel):
+    cached_tokens: int
+
+
+class ScoringUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: CachedTokens
+    items: int
+    truncated_query_tokens: int
+    truncated_items: list[int]
+    truncated_item_tokens: int
+
+
+class ScoringResponse(BaseModel):
+    """SGLang's /v1/score response."""
+
+    scores: list[list[float]]
+    model: str
+    usage: ScoringUsage | None = None
+    object: Literal["scoring"] = "scoring"
+    joined_tokenization_differs: list[bool] | None = None
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="allow")  # Cohere/Jina document objects may carry more fields
+
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """Cohere / Jina / vLLM rerank request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(None, ge=0, description="Return the top_n most relevant documents (0 or absent: all).")
+    return_documents: bool = Field(True, description="Echo each document in its result.")
+    max_tokens_per_doc: int | None = Field(None, ge=0, description="Cut each document to this many tokens.")
+    instruction: str | None = Field(None, description="The template's task instruction (default: web search).")
+    truncate: Literal["none", "end"] = Field("end", description="A document too long to fit: 'end' cuts it.")
+    check_tokenization: bool = False
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+    joined_tokenization_differs: bool | None = None
+
+
+class RerankUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    cached_tokens: int
+    documents: int
+    truncated_documents: list[int]
+    truncated_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefixscore"
+    max_model_len: int
+    template: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Status(BaseModel):
+    status: str
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in [
+        (400, "Bad input; `message` starts with the field at fault"),
+        (413, "Over a size limit (items per request)"),
+        (429, "The queue is full; retry after the Retry-After header"),
+        (503, "The model is loading or the server is draining"),
+        (504, "The deadline passed before the items were scored"),
+    ]
+}
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def error(status: int, message: str, err_type: str, param: str | None = None, headers=None) -> JSONResponse:
+    body = ErrorResponse(message=message, type=err_type, param=param, code=status)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _invalid(err: InvalidInput) -> JSONResponse:
+    if err.too_large:
+        return error(413, str(err), "RequestTooLarge", err.field)
+    return error(400, str(err), "BadRequestError", err.field)
+
+
+def _refused(failure: RpcFailure) -> JSONResponse:
+    status, err_type = HTTP_STATUS.get(failure.code, (500, "InternalServerError"))
+    headers = {}
+    for key, value in failure.trailers:
+        if key == RETRY_AFTER_KEY:
+            headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
+    return error(status, failure.message, err_type, headers=headers)
+
+
+def _field(loc: tuple) -> str:
+    """pydantic's error location -> "documents[2].text" (without "body" and union branch names)."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not (isinstance(part, str) and ("[" in part or part in ("str", "int", "RerankDocument"))):
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def _bad_body(exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = _field(tuple(errors[0]["loc"])) if errors else "body"
+    seen: dict[str, str] = {}
+    for e in errors:  # one message per field (a union reports each branch)
+        seen.setdefault(_field(tuple(e["loc"])), e["msg"])
+    message = "; ".join(f"{field}: {msg}" for field, msg in seen.items())
+    return error(400, message, "BadRequestError", first)
+
+
+# ---- the app -----------------------------------------------------------------------------------
+class _RequestIds:
+    """ASGI middleware: bind the request id for the whole request and echo it as a header."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = next((v.decode("latin-1") for k, v in scope["headers"] if k == request_ids.HEADER.encode()), None)
+        rid = request_ids.accept(sent)
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (request_ids.HEADER.encode(), rid.encode())]
+            await send(message)
+
+        with request_ids.bound(rid):
+            await self.app(scope, receive, send_with_id)
+
+
+def build_app(server: ScoreServer) -> FastAPI:
+    """The FastAPI application over a ScoreServer (its validation, batcher and worker)."""
+    from prefixscore import __version__
+
+    app = FastAPI(
+        title="prefixscore",
+        version=__version__,
+        description="Score items against a query (SGLang /v1/score) and rerank documents (Cohere/Jina shape) "
+        "with a decoder LLM over a shared, cached prefix.",
+    )
+    app.add_middleware(_RequestIds)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _bad_body(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
+
+    def accepting() -> Validator:
+        return server._check_accepting().validator
+
+    def model_name(requested: str | None) -> str:
+        return requested or (server.loaded.name if server.loaded else "")
+
+    @contextlib.contextmanager
+    def handled(method: str) -> Iterator[dict]:
+        """Count the request like an RPC (drain waits for it) and turn errors into responses."""
+        outcome: dict[str, Any] = {}
+        started = time.monotonic()
+        with server.accounted(method) as status:
+            try:
+                yield outcome
+            except InvalidInput as err:
+                status[0] = "RESOURCE_EXHAUSTED" if err.too_large else "INVALID_ARGUMENT"
+                outcome["response"] = _invalid(err)
+            except RpcFailure as failure:
+                status[0] = failure.code.name
+                outcome["response"] = _refused(failure)
+            except Exception as err:
+                status[0] = "INTERNAL"
+                log.exception("%s failed", method)
+                outcome["response"] = error(500, f"internal error: {type(err).__name__}: {err}", "InternalServerError")
+            finally:
+                # an access-log line; it carries the request id like every line logged while handling it
+                seconds = round(time.monotonic() - started, 6)
+                event(log, "http_request", logging.DEBUG, method=method, status=status[0], seconds=seconds)
+
+    @app.post(
+        "/v1/score",
+        response_model=ScoringResponse,
+        response_model_exclude_none=True,
+        responses=ERRORS,
+        summary="Score items against a query (SGLang /v1/score)",
+    )
+    async def score(body: ScoringRequest) -> Any:
+        with handled("HttpScore") as outcome:
+            items = [body.items] if isinstance(body.items, str) else body.items
+            inp = ScoreInput(
+                query=body.query,
+                items=items,
+                label_token_ids=body.label_token_ids or (),
+                labels=body.labels or (),
+                apply_softmax=body.apply_softmax,
+                item_first=body.item_first,
+                truncate=body.truncate,
+                query_truncation=body.query_truncation,
+                max_query_tokens=body.max_query_tokens,
+                check_tokenization=body.check_tokenization,
+            )
+            checked = await asyncio.to_thread(accepting().score, inp)
+            req = checked.request
+            scores: list[list[float]] = []
+            cached = 0
+            if req.items:
+                unit = await server.run(req, "HttpScore")
+                scores, cached = unit.scores.tolist(), unit.cached_tokens
+            return ScoringResponse(
+                scores=scores,
+                model=model_name(body.model),
+                usage=_score_usage(req.prompt_tokens, cached, len(req.items), checked.truncation),
+                joined_tokenization_differs=checked.joined_differs,
+            )
+        return outcome["response"]
+
+    async def rerank(body: RerankRequest) -> Any:
+        with handled("HttpRerank") as outcome:
+            texts = [d if isinstance(d, str) else d.text for d in body.documents]
+            inp = RerankInput(
+                query=body.query,
+                documents=texts,
+                instruction=body.instruction,
+                top_n=body.top_n,
+                return_documents=body.return_documents,
+                max_tokens_per_doc=body.max_tokens_per_doc,
+                truncate=body.truncate,
+                check_tokenization=body.check_tokenization,
+            )
+            checked = await asyncio.to_thread(accepting().rerank, inp)
+            req = checked.scored.request
+            results: list[RerankResult] = []
+            cached = 0
+            if req.items:
+                unit = await server.run(req, "HttpRerank")
+                cached = unit.cached_tokens
+                differs = checked.scored.joined_differs
+                for r in ranked(unit.scores, checked.top_n):
+                    doc = body.documents[r.index]
+                    document = RerankDocument(text=doc) if isinstance(doc, str) else doc
+                    results.append(
+                        RerankResult(
+                            index=r.index,
+                            relevance_score=r.relevance_score,
+                            document=document if body.return_documents else None,
+                            joined_tokenization_differs=differs[r.index] if differs else None,
+                        )
+                    )
+            t = checked.scored.truncation
+            usage = RerankUsage(
+                prompt_tokens=req.prompt_tokens,
+                total_tokens=req.prompt_tokens,
+                cached_tokens=cached,
+                documents=len(req.items),
+                truncated_documents=list(t.items),
+                truncated_tokens=t.item_tokens,
+            )
+            rid = request_ids.current() or request_ids.new_id()
+            return RerankResponse(id=f"rerank-{rid}", model=model_name(body.model), results=results, usage=usage)
+        return outcome["response"]
+
+    summary = "Rerank documents by relevance to a query (Cohere / Jina / vLLM shape)"
+    for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
+        app.add_api_route(
+            path,
+            rerank,
+            methods=["POST"],
+            response_model=RerankResponse,
+            response_model_exclude_none=True,
+            responses=ERRORS,
+            summary=summary,
+            include_in_schema=path == "/v1/rerank",  # one documented path; the others are aliases
+        )
+
+    @app.get("/v1/models", response_model=ModelList, responses={503: ERRORS[503]}, summary="The served model")
+    async def models() -> Any:
+        if not server.ready or server.loaded is None:
+            return error(503, "the model is still loading; wait for /ready", "ServiceUnavailableError")
+        loaded = server.loaded
+        card = ModelCard(
+            id=loaded.name,
+            created=int(server.started_at),
+            max_model_len=loaded.cfg.max_position_embeddings,
+            template=server.template.name if server.template else None,
+        )
+        return ModelList(data=[card])
+
+    @app.get("/health", response_model=Status, summary="Liveness: the process answers")
+    async def health() -> Status:
+        return Status(status="ok")
+
+    @app.get(
+        "/ready",
+        response_model=Status,
+        responses={503: {"model": Status, "description": "Loading or draining"}},
+        summary="Readiness: 200 only when the model is loaded and the server is not draining",
+    )
+    async def ready() -> Any:
+        if server.draining:
+            return JSONResponse(Status(status="draining").model_dump(), status_code=503)
+        if not server.ready:
+            return JSONResponse(Status(status="loading").model_dump(), status_code=503)
+        return Status(status="ready")
+
+    return app
+
+
+def _score_usage(prompt_tokens: int, cached: int, items: int, t: Truncation) -> ScoringUsage:
+    return ScoringUsage(
+        prompt_tokens=prompt_tokens,
+        total_tokens=prompt_tokens,
+        prompt_tokens_details=CachedTokens(cached_tokens=cached),
+        items=items,
+        truncated_query_tokens=t.query_tokens,
+        truncated_items=list(t.items),
+        truncated_item_tokens=t.item_tokens,
+    )
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside a process that owns its signals: SIGTERM drains gRPC and HTTP together
+    (cli.py), so uvicorn must not install handlers of its own."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """The HTTP API on `host:port`, in the running event loop (the gRPC server's)."""
+
+    def __init__(self, server: ScoreServer, host: str, port: int) -> None:
+        self.app = build_app(server)
+        self.host = host
+        self.port = port
+        self._uvicorn: _EmbeddedServer | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Listen now (a taken port fails here); returns the bound port."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(1024)
+        sock.setblocking(False)
+        # the socket listens already: connections queue in its backlog until uvicorn accepts them
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30)
+        self._uvicorn = _EmbeddedServer(config)
+        self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
+        return sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._uvicorn is not None and self._task is not None:
+            self._uvicorn.should_exit = True
+            await self._task
+            self._uvicorn = self._task = None

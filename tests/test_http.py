@@ -1,0 +1,351 @@
+"""The HTTP API end to end: one real server (gRPC + HTTP, tiny-qwen3) shared by the module.
+
+Payloads are the shapes SGLang's /v1/score and the Cohere/Jina rerank docs use, sent with
+plain httpx; the `cohere` SDK is pointed at the server; scores must equal gRPC's and the
+in-process Scorer's bit for bit (one validation pass, one device path).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import cohere
+import grpc
+import httpx
+import pytest
+from service_testing import scrape, server_config
+
+from prefixscore.client import ScoreClient
+from prefixscore.service import logs
+from prefixscore.service.server import ServerThread
+from prefixscore.v1 import score_service_pb2 as pb
+from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
+
+MAX_ITEMS = 64
+
+# SGLang's /v1/score examples (docs and tests): text, and token ids with item_first
+SGLANG_TEXT = {
+    "model": "Qwen/Qwen3-0.6B",
+    "query": "The capital of France is",
+    "items": [" Paris", " London", " Berlin"],
+    "label_token_ids": [9454, 2753],
+    "apply_softmax": True,
+}
+SGLANG_IDS = {
+    "query": [785, 6722, 315, 9625, 374],
+    "items": [[12095], [7148], [19846]],
+    "label_token_ids": [9454, 2753, 11],
+    "item_first": True,
+}
+# Cohere's rerank quick start
+COHERE_QUERY = "What is the capital of the United States?"
+COHERE_DOCS = [
+    "Carson City is the capital city of the American state of Nevada.",
+    "The Commonwealth of the Northern Mariana Islands is a group of islands in the Pacific Ocean. "
+    "Its capital is Saipan.",
+    "Washington, D.C. (also known as simply Washington or D.C., and officially as the District of Columbia) "
+    "is the capital of the United States. It is a federal district.",
+    "Capital punishment has existed in the United States since before the United States was a country.",
+]
+# Jina's rerank example: documents as {"text": ...} objects, top_n, return_documents
+JINA = {
+    "model": "jina-reranker-v2-base-multilingual",
+    "query": "Organic skincare products for sensitive skin",
+    "top_n": 3,
+    "return_documents": True,
+    "documents": [
+        {"text": "Organic skincare for sensitive skin with aloe vera and chamomile."},
+        {"text": "New makeup trends focus on bold colors and innovative techniques"},
+        {"text": "Bio-Hautpflege für empfindliche Haut mit Aloe Vera und Kamille"},
+        {"text": "Cuidado de la piel orgánico para piel sensible con aloe vera y manzanilla"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_scorer):
+    with ServerThread(server_config(tiny_scorer, http_port=0, max_items=MAX_ITEMS)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}", timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    with ScoreClient(server.target) as c:
+        yield c
+
+
+def ok(response: httpx.Response) -> dict:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# ---- /v1/score: SGLang's shape, scores equal gRPC and in process ---------------------------------
+@pytest.mark.parametrize("payload", [SGLANG_TEXT, SGLANG_IDS], ids=["text", "token-ids-item-first"])
+def test_sglang_examples_score_like_grpc_and_in_process(http, grpc_client, tiny_scorer, payload):
+    body = ok(http.post("/v1/score", json=payload))
+    assert body["object"] == "scoring" and body["model"] == payload.get("model", "tiny-qwen3")
+    args = {k: payload[k] for k in ("query", "items", "label_token_ids")}
+    flags = {k: payload.get(k, False) for k in ("apply_softmax", "item_first")}
+    expected = tiny_scorer.score(**args, **flags)
+    assert body["scores"] == expected  # JSON floats of the same float32 values: exactly equal
+    assert grpc_client.score(**args, **flags).scores == expected
+    usage = body["usage"]
+    assert usage["items"] == 3 and usage["prompt_tokens"] == usage["total_tokens"] > 0
+    assert usage["truncated_items"] == [] and usage["truncated_query_tokens"] == 0
+
+
+def test_a_single_string_item_and_no_items(http):
+    one = ok(http.post("/v1/score", json={**SGLANG_TEXT, "items": " Paris"}))
+    assert len(one["scores"]) == 1
+    assert ok(http.post("/v1/score", json={**SGLANG_TEXT, "items": []}))["scores"] == []
+
+
+def test_http_and_grpc_items_share_device_calls(server, http, grpc_client):
+    """With the worker held, an HTTP and a gRPC request over one (cached) query are queued
+    together; released, they run in a single device call."""
+    import concurrent.futures
+
+    query = "Shared query for both transports."
+    grpc_client.score(query, ["warm the prefix cache"], [9454, 2753])
+    before = scrape(server.server.metrics_port)["prefixscore_device_batch_size_count"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with server.server.worker.paused():
+            via_http = pool.submit(
+                http.post, "/v1/score", json={"query": query, "items": ["a", "b"], "label_token_ids": [9454, 2753]}
+            )
+            via_grpc = pool.submit(grpc_client.score, query, ["c", "d", "e"], [9454, 2753])
+            wait_queued(server, 5)
+        assert len(ok(via_http.result())["scores"]) == 2 and len(via_grpc.result().scores) == 3
+    after = scrape(server.server.metrics_port)["prefixscore_device_batch_size_count"]
+    assert after - before == 1
+
+
+def wait_queued(server, items: int) -> None:
+    from service_testing import wait_for
+
+    wait_for(lambda: server.server.worker.depth >= items, what=f"{items} items queued")
+
+
+# ---- /v1/rerank ------------------------------------------------------------------------------------
+def test_cohere_sdk_gets_sorted_results_equal_to_in_process(server, tiny_scorer):
+    base = f"http://127.0.0.1:{server.server.http_port}"
+    expected = tiny_scorer.rerank(COHERE_QUERY, COHERE_DOCS, top_n=3)
+    for client in (cohere.Client(api_key="unused", base_url=base), cohere.ClientV2(api_key="unused", base_url=base)):
+        response = client.rerank(model="rerank-v3.5", query=COHERE_QUERY, documents=COHERE_DOCS, top_n=3)
+        got = [(r.index, r.relevance_score) for r in response.results]
+        assert got == [(r.index, r.relevance_score) for r in expected]
+        scores = [s for _, s in got]
+        assert scores == sorted(scores, reverse=True) and len(got) == 3
+
+
+def test_jina_example_and_aliases_and_grpc_agree(http, grpc_client, tiny_scorer):
+    body = ok(http.post("/v1/rerank", json=JINA))
+    texts = [d["text"] for d in JINA["documents"]]
+    expected = tiny_scorer.rerank(JINA["query"], texts, top_n=3)
+    assert [(r["index"], r["relevance_score"]) for r in body["results"]] == [
+        (r.index, r.relevance_score) for r in expected
+    ]
+    assert [r["document"]["text"] for r in body["results"]] == [texts[r.index] for r in expected]
+    assert body["id"].startswith("rerank-") and body["usage"]["documents"] == 4
+    assert ok(http.post("/rerank", json=JINA))["results"] == body["results"]
+    via_grpc = grpc_client.rerank(JINA["query"], texts, top_n=3)
+    assert [(r.index, r.relevance_score) for r in via_grpc.results] == [(r.index, r.relevance_score) for r in expected]
+    assert via_grpc.template == "qwen3-reranker"
+    bare = ok(http.post("/v1/rerank", json={**JINA, "return_documents": False}))
+    assert all("document" not in r for r in bare["results"])
+
+
+# ---- truncation -----------------------------------------------------------------------------------
+def test_score_truncation_is_reported_and_scores_the_cut_input(server, http, tiny_scorer):
+    limits = ScoreClient(server.target).model_info(timeout=30).limits
+    room = min(limits.max_item_tokens, limits.max_sequence_tokens - 3)  # after the 3-token query
+    long_item = list(range(100, 100 + room + 50))
+    payload = {"query": [5, 6, 7], "items": [[9, 10], long_item], "label_token_ids": [1, 2]}
+    refused = http.post("/v1/score", json=payload)
+    assert refused.status_code == 400 and refused.json()["param"] == "items[1]", refused.text  # SGLang's default
+    body = ok(http.post("/v1/score", json={**payload, "truncate": "end"}))
+    assert body["usage"]["truncated_items"] == [1] and body["usage"]["truncated_item_tokens"] == 50
+    assert body["scores"] == tiny_scorer.score([5, 6, 7], [[9, 10], long_item[:room]], [1, 2])
+    for side, kept in (("left", [8, 9]), ("right", [5, 6])):
+        q = {"query": [5, 6, 7, 8, 9], "items": [[11]], "label_token_ids": [1, 2]}
+        cut = ok(http.post("/v1/score", json={**q, "query_truncation": side, "max_query_tokens": 2}))
+        assert cut["usage"]["truncated_query_tokens"] == 3
+        assert cut["scores"] == tiny_scorer.score(kept, [[11]], [1, 2])
+
+
+def test_rerank_max_tokens_per_doc(http, tiny_scorer):
+    tok = tiny_scorer.model.tokenizer
+    doc = "one two three four five six seven eight nine ten"
+    body = ok(http.post("/v1/rerank", json={"query": "numbers", "documents": [doc, "x"], "max_tokens_per_doc": 4}))
+    assert body["usage"]["truncated_documents"] == [0]
+    ids = tok.encode(" " + doc)
+    assert body["usage"]["truncated_tokens"] == len(ids) - 4
+    cut_doc = tok.hf.decode(ids[:4])[1:]  # the kept tokens as text, without the separating space
+    assert tok.encode(" " + cut_doc) == ids[:4]
+    expected = {r.index: r.relevance_score for r in tiny_scorer.rerank("numbers", [cut_doc, "x"])}
+    assert {r["index"]: r["relevance_score"] for r in body["results"]} == expected
+
+
+# ---- the joined-tokenization check ----------------------------------------------------------------
+def test_check_tokenization_flags_items_whose_joined_tokens_differ(http, tiny_scorer):
+    tok = tiny_scorer.model.tokenizer
+    # a query ending in a space (as in SGLang's docs) + "Paris": joined, " Paris" is one token; apart, two
+    for query, item, differs in (("The capital of France is", " Paris", False), ("The capital is ", "Paris", True)):
+        payload = {"query": query, "items": [item, item], "label_token_ids": [1], "check_tokenization": True}
+        body = ok(http.post("/v1/score", json=payload))
+        assert (tok.encode(query + item) != tok.encode(query) + tok.encode(item)) is differs
+        assert body["joined_tokenization_differs"] == [differs, differs]
+    ids = http.post(
+        "/v1/score", json={"query": [1], "items": [[2]], "label_token_ids": [1], "check_tokenization": True}
+    )
+    assert ids.status_code == 400 and ids.json()["param"] == "check_tokenization"
+
+
+# ---- errors: SGLang's shape, the field named, the right status -------------------------------------
+BAD = {
+    "label out of vocabulary": ({"query": "q", "items": ["a"], "label_token_ids": [10**6]}, 400, "label_token_ids"),
+    "no labels": ({"query": "q", "items": ["a"]}, 400, "label_token_ids"),
+    "no query": ({"items": ["a"], "label_token_ids": [1]}, 400, "query"),
+    "mixed items": ({"query": "q", "items": ["a", [1]], "label_token_ids": [1]}, 400, "items"),
+    "wrong type": ({"query": "q", "items": ["a"], "label_token_ids": "yes"}, 400, "label_token_ids"),
+    "bad truncate": ({"query": "q", "items": ["a"], "label_token_ids": [1], "truncate": "start"}, 400, "truncate"),
+    "too many items": ({"query": "q", "items": ["a"] * (MAX_ITEMS + 1), "label_token_ids": [1]}, 413, "items"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_score_input(http, name):
+    payload, status, field = BAD[name]
+    response = http.post("/v1/score", json=payload)
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["object"] == "error" and body["code"] == status and body["param"] == field
+    assert body["message"].startswith(field), body
+
+
+@pytest.mark.parametrize(
+    "payload,field",
+    [
+        ({"query": "q", "documents": [""]}, "documents[0]"),
+        ({"query": "", "documents": ["a"]}, "query"),
+        ({"query": "q", "documents": [{"title": "no text"}]}, "documents[0]"),
+        ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+        ({"documents": ["a"]}, "query"),
+    ],
+)
+def test_bad_rerank_input(http, payload, field):
+    response = http.post("/v1/rerank", json=payload)
+    assert response.status_code == 400, response.text
+    assert response.json()["message"].startswith(field), response.json()
+
+
+def test_malformed_json_and_unknown_route(http):
+    response = http.post("/v1/score", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["object"] == "error"
+    assert http.get("/v1/nothing").status_code == 404
+
+
+# ---- request ids ----------------------------------------------------------------------------------
+def test_request_ids_are_echoed_or_made_and_logged(server, http):
+    sent = ok_response = http.post("/v1/score", json=SGLANG_TEXT, headers={"x-request-id": "trace-7"})
+    assert ok_response.headers["x-request-id"] == "trace-7"
+    made = http.post("/v1/score", json={"query": "q"}).headers["x-request-id"]
+    assert len(made) == 32 and made != "trace-7"
+    del sent
+    # gRPC: the same metadata key, echoed in the initial metadata, also on errors
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.ScoreServiceStub(channel)
+        call = stub.GetModelInfo.with_call(pb.GetModelInfoRequest(), metadata=(("x-request-id", "grpc-9"),))[1]
+        assert dict(call.initial_metadata())["x-request-id"] == "grpc-9"
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(pb.ScoreRequest(), metadata=(("x-request-id", "grpc-10"),))
+        assert dict(err.value.initial_metadata())["x-request-id"] == "grpc-10"
+    # the request's log lines carry its id
+    logs.configure("json", "DEBUG")
+    buf = io.StringIO()
+    logging.getLogger("prefixscore").handlers[0].setStream(buf)
+    try:
+        http.post("/v1/score", json=SGLANG_TEXT, headers={"x-request-id": "logged-1"})
+    finally:
+        logs.configure("json", "INFO")
+    lines = [json.loads(line) for line in buf.getvalue().splitlines()]
+    mine = [line for line in lines if line.get("event") == "http_request"]
+    assert mine and all(line["request_id"] == "logged-1" for line in mine), lines
+
+
+# ---- the README's curl commands, as written ------------------------------------------------------
+def readme_curl_commands() -> list[str]:
+    """The fenced block after the README line naming this file, one command per `curl`."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    after = text[text.index("`tests/test_http.py` runs") :]
+    block = after[after.index("```bash") + len("```bash") : after.index("```", after.index("```bash") + 7)]
+    commands = [c.strip() for c in ("\n" + block).split("\ncurl ") if c.strip()]
+    return ["curl " + c for c in commands]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_readme_curl_commands_work(server):
+    commands = readme_curl_commands()
+    assert [shlex.split(c)[2].rsplit("/", 2)[-2:] for c in commands] == [["v1", "score"], ["v1", "rerank"]]
+    port = str(server.server.http_port)
+    outputs = []
+    for command in commands:
+        argv = [a.replace("localhost:8000", f"127.0.0.1:{port}") for a in shlex.split(command)]
+        outputs.append(json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout))
+    scored, reranked = outputs
+    assert scored["object"] == "scoring" and len(scored["scores"]) == 3
+    scores = [r["relevance_score"] for r in reranked["results"]]
+    assert len(scores) == 2 and scores == sorted(scores, reverse=True)
+
+
+# ---- models, health, readiness, OpenAPI -----------------------------------------------------------
+def test_models_health_ready(server, http):
+    models = ok(http.get("/v1/models"))
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-qwen3"
+    assert models["data"][0]["template"] == "qwen3-reranker"
+    assert ok(http.get("/health"))["status"] == "ok"
+    assert ok(http.get("/ready"))["status"] == "ready"
+    info = ScoreClient(server.target).model_info(timeout=30)
+    assert info.template == "qwen3-reranker"
+
+
+def test_openapi_document_holds_against_the_server(server):
+    """schemathesis generates requests from /openapi.json and checks each response: no 5xx,
+    documented status codes and content types, bodies that match the schema."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    base = f"http://127.0.0.1:{server.server.http_port}"
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/score", "/v1/rerank", "/v1/models", "/health", "/ready"}
+    bounded = settings(
+        max_examples=8, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck), database=None
+    )
+    for operation in operations:
+
+        @bounded
+        @given(case=operation.as_strategy())
+        def check(case) -> None:
+            case.call_and_validate(base_url=base, checks=checks)
+
+        check()
