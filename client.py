@@ -8,6 +8,7 @@ from prefixscore.service.client import (
     ScoreStream,
     Usage,
     retry_after_ms,
+    tls_credentials,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "ScoreStream",
     "Usage",
     "retry_after_ms",
+    "tls_credentials",
 ]

@@ -29,6 +29,8 @@ class Limits:
     # the longest sequence / item the engine's buckets serve (None: the model's context)
     max_sequence_tokens: int | None = None
     max_item_tokens: int | None = None
+    # tokens in one request or stream batch (query once, plus every item); None: no limit
+    max_request_tokens: int | None = None
 
     @classmethod
     def for_engine(cls, engine, **overrides) -> Limits:
@@ -96,7 +98,28 @@ class RequestTokenizer:
             raise InvalidInput(
                 field, f"text of {len(text)} characters exceeds the limit of {self.limits.max_text_chars}"
             )
+        self._check_chars(field, len(text), self._context())
         return self.tokenizer.encode(text)
+
+    def _context(self) -> int:
+        return min(self.cfg.max_position_embeddings, self.limits.max_sequence_tokens or 1 << 62)
+
+    def _check_chars(self, field: str, chars: int, max_tokens: int) -> None:
+        """Refuse text that is surely over `max_tokens` from its length alone, before tokenizing it:
+        tokenizing megabytes costs seconds of CPU and memory that a refusal should not."""
+        assert self.tokenizer is not None
+        if chars > max_tokens * self.tokenizer.max_token_chars:
+            raise InvalidInput(
+                field,
+                f"text of {chars} characters is over {max_tokens} tokens (at most "
+                f"{self.tokenizer.max_token_chars} characters a token)",
+            )
+
+    def check_request_tokens(self, tokens: int) -> None:
+        """The request's tokens (query once, plus every item) against max_request_tokens."""
+        limit = self.limits.max_request_tokens
+        if limit is not None and tokens > limit:
+            raise InvalidInput("items", f"the request is {tokens} tokens, over the limit of {limit} per request")
 
     def query_ids(self, query: str | Sequence[int]) -> list[int]:
         if isinstance(query, str):
@@ -132,6 +155,11 @@ class RequestTokenizer:
                     )
             if self.tokenizer is None:
                 raise InvalidInput("items", f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
+            context = self._context()
+            for j, it in enumerate(items):
+                self._check_chars(f"items[{j}]", len(it), context)
+            if self.limits.max_request_tokens is not None:
+                self._check_chars("items", sum(len(it) for it in items), self.limits.max_request_tokens)
             out = self.tokenizer.encode_many(list(items))
         else:
             out = []
@@ -177,5 +205,8 @@ class RequestTokenizer:
             if len(it) > max_item and not item_first:
                 raise InvalidInput(f"items[{j}]", f"{len(it)} tokens, over the item limit of {max_item}")
         if item_first:
-            return TokenizedRequest((), [start + it + query for it in items], labels, apply_softmax, True)
+            sequences = [start + it + query for it in items]
+            self.check_request_tokens(sum(len(seq) for seq in sequences))
+            return TokenizedRequest((), sequences, labels, apply_softmax, True)
+        self.check_request_tokens(len(start) + len(query) + sum(len(it) for it in items))
         return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False)
