@@ -3,9 +3,8 @@
 Every check happens here, before any device work, and reuses
 `service/requests.py` (with `Limits.for_engine`, so sequences fit the
 compiled buckets), so the gRPC service and the in-process `Scorer` reject the
-same inputs with the same messages. On top of those, a request or stream batch
-with more items than the per-request limit gets RESOURCE_EXHAUSTED, and label
-strings are resolved to single token ids.
+same inputs with the same messages. On top of those, label strings are resolved
+to single token ids.
 """
 
 from __future__ import annotations
@@ -84,9 +83,8 @@ class RequestConverter:
     def _items(self, items: Sequence[pb.Input]) -> list[str | list[int]]:
         limit = self.requests.limits.max_items
         if len(items) > limit:
-            raise RpcFailure(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"items: {len(items)} items exceed the limit of {limit} per request"
-            )
+            # INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: retrying the same request can never succeed
+            raise InvalidInput("items", f"{len(items)} items exceed the limit of {limit} per request")
         return [_input(f"items[{j}]", it) for j, it in enumerate(items)]
 
     def _labels(self, ids: Sequence[int], labels: Sequence[str]) -> tuple[int, ...]:
