@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import ScoreClient, retry_after_ms
@@ -340,3 +342,43 @@ def test_model_info_while_draining_is_unavailable(tiny_scorer):
             drain.join(60)
     finally:
         srv.stop()
+
+
+# ---- fuzz: protobuf requests, well-formed or not, against the real server ------------------------
+_ids = st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(0, 60_000), max_size=12)
+_input = st.one_of(
+    st.builds(lambda t: pb.Input(text=t), st.text(max_size=40)),
+    st.builds(lambda v: pb.Input(token_ids=pb.TokenIds(ids=v)), _ids),
+    st.just(pb.Input()),
+)
+_request = st.builds(
+    lambda q, items, label_ids, labels, softmax, first: pb.ScoreRequest(
+        query=q, items=items, label_token_ids=label_ids, labels=labels, apply_softmax=softmax, item_first=first
+    ),
+    _input,
+    st.lists(_input, max_size=4),
+    _ids,
+    st.lists(st.sampled_from(["yes", "no", "", "not one token", "\x00"]), max_size=2),
+    st.booleans(),
+    st.booleans(),
+)
+_bytes = st.one_of(_request.map(lambda r: r.SerializeToString()), st.binary(max_size=64))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(raw=_bytes)
+def test_fuzzed_requests_get_precise_statuses(server, raw):
+    with grpc.insecure_channel(server.target) as channel:
+        for method in ("Score", "GetModelInfo"):
+            call = channel.unary_unary(f"/{SERVICE}/{method}")
+            try:
+                call(raw, timeout=60)
+            except grpc.RpcError as err:
+                assert err.code() not in (Code.INTERNAL, Code.UNKNOWN, Code.DEADLINE_EXCEEDED), err.details()
+        stream = channel.stream_stream(f"/{SERVICE}/ScoreStream")
+        try:
+            list(stream(iter([raw, raw]), timeout=60))
+        except grpc.RpcError as err:
+            assert err.code() not in (Code.INTERNAL, Code.UNKNOWN, Code.DEADLINE_EXCEEDED), err.details()
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
