@@ -10,6 +10,7 @@ from prefixscore.service.client import (
     ScoreStream,
     Usage,
     retry_after_ms,
+    tls_credentials,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "ScoreStream",
     "Usage",
     "retry_after_ms",
+    "tls_credentials",
 ]

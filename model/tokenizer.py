@@ -8,6 +8,7 @@ tokenizing the concatenated string where a BPE merge would span the boundary.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,14 @@ class TextTokenizer:
         # the start tokens the tokenizer itself adds (e.g. Llama's BOS); none for Qwen, SmolLM2
         n = len(with_special) - len(plain)
         self.start_ids: list[int] = list(with_special[:n]) if n > 0 and with_special[n:] == plain else []
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: a text of `c` characters has at
+        least `c / max_token_chars` tokens, so a text too long for a limit is refused before the
+        (costly) tokenization. A vocabulary entry spells each byte with at least one character;
+        the factor 2 covers normalizers that merge characters (NFC/NFKC)."""
+        return 2 * max(1, max((len(t) for t in self.hf.get_vocab()), default=1))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of one piece of text, no special tokens."""

@@ -77,11 +77,23 @@ class WorkUnit:
     def __post_init__(self) -> None:
         self.scores = np.zeros((len(self.items), len(self.label_ids)), np.float32)
         self.remaining = len(self.items)
+        # item tokens before item j, for the queue's token count without a pass over the items
+        self._token_offsets = np.concatenate(([0], np.cumsum([len(it) for it in self.items], dtype=np.int64)))
 
     @property
     def queued(self) -> int:
         """Items not yet in a device call."""
         return 0 if self.cancelled else len(self.items) - self.taken
+
+    @property
+    def tokens(self) -> int:
+        """Item tokens of the unit (the query's are prefilled once, not per item)."""
+        return int(self._token_offsets[-1])
+
+    @property
+    def queued_tokens(self) -> int:
+        """Item tokens not yet in a device call."""
+        return 0 if self.cancelled else int(self._token_offsets[-1] - self._token_offsets[self.taken])
 
     @property
     def due(self) -> float:
@@ -122,6 +134,11 @@ class Batcher:
     def depth(self) -> int:
         """Items pending (not yet in a device call): the autoscaling signal."""
         return sum(u.queued for u in self.units.values())
+
+    @property
+    def queued_tokens(self) -> int:
+        """Item tokens pending (admission control counts tokens as well as items)."""
+        return sum(u.queued_tokens for u in self.units.values())
 
     def add(self, unit: WorkUnit) -> None:
         unit.seq = next(self._seq)

@@ -160,7 +160,88 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="[$PREFIXSCORE_LOG_FORMAT, %(default)s]",
     )
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="[$PREFIXSCORE_LOG_LEVEL, %(default)s]")
+    _add_limits(p)
+    _add_security(p)
     p.set_defaults(func=run_serve)
+
+
+# (flag, ServerConfig field, type, help): every limit (docs/operations.md)
+LIMIT_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
+    ("--max-queue-tokens", "max_queue_tokens", int, "item tokens waiting for the device before RESOURCE_EXHAUSTED"),
+    ("--max-request-tokens", "max_request_tokens", int, "tokens of one request or stream batch"),
+    ("--max-streams", "max_streams", int, "ScoreStreams open at once"),
+    ("--max-concurrent-rpcs", "max_concurrent_rpcs", int, "RPCs in progress at once"),
+    ("--stream-idle-timeout", "stream_idle_timeout_s", float, "seconds a stream may neither send nor read"),
+    ("--max-pending-batches", "max_pending_batches", int, "batches of a stream not yet sent back before reads pause"),
+    ("--keepalive-time", "keepalive_time_s", float, "seconds between keepalive pings"),
+    ("--keepalive-timeout", "keepalive_timeout_s", float, "seconds a ping may go unanswered"),
+    ("--max-connection-idle", "max_connection_idle_s", float, "seconds a connection may have no calls"),
+    ("--max-connection-age", "max_connection_age_s", float, "seconds before a connection is recycled"),
+    ("--max-connection-age-grace", "max_connection_age_grace_s", float, "seconds calls may finish after that"),
+    ("--max-message-bytes", "max_message_bytes", int, "bytes of one gRPC message"),
+]
+
+
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    # unset: ServerConfig's default (README lists them; GetModelInfo reports what is in force).
+    # Not read from ServerConfig here: that import costs every subcommand a second of JAX
+    for flag, field, cast, text in LIMIT_FLAGS:
+        env = flag[2:].upper().replace("-", "_")
+        p.add_argument(flag, dest=field, type=cast, default=_env(env, None, cast), help=f"{text} [$PREFIXSCORE_{env}]")
+
+
+def _add_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--metrics-host",
+        default=_env("METRICS_HOST", None),
+        help="address the metrics endpoint binds (default: --host) [$PREFIXSCORE_METRICS_HOST]",
+    )
+    p.add_argument(
+        "--reflection",
+        type=_bool,
+        default=_env("REFLECTION", False, _bool),
+        help="serve gRPC reflection (grpcurl without the .proto) [$PREFIXSCORE_REFLECTION, %(default)s]",
+    )
+    p.add_argument(
+        "--tls-cert", default=_env("TLS_CERT", None), help="server certificate (PEM) [$PREFIXSCORE_TLS_CERT]"
+    )
+    p.add_argument("--tls-key", default=_env("TLS_KEY", None), help="its private key (PEM) [$PREFIXSCORE_TLS_KEY]")
+    p.add_argument(
+        "--tls-client-ca",
+        default=_env("TLS_CLIENT_CA", None),
+        help="CA (PEM) client certificates must be signed by: mutual TLS [$PREFIXSCORE_TLS_CLIENT_CA]",
+    )
+    p.add_argument(
+        "--auth-tokens-file",
+        default=_env("AUTH_TOKENS_FILE", None),
+        help="accepted bearer tokens, one a line; every call but health needs one [$PREFIXSCORE_AUTH_TOKENS_FILE]",
+    )
+
+
+def _add_client_security(p: argparse.ArgumentParser) -> None:
+    """Client-side TLS and token options (score, models)."""
+    p.add_argument("--tls", action="store_true", default=_env("TLS", False, _bool), help="use TLS [$PREFIXSCORE_TLS]")
+    p.add_argument("--tls-ca", default=_env("TLS_CA", None), help="CA (PEM) to verify the server; implies --tls")
+    p.add_argument("--tls-client-cert", default=_env("TLS_CLIENT_CERT", None), help="client certificate: mutual TLS")
+    p.add_argument("--tls-client-key", default=_env("TLS_CLIENT_KEY", None), help="its private key")
+    p.add_argument(
+        "--token-file",
+        default=_env("TOKEN_FILE", None),
+        help="file holding the bearer token (or $PREFIXSCORE_TOKEN) [$PREFIXSCORE_TOKEN_FILE]",
+    )
+
+
+def _client(args: argparse.Namespace, target: str) -> Any:
+    from prefixscore.service.client import ScoreClient, tls_credentials
+
+    credentials = None
+    if args.tls or args.tls_ca or args.tls_client_cert:
+        credentials = tls_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    token = os.environ.get("PREFIXSCORE_TOKEN") or None
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    return ScoreClient(target, credentials=credentials, token=token)
 
 
 def _buckets(args: argparse.Namespace) -> Callable[[int], Any] | None:
@@ -201,6 +282,13 @@ def run_serve(args: argparse.Namespace) -> int:
         buckets=_buckets(args),
         attn_impl=args.attention,
         batch_wait_s=args.batch_wait_ms / 1000.0,
+        **{field: getattr(args, field) for _, field, _, _ in LIMIT_FLAGS if getattr(args, field) is not None},
+        metrics_host=args.metrics_host,
+        reflection=args.reflection,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        auth_tokens_file=args.auth_tokens_file,
     )
 
     async def serve() -> int:
@@ -217,7 +305,7 @@ def run_serve(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             pass  # drained before it was ready
         await server.wait_stopped()
-        return 0
+        return server.exit_code  # non-zero when the device loop broke: the orchestrator restarts us
 
     return asyncio.run(serve())
 
@@ -243,6 +331,7 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jsonl", help="file of requests, one JSON object a line ('-' for stdin)")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     p.add_argument("--timeout", type=float, default=None, help="deadline per request in seconds")
+    _add_client_security(p)
     p.set_defaults(func=run_score)
 
 
@@ -279,9 +368,7 @@ def _table(request: dict[str, Any], scores: list[list[float]], label_ids: list[i
 def run_score(args: argparse.Namespace) -> int:
     import grpc
 
-    from prefixscore.service.client import ScoreClient
-
-    with ScoreClient(args.target) as client:
+    with _client(args, args.target) as client:
         for request in _requests(args):
             try:
                 result = client.score(
@@ -351,6 +438,7 @@ def run_rerank(args: argparse.Namespace) -> int:
 def add_models(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the built-in models, or describe a running server's model")
     p.add_argument("--target", default=None, help="host:port of a server: print its GetModelInfo as JSON")
+    _add_client_security(p)
     p.set_defaults(func=run_models)
 
 
@@ -358,9 +446,7 @@ def run_models(args: argparse.Namespace) -> int:
     if args.target:
         from google.protobuf import json_format
 
-        from prefixscore.service.client import ScoreClient
-
-        with ScoreClient(args.target) as client:
+        with _client(args, args.target) as client:
             info = client.model_info(timeout=30)
         print(json.dumps(json_format.MessageToDict(info, preserving_proto_field_name=True), indent=2))
         return 0

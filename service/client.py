@@ -10,6 +10,10 @@
             ids = [session.submit(b) for b in batches]  # pipelined: send all, then
             scores = [session.result(i) for i in ids]   # collect by batch id
 
+Over TLS: `ScoreClient(target, credentials=tls_credentials(ca="ca.pem"))` (mutual TLS: also
+`cert=` and `key=`); with token authentication: `token="..."` (sent as
+`authorization: Bearer <token>` on every call).
+
 Inputs are text or token ids, as in `Scorer.score`. Errors are `grpc.RpcError`
 (`.code()`, `.details()`); a full server queue gives RESOURCE_EXHAUSTED with a
 `retry-after-ms` trailing metadata entry (see `retry_after_ms`).
@@ -142,6 +146,25 @@ def stream_open(
     )
 
 
+def _file(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def tls_credentials(ca: str | None = None, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: `ca` verifies the server (None: the system's roots);
+    `cert` and `key` are this client's certificate for mutual TLS."""
+    if (cert is None) != (key is None):
+        raise ValueError("mutual TLS needs both a client certificate and its key")
+    return grpc.ssl_channel_credentials(_file(ca), _file(key), _file(cert))
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
 def retry_after_ms(err: grpc.RpcError) -> int | None:
     """The server's retry hint on RESOURCE_EXHAUSTED, in milliseconds (None if absent)."""
     trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
@@ -184,11 +207,17 @@ class ScoreStream(_Session):
     """A sync ScoreStream session (from `ScoreClient.stream`): the query's KV stays pinned on
     the server until `close()`. Results may come back out of order; they are matched by id."""
 
-    def __init__(self, stub: pb_grpc.ScoreServiceStub, opening: pb.ScoreStreamRequest, timeout: float | None) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.ScoreServiceStub,
+        opening: pb.ScoreStreamRequest,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
         super().__init__()
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(opening)
-        self._call = stub.ScoreStream(self._outgoing(), timeout=timeout)
+        self._call = stub.ScoreStream(self._outgoing(), timeout=timeout, metadata=metadata)
         self._closed = False
         self._receive_one()  # the `opened` answer, or the error that refused the open
         if not self.opened:
@@ -254,11 +283,23 @@ class ScoreStream(_Session):
 
 
 class ScoreClient:
-    """Sync client. `target`: "host:port". Use as a context manager or call `close()`."""
+    """Sync client. `target`: "host:port"; `credentials`: TLS (see `tls_credentials`), None for
+    plaintext; `token`: a bearer token. Use as a context manager or call `close()`."""
 
-    def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        target: str,
+        options: Sequence[tuple[str, Any]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+    ) -> None:
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options])
+        opts = [*CHANNEL_OPTIONS, *options]
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=opts)
+        self._metadata = _metadata(token)
         self._stub = pb_grpc.ScoreServiceStub(self._channel)
 
     def score(
@@ -273,7 +314,7 @@ class ScoreClient:
     ) -> ScoreResult:
         """Probabilities [items][labels] of each label as the next token after query + item."""
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
-        response = self._stub.Score(request, timeout=timeout)
+        response = self._stub.Score(request, timeout=timeout, metadata=self._metadata)
         return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
 
     def stream(
@@ -286,7 +327,8 @@ class ScoreClient:
         timeout: float | None = None,
     ) -> ScoreStream:
         """Open a ScoreStream session over `query` (returns once the server has its KV on the device)."""
-        return ScoreStream(self._stub, stream_open(query, label_token_ids, apply_softmax, item_first, labels), timeout)
+        opening = stream_open(query, label_token_ids, apply_softmax, item_first, labels)
+        return ScoreStream(self._stub, opening, timeout, self._metadata)
 
     def rerank(
         self,
@@ -302,7 +344,7 @@ class ScoreClient:
         return _reranked(self._stub.Rerank(request, timeout=timeout))
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()
@@ -367,11 +409,22 @@ class AsyncScoreStream(_Session):
 
 
 class AsyncScoreClient:
-    """asyncio client with the methods of ScoreClient as coroutines."""
+    """asyncio client with the methods (and arguments) of ScoreClient as coroutines."""
 
-    def __init__(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        target: str,
+        options: Sequence[tuple[str, Any]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+    ) -> None:
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options])
+        opts = [*CHANNEL_OPTIONS, *options]
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=opts)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=opts)
+        self._metadata = _metadata(token)
         self._stub = pb_grpc.ScoreServiceStub(self._channel)
 
     async def score(
@@ -385,7 +438,7 @@ class AsyncScoreClient:
         timeout: float | None = None,
     ) -> ScoreResult:
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
-        response = await self._stub.Score(request, timeout=timeout)
+        response = await self._stub.Score(request, timeout=timeout, metadata=self._metadata)
         return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
 
     async def stream(
@@ -397,7 +450,7 @@ class AsyncScoreClient:
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
     ) -> AsyncScoreStream:
-        call = self._stub.ScoreStream(timeout=timeout)
+        call = self._stub.ScoreStream(timeout=timeout, metadata=self._metadata)
         session = AsyncScoreStream(call)
         await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels))
         if not await session._receive_one():
@@ -418,7 +471,7 @@ class AsyncScoreClient:
         return _reranked(await self._stub.Rerank(request, timeout=timeout))
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

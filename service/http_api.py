@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -36,6 +37,7 @@ from starlette.exceptions import HTTPException
 from prefixscore.service import request_ids
 from prefixscore.service.logs import event
 from prefixscore.service.requests import InvalidInput
+from prefixscore.service.security import TokenFile
 from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer
 from prefixscore.service.templates import ranked
 from prefixscore.service.validate import RerankInput, ScoreInput, Truncation, Validator
@@ -258,7 +260,74 @@ class _RequestIds:
             await self.app(scope, receive, send_with_id)
 
 
-def build_app(server: ScoreServer) -> FastAPI:
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes (--max-message-bytes, as for gRPC) is
+    refused with 413 before it is parsed; the body is read here once and handed on whole."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        body = bytearray()
+        too_large = int(declared) > self.limit if declared.isdigit() else False
+        more = not too_large
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left: nothing to answer
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            too_large = len(body) > self.limit
+            more = more and not too_large
+        if too_large:
+            msg = f"request body: over the limit of {self.limit} bytes"
+            refusal = JSONResponse(
+                {"object": "error", "message": msg, "type": "RequestTooLarge", "param": None, "code": 413},
+                status_code=413,
+            )
+            await refusal(scope, receive, send)
+            return
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if delivered:
+                return await receive()  # a disconnect, if the app listens for one
+            delivered = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class _BearerTokens:
+    """ASGI middleware: every path but the probes needs `Authorization: Bearer <token>`
+    (security.TokenFile: constant-time compare, re-read on change); else 401."""
+
+    EXEMPT = ("/health", "/ready")
+
+    def __init__(self, app: Any, tokens: TokenFile) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.EXEMPT:
+            await self.app(scope, receive, send)
+            return
+        sent = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if self.tokens.accepts(sent):
+            await self.app(scope, receive, send)
+            return
+        body = {"object": "error", "message": "missing or invalid bearer token", "type": "Unauthorized", "code": 401}
+        refusal = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await refusal(scope, receive, send)
+
+
+def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
     """The FastAPI application over a ScoreServer (its validation, batcher and worker)."""
     from prefixscore import __version__
 
@@ -268,7 +337,10 @@ def build_app(server: ScoreServer) -> FastAPI:
         description="Score items against a query (SGLang /v1/score) and rerank documents (Cohere/Jina shape) "
         "with a decoder LLM over a shared, cached prefix.",
     )
-    app.add_middleware(_RequestIds)
+    app.add_middleware(_BodyLimit, limit=server.config.max_message_bytes)
+    if tokens is not None:  # outside the body limit: a refused client's body is never read
+        app.add_middleware(_BearerTokens, tokens=tokens)
+    app.add_middleware(_RequestIds)  # added last: outermost, so refusals carry the request id too
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -293,7 +365,7 @@ def build_app(server: ScoreServer) -> FastAPI:
             try:
                 yield outcome
             except InvalidInput as err:
-                status[0] = "RESOURCE_EXHAUSTED" if err.too_large else "INVALID_ARGUMENT"
+                status[0] = "INVALID_ARGUMENT"
                 outcome["response"] = _invalid(err)
             except RpcFailure as failure:
                 status[0] = failure.code.name
@@ -459,10 +531,18 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """The HTTP API on `host:port`, in the running event loop (the gRPC server's)."""
 
-    def __init__(self, server: ScoreServer, host: str, port: int) -> None:
-        self.app = build_app(server)
+    def __init__(
+        self,
+        server: ScoreServer,
+        host: str,
+        port: int,
+        tokens: TokenFile | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.app = build_app(server, tokens)
         self.host = host
         self.port = port
+        self.ssl_context = ssl_context
         self._uvicorn: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
 
@@ -476,6 +556,8 @@ class HttpServer:
         sock.setblocking(False)
         # the socket listens already: connections queue in its backlog until uvicorn accepts them
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30)
+        config.load()
+        config.ssl = self.ssl_context  # ours, not uvicorn's: it follows rotated certificate files
         self._uvicorn = _EmbeddedServer(config)
         self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
         return sock.getsockname()[1]

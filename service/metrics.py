@@ -9,7 +9,12 @@ tests check that every name used there is exported here.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+import socket
+import socketserver
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -78,6 +83,21 @@ class ServiceMetrics:
         self.rejected = Counter(
             "prefixscore_rejected_total", "Requests refused by admission control (queue full).", registry=r
         )
+        self.nonfinite = Counter(
+            "prefixscore_nonfinite_scores_total",
+            "Requests failed (INTERNAL) because the device returned NaN or Inf scores.",
+            registry=r,
+        )
+        self.stream_backpressure = Counter(
+            "prefixscore_stream_backpressure_total",
+            "Times a stream stopped reading because its client had the maximum of unsent results.",
+            registry=r,
+        )
+        self.streams_idle_closed = Counter(
+            "prefixscore_streams_idle_closed_total",
+            "Streams ended for neither sending nor reading within the idle timeout.",
+            registry=r,
+        )
         self.cache_hits = Counter("prefixscore_prefix_cache_hits_total", "Prefix cache hits.", registry=r)
         self.cache_misses = Counter(
             "prefixscore_prefix_cache_misses_total", "Prefix cache misses (prefills).", registry=r
@@ -94,3 +114,29 @@ class ServiceMetrics:
         self.compile_seconds = Counter(
             "prefixscore_compile_seconds_total", "Seconds spent in XLA compilation since start.", registry=r
         )
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # scrapes are not worth a log line each
+        pass
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """Serve `registry` at GET /metrics only (any other path: 404), on a daemon thread; returns the
+    server (`.server_port`, `.shutdown()`). prometheus-client's own server answers every path."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response):  # noqa: ANN202 - the WSGI signature
+        if environ.get("PATH_INFO") == "/metrics":
+            return metrics_app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found; metrics are at /metrics\n"]
+
+    server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6}) if ":" in host else _Server
+    server = make_server(host, port, app, server_class=server_class, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="prefixscore-metrics", daemon=True).start()
+    return server

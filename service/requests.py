@@ -14,7 +14,7 @@ from prefixscore.model.tokenizer import TextTokenizer
 
 class InvalidInput(ValueError):
     """Bad request input; `field` names what is wrong. `too_large`: a size limit was exceeded
-    (gRPC RESOURCE_EXHAUSTED, HTTP 413) rather than a malformed input (INVALID_ARGUMENT, 400)."""
+    (HTTP 413) rather than a malformed input (HTTP 400); gRPC says INVALID_ARGUMENT for both."""
 
     def __init__(self, field: str, message: str, too_large: bool = False) -> None:
         super().__init__(f"{field}: {message}")
@@ -31,6 +31,8 @@ class Limits:
     # the longest sequence / item the engine's buckets serve (None: the model's context)
     max_sequence_tokens: int | None = None
     max_item_tokens: int | None = None
+    # tokens in one request or stream batch (query once, plus every item); None: no limit
+    max_request_tokens: int | None = None
 
     @classmethod
     def for_engine(cls, engine, **overrides) -> Limits:
@@ -91,20 +93,42 @@ class RequestTokenizer:
         self.limits = limits or Limits()
         self.start_ids: list[int] = tokenizer.start_ids if tokenizer else []
 
-    def _text(self, field: str, text: str) -> list[int]:
+    def _text(self, field: str, text: str, truncating: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
         if len(text) > self.limits.max_text_chars:
             raise InvalidInput(
                 field, f"text of {len(text)} characters exceeds the limit of {self.limits.max_text_chars}"
             )
+        if not truncating:
+            self._check_chars(field, len(text), self._context())
         return self.tokenizer.encode(text)
 
-    def query_ids(self, query: str | Sequence[int]) -> list[int]:
+    def _context(self) -> int:
+        return min(self.cfg.max_position_embeddings, self.limits.max_sequence_tokens or 1 << 62)
+
+    def _check_chars(self, field: str, chars: int, max_tokens: int) -> None:
+        """Refuse text that is surely over `max_tokens` from its length alone, before tokenizing it:
+        tokenizing megabytes costs seconds of CPU and memory that a refusal should not."""
+        assert self.tokenizer is not None
+        if chars > max_tokens * self.tokenizer.max_token_chars:
+            raise InvalidInput(
+                field,
+                f"text of {chars} characters is over {max_tokens} tokens (at most "
+                f"{self.tokenizer.max_token_chars} characters a token)",
+            )
+
+    def check_request_tokens(self, tokens: int) -> None:
+        """The request's tokens (query once, plus every item) against max_request_tokens."""
+        limit = self.limits.max_request_tokens
+        if limit is not None and tokens > limit:
+            raise InvalidInput("items", f"the request is {tokens} tokens, over the limit of {limit} per request")
+
+    def query_ids(self, query: str | Sequence[int], truncating: bool = False) -> list[int]:
         if isinstance(query, str):
             if not query:
                 raise InvalidInput("query", "the query is empty")
-            return self._text("query", query)
+            return self._text("query", query, truncating)
         if not _is_ids(query):
             raise InvalidInput("query", "must be a string or a list of integer token ids")
         if not query:
@@ -113,10 +137,15 @@ class RequestTokenizer:
         return list(query)
 
     def item_ids(
-        self, items: Sequence[str] | Sequence[Sequence[int]], kind: str | None = None, field: str = "items"
+        self,
+        items: Sequence[str] | Sequence[Sequence[int]],
+        kind: str | None = None,
+        field: str = "items",
+        truncating: bool = False,
     ) -> list[list[int]]:
         """Tokenize items; `kind` ("text" or "ids") is the query's kind, and items must match it.
-        `field`: what errors call the list ("items", or "documents" for a rerank)."""
+        `field`: what errors call the list ("items", or "documents" for a rerank). `truncating`:
+        the caller cuts items to fit, so only max_text_chars bounds a text before tokenizing."""
         if not isinstance(items, (list, tuple)):
             raise InvalidInput(field, "must be a list of strings or a list of token-id lists")
         if len(items) > self.limits.max_items:
@@ -138,6 +167,12 @@ class RequestTokenizer:
                     )
             if self.tokenizer is None:
                 raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
+            if not truncating:  # texts that will be cut to fit are not refused for their size
+                context = self._context()
+                for j, it in enumerate(items):
+                    self._check_chars(f"{field}[{j}]", len(it), context)
+                if self.limits.max_request_tokens is not None:
+                    self._check_chars(field, sum(len(it) for it in items), self.limits.max_request_tokens)
             out = self.tokenizer.encode_many(list(items))
         else:
             out = []
@@ -169,5 +204,8 @@ class RequestTokenizer:
             if len(it) > max_item and not item_first:
                 raise InvalidInput(f"items[{j}]", f"{len(it)} tokens, over the item limit of {max_item}")
         if item_first:
-            return TokenizedRequest((), [start + it + query for it in items], labels, apply_softmax, True)
+            sequences = [start + it + query for it in items]
+            self.check_request_tokens(sum(len(seq) for seq in sequences))
+            return TokenizedRequest((), sequences, labels, apply_softmax, True)
+        self.check_request_tokens(len(start) + len(query) + sum(len(it) for it in items))
         return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False)

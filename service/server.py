@@ -27,20 +27,26 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from prefixscore.model.buckets import Buckets
 from prefixscore.model.engine import CompileCounter, ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service import request_ids
+from prefixscore.service import request_ids, security
 from prefixscore.service.batcher import WorkUnit
 from prefixscore.service.logs import event
-from prefixscore.service.metrics import ServiceMetrics
+from prefixscore.service.metrics import ServiceMetrics, serve_metrics
 from prefixscore.service.requests import InvalidInput, Limits, RequestTokenizer, TokenizedRequest
 from prefixscore.service.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
 from prefixscore.service.wire import RequestConverter, RpcFailure, StreamSpec, invalid, item_scores, parse, usage
-from prefixscore.service.worker import DeadlineExpired, DeviceWorker, QueueFull, StreamPin, WorkerStopped
+from prefixscore.service.worker import (
+    DeadlineExpired,
+    DeviceWorker,
+    NonFiniteScores,
+    QueueFull,
+    StreamPin,
+    WorkerStopped,
+)
 from prefixscore.v1 import score_service_pb2 as pb
 
 log = logging.getLogger("prefixscore.server")
@@ -73,6 +79,25 @@ class ServerConfig:
     attn_impl: str | None = None
     batch_wait_s: float = 0.0  # extra wait before an idle device's first batch, to merge more requests
     max_message_bytes: int = 64 << 20
+    # ---- limits against careless or hostile clients (docs/operations.md) ----
+    max_queue_tokens: int = 1 << 22  # admission control in item tokens, besides items
+    max_request_tokens: int = 1 << 20  # query + items of one request or stream batch
+    max_streams: int = 256  # ScoreStreams open at once (each pins its query); past it RESOURCE_EXHAUSTED
+    max_concurrent_rpcs: int = 1024  # RPCs in progress, health included; gRPC refuses past it
+    stream_idle_timeout_s: float = 120.0  # a stream that sends nothing, or reads nothing, this long is ended
+    max_pending_batches: int = 32  # per stream: batches accepted but not yet sent back; past it reading pauses
+    keepalive_time_s: float = 60.0  # server pings idle connections this often ...
+    keepalive_timeout_s: float = 20.0  # ... and closes those that do not answer within this
+    max_connection_idle_s: float = 600.0  # connections without calls are closed after this
+    max_connection_age_s: float = 3600.0  # connections are recycled (GOAWAY) after this, to rebalance ...
+    max_connection_age_grace_s: float = 60.0  # ... letting their calls finish for this long
+    # ---- security ----
+    metrics_host: str | None = None  # None: the same as `host`
+    reflection: bool = False  # gRPC server reflection (grpcurl without the .proto)
+    tls_cert: str | None = None  # PEM files; with both, TLS only (reloaded when they change)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mutual TLS: clients need a certificate this CA signed
+    auth_tokens_file: str | None = None  # bearer tokens, one a line: every call but health needs one
     loaded: LoadedModel | None = None  # a model already in memory (tests, embedding): `model` is not loaded
     engine: ScoringEngine | None = None  # with `loaded`: an engine already built (and compiled) for it
 
@@ -81,12 +106,22 @@ class StartupFailed(RuntimeError):
     """The model could not be loaded or compiled."""
 
 
+def _internal(what: str, err: BaseException) -> RpcFailure:
+    """INTERNAL that says what failed, not how: paths and device details go to the log only,
+    under the request id the client is given to find them."""
+    rid = request_ids.current() or request_ids.new_id()
+    log.error("%s (request id %s): %s: %s", what, rid, type(err).__name__, err, exc_info=err)
+    return RpcFailure(grpc.StatusCode.INTERNAL, f"{what}; request id {rid} (details in the server log)")
+
+
 def _unit_failure(err: BaseException) -> RpcFailure:
     if isinstance(err, DeadlineExpired):
         return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
     if isinstance(err, WorkerStopped):
         return RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err))
-    return RpcFailure(grpc.StatusCode.INTERNAL, f"device error: {type(err).__name__}: {err}")
+    if isinstance(err, NonFiniteScores):
+        return _internal("the model produced non-finite scores (NaN or Inf)", err)
+    return _internal("the device call failed", err)
 
 
 @contextlib.contextmanager
@@ -129,6 +164,8 @@ class ScoreServer:
         self.ready = False
         self.draining = False
         self.started_at = time.time()  # /v1/models' "created"
+        self.exit_code = 0  # non-zero: the process must be restarted (the device loop broke)
+        self._streams = 0
         self.loaded: LoadedModel | None = None
         self.engine: ScoringEngine | None = None
         self.converter: RequestConverter | None = None
@@ -148,6 +185,8 @@ class ScoreServer:
             config.max_queue_items,
             on_ready=self._on_worker_ready,
             batch_wait_s=config.batch_wait_s,
+            max_queue_tokens=config.max_queue_tokens,
+            on_failure=self._on_worker_failure,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker_ready: asyncio.Future | None = None
@@ -158,12 +197,25 @@ class ScoreServer:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self._worker_ready = self._loop.create_future()
+        tokens = security.TokenFile(cfg.auth_tokens_file) if cfg.auth_tokens_file else None
+        ms = lambda seconds: int(seconds * 1000)  # noqa: E731
         server = grpc.aio.server(
+            interceptors=[security.BearerTokenInterceptor(tokens)] if tokens else None,
             options=[
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
-            ]
+                # dead peers and half-open connections are found and closed; a load balancer
+                # gets a chance to rebalance long-lived connections
+                ("grpc.keepalive_time_ms", ms(cfg.keepalive_time_s)),
+                ("grpc.keepalive_timeout_ms", ms(cfg.keepalive_timeout_s)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.max_connection_idle_ms", ms(cfg.max_connection_idle_s)),
+                ("grpc.max_connection_age_ms", ms(cfg.max_connection_age_s)),
+                ("grpc.max_connection_age_grace_ms", ms(cfg.max_connection_age_grace_s)),
+            ],
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
         )
         raw = dict(request_deserializer=None)  # handlers parse, to answer bad bytes with INVALID_ARGUMENT
         server.add_generic_rpc_handlers(
@@ -188,21 +240,44 @@ class ScoreServer:
             )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        if cfg.reflection:
+            reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert or cfg.tls_key:
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("TLS needs both --tls-cert and --tls-key")
+            creds = security.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            self.port = server.add_secure_port(address, creds)
+        elif cfg.tls_client_ca:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        else:
+            self.port = server.add_insecure_port(address)
         await server.start()
         self._server = server
         if cfg.metrics_port is not None:
-            self._metrics_httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
+            host = cfg.metrics_host or cfg.host
+            self._metrics_httpd = serve_metrics(host, cfg.metrics_port, self.metrics.registry)
             self.metrics_port = self._metrics_httpd.server_port
         if cfg.http_port is not None:
             from prefixscore.service.http_api import HttpServer  # the ASGI stack loads only when asked for
 
-            self._http = HttpServer(self, cfg.host, cfg.http_port)
+            tls = security.http_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
+            self._http = HttpServer(self, cfg.host, cfg.http_port, tokens, tls)
             self.http_port = await self._http.start()
-        event(log, "listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port, http_port=self.http_port)
+        event(
+            log,
+            "listening",
+            host=cfg.host,
+            port=self.port,
+            metrics_port=self.metrics_port,
+            http_port=self.http_port,
+            tls=bool(cfg.tls_cert),
+            mutual_tls=bool(cfg.tls_client_ca),
+            auth_tokens=tokens is not None,
+            reflection=cfg.reflection,
+        )
         self.worker.start()
         self._ready_task = asyncio.ensure_future(self._become_ready())
 
@@ -276,6 +351,21 @@ class ScoreServer:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self._loop.call_soon_threadsafe(settle)
 
+    def _on_worker_failure(self, error: BaseException) -> None:
+        """From the device thread: the device loop broke. Not serving any more: health
+        NOT_SERVING at once, then stop with a non-zero exit so the orchestrator restarts us."""
+        assert self._loop is not None
+
+        async def fail() -> None:
+            self.exit_code = 1
+            event(log, "worker_failed", level=logging.CRITICAL, error=f"{type(error).__name__}: {error}")
+            for name in ("", SERVICE):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.stop()
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending anyway
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(fail()))
+
     async def _become_ready(self) -> None:
         assert self._worker_ready is not None
         error = await self._worker_ready
@@ -286,7 +376,12 @@ class ScoreServer:
         self.engine = self.worker.engine
         loaded = self.loaded
         # the Scorer's limits (sequences within the compiled buckets), and no request larger than the queue
-        limits = Limits.for_engine(self.engine, max_items=min(self.config.max_items, self.config.max_queue_items))
+        cfg = self.config
+        limits = Limits.for_engine(
+            self.engine,
+            max_items=min(cfg.max_items, cfg.max_queue_items),
+            max_request_tokens=min(cfg.max_request_tokens, cfg.max_queue_tokens),
+        )
         self.converter = RequestConverter(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits), self.template)
         self.metrics.model_info.info(
             dict(model=loaded.name, family=loaded.cfg.family, dtype=loaded.dtype, devices=",".join(self.devices))
@@ -327,7 +422,7 @@ class ScoreServer:
             self._http = None
         await asyncio.to_thread(self.worker.stop, 30.0)
         if self._metrics_httpd is not None:
-            self._metrics_httpd.shutdown()
+            await asyncio.to_thread(self._metrics_httpd.shutdown)
             self._metrics_httpd.server_close()
             self._metrics_httpd = None
         if self._ready_task is not None and not self._ready_task.done():
@@ -368,8 +463,8 @@ class ScoreServer:
             raise
         except Exception as err:
             code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", method)
-            await context.abort(code, f"internal error: {type(err).__name__}: {err}")
+            failure = _internal(f"{method} failed", err)
+            await context.abort(code, failure.message)
         finally:
             self.metrics.inflight.dec()
             self.metrics.requests.labels(method, code.name).inc()
@@ -495,11 +590,20 @@ class ScoreServer:
     @_rpc("ScoreStream")
     async def score_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         self._check_accepting()
+        if self._streams >= self.config.max_streams:
+            self.metrics.rejected.inc()
+            raise RpcFailure(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server busy: {self._streams} streams are open (limit {self.config.max_streams}); retry later",
+                ((RETRY_AFTER_KEY, "1000"),),
+            )
         session = _StreamSession(self, context)
+        self._streams += 1
         self.metrics.open_streams.inc()
         try:
             await session.run(requests)
         finally:
+            self._streams -= 1
             self.metrics.open_streams.dec()
             session.close()
 
@@ -507,9 +611,11 @@ class ScoreServer:
     @_rpc("GetModelInfo")
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
         parse(pb.GetModelInfoRequest, raw)
-        if not self.ready or self.loaded is None or self.converter is None:
-            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
+        self._check_accepting()  # draining: UNAVAILABLE like every call, so clients go elsewhere
+        assert self.loaded is not None and self.converter is not None
         from prefixscore import __version__
+
+        cfg = self.config
 
         loaded, limits, conv = self.loaded, self.converter.requests.limits, self.converter
         return pb.GetModelInfoResponse(
@@ -526,6 +632,19 @@ class ScoreServer:
                 max_queue_items=self.config.max_queue_items,
                 max_sequence_tokens=conv.max_sequence_tokens,
                 max_item_tokens=conv.max_item_tokens,
+                max_queue_tokens=cfg.max_queue_tokens,
+                max_request_tokens=limits.max_request_tokens or 0,
+                max_streams=cfg.max_streams,
+                max_concurrent_rpcs=cfg.max_concurrent_rpcs,
+                stream_idle_timeout_ms=int(cfg.stream_idle_timeout_s * 1000),
+                max_pending_batches=cfg.max_pending_batches,
+                keepalive_time_ms=int(cfg.keepalive_time_s * 1000),
+                keepalive_timeout_ms=int(cfg.keepalive_timeout_s * 1000),
+                max_connection_idle_ms=int(cfg.max_connection_idle_s * 1000),
+                max_connection_age_ms=int(cfg.max_connection_age_s * 1000),
+                max_connection_age_grace_ms=int(cfg.max_connection_age_grace_s * 1000),
+                max_message_bytes=cfg.max_message_bytes,
+                pool_bytes=self.engine.pool_bytes if self.engine else 0,
             ),
             has_tokenizer=loaded.tokenizer is not None,
             attention=self.engine.attn_impl if self.engine else "",
@@ -542,7 +661,12 @@ def _settle(future: asyncio.Future, value: Any) -> None:
 class _StreamSession:
     """One ScoreStream: a reader task takes client messages (open, then item batches) and
     submits work; the handler writes `opened`, each batch's scores as they complete,
-    then the usage once the client half-closed and every batch was answered."""
+    then the usage once the client half-closed and every batch was answered.
+
+    Bounded (docs/operations.md): at most `max_pending_batches` batches accepted and not yet
+    sent back; past that the reader stops reading, so HTTP/2 flow control pushes back on a
+    client that sends without reading, and nothing piles up in server memory. A stream that
+    neither sends (with nothing in flight) nor reads for `stream_idle_timeout_s` is ended."""
 
     def __init__(self, server: ScoreServer, context: grpc.aio.ServicerContext) -> None:
         self.server = server
@@ -555,6 +679,9 @@ class _StreamSession:
         self.item_tokens = 0
         self.items = 0
         self.outstanding: dict[int, WorkUnit] = {}  # id(unit) -> unit
+        self.batch_ids: set[int] = set()  # batches accepted and not yet answered
+        self.slots = asyncio.Semaphore(server.config.max_pending_batches)
+        self.idle_s = server.config.stream_idle_timeout_s
         self.reader: asyncio.Task | None = None
 
     async def run(self, requests: Any) -> None:
@@ -563,38 +690,83 @@ class _StreamSession:
         while True:
             kind, payload = await self.events.get()
             if kind == "write":
-                await self.context.write(payload)
+                await self._write(payload)
+            elif kind == "answer":  # an empty batch
+                await self._write(payload)
+                self._answered(payload.batch.batch_id)
             elif kind == "unit":
                 unit, batch_id = payload
                 self.outstanding.pop(id(unit), None)
                 if unit.error is not None:
                     raise _unit_failure(unit.error)
                 batch = pb.BatchScores(batch_id=batch_id, scores=item_scores(unit.scores))
-                await self.context.write(pb.ScoreStreamResponse(batch=batch))
+                await self._write(pb.ScoreStreamResponse(batch=batch))
+                self._answered(batch_id)
             elif kind == "fail":
                 raise payload
             elif kind == "eof":
                 eof = True
-            if eof and not self.outstanding:
+            if eof and not self.outstanding and not self.batch_ids:
                 usage = pb.Usage(
                     prompt_tokens=len(self.spec.prefix) + self.item_tokens if self.spec else 0,
                     cached_tokens=self.cached_tokens,
                     items=self.items,
                 )
-                await self.context.write(pb.ScoreStreamResponse(usage=usage))
+                await self._write(pb.ScoreStreamResponse(usage=usage))
                 return
 
-    async def _read(self, requests: Any) -> None:
+    def _idle(self, what: str) -> RpcFailure:
+        self.server.metrics.streams_idle_closed.inc()
+        return RpcFailure(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"stream: the client {what} for {self.idle_s:g} s (the server's stream idle timeout); stream ended",
+        )
+
+    async def _write(self, message: pb.ScoreStreamResponse) -> None:
+        """Write, bounded: a client that reads nothing for the idle timeout loses the stream."""
         try:
-            async for raw in requests:
+            await asyncio.wait_for(self.context.write(message), self.idle_s)
+        except asyncio.TimeoutError:
+            raise self._idle("read no response") from None
+
+    def _answered(self, batch_id: int) -> None:
+        self.batch_ids.discard(batch_id)
+        self.slots.release()
+
+    async def _next(self, messages: Any) -> bytes | None:
+        """The next client message (None at the end), or the idle failure: a stream with nothing
+        in flight that sends nothing for the idle timeout. Waiting for answers is not idle."""
+        read = asyncio.ensure_future(messages.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=self.idle_s)
+                if done:
+                    try:
+                        return read.result()
+                    except StopAsyncIteration:
+                        return None
+                if not self.batch_ids:
+                    raise self._idle("sent nothing")
+        finally:
+            read.cancel()
+
+    async def _read(self, requests: Any) -> None:
+        messages = requests.__aiter__()
+        try:
+            while (raw := await self._next(messages)) is not None:
                 msg = parse(pb.ScoreStreamRequest, raw)
                 which = msg.WhichOneof("kind")
                 if which == "open":
                     await self._open(msg.open)
                 elif which == "batch":
+                    if self.slots.locked():
+                        self.server.metrics.stream_backpressure.inc()
+                    await self.slots.acquire()  # backpressure: no reading past the unsent results
                     await self._batch(msg.batch)
                 else:
                     raise InvalidInput("request", "set either open or batch")
+            if self.spec is None:
+                raise InvalidInput("open", "the stream ended before it was opened; send open first")
             self.events.put_nowait(("eof", None))
         except RpcFailure as failure:
             self.events.put_nowait(("fail", failure))
@@ -602,9 +774,14 @@ class _StreamSession:
             self.events.put_nowait(("fail", invalid(err)))
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # e.g. the client went away mid-read
-            log.exception("stream reader failed")
-            self.events.put_nowait(("fail", RpcFailure(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")))
+        except Exception as err:
+            if self.context.cancelled() or self.context.done():
+                # the client went away mid-read: its choice, not a server error (no ERROR log,
+                # no INTERNAL inflating the error-ratio alert)
+                log.debug("stream reader ended: the client went away (%s)", type(err).__name__)
+                self.events.put_nowait(("fail", RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")))
+            else:
+                self.events.put_nowait(("fail", _internal("reading the stream failed", err)))
 
     async def _open(self, msg: pb.StreamOpen) -> None:
         if self.spec is not None:
@@ -615,7 +792,8 @@ class _StreamSession:
         spec = await asyncio.to_thread(converter.stream_open, msg)
         if spec.prefix:
             # pin the query's pages (refused at once when the pool cannot hold them) and prefill
-            # it now: its KV stays on the device while the stream is open
+            # it now: its KV stays on the device while the stream is open. The pin is recorded
+            # before the prefill is awaited, so a stream cancelled during it still unpins (close)
             self.pinned = self.server._pin(spec.prefix)
             try:
                 self.cached_tokens = await asyncio.wrap_future(self.pinned.ready)
@@ -634,16 +812,20 @@ class _StreamSession:
             raise RpcFailure(
                 grpc.StatusCode.FAILED_PRECONDITION, "batch: items sent before the stream was opened; send open first"
             )
+        batch_id = msg.batch_id
+        if batch_id in self.batch_ids:
+            # two answers with one id could not be told apart
+            raise InvalidInput("batch_id", f"{batch_id} is already in flight on this stream; use a new id per batch")
         assert self.server.converter is not None
         req = await asyncio.to_thread(self.server.converter.stream_batch, self.spec, msg)
         self.items += len(req.items)
         self.item_tokens += sum(len(it) for it in req.items) if not self.spec.item_first else req.prompt_tokens
+        self.batch_ids.add(batch_id)
         if not req.items:
-            self.events.put_nowait(("write", pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=msg.batch_id))))
+            self.events.put_nowait(("answer", pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))))
             return
         unit = self.server._unit(req, "ScoreStream", self.context)
         unit.counts_lookup = False  # the open counted this stream's prefix-cache lookup
-        batch_id = msg.batch_id
         unit.on_done = lambda u: self.loop.call_soon_threadsafe(self.events.put_nowait, ("unit", (u, batch_id)))
         self.outstanding[id(unit)] = unit
         try:

@@ -2,7 +2,7 @@
 
 A transport only maps its wire format onto `ScoreInput` / `RerankInput` (plain
 Python values, unchecked) and maps the one error type, `InvalidInput`, onto its
-own status (gRPC: INVALID_ARGUMENT, or RESOURCE_EXHAUSTED when `too_large`;
+own status (gRPC: INVALID_ARGUMENT, also when `too_large`;
 HTTP: 400, or 413). Everything else happens here, before any device work:
 labels, inputs, limits, truncation, templates and the joined-tokenization
 check. The result is a `Validated` request in token ids, ready for the batcher.
@@ -168,9 +168,9 @@ class Validator:
         truncate = _choice("truncate", inp.truncate, TRUNCATE)
         how = _choice("query_truncation", inp.query_truncation, QUERY_TRUNCATION)
         keep = _count("max_query_tokens", inp.max_query_tokens)
-        query = self.requests.query_ids(inp.query)
+        query = self.requests.query_ids(inp.query, truncating=how != "none")
         is_text = isinstance(inp.query, str)
-        items = self.requests.item_ids(inp.items, "text" if is_text else "ids")
+        items = self.requests.item_ids(inp.items, "text" if is_text else "ids", truncating=truncate == "end")
         if inp.check_tokenization and not is_text:
             raise InvalidInput("check_tokenization", "only applies to text inputs (token ids are not tokenized)")
         joined = None
@@ -217,7 +217,8 @@ class Validator:
         prefix = tokenizer.encode(prompt.prefix)
         suffix = tokenizer.encode(prompt.suffix) if prompt.suffix else []
         texts = [template.document_text(d) for d in inp.documents]
-        docs = self.requests.item_ids(texts, "text", field="documents")
+        cutting = truncate == "end" or per_doc is not None
+        docs = self.requests.item_ids(texts, "text", field="documents", truncating=cutting)
         joined = None
         if inp.check_tokenization and docs:
             pairs = [(prompt.prefix, t + prompt.suffix) for t in texts]

@@ -3,7 +3,7 @@ gRPC statuses of its errors.
 
 This module only moves fields: every check is the one validation pass in
 validate.py, which HTTP and the in-process `Scorer` share. Its `InvalidInput`
-becomes INVALID_ARGUMENT, or RESOURCE_EXHAUSTED when a size limit was exceeded.
+becomes INVALID_ARGUMENT (a size limit too: retrying cannot help).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class RpcFailure(Exception):
 
 
 def invalid(err: InvalidInput) -> RpcFailure:
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED if err.too_large else grpc.StatusCode.INVALID_ARGUMENT
-    return RpcFailure(code, str(err))
+    # INVALID_ARGUMENT also past a size limit: RESOURCE_EXHAUSTED tells clients to retry, and
+    # the same request can never succeed (HTTP says 413 for it)
+    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
 def parse(cls: type[Message], raw: bytes, field: str = "request") -> Message:

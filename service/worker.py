@@ -51,6 +51,14 @@ class WorkerStopped(Exception):
     """The worker is stopped (or failed to start) and takes no work."""
 
 
+class WorkerFailed(WorkerStopped):
+    """The device loop itself broke: the process must be restarted (health NOT_SERVING, exit non-zero)."""
+
+
+class NonFiniteScores(Exception):
+    """A device call returned NaN or Inf for these rows: never answered as OK."""
+
+
 @dataclasses.dataclass
 class _Launched:
     call: Call
@@ -82,11 +90,16 @@ class DeviceWorker:
         max_queue_items: int,
         on_ready: Callable[[BaseException | None], None] = lambda error: None,
         batch_wait_s: float = 0.0,
+        max_queue_tokens: int | None = None,
+        on_failure: Callable[[BaseException], None] = lambda error: None,
     ) -> None:
         self._startup = startup
         self.metrics = metrics
         self.max_queue_items = max_queue_items
+        self.max_queue_tokens = max_queue_tokens
         metrics.queue_capacity.set(max_queue_items)
+        self._on_failure = on_failure
+        self.failure: BaseException | None = None  # set when the device loop broke
         self.batch_wait_s = batch_wait_s
         self._on_ready = on_ready
         self.engine: ScoringEngine | None = None
@@ -118,6 +131,13 @@ class DeviceWorker:
                 self.metrics.rejected.inc()
                 reason = f"the queue holds {depth} items (limit {self.max_queue_items})"
                 raise QueueFull(reason, self._retry_after_ms())
+            # items alone undercount: a few long items cost as much device time as many short ones
+            if self.max_queue_tokens is not None:
+                queued, tokens = self.batcher.queued_tokens, unit.tokens
+                if queued + tokens > self.max_queue_tokens:
+                    self.metrics.rejected.inc()
+                    reason = f"the queue holds {queued} tokens (limit {self.max_queue_tokens})"
+                    raise QueueFull(reason, self._retry_after_ms())
             if not unit.item_first and unit.entry is None:
                 unit.entry, hit = self._acquire(unit.prefix)
                 unit.cached_tokens = len(unit.prefix) if hit else 0
@@ -244,13 +264,22 @@ class DeviceWorker:
         with self._cv:
             self._running = True
         self._on_ready(None)
+        stopped: WorkerStopped = WorkerStopped("the server is shutting down")
         try:
             self._loop()
+        except BaseException as err:
+            # the loop itself broke (not one device call: those fail only their units): this
+            # process cannot serve any more; the server goes NOT_SERVING and exits non-zero
+            log.exception("the device loop failed")
+            self.failure = err
+            stopped = WorkerFailed("the device worker failed; the server is restarting, retry on another replica")
         finally:
             with self._cv:
                 self._running = False
                 self._exited = True
-            self._fail_all(WorkerStopped("the server is shutting down"))
+            self._fail_all(stopped)
+        if self.failure is not None:
+            self._on_failure(self.failure)
 
     def _loop(self) -> None:
         assert self.batcher is not None
@@ -335,7 +364,15 @@ class DeviceWorker:
                 unit, index = row.ref
                 if unit.finished:
                     continue  # cancelled while on the device
-                unit.scores[index] = out[row.row, : row.labels]
+                scores = out[row.row, : row.labels]
+                if not np.isfinite(scores).all():
+                    # a NaN is a wrong answer, not a score: fail the request, count it, keep serving
+                    self.metrics.nonfinite.inc()
+                    log.error("a device call returned non-finite scores (%s items)", len(unit.items))
+                    self.batcher.cancel(unit)  # type: ignore[union-attr]
+                    self._finish(unit, NonFiniteScores("the model produced non-finite scores (NaN or Inf)"))
+                    continue
+                unit.scores[index] = scores
                 unit.remaining -= 1
                 if unit.first_scores_at is None:
                     unit.first_scores_at = now

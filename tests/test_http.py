@@ -349,3 +349,19 @@ def test_openapi_document_holds_against_the_server(server):
             case.call_and_validate(base_url=base, checks=checks)
 
         check()
+
+
+def test_request_bodies_over_the_message_limit_are_refused_unread(tiny_scorer):
+    """--max-message-bytes bounds HTTP bodies as it bounds gRPC messages, declared or chunked."""
+    limit = 2048
+    big = {"query": "q", "items": ["x" * 100] * 40, "label_token_ids": [1]}
+    with ServerThread(server_config(tiny_scorer, http_port=0, max_message_bytes=limit)) as srv:
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.server.http_port}", timeout=60) as client:
+            declared = client.post("/v1/score", json=big)
+            assert declared.status_code == 413 and str(limit) in declared.json()["message"]
+            payload = json.dumps(big).encode()
+            chunks = (payload[i : i + 512] for i in range(0, len(payload), 512))  # no content-length
+            chunked = client.post("/v1/score", content=chunks, headers={"content-type": "application/json"})
+            assert chunked.status_code == 413
+            small = {"query": "q", "items": ["a", "b"], "label_token_ids": [1]}
+            assert len(ok(client.post("/v1/score", json=small))["scores"]) == 2

@@ -135,7 +135,7 @@ def buf_bin() -> str:
 
 @pytest.fixture(scope="module")
 def server(buf_bin, tiny_scorer):
-    with ServerThread(server_config(tiny_scorer)) as srv:
+    with ServerThread(server_config(tiny_scorer, reflection=True)) as srv:  # as the README runs it
         yield srv
 
 

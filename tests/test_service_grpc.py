@@ -32,7 +32,7 @@ Code = grpc.StatusCode
 
 
 def config(scorer, **overrides) -> ServerConfig:
-    return server_config(scorer, **{"max_queue_items": MAX_QUEUE, **overrides})
+    return server_config(scorer, **{"max_queue_items": MAX_QUEUE, "reflection": True, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +297,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, name):
 def test_too_many_items_and_undecodable_bytes(server, stub, client):
     with pytest.raises(grpc.RpcError) as err:
         stub.Score(_req(items=[pb.Input(text="x")] * (MAX_QUEUE + 1)))
-    assert err.value.code() == Code.RESOURCE_EXHAUSTED and err.value.details().startswith("items")
+    assert err.value.code() == Code.INVALID_ARGUMENT and err.value.details().startswith("items")
     with grpc.insecure_channel(server.target) as channel:
         raw = channel.unary_unary(f"/{SERVICE}/Score")
         with pytest.raises(grpc.RpcError) as err:
@@ -320,7 +320,7 @@ BAD_STREAMS = {
     "second open": ([_open(), _open()], Code.FAILED_PRECONDITION, "open"),
     "bad open": ([_open(label_token_ids=[10**6])], Code.INVALID_ARGUMENT, "label_token_ids"),
     "bad item": ([_open(), _batch(_ids([1]))], Code.INVALID_ARGUMENT, "items"),
-    "too many items": ([_open(), _batch(*[pb.Input(text="x")] * (MAX_QUEUE + 1))], Code.RESOURCE_EXHAUSTED, "items"),
+    "too many items": ([_open(), _batch(*[pb.Input(text="x")] * (MAX_QUEUE + 1))], Code.INVALID_ARGUMENT, "items"),
     "empty message": ([_open(), pb.ScoreStreamRequest()], Code.INVALID_ARGUMENT, "request"),
 }
 

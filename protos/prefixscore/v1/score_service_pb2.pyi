@@ -162,20 +162,46 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_items", "max_labels", "max_text_chars", "max_queue_items", "max_sequence_tokens", "max_item_tokens")
+    __slots__ = ("max_items", "max_labels", "max_text_chars", "max_queue_items", "max_sequence_tokens", "max_item_tokens", "max_queue_tokens", "max_request_tokens", "max_streams", "max_concurrent_rpcs", "stream_idle_timeout_ms", "max_pending_batches", "keepalive_time_ms", "keepalive_timeout_ms", "max_connection_idle_ms", "max_connection_age_ms", "max_connection_age_grace_ms", "max_message_bytes", "pool_bytes")
     MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
     MAX_LABELS_FIELD_NUMBER: _ClassVar[int]
     MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_ITEMS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_ITEM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_RPCS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONNECTION_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONNECTION_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONNECTION_AGE_GRACE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_items: int
     max_labels: int
     max_text_chars: int
     max_queue_items: int
     max_sequence_tokens: int
     max_item_tokens: int
-    def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ...) -> None: ...
+    max_queue_tokens: int
+    max_request_tokens: int
+    max_streams: int
+    max_concurrent_rpcs: int
+    stream_idle_timeout_ms: int
+    max_pending_batches: int
+    keepalive_time_ms: int
+    keepalive_timeout_ms: int
+    max_connection_idle_ms: int
+    max_connection_age_ms: int
+    max_connection_age_grace_ms: int
+    max_message_bytes: int
+    pool_bytes: int
+    def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ..., max_queue_tokens: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., max_streams: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., stream_idle_timeout_ms: _Optional[int] = ..., max_pending_batches: _Optional[int] = ..., keepalive_time_ms: _Optional[int] = ..., keepalive_timeout_ms: _Optional[int] = ..., max_connection_idle_ms: _Optional[int] = ..., max_connection_age_ms: _Optional[int] = ..., max_connection_age_grace_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template")

@@ -1,0 +1,384 @@
+"""Issue 10: the service against careless and hostile clients and against faults, on loopback.
+
+One server with small limits is shared by the module; faults are injected into the real
+engine of that server (a device call that raises or returns NaN, a device loop that breaks)
+and taken out again by monkeypatch. Tests that need the device to hold work use
+`worker.paused()` or hold the engine's call lock, so what they observe is deterministic.
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import jax.numpy as jnp
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from service_testing import LABELS, scrape, server_config, wait_for
+
+from prefixscore.client import ScoreClient, retry_after_ms
+from prefixscore.service.server import SERVICE, ServerThread
+from prefixscore.v1 import score_service_pb2 as pb
+from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
+
+Code = grpc.StatusCode
+QUERY = "Hardening query: which of these is about rivers?"
+LIMITS = dict(
+    max_queue_items=256,
+    max_queue_tokens=3000,
+    max_request_tokens=2000,
+    max_streams=3,
+    max_pending_batches=2,
+    stream_idle_timeout_s=1.5,
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_scorer):
+    with ServerThread(server_config(tiny_scorer, **LIMITS)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with ScoreClient(server.target) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    channel = grpc.insecure_channel(server.target)
+    yield pb_grpc.ScoreServiceStub(channel)
+    channel.close()
+
+
+def ids(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def _open(query: list[int] | str = QUERY) -> pb.ScoreStreamRequest:
+    q = pb.Input(text=query) if isinstance(query, str) else pb.Input(token_ids=pb.TokenIds(ids=query))
+    return pb.ScoreStreamRequest(open=pb.StreamOpen(query=q, label_token_ids=LABELS))
+
+
+def _batch(batch_id: int, *texts: str) -> pb.ScoreStreamRequest:
+    return pb.ScoreStreamRequest(batch=pb.ItemBatch(batch_id=batch_id, items=[pb.Input(text=t) for t in texts]))
+
+
+def _held(messages: list[pb.ScoreStreamRequest], release: threading.Event):
+    """The messages, then the request stream stays open (not half-closed) until `release`."""
+    yield from messages
+    release.wait(60)
+
+
+def _internal_errors(server) -> float:
+    metrics = scrape(server.server.metrics_port)
+    return sum(v for k, v in metrics.items() if k.startswith("prefixscore_requests_total") and "code=INTERNAL" in k)
+
+
+# ---- 1. the pinned prefix of a stream cancelled while its query is prefilled ----------------------
+@pytest.mark.parametrize("end", ["cancel", "deadline"])
+def test_stream_ended_during_its_prefill_unpins(server, stub, tiny_scorer, end):
+    worker, engine = server.server.worker, server.server.worker.engine
+    query = ids(200, 3000 if end == "cancel" else 4000)
+    prefix = tiny_scorer.requests.query_ids(query)
+    release = threading.Event()
+    with engine.calls_lock:  # the device takes no call: the open waits in its prefill
+        call = stub.ScoreStream(_held([_open(query)], release), timeout=None if end == "cancel" else 1.0)
+        wait_for(lambda: worker.cache.pins(tuple(prefix)) >= 1, 30, "the open to pin its query")
+        if end == "cancel":
+            call.cancel()
+        with pytest.raises(grpc.RpcError) as ended:
+            next(call)
+        assert ended.value.code() == (Code.CANCELLED if end == "cancel" else Code.DEADLINE_EXCEEDED)
+        wait_for(lambda: server.server._streams == 0, 30, "the stream handler to end")
+    release.set()
+    wait_for(lambda: worker.cache.pins(tuple(prefix)) == 0, 30, "the prefix to be unpinned")
+    assert scrape(server.server.metrics_port)["prefixscore_open_streams"] == 0
+
+
+# ---- 2. streams are bounded: how many, how idle --------------------------------------------------
+def test_streams_past_the_limit_are_refused_with_a_retry_hint(server, client):
+    sessions = [client.stream(ids(5, 6000 + 10 * k), LABELS) for k in range(LIMITS["max_streams"])]
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            client.stream(QUERY, LABELS)
+        assert refused.value.code() == Code.RESOURCE_EXHAUSTED, refused.value.details()
+        assert "streams are open" in refused.value.details() and retry_after_ms(refused.value) > 0
+    finally:
+        for session in sessions:
+            session.close()
+    with client.stream(QUERY, LABELS) as session:  # room again
+        assert len(session.send(["a river"])) == 1
+
+
+def test_idle_stream_is_ended_and_unpinned(server, stub, tiny_scorer):
+    query = ids(30, 7000)
+    release = threading.Event()
+    try:
+        call = stub.ScoreStream(_held([_open(query)], release), timeout=60)
+        assert next(call).HasField("opened")
+        with pytest.raises(grpc.RpcError) as idle:
+            next(call)  # nothing sent: the server ends the stream after its idle timeout
+        assert idle.value.code() == Code.DEADLINE_EXCEEDED and "idle timeout" in idle.value.details()
+    finally:
+        release.set()
+    worker = server.server.worker
+    wait_for(lambda: worker.cache.pins(tuple(query)) == 0, 30, "the idle stream's prefix to be unpinned")
+    assert scrape(server.server.metrics_port)["prefixscore_streams_idle_closed_total"] >= 1
+
+
+# ---- 3. per-stream backpressure ------------------------------------------------------------------
+def test_stream_that_is_not_read_stops_being_read(server, stub):
+    """A client that sends 12 batches and reads nothing: the server takes max_pending_batches,
+    then stops reading; once the client reads, every batch is answered."""
+    worker = server.server.worker
+    metric = "prefixscore_stream_backpressure_total"
+    before = scrape(server.server.metrics_port).get(metric, 0)
+    batches = [_batch(k, f"item {k}") for k in range(12)]
+    with worker.paused():
+        call = stub.ScoreStream(iter([_open(), *batches]), timeout=120)
+        wait_for(lambda: scrape(server.server.metrics_port)[metric] > before, 30, "the reader to pause")
+        assert worker.depth == LIMITS["max_pending_batches"]  # not one batch more was read
+    answers = list(call)
+    assert sorted(a.batch.batch_id for a in answers if a.HasField("batch")) == list(range(12))
+    assert answers[-1].usage.items == 12
+
+
+# ---- 4. worker supervision: NaN, device errors, a broken device loop -----------------------------
+def test_nan_scores_are_internal_and_counted(server, client, monkeypatch):
+    engine = server.server.worker.engine
+    launch = engine.launch
+    monkeypatch.setattr(engine, "launch", lambda plan: launch(plan) * jnp.nan)
+    with pytest.raises(grpc.RpcError) as err:
+        client.score(QUERY, ["a nan"], LABELS)
+    assert err.value.code() == Code.INTERNAL and "non-finite" in err.value.details()
+    assert "request id" in err.value.details()
+    monkeypatch.undo()
+    assert scrape(server.server.metrics_port)["prefixscore_nonfinite_scores_total"] == 1
+    assert len(client.score(QUERY, ["fine again"], LABELS).scores) == 1
+
+
+def test_device_error_reaches_the_client_without_internals(server, client, monkeypatch):
+    engine = server.server.worker.engine
+
+    def broken(plan):
+        raise RuntimeError("/opt/secret/xla/kernel.cc:42 RESOURCE_EXHAUSTED: out of memory allocating 9 GiB")
+
+    monkeypatch.setattr(engine, "launch", broken)
+    with pytest.raises(grpc.RpcError) as err:
+        client.score(QUERY, ["an oom"], LABELS)
+    monkeypatch.undo()
+    details = err.value.details()
+    assert err.value.code() == Code.INTERNAL and "request id" in details
+    assert "/opt/secret" not in details and "GiB" not in details and "RuntimeError" not in details
+    assert len(client.score(QUERY, ["fine again"], LABELS).scores) == 1  # only that call failed
+
+
+def test_broken_device_loop_goes_not_serving_and_exits_non_zero(tiny_scorer):
+    srv = ServerThread(server_config(tiny_scorer, metrics_port=None)).start()
+    try:
+        worker = srv.server.worker
+        with grpc.insecure_channel(srv.target) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+
+            def broken(opens_only=False):
+                raise RuntimeError("planner bug")
+
+            with worker.paused():
+                worker.batcher.next_call = broken  # this worker's own batcher: the loop itself breaks
+                call = pb_grpc.ScoreServiceStub(channel).Score.future(
+                    pb.ScoreRequest(query=pb.Input(text=QUERY), items=[pb.Input(text="x")], label_token_ids=LABELS)
+                )
+                wait_for(lambda: worker.depth == 1, 30, "a queued request")
+            with pytest.raises(grpc.RpcError) as err:
+                call.result(60)
+            assert err.value.code() == Code.UNAVAILABLE  # told to go elsewhere, not left hanging
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_for(srv.server._stopped.is_set, 60, "the server to stop")
+        assert srv.server.exit_code == 1
+    finally:
+        srv.stop()
+
+
+# ---- 5. work before rejection: sizes checked before tokenizing; the queue in tokens --------------
+def test_oversized_text_is_refused_before_tokenizing(server, stub, tiny_scorer, monkeypatch):
+    tokenizer = tiny_scorer.model.tokenizer
+    calls = []
+    size = lambda x: len(x) if isinstance(x, str) else sum(map(len, x))  # noqa: E731
+    for name in ("encode", "encode_many"):
+        real = getattr(tokenizer, name)
+        monkeypatch.setattr(tokenizer, name, lambda x, real=real: calls.append(size(x)) or real(x))
+    big = "river " * 150_000  # 900,000 characters: under max_text_chars, surely over the context
+    requests = [
+        pb.ScoreRequest(query=pb.Input(text=big), items=[pb.Input(text="a")], label_token_ids=LABELS),
+        pb.ScoreRequest(query=pb.Input(text="q"), items=[pb.Input(text=big)] * 4, label_token_ids=LABELS),
+    ]
+    for request in requests:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(request, timeout=60)
+        assert err.value.code() == Code.INVALID_ARGUMENT, err.value.details()
+    assert max(calls, default=0) < 10  # only the short query was tokenized
+
+
+def test_request_over_the_token_limit_is_invalid(stub):
+    items = [pb.Input(token_ids=pb.TokenIds(ids=ids(100, 500))) for _ in range(25)]  # 2,500 tokens
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Score(
+            pb.ScoreRequest(query=pb.Input(token_ids=pb.TokenIds(ids=ids(5))), items=items, label_token_ids=LABELS)
+        )
+    assert err.value.code() == Code.INVALID_ARGUMENT and err.value.details().startswith("items")
+
+
+def test_queue_capacity_counts_tokens(server, stub, client):
+    worker = server.server.worker
+
+    def request(n_items: int) -> pb.ScoreRequest:
+        items = [pb.Input(token_ids=pb.TokenIds(ids=ids(100, 600 + k))) for k in range(n_items)]
+        return pb.ScoreRequest(query=pb.Input(token_ids=pb.TokenIds(ids=ids(5))), items=items, label_token_ids=LABELS)
+
+    with worker.paused():
+        held = stub.Score.future(request(18))  # 1,800 of 3,000 tokens, 18 of 256 items
+        wait_for(lambda: worker.depth == 18, 30, "18 queued items")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Score(request(15))  # 15 items fit the item queue; 1,500 tokens do not
+        assert refused.value.code() == Code.RESOURCE_EXHAUSTED and "tokens" in refused.value.details()
+        assert retry_after_ms(refused.value) > 0
+    assert len(held.result(120).scores) == 18
+
+
+# ---- 6. exposure: reflection, the metrics endpoint -----------------------------------------------
+def test_reflection_is_off_by_default(server):
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert err.value.code() == Code.UNIMPLEMENTED
+
+
+def test_metrics_endpoint_serves_only_metrics(server):
+    port = server.server.metrics_port
+    assert "prefixscore_requests_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    for path in ("/", "/debug", "/metrics/../x"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}")
+        assert err.value.code == 404
+
+
+def test_limits_are_in_model_info(client):
+    limits = client.model_info().limits
+    assert (limits.max_queue_tokens, limits.max_request_tokens, limits.max_streams) == (3000, 2000, 3)
+    assert (limits.max_pending_batches, limits.stream_idle_timeout_ms) == (2, 1500)
+    assert limits.max_concurrent_rpcs > 0 and limits.keepalive_time_ms > 0 and limits.max_connection_age_ms > 0
+    assert limits.max_message_bytes == 64 << 20 and limits.pool_bytes > 0
+
+
+# ---- 7. the smaller items ------------------------------------------------------------------------
+def test_duplicate_batch_id_in_flight_is_invalid(server, stub):
+    with server.server.worker.paused():
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.ScoreStream(iter([_open(), _batch(7, "a"), _batch(7, "b")]), timeout=60))
+    assert err.value.code() == Code.INVALID_ARGUMENT and err.value.details().startswith("batch_id")
+
+
+def test_empty_stream_is_invalid(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.ScoreStream(iter([]), timeout=60))
+    assert err.value.code() == Code.INVALID_ARGUMENT and err.value.details().startswith("open")
+
+
+def test_too_many_items_is_invalid_not_retryable(stub):
+    items = [pb.Input(text="x")] * (LIMITS["max_queue_items"] + 1)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Score(pb.ScoreRequest(query=pb.Input(text=QUERY), items=items, label_token_ids=LABELS))
+    assert err.value.code() == Code.INVALID_ARGUMENT and retry_after_ms(err.value) is None
+
+
+def test_client_going_away_is_not_an_internal_error(server, stub, client):
+    """Streams cancelled at every stage: none counts as INTERNAL, nothing stays pinned."""
+    before = _internal_errors(server)
+    worker = server.server.worker
+    for k in range(6):
+        release = threading.Event()
+        messages = [_open(), *[_batch(j, f"gone {j}") for j in range(k)]]
+        call = stub.ScoreStream(_held(messages, release), timeout=60)
+        if k % 2:
+            next(call)  # opened: cancel after the open was answered
+        call.cancel()
+        release.set()
+    wait_for(lambda: server.server._streams == 0, 30, "the cancelled streams to end")
+    assert _internal_errors(server) == before
+    with client.stream(QUERY, LABELS) as session:  # still serving streams
+        assert len(session.send(["after"])) == 1
+    wait_for(lambda: all(e.pins == 0 for e in worker.cache._entries.values()), 30, "every prefix unpinned")
+
+
+def test_model_info_while_draining_is_unavailable(tiny_scorer):
+    srv = ServerThread(server_config(tiny_scorer, metrics_port=None)).start()
+    try:
+        worker = srv.server.worker
+        with grpc.insecure_channel(srv.target) as channel:
+            stub = pb_grpc.ScoreServiceStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest()).model == "tiny-qwen3"
+            with worker.paused():  # an in-flight request keeps the drain going
+                inflight = stub.Score.future(
+                    pb.ScoreRequest(query=pb.Input(text=QUERY), items=[pb.Input(text="x")], label_token_ids=LABELS)
+                )
+                wait_for(lambda: worker.depth == 1, 30, "a queued request")
+                drain = threading.Thread(target=srv.drain, args=(60,))
+                drain.start()
+                not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+                wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status == not_serving, 30, "draining")
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GetModelInfo(pb.GetModelInfoRequest())
+                assert err.value.code() == Code.UNAVAILABLE
+            assert len(inflight.result(60).scores) == 1
+            drain.join(60)
+    finally:
+        srv.stop()
+
+
+# ---- fuzz: protobuf requests, well-formed or not, against the real server ------------------------
+_ids = st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(0, 60_000), max_size=12)
+_input = st.one_of(
+    st.builds(lambda t: pb.Input(text=t), st.text(max_size=40)),
+    st.builds(lambda v: pb.Input(token_ids=pb.TokenIds(ids=v)), _ids),
+    st.just(pb.Input()),
+)
+_request = st.builds(
+    lambda q, items, label_ids, labels, softmax, first: pb.ScoreRequest(
+        query=q, items=items, label_token_ids=label_ids, labels=labels, apply_softmax=softmax, item_first=first
+    ),
+    _input,
+    st.lists(_input, max_size=4),
+    _ids,
+    st.lists(st.sampled_from(["yes", "no", "", "not one token", "\x00"]), max_size=2),
+    st.booleans(),
+    st.booleans(),
+)
+_bytes = st.one_of(_request.map(lambda r: r.SerializeToString()), st.binary(max_size=64))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(raw=_bytes)
+def test_fuzzed_requests_get_precise_statuses(server, raw):
+    with grpc.insecure_channel(server.target) as channel:
+        for method in ("Score", "GetModelInfo"):
+            call = channel.unary_unary(f"/{SERVICE}/{method}")
+            try:
+                call(raw, timeout=60)
+            except grpc.RpcError as err:
+                assert err.code() not in (Code.INTERNAL, Code.UNKNOWN, Code.DEADLINE_EXCEEDED), err.details()
+        stream = channel.stream_stream(f"/{SERVICE}/ScoreStream")
+        try:
+            list(stream(iter([raw, raw]), timeout=60))
+        except grpc.RpcError as err:
+            assert err.code() not in (Code.INTERNAL, Code.UNKNOWN, Code.DEADLINE_EXCEEDED), err.details()
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
