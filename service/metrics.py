@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import socketserver
 import threading
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
@@ -125,14 +126,26 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
-def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
-    """Serve `registry` at GET /metrics only (any other path: 404), on a daemon thread; returns the
-    server (`.server_port`, `.shutdown()`). prometheus-client's own server answers every path."""
+def serve_metrics(
+    host: str, port: int, registry: CollectorRegistry, probes: Callable[[str], str | None] | None = None
+) -> WSGIServer:
+    """Serve `registry` at GET /metrics, and with `probes` the plaintext probes /health and /ready
+    (any other path: 404), on a daemon thread; returns the server (`.server_port`, `.shutdown()`).
+    prometheus-client's own server answers every path.
+
+    probes(path) -> None when the probe passes, else why not (503). The probes live here, on the
+    port kept apart from the API, because kubelet cannot present a client certificate: with
+    mutual TLS on the API its gRPC and HTTPS probes could never pass."""
     metrics_app = make_wsgi_app(registry)
 
     def app(environ: dict, start_response):  # noqa: ANN202 - the WSGI signature
-        if environ.get("PATH_INFO") == "/metrics":
+        path = environ.get("PATH_INFO")
+        if path == "/metrics":
             return metrics_app(environ, start_response)
+        if probes is not None and path in ("/health", "/ready"):
+            failing = probes(path)
+            start_response("503 Service Unavailable" if failing else "200 OK", [("Content-Type", "text/plain")])
+            return [f"{failing or 'ok'}\n".encode()]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found; metrics are at /metrics\n"]
 

@@ -258,7 +258,7 @@ class ScoreServer:
         self._server = server
         if cfg.metrics_port is not None:
             host = cfg.metrics_host or cfg.host
-            self._metrics_httpd = serve_metrics(host, cfg.metrics_port, self.metrics.registry)
+            self._metrics_httpd = serve_metrics(host, cfg.metrics_port, self.metrics.registry, self.probe)
             self.metrics_port = self._metrics_httpd.server_port
         if cfg.http_port is not None:
             from prefixscore.service.http_api import HttpServer  # the ASGI stack loads only when asked for
@@ -391,6 +391,18 @@ class ScoreServer:
             for name in ("", SERVICE):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         event(log, "ready", model=loaded.name, port=self.port, metrics_port=self.metrics_port)
+
+    def probe(self, path: str) -> str | None:
+        """The admin port's probes: None when `path` ("/health": liveness, "/ready": readiness)
+        passes, else the reason it does not."""
+        if self.exit_code:
+            return "failed: the device loop broke; the process is exiting"
+        if path == "/ready":
+            if self.draining:
+                return "draining"
+            if not self.ready:
+                return "loading"
+        return None
 
     async def wait_ready(self) -> None:
         """Return once SERVING; raises StartupFailed if the model could not be loaded."""

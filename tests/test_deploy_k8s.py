@@ -26,7 +26,7 @@ TPU = {
 # Oldest Kubernetes minor we support (GKE's oldest in standard support) and the newest schema set.
 K8S_VERSIONS = ("1.31.0", "latest")
 HEALTH_SERVICE = "prefixscore.v1.ScoreService"
-GRPC_PORT, METRICS_PORT = 50051, 9090
+GRPC_PORT, HTTP_PORT, METRICS_PORT = 50051, 8080, 9090
 GKE_QUEUE_METRIC = "prometheus.googleapis.com|prefixscore_queue_depth|gauge"
 
 
@@ -50,6 +50,7 @@ def extra_renders(tmp_path_factory) -> dict[str, list[dict]]:
         "tpu-v6e-1x1+compile-cache-pvc": ("../overlays/tpu-v6e-1x1", ["compile-cache-pvc"]),
         "base+gmp": ("../base", ["gmp"]),
         "tpu-v6e-2x2+models-gcsfuse": ("../overlays/tpu-v6e-2x2", ["models-gcsfuse"]),
+        "base+tls-auth": ("../base", ["tls-auth"]),
     }
     out = {}
     root = tmp_path_factory.mktemp("kustomize")
@@ -430,7 +431,8 @@ def test_pod_runs_the_server_with_its_contract(rendered):
         assert env["PREFIXSCORE_PORT"] == str(GRPC_PORT) and env["PREFIXSCORE_METRICS_PORT"] == str(METRICS_PORT)
         assert env["PREFIXSCORE_HOST"] == "0.0.0.0"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}, name
+        assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT}, name
+        assert env["PREFIXSCORE_HTTP_PORT"] == str(HTTP_PORT)
 
         # native gRPC probes on the health service; start-up allows minutes of compilation
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -501,7 +503,7 @@ def test_services_pdb_and_monitors_select_the_pods(rendered, extra_renders):
         assert set(services) == {True, False}, f"{name}: one headless and one regular Service"
         for svc in services.values():
             assert svc["spec"]["selector"].items() <= labels.items(), name
-            assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {"grpc", "metrics"}
+            assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {"grpc", "http", "metrics"}
         assert services[True]["spec"].get("publishNotReadyAddresses", False) is False
         assert "metrics" in {p["name"] for p in services[False]["spec"]["ports"]}
         pdb = one(docs, "PodDisruptionBudget")
@@ -563,3 +565,34 @@ def test_yaml_and_json_are_clean():
     assert result.returncode == 0, result.stdout + result.stderr
     for path in deploy.rglob("*.json"):
         json.loads(path.read_text())
+
+
+def test_tls_auth_component_mounts_the_secrets_and_probes_the_admin_port(extra_renders):
+    """TLS files and tokens from Secrets (mounted whole, so rotations reach the server), their
+    paths handed to `serve` flags, and probes on the plaintext admin port (no kubelet TLS)."""
+    from prefixscore.service.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest.upper() for a in serve._actions}
+    docs = extra_renders["base+tls-auth"]
+    c = container(docs)
+    env = config(docs)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert secrets == {"tls": "prefixscore-tls", "auth-tokens": "prefixscore-auth-tokens"}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    for volume, key in (
+        ("tls", "TLS_CERT"),
+        ("tls", "TLS_KEY"),
+        ("tls", "TLS_CLIENT_CA"),
+        ("auth-tokens", "AUTH_TOKENS_FILE"),
+    ):
+        assert key in flags
+        path = env[f"PREFIXSCORE_{key}"]
+        assert path.startswith(mounts[volume]["mountPath"] + "/") and mounts[volume]["readOnly"] is True
+        assert "subPath" not in mounts[volume]  # a subPath mount never sees a rotated file
+    for probe, path in (("startupProbe", "/ready"), ("readinessProbe", "/ready"), ("livenessProbe", "/health")):
+        assert "grpc" not in c[probe] and c[probe]["httpGet"] == {"path": path, "port": "metrics"}
+    # the pod's group can read the secret files (0440 with fsGroup)
+    assert all(v["secret"]["defaultMode"] == 0o440 for v in pod["volumes"] if "secret" in v)
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]

@@ -92,7 +92,7 @@ def mtls_server(tiny_scorer, pki):
     cert, key = pki["server"]
     cfg = server_config(
         tiny_scorer,
-        metrics_port=None,
+        metrics_port=0,
         tls_cert=cert,
         tls_key=key,
         tls_client_ca=pki["ca"].pem,
@@ -169,6 +169,24 @@ def test_http_api_takes_the_same_tls_and_tokens(mtls_server, pki):
         no_cert.get(f"{base}/health")
     with httpx.Client(timeout=10) as plain, pytest.raises(httpx.HTTPError):
         plain.get(f"http://localhost:{mtls_server.server.http_port}/health")
+
+
+def test_probes_answer_in_plaintext_on_the_admin_port(mtls_server):
+    """kubelet has no client certificate: with mutual TLS on the API, it probes the admin port."""
+    admin = f"http://127.0.0.1:{mtls_server.server.metrics_port}"
+    with httpx.Client(timeout=10) as plain:
+        assert plain.get(f"{admin}/health").status_code == 200
+        assert plain.get(f"{admin}/ready").text == "ok\n"
+        assert plain.get(f"{admin}/v1/score").status_code == 404
+    assert mtls_server.server.probe("/ready") is None
+    mtls_server.server.draining = True  # what drain() sets first
+    try:
+        with httpx.Client(timeout=10) as plain:
+            refused = plain.get(f"{admin}/ready")
+            assert refused.status_code == 503 and refused.text == "draining\n"
+            assert plain.get(f"{admin}/health").status_code == 200  # draining is not dead
+    finally:
+        mtls_server.server.draining = False
 
 
 def test_rotated_certificates_are_picked_up_without_a_restart(tiny_scorer, pki, tmp_path):
