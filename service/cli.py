@@ -219,7 +219,7 @@ def _add_security(p: argparse.ArgumentParser) -> None:
 
 
 def _add_client_security(p: argparse.ArgumentParser) -> None:
-    """Client-side TLS and token options (score, models)."""
+    """Client-side TLS and token options (score, rerank, models)."""
     p.add_argument("--tls", action="store_true", default=_env("TLS", False, _bool), help="use TLS [$PREFIXSCORE_TLS]")
     p.add_argument("--tls-ca", default=_env("TLS_CA", None), help="CA (PEM) to verify the server; implies --tls")
     p.add_argument("--tls-client-cert", default=_env("TLS_CLIENT_CERT", None), help="client certificate: mutual TLS")
@@ -409,15 +409,14 @@ def add_rerank(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-n", type=int, default=0, help="only the top N documents (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    _add_client_security(p)
     p.set_defaults(func=run_rerank)
 
 
 def run_rerank(args: argparse.Namespace) -> int:
     import grpc
 
-    from prefixscore.service.client import ScoreClient
-
-    with ScoreClient(args.target) as client:
+    with _client(args, args.target) as client:
         try:
             result = client.rerank(
                 args.query, args.document, instruction=args.instruction, top_n=args.top_n, timeout=args.timeout

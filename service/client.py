@@ -341,7 +341,7 @@ class ScoreClient:
     ) -> RerankResult:
         """Documents sorted by the server template's relevance to `query` (top_n: only the first N)."""
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
-        return _reranked(self._stub.Rerank(request, timeout=timeout))
+        return _reranked(self._stub.Rerank(request, timeout=timeout, metadata=self._metadata))
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
@@ -468,7 +468,7 @@ class AsyncScoreClient:
         timeout: float | None = None,
     ) -> RerankResult:
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
-        return _reranked(await self._stub.Rerank(request, timeout=timeout))
+        return _reranked(await self._stub.Rerank(request, timeout=timeout, metadata=self._metadata))
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)

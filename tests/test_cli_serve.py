@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import grpc
 import numpy as np
@@ -34,6 +35,10 @@ SERVE = [
     "0",
     "--metrics-port",
     "0",
+    "--http-port",
+    "0",
+    "--template",
+    "none",
     "--warmup",
     "false",
     "--max-prefill-tokens",
@@ -53,6 +58,7 @@ class Served:
     events: list[dict]
     target: str = ""
     metrics_port: int = 0
+    http_port: int = 0
 
     def event(self, name: str) -> dict | None:
         return next((e for e in list(self.events) if e.get("event") == name), None)
@@ -83,6 +89,7 @@ def served():
         assert proc.poll() is None, f"serve exited: {served.events}"
         served.target = f"127.0.0.1:{listening['port']}"
         served.metrics_port = listening["metrics_port"]
+        served.http_port = listening["http_port"]
         wait_for(lambda: served.event("ready") or proc.poll() is not None, 300, "ready")
         assert proc.poll() is None, f"serve exited: {served.events}"
         yield served
@@ -148,6 +155,23 @@ def test_models_command(served, capsys):
     assert cli.main(["models", "--target", served.target]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["model"] == "tiny-qwen3" and info["limits"]["max_item_tokens"] == 8192  # the context
+
+
+def test_http_port_and_template_flags(served, capsys):
+    """`serve --http-port --template` from the command line: the HTTP API answers beside gRPC,
+    with the template asked for, and the `rerank` command ranks through it."""
+    base = f"http://127.0.0.1:{served.http_port}"
+    with urllib.request.urlopen(f"{base}/ready") as ready:
+        assert ready.status == 200
+    with urllib.request.urlopen(f"{base}/v1/models") as models:
+        assert "none" in json.dumps(json.loads(models.read()))
+    with ScoreClient(served.target) as client:
+        assert client.model_info().template == "none"
+    docs = ["-d", "The Seine flows through Paris.", "-d", "Cats sleep a lot."]
+    assert cli.main(["rerank", "--target", served.target, "-q", QUERY, *docs, "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert sorted(r["index"] for r in results) == [0, 1]
+    assert results[0]["relevance_score"] >= results[1]["relevance_score"]
 
 
 def test_console_script_is_installed():

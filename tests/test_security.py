@@ -224,5 +224,8 @@ def test_cli_score_and_models_with_tls_and_token(mtls_server, pki, capsys, tmp_p
     assert len(json.loads(capsys.readouterr().out)["scores"]) == 1
     assert cli.main(["models", *target, *tls, "--token-file", str(token_file)]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == "tiny-qwen3"
+    docs = ["-d", "rivers flow to the sea", "-d", "cats sleep"]
+    assert cli.main(["rerank", *target, *tls, "--token-file", str(token_file), "-q", "rivers", *docs, "--json"]) == 0
+    assert sorted(r["index"] for r in json.loads(capsys.readouterr().out)["results"]) == [0, 1]
     assert cli.main(["score", *target, *tls, "-q", "q", "-i", "a", "--label-ids", "1"]) == 1  # no token
     assert "UNAUTHENTICATED" in capsys.readouterr().err
