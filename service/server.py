@@ -51,6 +51,11 @@ from prefixscore.v1 import score_service_pb2 as pb
 
 log = logging.getLogger("prefixscore.server")
 
+try:  # what grpc.aio raises when a message is written on a call that has already ended
+    from grpc._cython.cygrpc import ExecuteBatchError as _CallEnded
+except ImportError:  # pragma: no cover (another grpcio layout: such writes count as INTERNAL)
+    _CallEnded = type("_CallEnded", (Exception,), {})
+
 SERVICE = pb.DESCRIPTOR.services_by_name["ScoreService"].full_name  # "prefixscore.v1.ScoreService"
 RETRY_AFTER_KEY = "retry-after-ms"
 
@@ -665,6 +670,17 @@ class ScoreServer:
         )
 
 
+def _client_gone(context: grpc.aio.ServicerContext) -> RpcFailure | None:
+    """The status of a call its client ended (deadline passed, cancelled, disconnected), or None
+    while the client is still there."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
+    if context.cancelled() or context.done():
+        return RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")
+    return None
+
+
 def _settle(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
@@ -740,6 +756,13 @@ class _StreamSession:
             await asyncio.wait_for(self.context.write(message), self.idle_s)
         except asyncio.TimeoutError:
             raise self._idle("read no response") from None
+        except _CallEnded:
+            # gRPC refuses a message on a call that is already over: the client cancelled, went
+            # away or its deadline passed while its answer was computed (the context's flags can
+            # lag behind). Its choice, not a server error: no ERROR log, no INTERNAL
+            gone = _client_gone(self.context) or RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")
+            log.debug("stream write dropped: %s", gone.message)
+            raise gone from None
 
     def _answered(self, batch_id: int) -> None:
         self.batch_ids.discard(batch_id)
