@@ -719,9 +719,10 @@ class _StreamSession:
             kind, payload = await self.events.get()
             if kind == "write":
                 await self._write(payload)
-            elif kind == "answer":  # an empty batch
-                await self._write(payload)
-                self._answered(payload.batch.batch_id)
+            elif kind == "answer":  # an empty batch, or one refused
+                response, batch_id = payload
+                await self._write(response)
+                self._answered(batch_id)
             elif kind == "unit":
                 unit, batch_id = payload
                 self.outstanding.pop(id(unit), None)
@@ -853,21 +854,36 @@ class _StreamSession:
             raise InvalidInput("batch_id", f"{batch_id} is already in flight on this stream; use a new id per batch")
         assert self.server.converter is not None
         req = await asyncio.to_thread(self.server.converter.stream_batch, self.spec, msg)
-        self.items += len(req.items)
-        self.item_tokens += sum(len(it) for it in req.items) if not self.spec.item_first else req.prompt_tokens
         self.batch_ids.add(batch_id)
         if not req.items:
-            self.events.put_nowait(("answer", pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))))
+            answer = pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))
+            self.events.put_nowait(("answer", (answer, batch_id)))
             return
         unit = self.server._unit(req, "ScoreStream", self.context)
         unit.counts_lookup = False  # the open counted this stream's prefix-cache lookup
         unit.on_done = lambda u: self.loop.call_soon_threadsafe(self.events.put_nowait, ("unit", (u, batch_id)))
         self.outstanding[id(unit)] = unit
         try:
-            self.server._submit(unit)
-        except RpcFailure:
+            self.server.worker.submit(unit)
+        except QueueFull as full:
+            # a full queue refuses this batch only: the stream, the batches it already has in
+            # flight and the ones it sends later go on (a stream is long-lived; ending it would
+            # throw away accepted work and the query's prefill)
             self.outstanding.pop(id(unit), None)
-            raise
+            refused = pb.BatchRefused(
+                batch_id=batch_id,
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                message=f"server busy: {full}",
+                retry_after_ms=full.retry_after_ms,
+            )
+            self.events.put_nowait(("answer", (pb.ScoreStreamResponse(refused=refused), batch_id)))
+            return
+        except WorkerStopped as err:
+            self.outstanding.pop(id(unit), None)
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+        # usage counts what is scored: a refused batch is not
+        self.items += len(req.items)
+        self.item_tokens += sum(len(it) for it in req.items) if not self.spec.item_first else req.prompt_tokens
 
     def close(self) -> None:
         """Cancel queued work of an ended stream and unpin its prefix."""
