@@ -3,6 +3,7 @@
 from prefixscore.service.client import (
     AsyncScoreClient,
     AsyncScoreStream,
+    BatchRefused,
     RerankedDocument,
     RerankResult,
     ScoreClient,
@@ -16,6 +17,7 @@ from prefixscore.service.client import (
 __all__ = [
     "AsyncScoreClient",
     "AsyncScoreStream",
+    "BatchRefused",
     "RerankedDocument",
     "RerankResult",
     "ScoreClient",

@@ -137,6 +137,13 @@ class PrefixCache:
             return entry.pins if entry is not None else 0
 
     @property
+    def pinned(self) -> int:
+        """Cached prefixes held by someone (an open stream, a queued request): 0 when idle,
+        so a leaked pin shows."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.pins > 0)
+
+    @property
     def free_pages(self) -> int:
         return len(self._free)
 

@@ -16,7 +16,9 @@ Over TLS: `ScoreClient(target, credentials=tls_credentials(ca="ca.pem"))` (mutua
 
 Inputs are text or token ids, as in `Scorer.score`. Errors are `grpc.RpcError`
 (`.code()`, `.details()`); a full server queue gives RESOURCE_EXHAUSTED with a
-`retry-after-ms` trailing metadata entry (see `retry_after_ms`).
+`retry-after-ms` trailing metadata entry (see `retry_after_ms`). On a stream, a full
+queue refuses one batch only: its `result` raises `BatchRefused` (`.retry_after_ms`)
+and the stream goes on.
 """
 
 from __future__ import annotations
@@ -174,6 +176,21 @@ def retry_after_ms(err: grpc.RpcError) -> int | None:
     return None
 
 
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class BatchRefused(Exception):
+    """The server did not take one batch of a stream (its queue was full): raised by `result`
+    for that batch only; the stream stays open. Send the items again after `retry_after_ms`."""
+
+    def __init__(self, batch_id: int, code: grpc.StatusCode, details: str, retry_after_ms: int) -> None:
+        super().__init__(f"batch {batch_id} refused ({code.name}): {details}")
+        self.batch_id = batch_id
+        self.code = code
+        self.details = details
+        self.retry_after_ms = retry_after_ms
+
+
 class _Session:
     """State shared by the sync and async stream sessions: batch ids, stashed results."""
 
@@ -184,7 +201,13 @@ class _Session:
         self.usage: Usage | None = None
         self.opened = False
         self._next_id = 1
-        self._results: dict[int, list[list[float]]] = {}
+        self._results: dict[int, list[list[float]] | BatchRefused] = {}
+
+    def _pop(self, batch_id: int) -> list[list[float]]:
+        result = self._results.pop(batch_id)
+        if isinstance(result, BatchRefused):
+            raise result
+        return result
 
     def _new_id(self) -> int:
         batch_id, self._next_id = self._next_id, self._next_id + 1
@@ -199,6 +222,10 @@ class _Session:
             self.label_token_ids = list(response.opened.label_token_ids)
         elif kind == "batch":
             self._results[response.batch.batch_id] = _scores(response.batch.scores)
+        elif kind == "refused":
+            r = response.refused
+            code = _CODES.get(r.code, grpc.StatusCode.UNKNOWN)
+            self._results[r.batch_id] = BatchRefused(r.batch_id, code, r.message, r.retry_after_ms)
         elif kind == "usage":
             self.usage = _usage(response.usage)
 
@@ -247,11 +274,12 @@ class ScoreStream(_Session):
         return batch_id
 
     def result(self, batch_id: int) -> list[list[float]]:
-        """Wait for one submitted batch's scores [items][labels]."""
+        """Wait for one submitted batch's scores [items][labels]; raises BatchRefused when the
+        server refused that batch (its queue was full: retry it), the stream going on."""
         while batch_id not in self._results:
             if not self._receive_one():
                 raise RuntimeError(f"ScoreStream ended without an answer to batch {batch_id}")
-        return self._results.pop(batch_id)
+        return self._pop(batch_id)
 
     def send(self, items: Sequence[Text]) -> list[list[float]]:
         """Score one batch of items: submit, then wait for its scores."""
@@ -380,7 +408,7 @@ class AsyncScoreStream(_Session):
         while batch_id not in self._results:
             if not await self._receive_one():
                 raise RuntimeError(f"ScoreStream ended without an answer to batch {batch_id}")
-        return self._results.pop(batch_id)
+        return self._pop(batch_id)
 
     async def send(self, items: Sequence[Text]) -> list[list[float]]:
         return await self.result(await self.submit(items))

@@ -111,6 +111,11 @@ class ServiceMetrics:
             "prefixscore_prefix_pool_bytes", "Device bytes of the prefix pool (allocated once at start).", registry=r
         )
         self.cache_entries = Gauge("prefixscore_prefix_cache_entries", "Prefixes held by the prefix cache.", registry=r)
+        self.cache_pinned = Gauge(
+            "prefixscore_prefix_cache_pinned",
+            "Cached prefixes pinned by open streams or queued requests (0 when idle: a leak shows).",
+            registry=r,
+        )
         self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)
         self.compile_seconds = Counter(
             "prefixscore_compile_seconds_total", "Seconds spent in XLA compilation since start.", registry=r

@@ -51,6 +51,11 @@ from prefixscore.v1 import score_service_pb2 as pb
 
 log = logging.getLogger("prefixscore.server")
 
+try:  # what grpc.aio raises when a message is written on a call that has already ended
+    from grpc._cython.cygrpc import ExecuteBatchError as _CallEnded
+except ImportError:  # pragma: no cover (another grpcio layout: such writes count as INTERNAL)
+    _CallEnded = type("_CallEnded", (Exception,), {})
+
 SERVICE = pb.DESCRIPTOR.services_by_name["ScoreService"].full_name  # "prefixscore.v1.ScoreService"
 RETRY_AFTER_KEY = "retry-after-ms"
 
@@ -665,6 +670,17 @@ class ScoreServer:
         )
 
 
+def _client_gone(context: grpc.aio.ServicerContext) -> RpcFailure | None:
+    """The status of a call its client ended (deadline passed, cancelled, disconnected), or None
+    while the client is still there."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
+    if context.cancelled() or context.done():
+        return RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")
+    return None
+
+
 def _settle(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
@@ -703,9 +719,10 @@ class _StreamSession:
             kind, payload = await self.events.get()
             if kind == "write":
                 await self._write(payload)
-            elif kind == "answer":  # an empty batch
-                await self._write(payload)
-                self._answered(payload.batch.batch_id)
+            elif kind == "answer":  # an empty batch, or one refused
+                response, batch_id = payload
+                await self._write(response)
+                self._answered(batch_id)
             elif kind == "unit":
                 unit, batch_id = payload
                 self.outstanding.pop(id(unit), None)
@@ -740,6 +757,13 @@ class _StreamSession:
             await asyncio.wait_for(self.context.write(message), self.idle_s)
         except asyncio.TimeoutError:
             raise self._idle("read no response") from None
+        except _CallEnded:
+            # gRPC refuses a message on a call that is already over: the client cancelled, went
+            # away or its deadline passed while its answer was computed (the context's flags can
+            # lag behind). Its choice, not a server error: no ERROR log, no INTERNAL
+            gone = _client_gone(self.context) or RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")
+            log.debug("stream write dropped: %s", gone.message)
+            raise gone from None
 
     def _answered(self, batch_id: int) -> None:
         self.batch_ids.discard(batch_id)
@@ -830,21 +854,36 @@ class _StreamSession:
             raise InvalidInput("batch_id", f"{batch_id} is already in flight on this stream; use a new id per batch")
         assert self.server.converter is not None
         req = await asyncio.to_thread(self.server.converter.stream_batch, self.spec, msg)
-        self.items += len(req.items)
-        self.item_tokens += sum(len(it) for it in req.items) if not self.spec.item_first else req.prompt_tokens
         self.batch_ids.add(batch_id)
         if not req.items:
-            self.events.put_nowait(("answer", pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))))
+            answer = pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))
+            self.events.put_nowait(("answer", (answer, batch_id)))
             return
         unit = self.server._unit(req, "ScoreStream", self.context)
         unit.counts_lookup = False  # the open counted this stream's prefix-cache lookup
         unit.on_done = lambda u: self.loop.call_soon_threadsafe(self.events.put_nowait, ("unit", (u, batch_id)))
         self.outstanding[id(unit)] = unit
         try:
-            self.server._submit(unit)
-        except RpcFailure:
+            self.server.worker.submit(unit)
+        except QueueFull as full:
+            # a full queue refuses this batch only: the stream, the batches it already has in
+            # flight and the ones it sends later go on (a stream is long-lived; ending it would
+            # throw away accepted work and the query's prefill)
             self.outstanding.pop(id(unit), None)
-            raise
+            refused = pb.BatchRefused(
+                batch_id=batch_id,
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                message=f"server busy: {full}",
+                retry_after_ms=full.retry_after_ms,
+            )
+            self.events.put_nowait(("answer", (pb.ScoreStreamResponse(refused=refused), batch_id)))
+            return
+        except WorkerStopped as err:
+            self.outstanding.pop(id(unit), None)
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+        # usage counts what is scored: a refused batch is not
+        self.items += len(req.items)
+        self.item_tokens += sum(len(it) for it in req.items) if not self.spec.item_first else req.prompt_tokens
 
     def close(self) -> None:
         """Cancel queued work of an ended stream and unpin its prefix."""

@@ -435,6 +435,7 @@ class DeviceWorker:
         assert self.cache is not None
         self.metrics.cache_bytes.set(self.cache.bytes)
         self.metrics.cache_entries.set(len(self.cache))
+        self.metrics.cache_pinned.set(self.cache.pinned)
 
     def _sync_compile_metrics(self) -> None:
         count, seconds = CompileCounter.count(), CompileCounter.seconds()

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_testing import LABELS, scrape, server_config, wait_for
 
-from prefixscore.client import ScoreClient, retry_after_ms
+from prefixscore.client import BatchRefused, ScoreClient, retry_after_ms
 from prefixscore.service.server import SERVICE, ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
@@ -251,6 +251,41 @@ def test_queue_capacity_counts_tokens(server, stub, client):
         assert refused.value.code() == Code.RESOURCE_EXHAUSTED and "tokens" in refused.value.details()
         assert retry_after_ms(refused.value) > 0
     assert len(held.result(120).scores) == 18
+
+
+def test_full_queue_refuses_one_stream_batch_and_the_stream_goes_on(server, stub, client):
+    """Issue finding 7: RESOURCE_EXHAUSTED on one ItemBatch used to end the whole stream, batches
+    already accepted included. Now that batch alone is refused (code, message, retry hint) and the
+    batches before and after it are scored."""
+    worker = server.server.worker
+    query = ids(5, 8000)
+
+    def tokens(n_items: int, start: int) -> list[list[int]]:
+        return [ids(100, start + 3 * k) for k in range(n_items)]
+
+    with worker.paused():
+        held = stub.Score.future(  # 1,800 of the 3,000 queued tokens
+            pb.ScoreRequest(
+                query=pb.Input(token_ids=pb.TokenIds(ids=ids(5))),
+                items=[pb.Input(token_ids=pb.TokenIds(ids=t)) for t in tokens(18, 600)],
+                label_token_ids=LABELS,
+            )
+        )
+        wait_for(lambda: worker.depth == 18, 30, "18 queued items")
+        session = client.stream(query, LABELS)
+        before = session.submit(tokens(1, 900))  # fits: 1,900 tokens queued
+        refused = session.submit(tokens(15, 1000))  # 1,500 more do not
+        with pytest.raises(BatchRefused) as err:
+            session.result(refused)  # answered at once, while the device is still held
+        assert err.value.batch_id == refused and err.value.code == Code.RESOURCE_EXHAUSTED
+        assert "tokens" in err.value.details and err.value.retry_after_ms > 0
+        after = session.submit(tokens(1, 1100))  # the stream is still open and takes batches
+        wait_for(lambda: worker.depth == 20, 30, "the batches around the refused one queued")
+    assert len(session.result(before)) == 1 and len(session.result(after)) == 1
+    assert session.close().items == 2  # the refused batch was not scored
+    assert len(held.result(120).scores) == 18
+    with client.stream(query, LABELS) as again:  # the refused batch can be sent again
+        assert len(again.send(tokens(15, 1000))) == 15
 
 
 # ---- 6. exposure: reflection, the metrics endpoint -----------------------------------------------

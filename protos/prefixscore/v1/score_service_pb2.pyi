@@ -147,15 +147,29 @@ class BatchScores(_message.Message):
     scores: _containers.RepeatedCompositeFieldContainer[ItemScores]
     def __init__(self, batch_id: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ...) -> None: ...
 
+class BatchRefused(_message.Message):
+    __slots__ = ("batch_id", "code", "message", "retry_after_ms")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    code: int
+    message: str
+    retry_after_ms: int
+    def __init__(self, batch_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
 class ScoreStreamResponse(_message.Message):
-    __slots__ = ("opened", "batch", "usage")
+    __slots__ = ("opened", "batch", "usage", "refused")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     opened: StreamOpened
     batch: BatchScores
     usage: Usage
-    def __init__(self, opened: _Optional[_Union[StreamOpened, _Mapping]] = ..., batch: _Optional[_Union[BatchScores, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    refused: BatchRefused
+    def __init__(self, opened: _Optional[_Union[StreamOpened, _Mapping]] = ..., batch: _Optional[_Union[BatchScores, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., refused: _Optional[_Union[BatchRefused, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
