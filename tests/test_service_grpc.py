@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from service_testing import LABELS, scrape, server_config, wait_for
 
-from prefixscore.client import AsyncScoreClient, ScoreClient, retry_after_ms
+from prefixscore.client import AsyncScoreClient, BatchRefused, ScoreClient, retry_after_ms
 from prefixscore.model.engine import ScoringEngine
 from prefixscore.service.metrics import ServiceMetrics
 from prefixscore.service.server import SERVICE, ScoreServer, ServerConfig, ServerThread
@@ -197,10 +197,10 @@ def test_full_queue_is_refused_with_a_retry_hint(server, client, stub):
         assert refused.value.code() == Code.RESOURCE_EXHAUSTED
         assert "retry after" in refused.value.details()
         assert retry_after_ms(refused.value) > 0
-        session = client.stream(QUERY, LABELS)
-        with pytest.raises(grpc.RpcError) as refused_stream:  # the refusal ends the stream
-            session.send([f"s {k}" for k in range(100)])
-        assert refused_stream.value.code() == Code.RESOURCE_EXHAUSTED
+        with client.stream(QUERY, LABELS) as session:  # a stream's batch: refused alone, the stream goes on
+            with pytest.raises(BatchRefused) as refused_batch:
+                session.send([f"s {k}" for k in range(100)])
+            assert refused_batch.value.code == Code.RESOURCE_EXHAUSTED and refused_batch.value.retry_after_ms > 0
     assert len(held.result(timeout=120).scores) == 200
 
 
