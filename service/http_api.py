@@ -38,7 +38,7 @@ from prefixscore.service import request_ids
 from prefixscore.service.logs import event
 from prefixscore.service.requests import InvalidInput
 from prefixscore.service.security import TokenFile
-from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer
+from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer, internal_failure
 from prefixscore.service.templates import ranked
 from prefixscore.service.validate import RerankInput, ScoreInput, Truncation, Validator
 from prefixscore.service.wire import RpcFailure
@@ -186,7 +186,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in [
         (400, "Bad input; `message` starts with the field at fault"),
-        (413, "Over a size limit (items per request)"),
+        (413, "Over a size limit (items or tokens per request, body bytes)"),
         (429, "The queue is full; retry after the Retry-After header"),
         (503, "The model is loading or the server is draining"),
         (504, "The deadline passed before the items were scored"),
@@ -285,11 +285,7 @@ class _BodyLimit:
             too_large = len(body) > self.limit
             more = more and not too_large
         if too_large:
-            msg = f"request body: over the limit of {self.limit} bytes"
-            refusal = JSONResponse(
-                {"object": "error", "message": msg, "type": "RequestTooLarge", "param": None, "code": 413},
-                status_code=413,
-            )
+            refusal = error(413, f"request body: over the limit of {self.limit} bytes", "RequestTooLarge")
             await refusal(scope, receive, send)
             return
         delivered = False
@@ -322,8 +318,7 @@ class _BearerTokens:
         if self.tokens.accepts(sent):
             await self.app(scope, receive, send)
             return
-        body = {"object": "error", "message": "missing or invalid bearer token", "type": "Unauthorized", "code": 401}
-        refusal = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        refusal = error(401, "missing or invalid bearer token", "Unauthorized", headers={"WWW-Authenticate": "Bearer"})
         await refusal(scope, receive, send)
 
 
@@ -370,10 +365,10 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
             except RpcFailure as failure:
                 status[0] = failure.code.name
                 outcome["response"] = _refused(failure)
-            except Exception as err:
+            except Exception as err:  # what failed and a request id; the details only in the log
                 status[0] = "INTERNAL"
-                log.exception("%s failed", method)
-                outcome["response"] = error(500, f"internal error: {type(err).__name__}: {err}", "InternalServerError")
+                failure = internal_failure(f"{method} failed", err)
+                outcome["response"] = error(500, failure.message, "InternalServerError")
             finally:
                 # an access-log line; it carries the request id like every line logged while handling it
                 seconds = round(time.monotonic() - started, 6)
@@ -498,10 +493,9 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
         summary="Readiness: 200 only when the model is loaded and the server is not draining",
     )
     async def ready() -> Any:
-        if server.draining:
-            return JSONResponse(Status(status="draining").model_dump(), status_code=503)
-        if not server.ready:
-            return JSONResponse(Status(status="loading").model_dump(), status_code=503)
+        failing = server.probe("/ready")  # the admin port's readiness, the same answer
+        if failing:
+            return JSONResponse(Status(status=failing).model_dump(), status_code=503)
         return Status(status="ready")
 
     return app

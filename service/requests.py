@@ -102,6 +102,10 @@ class RequestTokenizer:
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
         self.start_ids: list[int] = tokenizer.start_ids if tokenizer else []
+        context = cfg.max_position_embeddings
+        # one sequence (start tokens + query + item), and one item, at most
+        self.max_sequence_tokens = min(context, self.limits.max_sequence_tokens or context)
+        self.max_item_tokens = min(self.max_sequence_tokens, self.limits.max_item_tokens or context)
 
     def _text(self, field: str, text: str, truncating: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -111,11 +115,8 @@ class RequestTokenizer:
                 field, f"text of {len(text)} characters exceeds the limit of {self.limits.max_text_chars}"
             )
         if not truncating:
-            self._check_chars(field, len(text), self._context())
+            self._check_chars(field, len(text), self.max_sequence_tokens)
         return self.tokenizer.encode(text)
-
-    def _context(self) -> int:
-        return min(self.cfg.max_position_embeddings, self.limits.max_sequence_tokens or 1 << 62)
 
     def _check_chars(self, field: str, chars: int, max_tokens: int) -> None:
         """Refuse text that is surely over `max_tokens` from its length alone, before tokenizing it:
@@ -178,9 +179,8 @@ class RequestTokenizer:
             if self.tokenizer is None:
                 raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
             if not truncating:  # texts that will be cut to fit are not refused for their size
-                context = self._context()
                 for j, it in enumerate(items):
-                    self._check_chars(f"{field}[{j}]", len(it), context)
+                    self._check_chars(f"{field}[{j}]", len(it), self.max_sequence_tokens)
                 if self.limits.max_request_tokens is not None:
                     self._check_chars(field, sum(len(it) for it in items), self.limits.max_request_tokens)
             out = self.tokenizer.encode_many(list(items))
@@ -200,8 +200,7 @@ class RequestTokenizer:
         self, query: list[int], items: list[list[int]], labels: tuple[int, ...], apply_softmax: bool, item_first: bool
     ) -> TokenizedRequest:
         """Place start tokens and check every sequence fits the context."""
-        context = min(self.cfg.max_position_embeddings, self.limits.max_sequence_tokens or 1 << 62)
-        max_item = self.limits.max_item_tokens or context
+        context, max_item = self.max_sequence_tokens, self.max_item_tokens
         start = list(self.start_ids)
         if len(start) + len(query) + 1 > context:
             raise InvalidInput(

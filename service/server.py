@@ -111,7 +111,7 @@ class StartupFailed(RuntimeError):
     """The model could not be loaded or compiled."""
 
 
-def _internal(what: str, err: BaseException) -> RpcFailure:
+def internal_failure(what: str, err: BaseException) -> RpcFailure:
     """INTERNAL that says what failed, not how: paths and device details go to the log only,
     under the request id the client is given to find them."""
     rid = request_ids.current() or request_ids.new_id()
@@ -125,8 +125,8 @@ def _unit_failure(err: BaseException) -> RpcFailure:
     if isinstance(err, WorkerStopped):
         return RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err))
     if isinstance(err, NonFiniteScores):
-        return _internal("the model produced non-finite scores (NaN or Inf)", err)
-    return _internal("the device call failed", err)
+        return internal_failure("the model produced non-finite scores (NaN or Inf)", err)
+    return internal_failure("the device call failed", err)
 
 
 @contextlib.contextmanager
@@ -459,41 +459,29 @@ class ScoreServer:
             return await self._observe_bound(method, fn, request, context)
 
     async def _observe_bound(self, method: str, fn: Callable, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started = time.monotonic()
-        self._inflight += 1
-        self._idle.clear()
-        self.metrics.inflight.inc()
-        code = grpc.StatusCode.OK
-        try:
-            return await fn(self, request, context)
-        except RpcFailure as failure:
-            code = failure.code
-            await context.abort(failure.code, failure.message, trailing_metadata=failure.trailers)
-        except InvalidInput as err:
-            failure = invalid(err)
-            code = failure.code
-            await context.abort(code, failure.message)
-        except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            raise
-        except Exception as err:
-            code = grpc.StatusCode.INTERNAL
-            failure = _internal(f"{method} failed", err)
-            await context.abort(code, failure.message)
-        finally:
-            self.metrics.inflight.dec()
-            self.metrics.requests.labels(method, code.name).inc()
-            self.metrics.request_seconds.labels(method).observe(time.monotonic() - started)
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+        with self.accounted(method) as status:
+            try:
+                return await fn(self, request, context)
+            except RpcFailure as failure:
+                status[0] = failure.code.name
+                await context.abort(failure.code, failure.message, trailing_metadata=failure.trailers)
+            except InvalidInput as err:
+                failure = invalid(err)
+                status[0] = failure.code.name
+                await context.abort(failure.code, failure.message)
+            except asyncio.CancelledError:
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= 0
+                status[0] = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+                raise
+            except Exception as err:
+                status[0] = "INTERNAL"
+                await context.abort(grpc.StatusCode.INTERNAL, internal_failure(f"{method} failed", err).message)
 
     @contextlib.contextmanager
     def accounted(self, method: str) -> Iterator[list[str]]:
-        """A request of another transport (HTTP) counted like an RPC: in flight (drain waits
-        for it), then by status and latency. The caller sets `status[0]` to a gRPC code name."""
+        """A request of any transport (gRPC, HTTP) counted once: in flight (drain waits for
+        it), then by status and latency. The caller sets `status[0]` to a gRPC code name."""
         started = time.monotonic()
         self._inflight += 1
         self._idle.clear()
@@ -529,15 +517,10 @@ class ScoreServer:
         remaining = context.time_remaining()
         return None if remaining is None else time.monotonic() + remaining
 
-    def _unit(self, req: TokenizedRequest, method: str, context: grpc.aio.ServicerContext) -> WorkUnit:
+    @staticmethod
+    def _unit(req: TokenizedRequest, method: str, deadline: float | None) -> WorkUnit:
         return WorkUnit(
-            req.prefix,
-            req.items,
-            req.label_ids,
-            req.apply_softmax,
-            req.item_first,
-            method=method,
-            deadline=self._deadline(context),
+            req.prefix, req.items, req.label_ids, req.apply_softmax, req.item_first, method=method, deadline=deadline
         )
 
     async def run(self, req: TokenizedRequest, method: str, deadline: float | None = None) -> WorkUnit:
@@ -546,9 +529,7 @@ class ScoreServer:
         Returns the finished unit (scores, cached_tokens); raises RpcFailure."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        unit = WorkUnit(
-            req.prefix, req.items, req.label_ids, req.apply_softmax, req.item_first, method=method, deadline=deadline
-        )
+        unit = self._unit(req, method, deadline)
         unit.on_done = lambda u: loop.call_soon_threadsafe(_settle, done, u)
         self._submit(unit)
         try:
@@ -647,8 +628,8 @@ class ScoreServer:
                 max_labels=limits.max_labels,
                 max_text_chars=limits.max_text_chars,
                 max_queue_items=self.config.max_queue_items,
-                max_sequence_tokens=conv.max_sequence_tokens,
-                max_item_tokens=conv.max_item_tokens,
+                max_sequence_tokens=conv.requests.max_sequence_tokens,
+                max_item_tokens=conv.requests.max_item_tokens,
                 max_queue_tokens=cfg.max_queue_tokens,
                 max_request_tokens=limits.max_request_tokens or 0,
                 max_streams=cfg.max_streams,
@@ -817,7 +798,7 @@ class _StreamSession:
                 log.debug("stream reader ended: the client went away (%s)", type(err).__name__)
                 self.events.put_nowait(("fail", RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")))
             else:
-                self.events.put_nowait(("fail", _internal("reading the stream failed", err)))
+                self.events.put_nowait(("fail", internal_failure("reading the stream failed", err)))
 
     async def _open(self, msg: pb.StreamOpen) -> None:
         if self.spec is not None:
@@ -833,9 +814,7 @@ class _StreamSession:
             self.pinned = self.server._pin(spec.prefix)
             try:
                 self.cached_tokens = await asyncio.wrap_future(self.pinned.ready)
-            except WorkerStopped as err:
-                raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
-            except Exception as err:
+            except Exception as err:  # WorkerStopped: UNAVAILABLE; a failed prefill: INTERNAL
                 raise _unit_failure(err) from err
         self.spec = spec
         opened = pb.StreamOpened(
@@ -859,7 +838,7 @@ class _StreamSession:
             answer = pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))
             self.events.put_nowait(("answer", (answer, batch_id)))
             return
-        unit = self.server._unit(req, "ScoreStream", self.context)
+        unit = self.server._unit(req, "ScoreStream", self.server._deadline(self.context))
         unit.counts_lookup = False  # the open counted this stream's prefix-cache lookup
         unit.on_done = lambda u: self.loop.call_soon_threadsafe(self.events.put_nowait, ("unit", (u, batch_id)))
         self.outstanding[id(unit)] = unit

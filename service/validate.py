@@ -106,9 +106,8 @@ class Validator:
     def __init__(self, requests: RequestTokenizer, template: RerankTemplate | None = None) -> None:
         self.requests = requests
         self.template = template
-        context = requests.cfg.max_position_embeddings
-        self.max_sequence_tokens = min(context, requests.limits.max_sequence_tokens or context)
-        self.max_item_tokens = min(self.max_sequence_tokens, requests.limits.max_item_tokens or context)
+        self.max_sequence_tokens = requests.max_sequence_tokens
+        self.max_item_tokens = requests.max_item_tokens
 
     # ---- pieces ----------------------------------------------------------------------------------
     def labels(self, ids: Sequence[int], labels: Sequence[str]) -> tuple[int, ...]:

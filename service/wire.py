@@ -91,8 +91,6 @@ class RequestConverter:
     def __init__(self, requests: RequestTokenizer, template: RerankTemplate | None = None) -> None:
         self.requests = requests
         self.validator = Validator(requests, template)
-        self.max_sequence_tokens = self.validator.max_sequence_tokens
-        self.max_item_tokens = self.validator.max_item_tokens
 
     def score_request(self, msg: pb.ScoreRequest) -> Validated:
         """A ScoreRequest -> a validated request; raises InvalidInput or RpcFailure."""
