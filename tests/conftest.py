@@ -110,3 +110,23 @@ def tiny_scorer():
     from prefixscore import Scorer
 
     return Scorer.load("tiny-qwen3", buckets=SMALL_BUCKETS)
+
+
+# ---- over a module's `server` fixture (a ServerThread): a client and a raw stub ----------------
+@pytest.fixture(scope="module")
+def client(server):
+    from prefixscore.client import ScoreClient
+
+    with ScoreClient(server.target) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    import grpc
+
+    from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(server.target)
+    yield pb_grpc.ScoreServiceStub(channel)
+    channel.close()

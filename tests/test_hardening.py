@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_testing import LABELS, scrape, server_config, wait_for
 
-from prefixscore.client import BatchRefused, ScoreClient, retry_after_ms
+from prefixscore.client import BatchRefused, retry_after_ms
 from prefixscore.service.server import SERVICE, ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
@@ -42,19 +42,6 @@ LIMITS = dict(
 def server(tiny_scorer):
     with ServerThread(server_config(tiny_scorer, **LIMITS)) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with ScoreClient(server.target) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    channel = grpc.insecure_channel(server.target)
-    yield pb_grpc.ScoreServiceStub(channel)
-    channel.close()
 
 
 def ids(n: int, start: int = 100) -> list[int]:

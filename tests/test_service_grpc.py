@@ -41,19 +41,6 @@ def server(tiny_scorer):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with ScoreClient(server.target) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    channel = grpc.insecure_channel(server.target)
-    yield pb_grpc.ScoreServiceStub(channel)
-    channel.close()
-
-
 def ids(text_tokens: int, start: int = 100) -> list[int]:
     return list(range(start, start + text_tokens))
 
