@@ -22,12 +22,13 @@ import os
 import ssl
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health
 
 log = logging.getLogger("prefixscore.security")
+T = TypeVar("T")
 
 AUTH_HEADER = "authorization"
 EXEMPT_PREFIXES = (f"/{health.SERVICE_NAME}/",)
@@ -43,47 +44,48 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-class _CertificateFiles:
-    """The server's certificate configuration, re-read from its files when they change."""
+class _Watched(Generic[T]):
+    """A value loaded from files, loaded again when one of them changes (mtime or size): the
+    one reload mechanism of certificates (gRPC and HTTP) and tokens. The first load's errors
+    propagate (bad files fail at start); a later failed load, such as a rotation half written,
+    keeps the previous value (logged)."""
 
-    def __init__(self, cert: str, key: str, client_ca: str | None) -> None:
-        self.paths = [cert, key] + ([client_ca] if client_ca else [])
-        self.client_ca = client_ca
-        self._stamp: tuple[tuple[int, int], ...] | None = None
+    def __init__(self, paths: list[str], load: Callable[[], T], what: str) -> None:
+        self.paths, self._load, self.what = paths, load, what
         self._lock = threading.Lock()
+        self._stamp = _stamp(paths)
+        self.value = load()
 
-    def load(self) -> grpc.ServerCertificateConfiguration:
-        cert, key = _read(self.paths[0]), _read(self.paths[1])
-        ca = _read(self.client_ca) if self.client_ca else None
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-
-    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        """Called by gRPC before handshakes: a new configuration when a file changed, else None
-        (keep the current one). A half-written file (rotation in progress) keeps the old one."""
+    def get(self) -> tuple[T, bool]:
+        """The current value, and whether it was just loaded again."""
         with self._lock:
             try:
                 stamp = _stamp(self.paths)
-                if stamp == self._stamp:
-                    return None
-                config = self.load()
-            except (OSError, ValueError) as err:
-                log.warning("certificate reload skipped: %s", err)
-                return None
-            if self._stamp is not None:
-                log.info("certificates reloaded from %s", self.paths)
-            self._stamp = stamp
-            return config
+                if stamp != self._stamp:
+                    self.value, self._stamp = self._load(), stamp
+                    log.info("%s reloaded from %s", self.what, self.paths)
+                    return self.value, True
+            except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+                log.warning("%s reload skipped: %s", self.what, err)
+            return self.value, False
 
 
 def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
     """TLS credentials from PEM files; with `client_ca`, mutual TLS (clients must present a
     certificate it signed). The files are re-read when they change."""
-    files = _CertificateFiles(cert, key, client_ca)
-    initial = files.load()  # fail at start, not at the first handshake, when the files are bad
-    files._stamp = _stamp(files.paths)
-    return grpc.dynamic_ssl_server_credentials(
-        initial, files.fetch, require_client_authentication=client_ca is not None
-    )
+
+    def load() -> grpc.ServerCertificateConfiguration:
+        ca = _read(client_ca) if client_ca else None
+        return grpc.ssl_server_certificate_configuration([(_read(key), _read(cert))], root_certificates=ca)
+
+    files = _Watched([p for p in (cert, key, client_ca) if p], load, "certificates")
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # gRPC asks before handshakes: a new configuration, or None to keep the current one
+        config, changed = files.get()
+        return config if changed else None
+
+    return grpc.dynamic_ssl_server_credentials(files.value, fetch, require_client_authentication=client_ca is not None)
 
 
 def _tls_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
@@ -96,36 +98,19 @@ def _tls_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
     return ctx
 
 
-class _RotatingContext:
-    """Swaps a freshly loaded context into each new handshake once the files changed (the
-    server-name callback runs at every ClientHello, before the certificate is chosen)."""
-
-    def __init__(self, cert: str, key: str, client_ca: str | None) -> None:
-        self.files = (cert, key, client_ca)
-        self.paths = [p for p in self.files if p]
-        self.current = _tls_context(*self.files)
-        self._stamp = _stamp(self.paths)
-        self._lock = threading.Lock()
-
-    def on_hello(self, conn: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
-        with self._lock:
-            try:
-                stamp = _stamp(self.paths)
-                if stamp != self._stamp:
-                    self.current = _tls_context(*self.files)
-                    self._stamp = stamp
-                    log.info("certificates reloaded from %s (HTTP)", self.paths)
-            except (OSError, ssl.SSLError, ValueError) as err:  # mid-rotation: keep the old one
-                log.warning("certificate reload skipped (HTTP): %s", err)
-            conn.context = self.current
-
-
 def http_ssl_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSLContext:
     """The HTTP API's TLS (mutual with `client_ca`) from the same PEM files as gRPC's, also
-    picking up rotated files at new handshakes."""
-    rotating = _RotatingContext(cert, key, client_ca)
+    picking up rotated files at new handshakes: the server-name callback runs at every
+    ClientHello, before the certificate is chosen, and swaps in the current context."""
+    files = _Watched(
+        [p for p in (cert, key, client_ca) if p], lambda: _tls_context(cert, key, client_ca), "certificates (HTTP)"
+    )
+
+    def on_hello(conn: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
+        conn.context = files.get()[0]
+
     outer = _tls_context(cert, key, client_ca)
-    outer.sni_callback = rotating.on_hello
+    outer.sni_callback = on_hello
     return outer
 
 
@@ -133,27 +118,17 @@ class TokenFile:
     """Accepted bearer tokens from a file, re-read when it changes."""
 
     def __init__(self, path: str) -> None:
+        def load() -> tuple[bytes, ...]:
+            lines = _read(path).decode().splitlines()
+            return tuple(t.strip().encode() for t in lines if t.strip() and not t.startswith("#"))
+
         self.path = path
-        self._stamp: tuple[tuple[int, int], ...] | None = None
-        self._tokens: tuple[bytes, ...] = ()
-        self._lock = threading.Lock()
-        self.tokens()  # a missing or empty file is an error at start
-        if not self._tokens:
+        self._file = _Watched([path], load, "token file")  # a missing file is an error at start
+        if not self._file.value:
             raise ValueError(f"{path}: no tokens (one per line)")
 
     def tokens(self) -> tuple[bytes, ...]:
-        with self._lock:
-            try:
-                stamp = _stamp([self.path])
-                if stamp != self._stamp:
-                    lines = _read(self.path).decode().splitlines()
-                    self._tokens = tuple(t.strip().encode() for t in lines if t.strip() and not t.startswith("#"))
-                    self._stamp = stamp
-            except OSError as err:
-                if self._stamp is None:
-                    raise
-                log.warning("token file reload skipped: %s", err)
-            return self._tokens
+        return self._file.get()[0]
 
     def accepts(self, header: str | None) -> bool:
         if not header or not header.startswith("Bearer "):
