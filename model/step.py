@@ -77,13 +77,11 @@ def score_call(
     h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v))
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.apply_softmax)
-        head = lambda h_last, sets, softmax: row_label_probs(  # noqa: E731
-            params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), softmax
+        head = lambda h_last, sets, softmax, always_lse=False: row_label_probs(  # noqa: E731
+            params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), softmax, always_lse
         )
         if static_head:
-            probs = row_label_probs(
-                params, cfg, rows[0], call.labels, jnp.take(call.label_sets, rows[1], axis=0), rows[2], always_lse=True
-            )
+            probs = head(*rows, always_lse=True)
         else:
             probs = head_rows_loop(head, rows, items.n_rows, head_rows)
     return probs, pool_k, pool_v

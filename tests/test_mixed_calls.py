@@ -68,3 +68,24 @@ def test_a_mixed_call_scores_each_request_as_alone(impl: str, monkeypatch: pytes
         alone, _ = EngineRunner(engine).score_requests([req])
         np.testing.assert_allclose(got, alone[0], atol=1e-6, rtol=0)
         assert got.shape == (len(req.items), len(req.label_ids))
+
+
+def test_the_gpu_head_scores_like_the_cpu_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU calls run the output head over every row slot with no runtime loop or branch
+    (step.score_call's static_head); compiled here for CPU, it must give the same scores as
+    the row loop CPUs run, for the whole mix (softmax and full-vocabulary rows, item_first)."""
+    from prefixscore.model import engine as engine_module
+
+    params = random_params(CFG, 0, jnp.float32)
+    cached, mix = requests(np.random.default_rng(1))
+
+    def scores() -> list[np.ndarray]:
+        runner = EngineRunner(ScoringEngine(CFG, params, "float32", BUCKETS, "xla"))
+        runner.score_requests([cached])
+        return runner.score_requests(mix)[0]
+
+    looped = scores()
+    monkeypatch.setattr(engine_module, "GPU_PLATFORMS", ("cpu",))
+    static = scores()
+    for want, got in zip(looped, static, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
