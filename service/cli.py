@@ -178,7 +178,7 @@ LIMIT_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--max-connection-idle", "max_connection_idle_s", float, "seconds a connection may have no calls"),
     ("--max-connection-age", "max_connection_age_s", float, "seconds before a connection is recycled"),
     ("--max-connection-age-grace", "max_connection_age_grace_s", float, "seconds calls may finish after that"),
-    ("--max-message-bytes", "max_message_bytes", int, "bytes of one gRPC message"),
+    ("--max-message-bytes", "max_message_bytes", int, "bytes of one gRPC message or HTTP request body"),
 ]
 
 
