@@ -68,18 +68,15 @@ def causal_by_region(
     k: jax.Array,
     v: jax.Array,
     meta: PagedAttentionMeta,
-    chunk_attention: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The causal part (an implementation's `ragged_item_attention`; `chunk_attention` for the
-    prefill region when given) of each region on its own, concatenated: the items' short blocks
-    never pay for the prefill chunks' long ones.
+    """The causal part (an implementation's `ragged_item_attention`) of each region on its own,
+    concatenated: the items' short blocks never pay for the prefill chunks' long ones.
     q: [T, heads, d]; k, v: [T, kv, d]. Returns out [T, heads, d], lse [T, heads] float32."""
-    chunk_attention = chunk_attention or ragged_item_attention
     s = meta.split
     if s == 0:
         return ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len[1])
     if s == q.shape[0]:
-        return chunk_attention(q, k, v, meta.item_ids, meta.max_item_len[0])
-    a = chunk_attention(q[:s], k[:s], v[:s], meta.item_ids[:s], meta.max_item_len[0])
+        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len[0])
+    a = ragged_item_attention(q[:s], k[:s], v[:s], meta.item_ids[:s], meta.max_item_len[0])
     b = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len[1])
     return jnp.concatenate([a[0], b[0]]), jnp.concatenate([a[1], b[1]])

@@ -23,7 +23,6 @@ never repeated. Softmax statistics, LSE and the merge are float32.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -45,16 +44,18 @@ SEGMENT_ALIGN = 1
 Q_BLOCK = 256
 K_CHUNK = 1024
 # a segment's last query tokens and a prefix's last keys go in finer steps: short segments and
-# short prefixes (many small requests) would otherwise pad each to a whole block
-Q_TAIL = 64
+# short prefixes (many small requests) would otherwise pad each to a whole block. A run's rest
+# (< Q_BLOCK tokens) is ONE block of the smallest of Q_TAILS that holds it, and a prefix's rest
+# (< K_CHUNK keys) K_TAIL-key steps then one step of K_TAIL or K_TAIL / 2: each loop step costs
+# a fixed overhead on XLA:CPU, so on W4-like calls (200-token runs over 300-token prefixes)
+# one 256-token block and 256 + 128 keys run 1.5x faster than 64-token blocks and 512 keys
+Q_TAILS = (64, 128, 256)
 K_TAIL = 256
 ITEM_BLOCK = 32
-# longer items (and prefill chunks): 64-token blocks from each block's first item to the diagonal
-# (on W2-like items of 5-200 tokens, 32% faster than 128-token blocks; on 512-token chunks, 26%)
+# longer items and prefill chunks: 64-token blocks from each block's first item to the diagonal
+# (on W2-like items of 5-200 tokens, 32% faster than 128-token blocks; on W4's 300-token chunks
+# 20%, on W1's 512-token chunks 10%; 32-token blocks are no faster)
 LONG_ITEM_BLOCK = 64
-# prefill chunks (hundreds of tokens): bigger blocks, fewer steps (a 2,000-token query
-# prefills about 40% faster than in 64-token blocks)
-CHUNK_BLOCK = 128
 
 
 def _with_ones(v: jax.Array) -> jax.Array:
@@ -298,17 +299,18 @@ def paged_prefix_rows(
 ) -> tuple[jax.Array, jax.Array]:
     """Prefix part on rows. qr: [kv, rows, d] with rows >= (n + Q_BLOCK) * group (room for a block
     starting at any token). Per contiguous run of a segment: query blocks of Q_BLOCK tokens from the
-    run's first token, then blocks of Q_TAIL for the run's rest (a short segment wastes little);
+    run's first token, then one block for the run's rest, the smallest of Q_TAILS that holds it;
     each block an online softmax over its segment's pages gathered from the pool, K_CHUNK keys a
-    step, then K_TAIL-key steps for the prefix's rest (a 300-token prefix computes 512 keys, not
-    1,024), only those masked; steps stop at prefix_len. Rows outside the run are left as they
-    were. Returns out [kv, rows, d], lse [kv, rows] float32 (rows of segments without a prefix:
-    0 and MASK_VALUE)."""
+    step, then K_TAIL-key steps and one last step of K_TAIL or K_TAIL / 2 keys for the prefix's
+    rest (a 300-token prefix computes 384 keys, not 1,024), only the last masked; steps stop at
+    prefix_len. Rows outside the run are left as they were. Returns out [kv, rows, d], lse
+    [kv, rows] float32 (rows of segments without a prefix: 0 and MASK_VALUE)."""
     kv_heads, rows, d = qr.shape
     _, _, pool_pages, page_tokens, _ = pool_k.shape
     table = meta.page_table
     chunk_pages = max(1, min(K_CHUNK // page_tokens, table.shape[1]))
     tail_pages = max(1, min(K_TAIL // page_tokens, chunk_pages))
+    last_pages = (tail_pages, max(1, tail_pages // 2))  # the last step: whole or half a tail step
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % chunk_pages)))  # whole chunks of page ids
     flat_k = pool_k.reshape(-1, page_tokens, d)
     flat_v = pool_v.reshape(-1, page_tokens, d)
@@ -323,7 +325,12 @@ def paged_prefix_rows(
         pages = table[seg]
         full = length // (chunk_pages * page_tokens)
         tail_start = full * chunk_pages  # in pages
-        tails = (length - tail_start * page_tokens + tail_pages * page_tokens - 1) // (tail_pages * page_tokens)
+        rest = length - tail_start * page_tokens  # keys after the whole chunks (< K_CHUNK)
+        tails = rest // (tail_pages * page_tokens)  # whole tail steps, unmasked
+        last_start = tail_start + tails * tail_pages
+        last = rest - tails * tail_pages * page_tokens  # keys of the last, masked step
+        # 0: none; 1: half a tail step holds them; 2: a whole one
+        last_kind = jnp.where(last == 0, 0, jnp.where(last <= last_pages[1] * page_tokens, 1, 2))
 
         def step(qblk: jax.Array, first_page: jax.Array, n_pages: int, carry, masked: bool):
             ids = jax.lax.dynamic_slice_in_dim(pages, first_page, n_pages)
@@ -341,7 +348,12 @@ def paged_prefix_rows(
             carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
             carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_pages, chunk_pages, cr, False), carry)
             carry = jax.lax.fori_loop(
-                0, tails, lambda c, cr: step(qblk, tail_start + c * tail_pages, tail_pages, cr, True), carry
+                0, tails, lambda c, cr: step(qblk, tail_start + c * tail_pages, tail_pages, cr, False), carry
+            )
+            carry = jax.lax.switch(
+                last_kind,
+                [lambda cr: cr] + [lambda cr, p=p: step(qblk, last_start, p, cr, True) for p in last_pages[::-1]],
+                carry,
             )
             out, lse = _finish(*carry, jnp.float32)
             token = jnp.repeat(jnp.arange(size, dtype=jnp.int32), group)  # row -> token within the block
@@ -356,9 +368,13 @@ def paged_prefix_rows(
         tokens = jnp.where(length > 0, end - start, 0)
         big = tokens // Q_BLOCK
         outs = jax.lax.fori_loop(0, big, lambda b, o: block(start + b * Q_BLOCK, Q_BLOCK, o), outs)
-        small = (tokens - big * Q_BLOCK + Q_TAIL - 1) // Q_TAIL
-        rest = start + big * Q_BLOCK
-        return jax.lax.fori_loop(0, small, lambda b, o: block(rest + b * Q_TAIL, Q_TAIL, o), outs)
+        rem = tokens - big * Q_BLOCK
+        rest_at = start + big * Q_BLOCK
+        # 0: no rest; k: the k-th of Q_TAILS is the smallest that holds it
+        kind = jnp.where(rem == 0, 0, 1 + sum((rem > size).astype(jnp.int32) for size in Q_TAILS[:-1]))
+        return jax.lax.switch(
+            kind, [lambda o: o] + [lambda o, size=size: block(rest_at, size, o) for size in Q_TAILS], outs
+        )
 
     init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.full((kv_heads, rows), MASK_VALUE, jnp.float32))
     return jax.lax.fori_loop(0, count, run, init)
@@ -385,7 +401,6 @@ def paged_attention(
     with jax.named_scope("prefix_part"):  # scopes: the parts `bench --profile` reports
         out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
     with jax.named_scope("item_part"):
-        chunks = functools.partial(ragged_item_attention, long_block=CHUNK_BLOCK)
-        out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta, chunks)
+        out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta)
     with jax.named_scope("merge"):
         return merge_attention(out_p, lse_p, out_i, lse_i)

@@ -119,6 +119,48 @@ def test_ragged_item_attention(impl: str, lengths: list[int]) -> None:
     close(lse, want_lse, jnp.float32)
 
 
+def test_xla_prefix_steps_of_every_size() -> None:
+    """The CPU path's step choices (kernels/xla.py), unaligned as it packs them: runs whose rest
+    takes each query-tail size (and none), prefixes whose rest takes no last step, half a tail
+    step or a whole one, after zero or one whole key chunk; a prefill chunk region in front."""
+    from prefixscore.kernels import xla
+    from prefixscore.kernels.paged import PagedAttentionMeta
+
+    rng = np.random.default_rng(11)
+    heads, kv, d, page = 4, 2, 32, 128
+    # (run tokens, prefix length) per segment, back to back
+    runs = [(40, 300), (100, 128), (200, 1100), (256, 1), (300, 1280), (129, 129), (3, 0), (10, 257)]
+    n = sum(t for t, _ in runs) + 23  # + padding: a segment without a prefix
+    pages_per = -(-max(p for _, p in runs) // page)
+    pool_pages = pages_per * len(runs)
+    table = rng.permutation(pool_pages).reshape(len(runs), pages_per).astype(np.int32)
+    seg = np.full(n, len(runs) - 2, np.int32)  # padding continues a no-prefix segment
+    item = np.arange(n, dtype=np.int32)  # one-token items: the causal part is the token itself
+    at = 0
+    for i, (t, _) in enumerate(runs):
+        seg[at : at + t] = i
+        at += t
+    split = 40
+    meta = PagedAttentionMeta(
+        segment_ids=jnp.asarray(seg),
+        item_ids=jnp.asarray(item),
+        page_table=jnp.asarray(table),
+        prefix_len=jnp.asarray([p for _, p in runs], jnp.int32),
+        max_item_len=jnp.asarray([1, 1], jnp.int32),
+        layer=jnp.int32(1),
+        split=split,
+    )
+    q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
+    pk, pv = rand(rng, 2, kv, pool_pages, page, d), rand(rng, 2, kv, pool_pages, page, d)
+    want_p, want_lse = reference.paged_prefix_attention(q, pk, pv, meta)
+    got_p, got_lse = jax.jit(xla.paged_prefix_attention)(q, pk, pv, meta)
+    has_prefix = np.asarray(jnp.take(meta.prefix_len, meta.segment_ids)) > 0
+    close(got_p[has_prefix], want_p[has_prefix], jnp.float32)
+    close(got_lse[has_prefix], want_lse[has_prefix], jnp.float32)
+    got = jax.jit(xla.paged_attention)(q, k, v, pk, pv, meta)
+    close(got, reference.paged_attention(q, k, v, pk, pv, meta), jnp.float32)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_merge_attention(impl: str) -> None:
     rng = np.random.default_rng(5)

@@ -89,3 +89,23 @@ def test_the_gpu_head_scores_like_the_cpu_head(monkeypatch: pytest.MonkeyPatch) 
     static = scores()
     for want, got in zip(looped, static, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("total", [64, 512])
+def test_the_head_row_steps_cover_every_row_once(total: int) -> None:
+    """head_rows_loop: full steps, then one remainder step of the smallest size that holds the
+    rest; every row below n_rows gets its own value whatever n_rows is (boundaries of each size)."""
+    import jax
+
+    from prefixscore.model.step import head_rows_loop, head_sizes
+
+    rows = jnp.arange(total, dtype=jnp.float32)[:, None] + 1.0
+    loop = jax.jit(lambda n: head_rows_loop(lambda x: jnp.concatenate([x, 2 * x], axis=1), (rows,), n, 256))
+    edges = {0, 1, total - 1, total}
+    for z in head_sizes(min(256, total)):
+        edges |= {z - 1, z, z + 1, 256 + z, 256 + z + 1}
+    for n in sorted(e for e in edges if 0 <= e <= total):
+        out = np.asarray(loop(jnp.int32(n)))
+        want = np.arange(n, dtype=np.float32) + 1.0
+        np.testing.assert_array_equal(out[:n, 0], want, err_msg=f"n_rows={n}")
+        np.testing.assert_array_equal(out[:n, 1], 2 * want, err_msg=f"n_rows={n}")
