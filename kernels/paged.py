@@ -13,6 +13,10 @@ another item). Three kinds of segment share one call:
   the chunk itself one causal item;
 - whole sequences (item_first, the sequential baseline): prefix_len = 0.
 
+Padding tokens (bucket rounding, alignment gaps) carry negative item ids, one per token;
+no real token sees them and their outputs are never read, so an implementation may leave
+any finite value there.
+
 The stream has two regions: the first `split` tokens hold prefill chunks (their
 K/V is written into the pool before any token reads it, layer by layer), the rest
 items. They differ only in how long their items are, so the causal part runs per
@@ -46,15 +50,16 @@ class PagedAttentionMeta:
     split: int = dataclasses.field(default=0, metadata=dict(static=True))  # tokens of the prefill region
 
 
-def segment_runs(segment_ids: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The contiguous runs of equal segment ids in a stream.
+def segment_runs(segment_ids: jax.Array, max_runs: int, split: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The contiguous runs of equal segment ids in a stream; a run never crosses `split`
+    (the regions' boundary: the prefill region may end in the segment the item region starts with).
 
     segment_ids: [T]. Returns starts [max_runs], ends [max_runs] (exclusive) and the
     number of runs (int32 scalar); entries past it are T. max_runs >= the runs there are.
     """
     n = segment_ids.shape[0]
     idx = jnp.arange(n, dtype=jnp.int32)
-    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]])
+    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]]) | (idx == split)
     run = jnp.cumsum(is_start.astype(jnp.int32)) - 1
     starts = jnp.full((max_runs + 1,), n, jnp.int32).at[jnp.where(is_start, run, max_runs)].set(idx)[:max_runs]
     count = run[-1] + 1

@@ -41,7 +41,7 @@ def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed:
     """One call's stream over a paged pool, with every kind of segment:
 
     prefill region (256 tokens): a 200-token chunk of query A at 300 (its first 300 tokens
-    already in its pages) and padding;
+    already in its pages, its own K/V written after them, as a call does) and padding;
     item region: items of query A (prefix 500, pages out of order) across the 128-token
     blocks, items of query B (prefix 128: one whole page), whole sequences over no prefix,
     items of query C (prefix 1: one key), then padding (no prefix).
@@ -77,8 +77,8 @@ def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed:
             item += 1
             at += n
         end = (-(-at // ALIGN)) * ALIGN
-        segment_ids[at:end] = seg  # padding continues the segment and its last item
-        item_ids[at:end] = item - 1
+        segment_ids[at:end] = seg  # alignment padding continues the segment (as the planner pads)
+        item_ids[at:end] = -1 - np.arange(at, end)  # and is an item per token: never read
     longest = [200, 100]
     meta = PagedAttentionMeta(
         segment_ids=jnp.asarray(segment_ids),
@@ -90,14 +90,24 @@ def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed:
         split=SPLIT,
     )
     pool = (2, kv_heads, POOL_PAGES, PAGE_TOKENS, head_dim)
+    k, v = normal(STREAM_TOKENS, kv_heads, head_dim), normal(STREAM_TOKENS, kv_heads, head_dim)
+    # as a call does before attention: the chunk's K/V into its query's pages at its positions
+    pos = 300 + np.arange(200)
+    at = (1, slice(None), table[4][pos // PAGE_TOKENS], pos % PAGE_TOKENS)
     return {
         "q": normal(STREAM_TOKENS, heads, head_dim),
-        "k": normal(STREAM_TOKENS, kv_heads, head_dim),
-        "v": normal(STREAM_TOKENS, kv_heads, head_dim),
-        "pool_k": normal(*pool),
-        "pool_v": normal(*pool),
+        "k": k,
+        "v": v,
+        "pool_k": normal(*pool).at[at].set(k[:200]),
+        "pool_v": normal(*pool).at[at].set(v[:200]),
         "meta": meta,
     }
+
+
+def read_rows(meta: PagedAttentionMeta) -> np.ndarray:
+    """[T] bool: the tokens whose attention output a call uses. Padding (negative item ids,
+    kernels/paged.py) is never read, and implementations may leave any finite value there."""
+    return np.asarray(meta.item_ids) >= 0
 
 
 def _calls(impl: ModuleType, x: dict) -> dict[str, jax.Array]:
@@ -115,7 +125,8 @@ def check(impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str
     with jax.default_matmul_precision("highest"):  # no TF32 in the oracle on GPUs
         exact = jax.jit(lambda a: _calls(reference, a))(wide)
     # on the host: XLA's max reduction may skip NaNs, numpy's propagates them
-    diff = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))  # noqa: E731
+    read = read_rows(x["meta"])
+    diff = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32)[read] - np.asarray(b, np.float32)[read])))  # noqa: E731
     return {name: diff(fast[name], exact[name]) for name in fast}
 
 

@@ -9,10 +9,15 @@ trip count is a runtime value skip the padding of a bucket entirely:
 - prefix part: per contiguous run of a segment, query blocks starting at the
   run's first token (no alignment needed) x chunks of the segment's pages
   gathered from the pool (an online softmax over the chunks its prefix fills):
-  cost follows the real prefix length; only the last chunk is masked;
-- ragged item part: short items (the common case) in one masked softmax over
-  two 32-token blocks; longer ones per 64-token query block over the key blocks from
-  where its first item starts to the diagonal (a runtime trip count);
+  cost follows the real prefix length; only steps past the keys every row of the
+  block sees are masked;
+- prefill chunks: their K/V is in the pool before attention runs (the call writes
+  it first), so a chunk's whole attention is its prefix part extended to each
+  token's own position, in the same few large steps: no causal part, no merge
+  (a W4 call's attention takes 0.7x the time it took with a causal part per chunk);
+- ragged item part (the item region): short items (the common case) in one masked
+  softmax over two 32-token blocks; longer ones per 64-token query block over the
+  key blocks from where its first item starts to the diagonal (a runtime trip count);
 - the merge: one fused elementwise pass.
 Row sums of the softmax come out of the PV matmul (a ones column appended to V)
 rather than a separate reduction over the probabilities.
@@ -28,7 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region, segment_runs
+from prefixscore.kernels.paged import PagedAttentionMeta, segment_runs
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = ["merge_attention", "paged_attention", "paged_prefix_attention", "ragged_item_attention"]
@@ -295,27 +300,42 @@ def _segment_chunk(
 
 
 def paged_prefix_rows(
-    qr: jax.Array, n: int, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta, group: int
+    qr: jax.Array,
+    n: int,
+    pool_k: jax.Array,
+    pool_v: jax.Array,
+    meta: PagedAttentionMeta,
+    group: int,
+    causal_split: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Prefix part on rows. qr: [kv, rows, d] with rows >= (n + Q_BLOCK) * group (room for a block
     starting at any token). Per contiguous run of a segment: query blocks of Q_BLOCK tokens from the
     run's first token, then one block for the run's rest, the smallest of Q_TAILS that holds it;
-    each block an online softmax over its segment's pages gathered from the pool, K_CHUNK keys a
-    step, then K_TAIL-key steps and one last step of K_TAIL or K_TAIL / 2 keys for the prefix's
-    rest (a 300-token prefix computes 384 keys, not 1,024), only the last masked; steps stop at
-    prefix_len. Rows outside the run are left as they were. Returns out [kv, rows, d], lse
-    [kv, rows] float32 (rows of segments without a prefix: 0 and MASK_VALUE)."""
+    each block an online softmax over its segment's pages gathered from the pool: K_CHUNK keys a
+    step, then K_TAIL-key steps, and one last step of K_TAIL or K_TAIL / 2 keys (a 300-token
+    prefix computes 384 keys, not 1,024); only steps past the keys every row of the block sees
+    are masked. Rows outside the run are left as they were.
+
+    causal_split: runs that start before it are prefill chunks (kernels/paged.py) whose own
+    K/V the call has already written into their pages after the prefix: each token of such a
+    run sees its segment's keys up to its own position, so the result is the chunk's whole
+    attention (prefix and causal part at once, in a few large steps instead of the causal
+    part's many small blocks).
+
+    Returns out [kv, rows, d], lse [kv, rows] float32 (rows of segments without a prefix, outside
+    the causal runs: 0 and MASK_VALUE)."""
     kv_heads, rows, d = qr.shape
     _, _, pool_pages, page_tokens, _ = pool_k.shape
     table = meta.page_table
     chunk_pages = max(1, min(K_CHUNK // page_tokens, table.shape[1]))
     tail_pages = max(1, min(K_TAIL // page_tokens, chunk_pages))
-    last_pages = (tail_pages, max(1, tail_pages // 2))  # the last step: whole or half a tail step
+    last_pages = (max(1, tail_pages // 2), tail_pages)  # the last step: half or whole a tail step
+    chunk_keys, tail_keys = chunk_pages * page_tokens, tail_pages * page_tokens
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % chunk_pages)))  # whole chunks of page ids
     flat_k = pool_k.reshape(-1, page_tokens, d)
     flat_v = pool_v.reshape(-1, page_tokens, d)
     head_index = (meta.layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)) * pool_pages
-    starts, ends, count = segment_runs(meta.segment_ids, n)
+    starts, ends, count = segment_runs(meta.segment_ids, n, causal_split)
     scale = d**-0.5
 
     def run(i: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -323,40 +343,48 @@ def paged_prefix_rows(
         seg = meta.segment_ids[start]
         length = meta.prefix_len[seg]
         pages = table[seg]
-        full = length // (chunk_pages * page_tokens)
-        tail_start = full * chunk_pages  # in pages
-        rest = length - tail_start * page_tokens  # keys after the whole chunks (< K_CHUNK)
-        tails = rest // (tail_pages * page_tokens)  # whole tail steps, unmasked
-        last_start = tail_start + tails * tail_pages
-        last = rest - tails * tail_pages * page_tokens  # keys of the last, masked step
-        # 0: none; 1: half a tail step holds them; 2: a whole one
-        last_kind = jnp.where(last == 0, 0, jnp.where(last <= last_pages[1] * page_tokens, 1, 2))
+        causal = start < causal_split  # a prefill chunk: its own keys follow the prefix
 
-        def step(qblk: jax.Array, first_page: jax.Array, n_pages: int, carry, masked: bool):
-            ids = jax.lax.dynamic_slice_in_dim(pages, first_page, n_pages)
+        def step(qblk, first_key: jax.Array, n_pages: int, carry, limit: jax.Array | None):
+            ids = jax.lax.dynamic_slice_in_dim(pages, first_key // page_tokens, n_pages)
             kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens)
             vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens))
             sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
-            if masked:
-                sc = jnp.where(first_page * page_tokens + jnp.arange(n_pages * page_tokens) < length, sc, MASK_VALUE)
+            if limit is not None:  # limit [r]: the keys each row sees
+                sc = jnp.where(first_key + jnp.arange(n_pages * page_tokens) < limit[:, None], sc, MASK_VALUE)
             return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
 
         def block(first_token: jax.Array, size: int, outs: tuple[jax.Array, jax.Array]):
             r = size * group
             at = first_token * group
             qblk = jax.lax.dynamic_slice_in_dim(qr, at, r, axis=1)
+            token = jnp.repeat(jnp.arange(size, dtype=jnp.int32), group)  # row -> token within the block
+            # keys each row sees: the prefix; in a chunk also the chunk's tokens up to the row's own
+            own = jnp.minimum(first_token + token, end - 1) - start + 1
+            limit = length + jnp.where(causal, own, 0)
+            lo, hi = jnp.min(limit), jnp.max(limit)
+            # keys below `lo` are seen by every row: whole chunks and tail steps, unmasked
+            full = lo // chunk_keys
+            tails = (lo - full * chunk_keys) // tail_keys
+            seen = full * chunk_keys + tails * tail_keys
+            masked = (hi - seen) // tail_keys  # then masked tail steps up to `hi`
+            last_at = seen + masked * tail_keys
+            last = hi - last_at
+            last_kind = jnp.where(last == 0, 0, jnp.where(last <= last_pages[0] * page_tokens, 1, 2))
             carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
-            carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_pages, chunk_pages, cr, False), carry)
+            carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_keys, chunk_pages, cr, None), carry)
             carry = jax.lax.fori_loop(
-                0, tails, lambda c, cr: step(qblk, tail_start + c * tail_pages, tail_pages, cr, False), carry
+                0, tails, lambda c, cr: step(qblk, full * chunk_keys + c * tail_keys, tail_pages, cr, None), carry
+            )
+            carry = jax.lax.fori_loop(
+                0, masked, lambda c, cr: step(qblk, seen + c * tail_keys, tail_pages, cr, limit), carry
             )
             carry = jax.lax.switch(
                 last_kind,
-                [lambda cr: cr] + [lambda cr, p=p: step(qblk, last_start, p, cr, True) for p in last_pages[::-1]],
+                [lambda cr: cr] + [lambda cr, p=p: step(qblk, last_at, p, cr, limit) for p in last_pages],
                 carry,
             )
             out, lse = _finish(*carry, jnp.float32)
-            token = jnp.repeat(jnp.arange(size, dtype=jnp.int32), group)  # row -> token within the block
             mine = first_token + token < end  # [r]: rows of this run (the last block may overhang it)
             old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
             old_lse = jax.lax.dynamic_slice_in_dim(outs[1], at, r, axis=1)
@@ -365,7 +393,7 @@ def paged_prefix_rows(
                 jax.lax.dynamic_update_slice_in_dim(outs[1], jnp.where(mine, lse, old_lse), at, axis=1),
             )
 
-        tokens = jnp.where(length > 0, end - start, 0)
+        tokens = jnp.where(causal | (length > 0), end - start, 0)
         big = tokens // Q_BLOCK
         outs = jax.lax.fori_loop(0, big, lambda b, o: block(start + b * Q_BLOCK, Q_BLOCK, o), outs)
         rem = tokens - big * Q_BLOCK
@@ -380,27 +408,41 @@ def paged_prefix_rows(
     return jax.lax.fori_loop(0, count, run, init)
 
 
+def _prefix_part(
+    q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta, causal_split: int
+) -> tuple[jax.Array, jax.Array]:
+    n, heads, _ = q.shape
+    kv_heads = pool_k.shape[1]
+    qr = to_rows(jnp.pad(q, ((0, Q_BLOCK), (0, 0), (0, 0))), kv_heads)
+    out, lse = paged_prefix_rows(qr, n, pool_k, pool_v, meta, heads // kv_heads, causal_split)
+    return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
+
+
 def paged_prefix_attention(
     q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
 ) -> tuple[jax.Array, jax.Array]:
     """Every token against its segment's prefix pages (kernels/paged.py), tiled for CPUs: see
     paged_prefix_rows. q: [T, heads, d]; pool_k, pool_v: [layers, kv, pages, page_tokens, d].
     Returns out [T, heads, d] (q.dtype) and lse [T, heads] float32."""
-    n, heads, _ = q.shape
-    kv_heads = pool_k.shape[1]
-    qr = to_rows(jnp.pad(q, ((0, Q_BLOCK), (0, 0), (0, 0))), kv_heads)
-    out, lse = paged_prefix_rows(qr, n, pool_k, pool_v, meta, heads // kv_heads)
-    return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
+    return _prefix_part(q, pool_k, pool_v, meta, causal_split=0)
 
 
 def paged_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, pool_k: jax.Array, pool_v: jax.Array, meta: PagedAttentionMeta
 ) -> jax.Array:
-    """A call's whole stream: prefix part from the pool, causal part per region, merged in float32.
-    q: [T, heads, d]; k, v: [T, kv, d]. Returns [T, heads, d]."""
+    """A call's whole stream. q: [T, heads, d]; k, v: [T, kv, d]. Returns [T, heads, d].
+
+    The prefill region's chunks read their own K/V back from the pool, where the call wrote it
+    before attention (kernels/paged.py): their whole attention is the prefix part extended to
+    each token's own position (paged_prefix_rows' causal runs), with no causal part or merge.
+    The item region: prefix part from the pool, causal part per item, merged in float32."""
+    s = meta.split
     with jax.named_scope("prefix_part"):  # scopes: the parts `bench --profile` reports
-        out_p, lse_p = paged_prefix_attention(q, pool_k, pool_v, meta)
+        out_p, lse_p = _prefix_part(q, pool_k, pool_v, meta, causal_split=s)
+    if s == q.shape[0]:
+        return out_p
     with jax.named_scope("item_part"):
-        out_i, lse_i = causal_by_region(ragged_item_attention, q, k, v, meta)
+        out_i, lse_i = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len[1])
     with jax.named_scope("merge"):
-        return merge_attention(out_p, lse_p, out_i, lse_i)
+        items = merge_attention(out_p[s:], lse_p[s:], out_i, lse_i)
+    return items if s == 0 else jnp.concatenate([out_p[:s], items])

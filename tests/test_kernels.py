@@ -94,7 +94,8 @@ def test_paged_attention(impl: str, dtype) -> None:
         got = jax.jit(m.paged_attention)(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
         out_p, lse_p = jax.jit(m.paged_prefix_attention)(x["q"], x["pool_k"], x["pool_v"], x["meta"])
     assert got.dtype == dtype
-    close(got, want, dtype)
+    read = selfcheck.read_rows(x["meta"])
+    close(got[read], want[read], dtype)
     if dtype == jnp.float32:
         want_p, want_lse = reference.paged_prefix_attention(x["q"], x["pool_k"], x["pool_v"], x["meta"])
         assert lse_p.dtype == jnp.float32 and lse_p.shape == want_lse.shape
@@ -120,45 +121,58 @@ def test_ragged_item_attention(impl: str, lengths: list[int]) -> None:
 
 
 def test_xla_prefix_steps_of_every_size() -> None:
-    """The CPU path's step choices (kernels/xla.py), unaligned as it packs them: runs whose rest
-    takes each query-tail size (and none), prefixes whose rest takes no last step, half a tail
-    step or a whole one, after zero or one whole key chunk; a prefill chunk region in front."""
+    """The CPU path's step choices (kernels/xla.py), unaligned as it packs them: prefill chunks
+    (whose whole attention it reads back from the pool) over no prefix and over earlier pages;
+    item runs whose rest takes each query-tail size (and none), over prefixes whose rest takes no
+    last step, half a tail step or a whole one, after zero or one whole key chunk."""
     from prefixscore.kernels import xla
     from prefixscore.kernels.paged import PagedAttentionMeta
 
     rng = np.random.default_rng(11)
     heads, kv, d, page = 4, 2, 32, 128
-    # (run tokens, prefix length) per segment, back to back
-    runs = [(40, 300), (100, 128), (200, 1100), (256, 1), (300, 1280), (129, 129), (3, 0), (10, 257)]
-    n = sum(t for t, _ in runs) + 23  # + padding: a segment without a prefix
-    pages_per = -(-max(p for _, p in runs) // page)
-    pool_pages = pages_per * len(runs)
-    table = rng.permutation(pool_pages).reshape(len(runs), pages_per).astype(np.int32)
-    seg = np.full(n, len(runs) - 2, np.int32)  # padding continues a no-prefix segment
-    item = np.arange(n, dtype=np.int32)  # one-token items: the causal part is the token itself
+    chunks = [(300, 0), (70, 200), (260, 1000)]  # (tokens, prefix length): the prefill region
+    # the first: whole sequences over no prefix, the segment the prefill padding is in too
+    runs = [(3, 0), (40, 300), (100, 128), (200, 1100), (256, 1), (300, 1280), (129, 129), (10, 257)]
+    segs = chunks + runs
+    split = sum(t for t, _ in chunks) + 5  # + prefill padding: its own token items, no prefix
+    n = split + sum(t for t, _ in runs) + 23  # + item padding
+    pages_per = -(-max(t + p for t, p in segs) // page)
+    pool_pages = pages_per * len(segs)
+    table = rng.permutation(pool_pages).reshape(len(segs), pages_per).astype(np.int32)
+    seg = np.full(n, runs.index((3, 0)) + len(chunks), np.int32)  # padding: a no-prefix segment
+    item = -1 - np.arange(n, dtype=np.int32)  # padding: an item per token
     at = 0
-    for i, (t, _) in enumerate(runs):
+    for i, (t, _) in enumerate(segs):
+        at = split if i == len(chunks) else at
         seg[at : at + t] = i
+        item[at : at + t] = i if i < len(chunks) else at + np.arange(t)  # a chunk is one item
         at += t
-    split = 40
     meta = PagedAttentionMeta(
         segment_ids=jnp.asarray(seg),
         item_ids=jnp.asarray(item),
         page_table=jnp.asarray(table),
-        prefix_len=jnp.asarray([p for _, p in runs], jnp.int32),
-        max_item_len=jnp.asarray([1, 1], jnp.int32),
+        prefix_len=jnp.asarray([p for _, p in segs], jnp.int32),
+        max_item_len=jnp.asarray([300, 1], jnp.int32),
         layer=jnp.int32(1),
         split=split,
     )
     q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
     pk, pv = rand(rng, 2, kv, pool_pages, page, d), rand(rng, 2, kv, pool_pages, page, d)
+    at = 0
+    for i, (t, p) in enumerate(chunks):  # the call writes each chunk's K/V before attention
+        pos = p + np.arange(t)
+        where = (1, slice(None), table[i][pos // page], pos % page)
+        pk, pv = pk.at[where].set(k[at : at + t]), pv.at[where].set(v[at : at + t])
+        at += t
     want_p, want_lse = reference.paged_prefix_attention(q, pk, pv, meta)
     got_p, got_lse = jax.jit(xla.paged_prefix_attention)(q, pk, pv, meta)
     has_prefix = np.asarray(jnp.take(meta.prefix_len, meta.segment_ids)) > 0
     close(got_p[has_prefix], want_p[has_prefix], jnp.float32)
     close(got_lse[has_prefix], want_lse[has_prefix], jnp.float32)
     got = jax.jit(xla.paged_attention)(q, k, v, pk, pv, meta)
-    close(got, reference.paged_attention(q, k, v, pk, pv, meta), jnp.float32)
+    want = reference.paged_attention(q, k, v, pk, pv, meta)
+    read = selfcheck.read_rows(meta)  # padding tokens' outputs are never read
+    close(got[read], want[read], jnp.float32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -195,4 +209,5 @@ def test_untileable_shapes_fall_back(impl: str) -> None:
     want = reference.paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
     with interpreted(impl):
         got = dispatch.get(impl).paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
-    close(got, want, jnp.float32)
+    read = selfcheck.read_rows(x["meta"])
+    close(got[read], want[read], jnp.float32)

@@ -47,7 +47,8 @@ def test_backend_kernels_match_reference_qwen3_shapes(dtype: str) -> None:
     got = jax.jit(impl.paged_attention)(*(x[n] for n in ARRAYS), meta)
     want = jax.jit(reference.paged_attention)(*(f32[n] for n in ARRAYS), meta)
     assert got.dtype == jnp.dtype(dtype) and got.shape == want.shape
-    close(got, want, tol)
+    read = selfcheck.read_rows(meta)  # padding's outputs are never read
+    close(np.asarray(got, np.float32)[read], np.asarray(want)[read], tol)
 
     # the prefix part on its own: rows that have a prefix match; the others must weigh 0 in the merge
     out_p, lse_p = jax.jit(impl.paged_prefix_attention)(x["q"], x["pool_k"], x["pool_v"], meta)
