@@ -4,7 +4,7 @@ Host bookkeeping only (the pool itself is the engine's device buffer, allocated 
 a free list of page ids and an LRU of cached prefixes. A prefix is acquired (pinned) by
 every request or open stream that needs it and released when that is done. Pinned
 prefixes, and prefixes still being prefilled, are never evicted; unpinned, complete ones
-stay cached, least recently used first out, until their pages are needed. When the
+stay cached, least recently released first out, until their pages are needed. When the
 pages a new prefix needs cannot be had, `acquire` raises PoolExhausted: the caller
 refuses the work (RESOURCE_EXHAUSTED) instead of the device running out of memory.
 
@@ -51,7 +51,13 @@ class CachedPrefix:
 
 
 class PrefixCache:
-    """See the module doc. pages: the pool's page count; page_tokens: tokens per page."""
+    """See the module doc. pages: the pool's page count; page_tokens: tokens per page.
+
+    Every operation is O(pages it moves), never O(cached prefixes): a server under many
+    small requests holds thousands of cached prefixes, and the device worker updates the
+    cache's gauges at every request. Unpinned, complete prefixes wait in `_idle`, least
+    recently released first (the eviction order); `_pinned` counts the held ones.
+    """
 
     def __init__(
         self, pages: int, page_tokens: int, page_bytes: int, on_evict: Callable[[int], None] | None = None
@@ -61,7 +67,10 @@ class PrefixCache:
         self.page_bytes = page_bytes
         self.on_evict = on_evict  # called with the bytes an eviction frees
         self._free: list[int] = list(range(pages - 1, -1, -1))
-        self._entries: collections.OrderedDict[tuple[int, ...], CachedPrefix] = collections.OrderedDict()
+        self._entries: dict[tuple[int, ...], CachedPrefix] = {}
+        self._idle: collections.OrderedDict[tuple[int, ...], CachedPrefix] = collections.OrderedDict()
+        self._idle_pages = 0  # pages of the idle prefixes: what eviction can free
+        self._pinned = 0  # cached prefixes with pins > 0
         self.evictions = 0
         self._lock = threading.RLock()
 
@@ -70,60 +79,83 @@ class PrefixCache:
 
     def acquire(self, tokens: tuple[int, ...]) -> tuple[CachedPrefix, bool]:
         """The prefix's entry, pinned; (entry, hit). On a miss its pages are taken (evicting
-        unpinned prefixes, least recently used first) and the prefill is still to run.
+        unpinned prefixes, least recently released first) and the prefill is still to run.
         Raises PoolExhausted when the pages cannot be had."""
         with self._lock:
             entry = self._entries.get(tokens)
             if entry is not None:
-                self._entries.move_to_end(tokens)
-                entry.pins += 1
+                self._hold(entry)
                 return entry, True
             needed = self.pages_for(len(tokens))
             self._make_room(needed)
             pages = tuple(self._free.pop() for _ in range(needed))
-            entry = CachedPrefix(tokens, pages, pins=1)
+            entry = CachedPrefix(tokens, pages)
             self._entries[tokens] = entry
+            self._hold(entry)
             return entry, False
 
     def pin(self, entry: CachedPrefix) -> None:
         """One more holder of an entry already acquired."""
         with self._lock:
-            entry.pins += 1
+            self._hold(entry)
 
     def release(self, entry: CachedPrefix) -> None:
         """Unpin. A prefix nobody waits for any more is dropped at once if its prefill never
         finished or a call writing it failed; a complete one stays cached."""
         with self._lock:
             entry.pins -= 1
-            if entry.pins <= 0 and (not entry.ready or entry.discarded):
+            if entry.pins != 0:
+                return
+            if self._cached(entry):
+                self._pinned -= 1
+            if not entry.ready or entry.discarded:
                 self._drop(entry)
+            elif self._cached(entry):
+                self._idle[entry.tokens] = entry
+                self._idle_pages += len(entry.pages)
 
     def discard(self, entry: CachedPrefix) -> None:
         """A call that wrote this prefix failed: its pages hold garbage. New requests miss it;
         its pages return to the pool once its last holder releases it."""
         with self._lock:
             entry.discarded = True
-            if self._entries.get(entry.tokens) is entry:
-                del self._entries[entry.tokens]
+            if self._cached(entry):
+                self._uncache(entry)
             if entry.pins <= 0:
                 self._free.extend(entry.pages)
                 entry.pages = ()
 
+    def _cached(self, entry: CachedPrefix) -> bool:
+        return self._entries.get(entry.tokens) is entry
+
+    def _hold(self, entry: CachedPrefix) -> None:
+        entry.pins += 1
+        if entry.pins == 1 and self._cached(entry):
+            self._pinned += 1
+            if self._idle.pop(entry.tokens, None) is not None:
+                self._idle_pages -= len(entry.pages)
+
+    def _uncache(self, entry: CachedPrefix) -> None:
+        """Out of the book (its pages are the caller's business)."""
+        del self._entries[entry.tokens]
+        if entry.pins > 0:
+            self._pinned -= 1
+        elif self._idle.pop(entry.tokens, None) is not None:
+            self._idle_pages -= len(entry.pages)
+
     def _drop(self, entry: CachedPrefix) -> None:
-        if self._entries.get(entry.tokens) is entry:
-            del self._entries[entry.tokens]
+        if self._cached(entry):
+            self._uncache(entry)
         self._free.extend(entry.pages)
         entry.pages = ()
 
     def _make_room(self, needed: int) -> None:
         if needed <= len(self._free):
             return
-        evictable = [e for e in self._entries.values() if e.pins <= 0]
-        if needed > len(self._free) + sum(len(e.pages) for e in evictable):
-            raise PoolExhausted(needed, len(self._free) + sum(len(e.pages) for e in evictable), self.total_pages)
-        for entry in evictable:  # least recently used first
-            if needed <= len(self._free):
-                break
+        if needed > len(self._free) + self._idle_pages:
+            raise PoolExhausted(needed, len(self._free) + self._idle_pages, self.total_pages)
+        while needed > len(self._free):  # least recently released first
+            _, entry = next(iter(self._idle.items()))
             size = len(entry.pages) * self.page_bytes
             self._drop(entry)
             self.evictions += 1
@@ -140,8 +172,7 @@ class PrefixCache:
     def pinned(self) -> int:
         """Cached prefixes held by someone (an open stream, a queued request): 0 when idle,
         so a leaked pin shows."""
-        with self._lock:
-            return sum(1 for e in self._entries.values() if e.pins > 0)
+        return self._pinned
 
     @property
     def free_pages(self) -> int:

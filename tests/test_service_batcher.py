@@ -164,6 +164,43 @@ def test_pool_pins_eviction_and_exhaustion():
     assert cache.free_pages == 4 and len(cache) == 0
 
 
+def test_pool_book_stays_consistent_under_random_traffic():
+    """The cache's counters (pinned prefixes, evictable pages, free pages) against a recount
+    from its entries after every step of random acquires, releases, prefills and failed calls;
+    eviction takes the least recently released prefix first."""
+    rng = np.random.default_rng(3)
+    cache = PrefixCache(pages=12, page_tokens=4, page_bytes=1)
+    held: list = []  # one element per pin
+    released_order: list[tuple[int, ...]] = []
+    for _ in range(3000):
+        op = rng.integers(0, 4)
+        if op == 0 or not held:
+            tokens = (int(rng.integers(0, 12)),) * int(rng.integers(1, 13))
+            try:
+                entry, _ = cache.acquire(tokens)
+            except PoolExhausted:
+                continue
+            held.append(entry)
+        elif op == 1:
+            entry = held.pop(int(rng.integers(0, len(held))))
+            cache.release(entry)
+            if entry.pins == 0 and entry.tokens in cache:
+                released_order.append(entry.tokens)
+        elif op == 2:
+            held[int(rng.integers(0, len(held)))].written = 10**6  # its prefill was launched
+        else:
+            cache.discard(held[int(rng.integers(0, len(held)))])  # a call writing it failed
+        entries = list(cache._entries.values())
+        assert cache.pinned == sum(e.pins > 0 for e in entries)
+        assert cache._idle_pages == sum(len(e.pages) for e in entries if e.pins == 0)
+        assert all(e.ready and not e.discarded for e in entries if e.pins == 0)
+        in_use = {p for e in entries for p in e.pages} | {p for e in held if e.discarded for p in e.pages}
+        assert len(in_use) + cache.free_pages == cache.total_pages and not in_use & set(cache._free)
+    # the idle prefixes leave in the order they were last released
+    idle = [t for t in dict.fromkeys(reversed(released_order)) if t in cache and cache.pins(t) == 0][::-1]
+    assert list(cache._idle) == idle
+
+
 def test_a_call_padded_past_its_bucket_takes_fewer_requests():
     """64 new 300-token queries with 10 items of 20 tokens (W4): filled greedily a call takes 13
     (3,900 prefill tokens in 4,096, 2,600 item tokens in 3,072: 9% padding); 10 fill 3,072 and
