@@ -90,6 +90,23 @@ def _qkv(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tu
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
+def mlp(lp: Params, y: jax.Array) -> jax.Array:
+    """The gated MLP. y: [..., hidden] (normalised) -> [..., hidden]."""
+    return (jax.nn.silu(y @ lp["w_gate"]) * (y @ lp["w_up"])) @ lp["w_down"]
+
+
+def tiled_mlp(lp: Params, y: jax.Array, tile: int | None) -> jax.Array:
+    """mlp() over `tile` tokens at a time (a loop), when tile divides the tokens.
+
+    y: [b, t, hidden]. On a CPU the [tokens, intermediate] activations of a whole call (30 MB
+    each for 10,240 tokens of a 768-wide MLP) spill out of the caches: tiles of 1,024 tokens
+    run the same matmuls 1.7x faster there. Accelerators want the whole product (tile None)."""
+    b, t, hidden = y.shape
+    if tile is None or t <= tile or (b * t) % tile:
+        return mlp(lp, y)
+    return jax.lax.map(lambda part: mlp(lp, part), y.reshape(b * t // tile, tile, hidden)).reshape(b, t, hidden)
+
+
 def run_layers(
     params: Params,
     cfg: ModelConfig,
@@ -97,12 +114,14 @@ def run_layers(
     positions: jax.Array,
     attend: AttendFn,
     state: Any = None,
+    mlp_tile: int | None = None,
 ) -> tuple[jax.Array, Any]:
     """All decoder layers under one scan.
 
     x: [b, t, hidden]; positions: [b, t] or [t]. `attend(q, k, v, layer, state)` returns the
     attention output [b, t, heads, hd] and the new state: the state (e.g. the paged KV pool)
     is carried through the layers, so a layer can write into it in place before it reads.
+    mlp_tile: run the MLP over this many tokens at a time (tiled_mlp; None: all at once).
     Returns the final hidden states [b, t, hidden] and the final state.
     """
 
@@ -115,8 +134,7 @@ def run_layers(
             b, t = h.shape[:2]
             h = h + attn.reshape(b, t, -1) @ lp["wo"]
         with jax.named_scope("mlp"):
-            y = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-            h = h + (jax.nn.silu(y @ lp["w_gate"]) * (y @ lp["w_up"])) @ lp["w_down"]
+            h = h + tiled_mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), mlp_tile)
         return (h, st), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)

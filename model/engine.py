@@ -47,6 +47,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 AXIS = "data"
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# on CPUs the MLP runs this many tokens at a time, so its activations stay in cache
+# (decoder.tiled_mlp); accelerators run it whole
+CPU_MLP_TILE = 1024
 # the pool's share of the device memory left after the weights, on devices that report it
 POOL_MEMORY_FRACTION = 0.5
 # without a device memory figure (CPU): this budget
@@ -257,7 +260,11 @@ class ScoringEngine:
         pool = spec(self._pool[0])
         partition = jax.tree.map(lambda s: s.spec, self._call_shardings())
         rep = P()
-        call_fn = functools.partial(self._call_fn, static_head=platform in GPU_PLATFORMS)
+        call_fn = functools.partial(
+            self._call_fn,
+            static_head=platform in GPU_PLATFORMS,
+            mlp_tile=CPU_MLP_TILE if platform == "cpu" else None,
+        )
         mapped = jax.shard_map(
             call_fn,
             mesh=self.mesh,
@@ -268,7 +275,15 @@ class ScoringEngine:
         with jax.default_matmul_precision(self._precision):
             return jax.jit(mapped, donate_argnums=(1, 2)).trace(params, pool, pool, self._call_specs(shape))
 
-    def _call_fn(self, params: Params, pool_k: jax.Array, pool_v: jax.Array, call: CallInputs, static_head: bool):
+    def _call_fn(
+        self,
+        params: Params,
+        pool_k: jax.Array,
+        pool_v: jax.Array,
+        call: CallInputs,
+        static_head: bool,
+        mlp_tile: int | None,
+    ):
         probs, pool_k, pool_v = step.score_call(
             params,
             self.cfg,
@@ -278,6 +293,7 @@ class ScoringEngine:
             impl=self._impl,
             head_rows=self.buckets.head_rows,
             static_head=static_head,
+            mlp_tile=mlp_tile,
         )
         return jax.lax.all_gather(probs, AXIS, tiled=True), pool_k, pool_v  # [devices * R, L]
 

@@ -39,6 +39,7 @@ def score_call(
     impl: ModuleType,
     head_rows: int,
     static_head: bool = False,
+    mlp_tile: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's share of a call. pool_k, pool_v: [layers, kv, pages, page_tokens, hd];
     call: this device's CallInputs (item region arrays with a leading axis of 1).
@@ -46,6 +47,7 @@ def score_call(
     values. On GPUs such a loop or branch reads its predicate back to the host, so the
     launch would return only when the device reached the head: the host could not plan the
     next call meanwhile. The rows computed in vain cost far less there than that wait.
+    mlp_tile: the MLP's tokens per step (decoder.tiled_mlp; None: all at once).
     Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
     n_rows and columns past a row's labels are 0) and the pool with the chunks written."""
     prefill = call.prefill
@@ -74,7 +76,7 @@ def score_call(
         return out[None], (pk, pv)
 
     x = embed(params, tokens[None])
-    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v))
+    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), mlp_tile)
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.apply_softmax)
         head = lambda h_last, sets, softmax, always_lse=False: row_label_probs(  # noqa: E731

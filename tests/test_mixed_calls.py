@@ -109,3 +109,19 @@ def test_the_head_row_steps_cover_every_row_once(total: int) -> None:
         want = np.arange(n, dtype=np.float32) + 1.0
         np.testing.assert_array_equal(out[:n, 0], want, err_msg=f"n_rows={n}")
         np.testing.assert_array_equal(out[:n, 1], 2 * want, err_msg=f"n_rows={n}")
+
+
+def test_the_cpu_mlp_tiles_compute_the_whole_mlp() -> None:
+    """decoder.tiled_mlp (the CPU engine's MLP, CPU_MLP_TILE tokens a step) against the whole
+    product, for token counts it tiles and ones it leaves whole."""
+    import jax
+
+    from prefixscore.model import decoder
+
+    params = random_params(CFG, 1, jnp.float32)
+    lp = jax.tree.map(lambda a: a[0], params["layers"])
+    rng = np.random.default_rng(2)
+    for tokens in (3 * 128, 200, 128):
+        y = jnp.asarray(rng.normal(size=(1, tokens, CFG.hidden_size)), jnp.float32)
+        got = jax.jit(lambda y: decoder.tiled_mlp(lp, y, 128))(y)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(decoder.mlp(lp, y)), atol=1e-6, rtol=1e-5)
