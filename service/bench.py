@@ -77,6 +77,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--mode", type=_list(MODES), default=["prefix"], help=f"comma list of {','.join(MODES)}, or all [prefix]"
     )
     p.add_argument("--runs", type=int, default=3, help="timed requests per W1/W3 run set [%(default)s]")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole workload list this many times, one after another; shares are taken per "
+        "round (W1-cold next to the traffic it is compared with) and their median printed [%(default)s]",
+    )
     p.add_argument("--warmup-runs", type=int, default=1, help="untimed requests before timing [%(default)s]")
     p.add_argument(
         "--warmup-buckets", action="store_true", help="also compile every bucket first (engine.warmup), timed apart"
@@ -585,10 +592,11 @@ def run(args: argparse.Namespace) -> int:
             bucket_warmup = bench.scorer.engine.warmup()
             print(f"engine.warmup: {bucket_warmup}", file=sys.stderr)
         gen = wl.Generator(bench.vocab, args.seed)
-        for workload in args.workload:
-            modes = ["prefix"] if workload in CONCURRENT or not in_process else args.mode
-            for mode in modes:
-                records.append(bench.one(workload, mode, gen))
+        for round_ in range(args.rounds):
+            for workload in args.workload:
+                modes = ["prefix"] if workload in CONCURRENT or not in_process else args.mode
+                for mode in modes:
+                    records.append({**bench.one(workload, mode, gen), "round": round_})
         if bench.peak:
             bench.peak.measure()
         if args.profile and in_process:
@@ -604,8 +612,9 @@ def run(args: argparse.Namespace) -> int:
             r["utilisation_vs_best_peak"] = r["achieved_flops_per_s"] / peak.best
             if r["utilisation"] is None:
                 r["utilisation"] = r["utilisation_vs_best_peak"]
-    _ratios(records)
-    _shares(records)
+    for round_ in range(args.rounds):  # a round's records against that round's baselines
+        _ratios([r for r in records if r["round"] == round_])
+        _shares([r for r in records if r["round"] == round_])
     ctx = records[0] if records else {}
     print(
         f"model {ctx.get('model')} {ctx.get('dtype')} | {ctx.get('backend')} x{ctx.get('devices')} "
@@ -617,7 +626,7 @@ def run(args: argparse.Namespace) -> int:
     for r in records:
         if r.get("speedup"):
             print(f"{r['workload']} prefix vs {', '.join(f'{m} {x:.1f}x' for m, x in r['speedup'].items())}")
-    shares = share_lines(records)
+    shares = share_lines(records) + median_lines(records)
     if shares:
         print("\n".join(shares))
     if profiled:
@@ -662,6 +671,32 @@ def _shares(records: list[dict[str, Any]]) -> None:
                 r[UTIL_SHARE_KEY] = r["utilisation"] / base_util
 
 
+def median_lines(records: list[dict[str, Any]]) -> list[str]:
+    """With several rounds: per workload, the median items/s and (against W1-cold) the median share.
+
+    On a shared machine the speed drifts between the minutes of one run; a share taken per
+    round compares W1-cold with the traffic measured right after it, and the median over
+    rounds is what one figure can say."""
+    rounds = {r.get("round", 0) for r in records}
+    if len(rounds) < 2:
+        return []
+    lines = []
+    for workload in dict.fromkeys(r["workload"] for r in records if r["mode"] == "prefix"):
+        mine = [r for r in records if r["workload"] == workload and r["mode"] == "prefix"]
+        rates = [r["items_per_s"] for r in mine]
+        line = f"{workload} over {len(mine)} rounds: median {statistics.median(rates):.1f} items/s"
+        line += f" ({', '.join(f'{x:.0f}' for x in rates)})"
+        shares = [r[SHARE_KEY] for r in mine if SHARE_KEY in r]
+        if shares:
+            line += f"; median share of W1-cold's model FLOP rate {statistics.median(shares):.2f}"
+            line += f" ({', '.join(f'{x:.2f}' for x in shares)})"
+        utils = [r[UTIL_SHARE_KEY] for r in mine if UTIL_SHARE_KEY in r]
+        if utils:
+            line += f", {statistics.median(utils):.2f} against the matmul rate around each"
+        lines.append(line)
+    return lines
+
+
 def share_lines(records: list[dict[str, Any]]) -> list[str]:
     """One line per prefix-mode record with a share ("W2 0.83 of W1-cold's model FLOP rate ...")."""
     lines = []
@@ -669,6 +704,8 @@ def share_lines(records: list[dict[str, Any]]) -> list[str]:
         if SHARE_KEY not in r or r["mode"] != "prefix":  # the baselines' shares stay in the JSON only
             continue
         name = r["workload"].upper().replace("-GRPC", "-grpc")
+        if "round" in r and any(x.get("round", 0) for x in records):
+            name += f" (round {r['round'] + 1})"
         n = r.get("concurrency", 1)
         how = "in-process" if r.get("transport") == InProcess.kind else f"gRPC, {n} client{'s' * (n != 1)}"
         against = f"; {r[UTIL_SHARE_KEY]:.2f} against the matmul rate around each" if UTIL_SHARE_KEY in r else ""

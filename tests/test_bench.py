@@ -221,6 +221,31 @@ def test_bench_flop_rate_shares_of_w1_cold(tmp_path, capsys) -> None:
         assert f"{name} {by[name.lower()][bench.SHARE_KEY]:.2f} of W1-cold's model FLOP rate" in printed
 
 
+def test_bench_rounds_take_shares_per_round_and_their_median(tmp_path, capsys) -> None:
+    """--rounds 3: the workload list three times; each round's W4 share is against that round's
+    W1-cold, and the median over rounds is printed."""
+    argv = list(SHARES)
+    argv[argv.index("w1-cold,w4,w2,w3-grpc")] = "w1-cold,w4"
+    out = tmp_path / "rounds.json"
+    args = parse([*argv, "--rounds", "3", "--json", str(out)])
+    assert args.func(args) == 0
+    records = json.loads(out.read_text())
+    assert [(r["workload"], r["round"]) for r in records] == [(w, k) for k in range(3) for w in ("w1-cold", "w4")]
+    shares = []
+    for k in range(3):
+        base, w4 = (next(r for r in records if r["round"] == k and r["workload"] == w) for w in ("w1-cold", "w4"))
+        assert w4[bench.SHARE_KEY] == pytest.approx(w4["achieved_flops_per_s"] / base["achieved_flops_per_s"])
+        shares.append(w4[bench.SHARE_KEY])
+    printed = capsys.readouterr().out
+    assert "W4 (round 3) " in printed
+    median = sorted(shares)[1]
+    assert (
+        f"w4 over 3 rounds: median {sorted(r['items_per_s'] for r in records if r['workload'] == 'w4')[1]:.1f}"
+        in printed
+    )
+    assert f"median share of W1-cold's model FLOP rate {median:.2f}" in printed
+
+
 def test_w4_requests_are_small_and_all_new() -> None:
     sizes = wl.Sizes(w4_query=30, w4_items=3, w4_item_tokens=5)
     reqs = wl.w4(wl.Generator(1000, seed=1), sizes, [7, 8], 12)
