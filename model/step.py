@@ -174,7 +174,7 @@ def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, head_rows
     of `head_rows` rows run in a loop; the remainder in ONE step, the smallest of head_sizes()
     that holds it: 100 rows are one step of 128, 130 one of 192. Each step streams the whole
     output matrix and pays a fixed cost over its vocabulary chunks (on a CPU a step of 128 rows
-    takes 0.65x the time of steps of 64 + 32 + 32), so there is one step per call for the
+    takes 0.66x the time of steps of 64 + 32 + 32), so there is one step per call for the
     rows under head_rows, and the rows it computes in vain stay under a quarter of them. A
     step near the end is clamped back into range (dynamic slices clamp) and recomputes a few
     rows identically. Returns [R, out] float32; rows past n_rows are zero or garbage.
