@@ -1,6 +1,6 @@
 """Model FLOPs a scoring request needs (the work of the math, not of any implementation).
 
-Counted as in DESIGN.md: 2 FLOPs per multiply-add of every projection at every real
+Counted as in docs/benchmarks.md: 2 FLOPs per multiply-add of every projection at every real
 token, attention as QK^T and PV (4 * heads * head_dim per query-key pair, causal
 pairs only), and the output head at each item's last token only (the whole
 vocabulary without apply_softmax, the label rows with it). Padding, recomputation

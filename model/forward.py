@@ -1,6 +1,6 @@
 """The `packed` baseline: query and all items in one sequence under a block-diagonal mask.
 
-What the seed system measured against (DESIGN.md's lessons): kept so the bench can
+What the seed system measured against (docs/benchmarks.md, W1): kept so the bench can
 report the prefix path's speed-up over it in the same run. The engine serves through
 model/step.py.
 """

@@ -1,4 +1,4 @@
-"""`prefixscore bench`: the workloads of WORKLOADS.md, in process or over gRPC.
+"""`prefixscore bench`: the workloads of docs/benchmarks.md, in process or over gRPC.
 
     prefixscore bench --model bench-cpu --workload w1-cold --mode prefix,packed,sequential --json out.json
 
@@ -14,8 +14,9 @@ gRPC: to --target, or to a server started in this process on a free port (the sa
 engine; requests still cross the gRPC stack). They are concurrent runs: their
 warm-up requests are sent concurrently too, and throughput and FLOP/s are totals
 over the run's wall time. When the run has W1-cold (prefix), each W2/W3/W4 record
-also gets its model FLOP rate as a share of W1-cold's (WORKLOADS.md, "Efficiency
-across workloads"): whether real traffic keeps the device as busy as the ideal request.
+also gets its model FLOP rate as a share of W1-cold's (docs/benchmarks.md, "How
+`prefixscore bench` measures"): whether real traffic keeps the device as busy as the
+ideal request.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `bench` subcommand."""
     p = subparsers.add_parser(
         "bench",
-        help="run the benchmark workloads (WORKLOADS.md)",
+        help="run the benchmark workloads (docs/benchmarks.md)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

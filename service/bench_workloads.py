@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-# "yes" / "no" in the 151936-token Qwen vocabulary (WORKLOADS.md W1)
+# "yes" / "no" in the 151936-token Qwen vocabulary (W1, docs/benchmarks.md)
 QWEN_LABELS = (9454, 2753)
 QWEN_VOCAB = 151936
 W3_SUFFIX_TOKENS = 12  # "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n" after each document
@@ -32,7 +32,7 @@ class Request:
 
 @dataclasses.dataclass
 class Sizes:
-    """Workload sizes (defaults: WORKLOADS.md)."""
+    """Workload sizes (defaults: docs/benchmarks.md)."""
 
     w1_query: int = 2000
     w1_items: int = 500

@@ -59,7 +59,7 @@ SMOKE = [
     "6",
 ]
 
-# w1-cold and the three concurrent gRPC workloads, as small as they go (WORKLOADS.md "Efficiency across workloads")
+# w1-cold and the three concurrent gRPC workloads, as small as they go (docs/benchmarks.md, shares of W1-cold)
 SHARES = [
     "bench",
     "--model",
@@ -111,7 +111,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_flops_match_design_accounting() -> None:
-    """DESIGN.md: Qwen3-0.6B, W1: ~13.4 TFLOP items, ~2.2 TFLOP prefill, ~0.16 TFLOP head."""
+    """docs/benchmarks.md: Qwen3-0.6B, W1: ~13.4 TFLOP items, ~2.2 TFLOP prefill, ~0.16 TFLOP head."""
     cfg = RANDOM_PRESETS["qwen3-0.6b-random"][0]
     f = flops.request(cfg, 2000, [20] * 500, apply_softmax=False, n_labels=2)
     assert f["items"] / 1e12 == pytest.approx(13.4, rel=0.02)

@@ -1,4 +1,4 @@
-"""The public API: committed stubs match the .proto, buf lint is clean, the names DESIGN.md promises exist."""
+"""The public API: committed stubs match the .proto, buf lint is clean, the public names (docs/design.md) exist."""
 
 from __future__ import annotations
 
