@@ -57,9 +57,9 @@ K_CHUNK = 1024
 Q_TAILS = (64, 128, 256)
 K_TAIL = 256
 ITEM_BLOCK = 32
-# longer items and prefill chunks: 64-token blocks from each block's first item to the diagonal
-# (on W2-like items of 5-200 tokens, 32% faster than 128-token blocks; on W4's 300-token chunks
-# 20%, on W1's 512-token chunks 10%; 32-token blocks are no faster)
+# longer items: 64-token blocks from each block's first item to the diagonal (on W2-like items
+# of 5-200 tokens, 32% faster than 128-token blocks). Prefill chunks do not come here on CPU:
+# paged_attention reads them back from the pool (paged_prefix_rows' causal runs)
 LONG_ITEM_BLOCK = 64
 
 

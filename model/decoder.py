@@ -99,8 +99,9 @@ def tiled_mlp(lp: Params, y: jax.Array, tile: int | None) -> jax.Array:
     """mlp() over `tile` tokens at a time (a loop), when tile divides the tokens.
 
     y: [b, t, hidden]. On a CPU the [tokens, intermediate] activations of a whole call (30 MB
-    each for 10,240 tokens of a 768-wide MLP) spill out of the caches: tiles of 1,024 tokens
-    run the same matmuls 1.7x faster there. Accelerators want the whole product (tile None)."""
+    each for 10,240 tokens of a 768-wide MLP) spill out of the caches: alone, the MLP of
+    10,240 tokens runs 1.7x faster in tiles of 1,024; inside whole calls W1 gained 2% and
+    W4 5%. Accelerators want the whole product (tile None)."""
     b, t, hidden = y.shape
     if tile is None or t <= tile or (b * t) % tile:
         return mlp(lp, y)

@@ -106,11 +106,12 @@ class PrefixCache:
             entry.pins -= 1
             if entry.pins != 0:
                 return
-            if self._cached(entry):
+            cached = self._cached(entry)
+            if cached:
                 self._pinned -= 1
             if not entry.ready or entry.discarded:
                 self._drop(entry)
-            elif self._cached(entry):
+            elif cached:
                 self._idle[entry.tokens] = entry
                 self._idle_pages += len(entry.pages)
 

@@ -191,11 +191,11 @@ def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, head_rows
         return jax.lax.dynamic_update_slice_in_dim(out, fn(*part), start, axis=0)
 
     out = jnp.zeros((total, n_out), jnp.float32)
-    # with one possible step (total == big) the remainder step below covers every row
-    full = n_rows // big if total > big else jnp.int32(0)
-    if total > big:
+    done = jnp.int32(0)
+    if total > big:  # else the one remainder step below covers every row
+        full = n_rows // big
         out = jax.lax.fori_loop(0, full, lambda i, o: run(i * big, big, o), out)
-    done = full * big
+        done = full * big
     rest = n_rows - done
     # 0: no rows left; k: the k-th size is the smallest that holds them
     kind = jnp.where(rest <= 0, 0, 1 + sum((rest > z).astype(jnp.int32) for z in sizes[:-1]))
