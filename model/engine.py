@@ -339,7 +339,7 @@ class ScoringEngine:
     # ---- running a plan -----------------------------------------------------------
     def launch(self, plan: CallPlan) -> jax.Array:
         """Run one planned call (asynchronously) -> probabilities [devices * R, L] on the device;
-        plan.rows says which row is whose. The pool's pages written by the call's prefill
+        plan.spans say which rows are whose. The pool's pages written by the call's prefill
         chunks are visible to every later call (calls run in launch order)."""
         exe = self._executable(plan.shape)
         inputs = jax.device_put(plan.inputs, self._call_shardings())
@@ -348,7 +348,7 @@ class ScoringEngine:
         self.stats["device_tokens"] += plan.device_tokens
         self.stats["tokens"] += plan.prefill_tokens + plan.item_tokens
         self.stats["prefill_tokens"] += plan.prefill_tokens
-        self.stats["items"] += len(plan.rows)
+        self.stats["items"] += plan.items
         return probs
 
     # ---- packed baseline ------------------------------------------------------------

@@ -16,9 +16,11 @@ different labels share a call. Segment starts sit at multiples of the attention
 implementation's SEGMENT_ALIGN, so a kernel's query block never meets two
 segments; the gap before an aligned start continues the previous segment.
 
-`CallBuilder` takes work in priority order and says whether it still fits the
-largest call; `build()` picks the smallest buckets that hold what was taken and
-lays it out. Shapes come only from buckets (`CallShape`, the executable key).
+`CallBuilder` takes work in priority order, a request's consecutive items at a
+time, and says how many still fit the largest call; each offer is appended after
+everything placed (never a re-layout). `build()` picks the smallest buckets that
+hold what was taken and lays it out with a few array copies per offer. Shapes
+come only from buckets (`CallShape`, the executable key).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax
 import numpy as np
 
 from prefixscore.model.buckets import Buckets
+from prefixscore.model.token_rows import TokenRows
 
 # label sets per call: rows index into a [LABEL_SETS, labels] table of the call
 LABEL_SETS = 16
@@ -90,9 +93,14 @@ class CallInputs:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlannedRow:
-    ref: Any  # the caller's handle for the item
-    row: int  # its row in the call's output [devices * R, L]
+class RowSpan:
+    """Output rows `row` .. `row + count - 1` are items `first` .. `first + count - 1` of `ref`:
+    results are split per span (an array slice), not per item."""
+
+    ref: Any  # the caller's handle for the items (a WorkUnit)
+    first: int
+    count: int
+    row: int  # the first row in the call's output [devices * R, L]
     labels: int  # how many label columns are its own
 
 
@@ -100,27 +108,12 @@ class PlannedRow:
 class CallPlan:
     shape: CallShape
     inputs: CallInputs  # numpy arrays, shipped as they are
-    rows: tuple[PlannedRow, ...]
+    spans: tuple[RowSpan, ...]
+    items: int  # rows in use over all devices
     chunks: int  # prefill chunks in the call
     prefill_tokens: int  # real tokens of the prefill region
     item_tokens: int  # real tokens of the item region
     device_tokens: int  # tokens the call computes (every device; padding included)
-
-
-@dataclasses.dataclass
-class _Item:
-    tokens: Sequence[int]
-    label_set: int
-    softmax: bool
-    ref: Any
-
-
-@dataclasses.dataclass
-class _Segment:
-    key: Hashable
-    pages: Sequence[int]
-    prefix_len: int
-    items: list[_Item] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -130,55 +123,88 @@ class _Chunk:
     start: int
 
 
+@dataclasses.dataclass
+class _Offer:
+    """Consecutive items of one request over one prefix, taken into the call together."""
+
+    seg: int  # the prefix's segment in this call (0: whole sequences, no prefix)
+    pages: Sequence[int]
+    prefix_len: int
+    rows: TokenRows  # the request's items; this offer is rows first .. first + count - 1
+    first: int
+    count: int
+    label_set: int
+    softmax: bool
+    ref: Any
+
+
+@dataclasses.dataclass
+class _Piece:
+    """The part of an offer that sits on one device: `count` items from `first`, starting at
+    token `start` of the device's stream and at its row `row`."""
+
+    offer: _Offer
+    first: int
+    count: int
+    device: int
+    start: int
+    row: int
+    tokens: int
+
+
 def align_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 class _Layout:
-    """Greedy placement of segments' items into device streams, in segment order.
+    """Offers placed into device streams in the order they come, each appended after
+    everything placed: O(1) array operations per offer and device, never a re-layout.
 
-    A run is one segment's items on one device; it starts at an aligned offset. A device
-    closes when the next item does not fit its tokens or rows. Runs are what take
-    page-table rows (segment 0 runs need none)."""
+    A run is consecutive items of one segment on one device; it starts at an aligned offset
+    and takes a page-table row (segment 0 needs none). Items of a segment that follow its
+    own last run continue it; elsewhere they open a new run. A device closes when the next
+    item does not fit its tokens or rows."""
 
     def __init__(self, devices: int, capacity: int, rows: int, align: int) -> None:
         self.devices, self.capacity, self.max_rows, self.align = devices, capacity, rows, align
-        self.placed: list[list[tuple[int, int]]] = [[]]  # per device, in stream order: (segment, offset)
-        self.used = 0
-        self.rows = 0
-        self.runs = 0  # runs of segments other than 0
-        self.last: int | None = None  # segment of the device's last run
+        self.pieces: list[_Piece] = []
+        self.device = 0
+        self.used = 0  # tokens of the current device's stream in use
+        self.rows = 0  # rows of the current device in use
+        self.runs = 0  # runs that take a page-table row
+        self.last: int | None = None  # segment of the current device's last run
 
-    def _start(self, seg_index: int, n: int) -> int | None:
-        """Where an item of n tokens of this segment would start on the current device (None:
-        it needs the next device)."""
-        start = self.used if self.last == seg_index else align_up(self.used, self.align)
-        if start + n > self.capacity or self.rows + 1 > self.max_rows:
-            return None
-        return start
-
-    def fits(self, seg_index: int, n: int, needs_row: bool) -> tuple[bool, int]:
-        """Whether the item fits after everything placed, and the runs that would add."""
-        if self._start(seg_index, n) is not None:
-            return True, int(needs_row and self.last != seg_index)
-        return len(self.placed) < self.devices and n <= self.capacity, int(needs_row)
-
-    def add(self, seg_index: int, n: int, needs_row: bool) -> bool:
-        start = self._start(seg_index, n)
-        if start is None:
-            if len(self.placed) == self.devices or n > self.capacity:
-                return False
-            self.placed.append([])
-            self.used = self.rows = 0
-            self.last = None
-            start = 0
-        if self.last != seg_index and needs_row:
-            self.runs += 1
-        self.placed[-1].append((seg_index, start))
-        self.used = start + n
-        self.rows += 1
-        self.last = seg_index
-        return True
+    def place(self, offer: _Offer, ends: np.ndarray, row_budget: int) -> int:
+        """Place the offer's items in order, from the current device on, while they fit.
+        ends: [count] the cumulative tokens of its items; row_budget: page-table rows the
+        layout may hold. Returns how many items were placed."""
+        taken, n = 0, len(ends)
+        while taken < n:
+            continues = self.last == offer.seg
+            opens_run = offer.seg != 0 and not continues
+            if opens_run and self.runs + 1 > row_budget:
+                break  # no page-table row left (on another device it would need one too)
+            start = self.used if continues else align_up(self.used, self.align)
+            base = int(ends[taken - 1]) if taken else 0
+            fit = int(np.searchsorted(ends[taken:], base + self.capacity - start, side="right"))
+            k = min(fit, self.max_rows - self.rows)
+            if k == 0:
+                if self.device + 1 == self.devices or not (self.used or self.rows):
+                    break  # no device left, or the item does not fit an empty one
+                if offer.seg != 0 and self.runs + 1 > row_budget:
+                    break  # the next device's run would need a page-table row
+                self.device += 1
+                self.used = self.rows = 0
+                self.last = None
+                continue
+            tokens = int(ends[taken + k - 1]) - base
+            self.pieces.append(_Piece(offer, offer.first + taken, k, self.device, start, self.rows, tokens))
+            self.used = start + tokens
+            self.rows += k
+            self.runs += opens_run
+            self.last = offer.seg
+            taken += k
+        return taken
 
 
 class CallBuilder:
@@ -191,29 +217,28 @@ class CallBuilder:
         self.pool_pages = pool_pages
         self.chunks: list[_Chunk] = []
         self.prefill_used = 0
-        # segment 0: whole sequences over no prefix (first in the stream when it has items)
-        self.segments: list[_Segment] = [_Segment(None, (), 0)]
-        self._by_key: dict[Hashable, int] = {}
+        self.prefill_real = 0
+        self.offers: list[_Offer] = []
+        self.items = 0
+        self.item_real = 0
+        self._segments: dict[Hashable, int] = {}  # prefix key -> segment (1, 2, ...)
         self.labels: list[int] = []
         self.label_sets: list[tuple[int, ...]] = []
         self.item_capacity = buckets.max_batch_tokens
         self.closed = False  # an item longer than max_batch_tokens has the call to itself
         self._layout = self._new_layout(self.item_capacity)
+        self._choice: tuple[int, int, _Layout] | None = None  # the buckets, once chosen
 
     def _new_layout(self, capacity: int) -> _Layout:
         return _Layout(self.devices, capacity, self.b.rows(capacity), self.align)
 
     @property
     def empty(self) -> bool:
-        return not self.chunks and not self.items
+        return not self.chunks and not self.offers
 
-    @property
-    def items(self) -> int:
-        return sum(len(s.items) for s in self.segments)
-
-    def _slots_free(self, extra_runs: int = 0, extra_chunks: int = 0) -> bool:
-        """Page-table rows: row 0 (no prefix), one per chunk, one per run of a segment."""
-        return 1 + len(self.chunks) + extra_chunks + self._layout.runs + extra_runs <= self.b.segments
+    def _row_budget(self) -> int:
+        """Page-table rows left for runs: row 0 is no prefix, one per chunk."""
+        return self.b.segments - 1 - len(self.chunks)
 
     def add_chunk(self, pages: Sequence[int], tokens: Sequence[int], start: int) -> bool:
         """A prefill chunk (<= prefill_chunk tokens) of a query whose first `start` tokens are
@@ -221,10 +246,12 @@ class CallBuilder:
         if self.closed or len(tokens) > self.b.prefill_chunk:
             return False
         at = align_up(self.prefill_used, self.align)
-        if at + len(tokens) > self.b.prefill[-1] or not self._slots_free(extra_chunks=1):
+        if at + len(tokens) > self.b.prefill[-1] or self._layout.runs + 1 > self._row_budget():
             return False
         self.chunks.append(_Chunk(pages, tokens, start))
         self.prefill_used = at + len(tokens)
+        self.prefill_real += len(tokens)
+        self._choice = None
         return True
 
     def _label_set(self, label_ids: tuple[int, ...]) -> tuple[int, list[int]] | None:
@@ -236,88 +263,99 @@ class CallBuilder:
             return None
         return len(self.label_sets), new
 
-    def add_item(
+    def add_items(
         self,
         key: Hashable,
         pages: Sequence[int],
         prefix_len: int,
-        tokens: Sequence[int],
+        rows: TokenRows,
+        first: int,
+        count: int,
         label_ids: tuple[int, ...],
         apply_softmax: bool,
         ref: Any,
-    ) -> bool:
-        """An item over the prefix `key` (pages, prefix_len); prefix_len 0: a whole sequence."""
-        if self.closed:
-            return False
-        n = len(tokens)
-        if n > self.item_capacity:
-            if not self.empty or n > self.b.tokens[-1]:
-                return False
+    ) -> int:
+        """Items first .. first + count - 1 of `rows` over the prefix `key` (pages, prefix_len;
+        prefix_len 0: whole sequences), in order, as many as fit; returns how many were taken."""
+        if self.closed or count <= 0:
+            return 0
+        ends = rows.offsets[first + 1 : first + count + 1] - rows.offsets[first]
+        longest_first = int(ends[0])
+        if longest_first > self.item_capacity:
+            if not self.empty or longest_first > self.b.tokens[-1]:
+                return 0
             # a long item or sequence runs alone, in the stream bucket that holds it
-            self.item_capacity = Buckets.fit(self.b.tokens, n, "item tokens")
+            self.item_capacity = Buckets.fit(self.b.tokens, longest_first, "item tokens")
             self._layout = self._new_layout(self.item_capacity)
             self.closed = True
+            ends = ends[:1]
         labels = self._label_set(label_ids)
         if labels is None:
-            return False
-        seg_index = 0 if prefix_len == 0 else self._by_key.get(key, len(self.segments))
-        last = seg_index == len(self.segments) or seg_index == self._layout.last
-        if last:  # appended after everything placed: O(1)
-            ok, runs = self._layout.fits(seg_index, n, prefix_len > 0)
-            if not (ok and self._slots_free(extra_runs=runs)):
-                return False
-            trial = None
-        else:  # an earlier segment grows: place everything again
-            trial = self._place(self.item_capacity, extra=(seg_index, n))
-            if trial is None:
-                return False
+            return 0
         set_index, new_labels = labels
+        seg = 0 if prefix_len == 0 else self._segments.get(key, len(self._segments) + 1)
+        offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, apply_softmax, ref)
+        taken = self._layout.place(offer, ends, self._row_budget())
+        if not taken:
+            return 0
+        offer.count = taken
         if set_index == len(self.label_sets):
             self.label_sets.append(label_ids)
         self.labels += new_labels
-        if seg_index == len(self.segments):
-            self.segments.append(_Segment(key, pages, prefix_len))
-            self._by_key[key] = seg_index
-        self.segments[seg_index].items.append(_Item(tokens, set_index, apply_softmax, ref))
-        if trial is None:
-            self._layout.add(seg_index, n, prefix_len > 0)
-        else:
-            self._layout = trial
-        return True
+        if seg:
+            self._segments.setdefault(key, seg)
+        self.offers.append(offer)
+        self.items += taken
+        self.item_real += int(ends[taken - 1])
+        self._choice = None
+        return taken
 
     # ---- the plan ---------------------------------------------------------------------------
     def _buckets(self) -> tuple[int, int, _Layout]:
-        """The smallest prefill and item-region buckets that hold what was taken, and the layout."""
-        b = self.b
+        """The smallest prefill and item-region buckets that hold what was taken, and its layout;
+        chosen once for fill() and build()."""
+        if self._choice is not None:
+            return self._choice
+        b, layout = self.b, self._layout
         tp = Buckets.fit(b.prefill, self.prefill_used, "prefill tokens") if self.chunks else 0
-        candidates = [t for t in b.tokens if t <= self.item_capacity]
-        if tp:
-            candidates = [t for t in candidates if t <= b.max_batch_tokens]
+        candidates = [t for t in b.tokens if t <= self.item_capacity and not (tp and t > b.max_batch_tokens)]
         for ti in candidates:
-            layout = self._place(ti)
-            if layout is not None:
-                return tp, ti, layout
-        raise RuntimeError("the planned items do not fit the call they were admitted to")  # add_item checked
+            if self.devices == 1:
+                # one stream: the layout does not depend on the bucket, only needs to fit it
+                if layout.used <= ti and layout.rows <= b.rows(ti):
+                    self._choice = (tp, ti, layout)
+                    return self._choice
+                continue
+            # several: a smaller bucket spreads the items over the devices differently
+            trial = self._new_layout(ti)
+            budget = self._row_budget()
+            if all(trial.place(o, self._ends(o), budget) == o.count for o in self.offers):
+                self._choice = (tp, ti, trial)
+                return self._choice
+        raise RuntimeError("the planned items do not fit the call they were admitted to")  # add_items checked
+
+    @staticmethod
+    def _ends(offer: _Offer) -> np.ndarray:
+        offsets = offer.rows.offsets
+        return offsets[offer.first + 1 : offer.first + offer.count + 1] - offsets[offer.first]
 
     def fill(self) -> tuple[int, int]:
         """(real tokens, device tokens) the call would have: its padding, before building it."""
         tp, ti, _ = self._buckets()
-        real = sum(len(c.tokens) for c in self.chunks) + sum(len(it.tokens) for s in self.segments for it in s.items)
-        return real, self.devices * (tp + ti)
+        return self.prefill_real + self.item_real, self.devices * (tp + ti)
 
     def build(self) -> CallPlan:
         """Lay out what was taken in the smallest buckets that hold it."""
         b, d = self.b, self.devices
         tp, ti, layout = self._buckets()
-        rows = b.rows(ti)
         labels_bucket = Buckets.fit(b.labels, max(1, len(self.labels)), "label_token_ids")
-        shape = CallShape(tp, ti, rows, labels_bucket)
+        shape = CallShape(tp, ti, b.rows(ti), labels_bucket)
         table = np.zeros((b.segments, b.max_pages), np.int32)
         prefix_len = np.zeros(b.segments, np.int32)
         slot = 1  # row 0: no prefix
         prefill = self._prefill_region(tp, table, prefix_len, slot)
         slot += len(self.chunks)
-        items, planned, slot = self._item_region(layout, shape, table, prefix_len, slot)
+        items, spans = self._item_region(layout, shape, table, prefix_len, slot)
         label_ids = np.zeros(labels_bucket, np.int32)
         label_ids[: len(self.labels)] = self.labels
         where = {t: i for i, t in enumerate(self.labels)}
@@ -333,31 +371,16 @@ class CallBuilder:
             label_sets=label_sets,
             max_chunk_len=np.int32(max((len(c.tokens) for c in self.chunks), default=1)),
         )
-        item_tokens = sum(len(it.tokens) for s in self.segments for it in s.items)
         return CallPlan(
             shape=shape,
             inputs=inputs,
-            rows=tuple(planned),
+            spans=tuple(spans),
+            items=self.items,
             chunks=len(self.chunks),
-            prefill_tokens=sum(len(c.tokens) for c in self.chunks),
-            item_tokens=item_tokens,
+            prefill_tokens=self.prefill_real,
+            item_tokens=self.item_real,
             device_tokens=d * (tp + ti),
         )
-
-    def _place(self, ti: int, extra: tuple[int, int] | None = None) -> _Layout | None:
-        """Every segment's items placed into device streams of ti tokens, in segment order (with
-        one more item of `extra` = (segment, tokens)); None when they do not fit."""
-        lay = self._new_layout(ti)
-        for i, seg in enumerate(self.segments):
-            lengths = [len(it.tokens) for it in seg.items]
-            if extra is not None and extra[0] == i:
-                lengths.append(extra[1])
-            for n in lengths:
-                if not lay.add(i, n, seg.prefix_len > 0):
-                    return None
-        if 1 + len(self.chunks) + lay.runs > self.b.segments:
-            return None
-        return lay
 
     def _prefill_region(self, tp: int, table: np.ndarray, prefix_len: np.ndarray, slot: int) -> PrefillRegion:
         pt = self.b.page_tokens
@@ -391,7 +414,8 @@ class CallBuilder:
 
     def _item_region(
         self, layout: _Layout, shape: CallShape, table: np.ndarray, prefix_len: np.ndarray, slot: int
-    ) -> tuple[ItemRegion, list[PlannedRow], int]:
+    ) -> tuple[ItemRegion, list[RowSpan]]:
+        """The item region from the layout's pieces: a few array copies per piece."""
         d, ti, r = self.devices, shape.item_tokens, shape.rows
         tokens = np.zeros((d, ti), np.int32)
         positions = np.zeros((d, ti), np.int32)
@@ -402,37 +426,46 @@ class CallBuilder:
         softmax = np.zeros((d, r), bool)
         n_rows = np.zeros(d, np.int32)
         max_len = np.ones(d, np.int32)
-        planned: list[PlannedRow] = []
-        cursor = {i: 0 for i in range(len(self.segments))}  # next item of each segment
-        for dev, placed in enumerate(layout.placed):
-            run_slot: dict[int, int] = {}
-            end = 0
-            for row, (seg_index, start) in enumerate(placed):
-                seg = self.segments[seg_index]
-                item = seg.items[cursor[seg_index]]
-                cursor[seg_index] += 1
-                if seg.prefix_len and seg_index not in run_slot:
-                    run_slot[seg_index] = slot
-                    table[slot, : len(seg.pages)] = seg.pages
-                    prefix_len[slot] = seg.prefix_len
+        end = np.zeros(d, np.int64)  # each device's stream end so far
+        run_of: dict[int, tuple[int, int]] = {}  # device -> (segment, page-table row) of its last run
+        spans: list[RowSpan] = []
+        for piece in layout.pieces:
+            offer, dev, start = piece.offer, piece.device, piece.start
+            seg_row = 0
+            if offer.seg:
+                last = run_of.get(dev)
+                if last is not None and last[0] == offer.seg and end[dev] == start:
+                    seg_row = last[1]  # continues the device's last run
+                else:
+                    seg_row = slot
+                    table[slot, : len(offer.pages)] = offer.pages
+                    prefix_len[slot] = offer.prefix_len
                     slot += 1
-                seg_row = run_slot.get(seg_index, 0)
-                segment_ids[dev, end:start] = segment_ids[dev, end - 1] if end else 0  # alignment gap
-                n = len(item.tokens)
-                where = slice(start, start + n)
-                tokens[dev, where] = item.tokens
-                positions[dev, where] = seg.prefix_len + np.arange(n, dtype=np.int32)
-                segment_ids[dev, where] = seg_row
-                item_ids[dev, where] = row
-                read_at[dev, row] = shape.prefill_tokens + start + n - 1
-                label_set[dev, row] = item.label_set
-                softmax[dev, row] = item.softmax
-                max_len[dev] = max(max_len[dev], n)
-                planned.append(PlannedRow(item.ref, dev * r + row, len(self.label_sets[item.label_set])))
-                end = start + n
-            tail = min(align_up(end, self.align), ti)
-            if end:
-                segment_ids[dev, end:tail] = segment_ids[dev, end - 1]
-            n_rows[dev] = len(placed)
+            run_of[dev] = (offer.seg, seg_row)
+            if end[dev] < start:  # the alignment gap continues the device's previous run
+                segment_ids[dev, end[dev] : start] = segment_ids[dev, end[dev] - 1] if end[dev] else 0
+            offsets = offer.rows.offsets
+            lo, hi = int(offsets[piece.first]), int(offsets[piece.first + piece.count])
+            ends = offsets[piece.first + 1 : piece.first + piece.count + 1] - lo
+            where = slice(start, start + piece.tokens)
+            rows = slice(piece.row, piece.row + piece.count)
+            tokens[dev, where] = offer.rows.flat[lo:hi]
+            positions[dev, where] = offer.prefix_len + offer.rows.positions()[lo:hi]
+            segment_ids[dev, where] = seg_row
+            lengths = np.diff(ends, prepend=0)
+            item_ids[dev, where] = np.repeat(np.arange(piece.row, piece.row + piece.count, dtype=np.int32), lengths)
+            read_at[dev, rows] = shape.prefill_tokens + start + ends - 1
+            label_set[dev, rows] = offer.label_set
+            softmax[dev, rows] = offer.softmax
+            max_len[dev] = max(int(max_len[dev]), int(lengths.max()))
+            n_rows[dev] = piece.row + piece.count
+            spans.append(
+                RowSpan(offer.ref, piece.first, piece.count, dev * r + piece.row, len(self.label_sets[offer.label_set]))
+            )
+            end[dev] = start + piece.tokens
+        for dev in range(d):  # the tail up to the next aligned index continues the last run
+            if end[dev]:
+                tail = min(align_up(int(end[dev]), self.align), ti)
+                segment_ids[dev, end[dev] : tail] = segment_ids[dev, end[dev] - 1]
         region = ItemRegion(tokens, positions, segment_ids, item_ids, read_at, label_set, softmax, n_rows, max_len)
-        return region, planned, slot
+        return region, spans

@@ -27,6 +27,7 @@ import numpy as np
 
 from prefixscore.model.planner import CallBuilder, CallPlan
 from prefixscore.model.prefix_cache import CachedPrefix
+from prefixscore.model.token_rows import TokenRows
 
 # a request without a deadline is scheduled as if due this long after it arrived
 DEFAULT_SLACK_S = 30.0
@@ -39,20 +40,24 @@ TRIM_TRIES = 4
 TRIM_KEEP = 0.7
 
 
+class NonFiniteScores(Exception):
+    """A device call returned NaN or Inf for these rows: never answered as OK."""
+
+
 @dataclasses.dataclass(eq=False)
 class WorkUnit:
     """Items that are answered together: one unary request, one batch of a stream, or (no
     items) a stream's query to prefill.
 
-    items: token ids per item (for item_first, whole sequences start + item + query).
-    The worker fills `scores` [len(items), len(label_ids)] float32 and calls
-    `on_done(unit)` once, from the worker thread, when every item is scored (or, without
-    items, the query's prefill is launched) or the unit failed (`error` set); never after
-    `DeviceWorker.cancel(unit)`.
+    items: token ids per item (for item_first, whole sequences start + item + query), one
+    flat array (lists are converted). The worker fills `scores` [len(items), len(label_ids)]
+    float32 and calls `on_done(unit)` once (through its `deliver` hook: on the server's
+    event loop) when every item is scored (or, without items, the query's prefill is
+    launched) or the unit failed (`error` set); never after `DeviceWorker.cancel(unit)`.
     """
 
     prefix: tuple[int, ...]
-    items: list[list[int]]
+    items: TokenRows
     label_ids: tuple[int, ...]
     apply_softmax: bool
     item_first: bool
@@ -75,10 +80,9 @@ class WorkUnit:
     released: bool = False  # its pin on `entry` was given back
 
     def __post_init__(self) -> None:
+        self.items = TokenRows.coerce(self.items)
         self.scores = np.zeros((len(self.items), len(self.label_ids)), np.float32)
         self.remaining = len(self.items)
-        # item tokens before item j, for the queue's token count without a pass over the items
-        self._token_offsets = np.concatenate(([0], np.cumsum([len(it) for it in self.items], dtype=np.int64)))
 
     @property
     def queued(self) -> int:
@@ -88,12 +92,13 @@ class WorkUnit:
     @property
     def tokens(self) -> int:
         """Item tokens of the unit (the query's are prefilled once, not per item)."""
-        return int(self._token_offsets[-1])
+        return self.items.total
 
     @property
     def queued_tokens(self) -> int:
         """Item tokens not yet in a device call."""
-        return 0 if self.cancelled else int(self._token_offsets[-1] - self._token_offsets[self.taken])
+        offsets = self.items.offsets
+        return 0 if self.cancelled else int(offsets[-1] - offsets[self.taken])
 
     @property
     def due(self) -> float:
@@ -102,7 +107,7 @@ class WorkUnit:
 
 @dataclasses.dataclass
 class Call:
-    """One planned device call and what it carries. Rows' refs are (unit, item index)."""
+    """One planned device call and what it carries. Its row spans' refs are WorkUnits."""
 
     plan: CallPlan
     written: list[CachedPrefix]  # prefixes whose chunks the call writes
@@ -129,25 +134,23 @@ class Batcher:
         self.chunk = chunk
         self.units: dict[int, WorkUnit] = {}  # seq -> unit, in arrival order
         self._seq = itertools.count()
-
-    @property
-    def depth(self) -> int:
-        """Items pending (not yet in a device call): the autoscaling signal."""
-        return sum(u.queued for u in self.units.values())
-
-    @property
-    def queued_tokens(self) -> int:
-        """Item tokens pending (admission control counts tokens as well as items)."""
-        return sum(u.queued_tokens for u in self.units.values())
+        # kept as units come and go: admission reads them at every request
+        self.depth = 0  # items pending (not yet in a device call): the autoscaling signal
+        self.queued_tokens = 0  # their tokens (admission control counts tokens as well as items)
 
     def add(self, unit: WorkUnit) -> None:
         unit.seq = next(self._seq)
         self.units[unit.seq] = unit
+        self.depth += unit.queued
+        self.queued_tokens += unit.queued_tokens
 
     def cancel(self, unit: WorkUnit) -> None:
         """Drop `unit`'s queued items."""
+        if self.units.get(unit.seq) is unit:
+            self.depth -= unit.queued
+            self.queued_tokens -= unit.queued_tokens
+            del self.units[unit.seq]
         unit.cancelled = True
-        self.units.pop(unit.seq, None)
 
     def live_units(self) -> Iterator[WorkUnit]:
         return iter([u for u in self.units.values() if not u.cancelled])
@@ -200,7 +203,11 @@ class Batcher:
         for entry, upto in best.written.values():
             entry.written = upto
         for seq, took in best.offered.items():
-            self.units[seq].taken += took
+            unit = self.units[seq]
+            before = unit.queued_tokens
+            unit.taken += took
+            self.depth -= took
+            self.queued_tokens -= before - unit.queued_tokens
         for unit in pending:
             if unit.items and unit.queued == 0:
                 del self.units[unit.seq]  # all its items are in calls; the worker delivers them
@@ -257,21 +264,48 @@ class Batcher:
 
     @staticmethod
     def _offer(builder: CallBuilder, unit: WorkUnit, already: int, share: int | None) -> tuple[int, bool]:
-        """Offer the unit's next items in order (up to `share` tokens); (items taken, refused)."""
+        """Offer the unit's next items in order (up to `share` tokens, at least one item);
+        (items taken, refused: the call could not hold what was offered)."""
+        first = unit.taken + already
+        count = len(unit.items) - first
+        if count <= 0:
+            return 0, False
+        if share is not None:
+            offsets = unit.items.offsets
+            ends = offsets[first + 1 :] - offsets[first]
+            count = max(1, int(np.searchsorted(ends, share, side="right")))
         entry = unit.entry
-        key = id(entry) if entry is not None else None
-        pages = entry.pages if entry is not None else ()
-        prefix_len = len(entry.tokens) if entry is not None else 0
-        took = tokens = 0
-        index = unit.taken + already
-        while index < len(unit.items):
-            item = unit.items[index]
-            if share is not None and took and tokens + len(item) > share:
-                return took, False
-            ok = builder.add_item(key, pages, prefix_len, item, unit.label_ids, unit.apply_softmax, (unit, index))
-            if not ok:
-                return took, True
-            took += 1
-            tokens += len(item)
-            index += 1
-        return took, False
+        took = builder.add_items(
+            id(entry) if entry is not None else None,
+            entry.pages if entry is not None else (),
+            len(entry.tokens) if entry is not None else 0,
+            unit.items,
+            first,
+            count,
+            unit.label_ids,
+            unit.apply_softmax,
+            unit,
+        )
+        return took, took < count
+
+
+def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[WorkUnit]]:
+    """A finished call's output [devices * R, L] into its units' scores, one slice per row span.
+    Returns (units now complete, units with a non-finite score: not written, not counted).
+    Units already finished (cancelled while on the device) are skipped."""
+    finite = np.isfinite(out).all(axis=1)  # one pass for the call (unused columns are 0)
+    complete: list[WorkUnit] = []
+    broken: list[WorkUnit] = []
+    for span in call.plan.spans:
+        unit = span.ref
+        if unit.finished or unit in broken:
+            continue
+        rows = slice(span.row, span.row + span.count)
+        if not finite[rows].all():
+            broken.append(unit)
+            continue
+        unit.scores[span.first : span.first + span.count] = out[rows, : span.labels]
+        unit.remaining -= span.count
+        if unit.remaining == 0:
+            complete.append(unit)
+    return complete, broken

@@ -38,7 +38,7 @@ from prefixscore.service import request_ids
 from prefixscore.service.logs import event
 from prefixscore.service.requests import InvalidInput
 from prefixscore.service.security import TokenFile
-from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer, internal_failure
+from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer, internal_failure, validated
 from prefixscore.service.templates import ranked
 from prefixscore.service.validate import RerankInput, ScoreInput, Truncation, Validator
 from prefixscore.service.wire import RpcFailure
@@ -53,6 +53,12 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "GatewayTimeout"),
 }
+
+
+def _body_bytes(request: Request) -> int | None:
+    """The body's size from Content-Length (None when the client streamed it chunked)."""
+    length = request.headers.get("content-length")
+    return int(length) if length and length.isdigit() else None
 
 
 # ---- JSON bodies -------------------------------------------------------------------------------
@@ -381,7 +387,7 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
         responses=ERRORS,
         summary="Score items against a query (SGLang /v1/score)",
     )
-    async def score(body: ScoringRequest) -> Any:
+    async def score(body: ScoringRequest, request: Request) -> Any:
         with handled("HttpScore") as outcome:
             items = [body.items] if isinstance(body.items, str) else body.items
             inp = ScoreInput(
@@ -396,7 +402,7 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
                 max_query_tokens=body.max_query_tokens,
                 check_tokenization=body.check_tokenization,
             )
-            checked = await asyncio.to_thread(accepting().score, inp)
+            checked = await validated(_body_bytes(request), accepting().score, inp)
             req = checked.request
             scores: list[list[float]] = []
             cached = 0
@@ -411,7 +417,7 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
             )
         return outcome["response"]
 
-    async def rerank(body: RerankRequest) -> Any:
+    async def rerank(body: RerankRequest, request: Request) -> Any:
         with handled("HttpRerank") as outcome:
             texts = [d if isinstance(d, str) else d.text for d in body.documents]
             inp = RerankInput(
@@ -424,7 +430,7 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
                 truncate=body.truncate,
                 check_tokenization=body.check_tokenization,
             )
-            checked = await asyncio.to_thread(accepting().rerank, inp)
+            checked = await validated(_body_bytes(request), accepting().rerank, inp)
             req = checked.scored.request
             results: list[RerankResult] = []
             cached = 0

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
 
 from prefixscore.model.config import ModelConfig
+from prefixscore.model.token_rows import TokenRows
 from prefixscore.model.tokenizer import TextTokenizer
 
 
@@ -53,14 +57,17 @@ class TokenizedRequest:
     """A validated request in token ids. prefix: start tokens + query (empty for item_first)."""
 
     prefix: tuple[int, ...]
-    items: list[list[int]]  # for item_first: whole sequences (start + item + query)
+    items: TokenRows  # for item_first: whole sequences (start + item + query); lists are converted
     label_ids: tuple[int, ...]
     apply_softmax: bool
     item_first: bool
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "items", TokenRows.coerce(self.items))
+
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prefix) + sum(len(i) for i in self.items)
+        return len(self.prefix) + self.items.total
 
 
 def _plain_ints(x: Sequence[object]) -> bool:
@@ -83,6 +90,19 @@ def check_ids(field: str, ids: Sequence[int], vocab: int) -> None:
             raise InvalidInput(field, f"token ids must be integers, got {type(t).__name__}")
         if not 0 <= t < vocab:
             raise InvalidInput(field, f"token id {t} is outside the vocabulary [0, {vocab})")
+
+
+def check_rows(field: str, rows: TokenRows, vocab: int) -> None:
+    """Every id of every item inside the vocabulary and no item empty: a few array passes for
+    the whole request; the message names the first offending item."""
+    flat = rows.flat
+    if flat.size and (flat.min() < 0 or flat.max() >= vocab):
+        at = int(np.flatnonzero((flat < 0) | (flat >= vocab))[0])
+        j = int(np.searchsorted(rows.offsets, at, side="right")) - 1
+        raise InvalidInput(f"{field}[{j}]", f"token id {int(flat[at])} is outside the vocabulary [0, {vocab})")
+    empty = np.flatnonzero(rows.lengths == 0)
+    if empty.size:
+        raise InvalidInput(f"{field}[{int(empty[0])}]", "the item is empty (no tokens)")
 
 
 def check_labels(label_token_ids: Sequence[int], vocab: int, limits: Limits) -> tuple[int, ...]:
@@ -153,16 +173,16 @@ class RequestTokenizer:
         kind: str | None = None,
         field: str = "items",
         truncating: bool = False,
-    ) -> list[list[int]]:
+    ) -> TokenRows:
         """Tokenize items; `kind` ("text" or "ids") is the query's kind, and items must match it.
         `field`: what errors call the list ("items", or "documents" for a rerank). `truncating`:
         the caller cuts items to fit, so only max_text_chars bounds a text before tokenizing."""
-        if not isinstance(items, (list, tuple)):
+        if not isinstance(items, (list, tuple, TokenRows)):
             raise InvalidInput(field, "must be a list of strings or a list of token-id lists")
         if len(items) > self.limits.max_items:
             limit = self.limits.max_items
             raise InvalidInput(field, f"{len(items)} items exceed the limit of {limit} per request", too_large=True)
-        texts = [isinstance(it, str) for it in items]
+        texts = [False] * len(items) if isinstance(items, TokenRows) else [isinstance(it, str) for it in items]
         if any(texts) and not all(texts):
             raise InvalidInput(field, "mixes text and token ids; send all items the same way")
         item_kind = "text" if items and texts[0] else "ids"
@@ -183,38 +203,42 @@ class RequestTokenizer:
                     self._check_chars(f"{field}[{j}]", len(it), self.max_sequence_tokens)
                 if self.limits.max_request_tokens is not None:
                     self._check_chars(field, sum(len(it) for it in items), self.limits.max_request_tokens)
-            out = self.tokenizer.encode_many(list(items))
+            rows = TokenRows.from_lists(self.tokenizer.encode_many(list(items)))  # type: ignore[arg-type]
+        elif isinstance(items, TokenRows):  # from the wire: integers by the message's type
+            rows = items
         else:
-            out = []
-            for j, it in enumerate(items):
-                if not _is_ids(it):
-                    raise InvalidInput(f"{field}[{j}]", "must be a list of integer token ids")
-                check_ids(f"{field}[{j}]", it, self.cfg.vocab_size)
-                out.append(list(it))
-        for j, ids in enumerate(out):
-            if not ids:
-                raise InvalidInput(f"{field}[{j}]", "the item is empty (no tokens)")
-        return out
+            lists = all(isinstance(it, (list, tuple)) for it in items)
+            if not (lists and set(map(type, chain.from_iterable(items))) <= {int}):  # type: ignore[arg-type]
+                for j, it in enumerate(items):  # the slow path names the offending item
+                    if not _is_ids(it):
+                        raise InvalidInput(f"{field}[{j}]", "must be a list of integer token ids")
+            rows = TokenRows.from_lists(items)  # type: ignore[arg-type]
+        check_rows(field, rows, self.cfg.vocab_size)
+        return rows
 
     def assemble(
-        self, query: list[int], items: list[list[int]], labels: tuple[int, ...], apply_softmax: bool, item_first: bool
+        self, query: list[int], items: TokenRows, labels: tuple[int, ...], apply_softmax: bool, item_first: bool
     ) -> TokenizedRequest:
-        """Place start tokens and check every sequence fits the context."""
+        """Place start tokens and check every sequence fits the context (array passes over the items)."""
         context, max_item = self.max_sequence_tokens, self.max_item_tokens
         start = list(self.start_ids)
         if len(start) + len(query) + 1 > context:
             raise InvalidInput(
                 "query", f"{len(start) + len(query)} tokens leave no room for an item within {context} tokens"
             )
-        for j, it in enumerate(items):
-            total = len(start) + len(query) + len(it)
-            if total > context:
-                raise InvalidInput(f"items[{j}]", f"query + item is {total} tokens, over the limit of {context}")
-            if len(it) > max_item and not item_first:
-                raise InvalidInput(f"items[{j}]", f"{len(it)} tokens, over the item limit of {max_item}")
+        lengths = items.lengths
+        totals = len(start) + len(query) + lengths
+        over = totals > context
+        if not item_first:
+            over |= lengths > max_item
+        if over.any():
+            j = int(np.flatnonzero(over)[0])
+            if totals[j] > context:
+                raise InvalidInput(f"items[{j}]", f"query + item is {totals[j]} tokens, over the limit of {context}")
+            raise InvalidInput(f"items[{j}]", f"{lengths[j]} tokens, over the item limit of {max_item}")
         if item_first:
-            sequences = [start + it + query for it in items]
-            self.check_request_tokens(sum(len(seq) for seq in sequences))
+            sequences = TokenRows.from_lists([start + it + query for it in items])
+            self.check_request_tokens(sequences.total)
             return TokenizedRequest((), sequences, labels, apply_softmax, True)
-        self.check_request_tokens(len(start) + len(query) + sum(len(it) for it in items))
+        self.check_request_tokens(len(start) + len(query) + items.total)
         return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False)

@@ -12,7 +12,7 @@ from prefixscore.model.buckets import Buckets
 from prefixscore.model.engine import ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service.batcher import Batcher, WorkUnit
+from prefixscore.service.batcher import Batcher, NonFiniteScores, WorkUnit, take_results
 from prefixscore.service.requests import Limits, RequestTokenizer, TokenizedRequest
 from prefixscore.service.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
 from prefixscore.service.validate import RerankInput, ScoreInput, Validator
@@ -206,7 +206,6 @@ class EngineRunner:
                     break
                 launched.append((call, self.engine.launch(call.plan)))
         for call, probs in launched:
-            out = np.asarray(probs)
-            for row in call.plan.rows:
-                unit, index = row.ref
-                unit.scores[index] = out[row.row, : row.labels]
+            complete, broken = take_results(call, np.asarray(probs))
+            if broken:
+                raise NonFiniteScores("the model produced non-finite scores (NaN or Inf)")

@@ -46,6 +46,7 @@ from prefixscore.service.worker import (
     QueueFull,
     StreamPin,
     WorkerStopped,
+    run_on_done,
 )
 from prefixscore.v1 import score_service_pb2 as pb
 
@@ -55,6 +56,11 @@ try:  # what grpc.aio raises when a message is written on a call that has alread
     from grpc._cython.cygrpc import ExecuteBatchError as _CallEnded
 except ImportError:  # pragma: no cover (another grpcio layout: such writes count as INTERNAL)
     _CallEnded = type("_CallEnded", (Exception,), {})
+
+# a request message up to this size is validated (and tokenized) on the event loop: that takes
+# well under a millisecond, less than the hop to a worker thread and back costs the host;
+# larger ones go to a thread so the loop keeps serving everyone else meanwhile
+INLINE_VALIDATION_BYTES = 32 << 10
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ScoreService"].full_name  # "prefixscore.v1.ScoreService"
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -192,6 +198,7 @@ class ScoreServer:
             batch_wait_s=config.batch_wait_s,
             max_queue_tokens=config.max_queue_tokens,
             on_failure=self._on_worker_failure,
+            deliver=self._deliver,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker_ready: asyncio.Future | None = None
@@ -504,6 +511,12 @@ class ScoreServer:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
         return self.converter
 
+    def _deliver(self, units: list[WorkUnit]) -> None:
+        """The worker's finished units (one device call's): one wake-up of the event loop for
+        all of them, where their on_done runs (it settles futures that live on this loop)."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(run_on_done, units)
+
     def _submit(self, unit: WorkUnit) -> None:
         with _admission():
             self.worker.submit(unit)
@@ -530,7 +543,7 @@ class ScoreServer:
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         unit = self._unit(req, method, deadline)
-        unit.on_done = lambda u: loop.call_soon_threadsafe(_settle, done, u)
+        unit.on_done = lambda u: _settle(done, u)  # on this loop (_deliver)
         self._submit(unit)
         try:
             await done
@@ -546,7 +559,7 @@ class ScoreServer:
     async def score(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         msg = parse(pb.ScoreRequest, raw)
         converter = self._check_accepting()
-        checked = await asyncio.to_thread(converter.score_request, msg)
+        checked = await validated(len(raw), converter.score_request, msg)
         req = checked.request
         differs = checked.joined_differs or []
         if not req.items:
@@ -564,7 +577,7 @@ class ScoreServer:
     async def rerank(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
         msg = parse(pb.RerankRequest, raw)
         converter = self._check_accepting()
-        checked = await asyncio.to_thread(converter.rerank_request, msg)
+        checked = await validated(len(raw), converter.rerank_request, msg)
         req = checked.scored.request
         template = self.template.name if self.template else ""
         if not req.items:
@@ -660,6 +673,14 @@ def _client_gone(context: grpc.aio.ServicerContext) -> RpcFailure | None:
     if context.cancelled() or context.done():
         return RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")
     return None
+
+
+async def validated(size: int | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) (validation and tokenization) inline for a request of `size` bytes up to
+    INLINE_VALIDATION_BYTES, else in a thread; `size` None (unknown): in a thread."""
+    if size is not None and size <= INLINE_VALIDATION_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _settle(future: asyncio.Future, value: Any) -> None:
@@ -806,7 +827,7 @@ class _StreamSession:
                 grpc.StatusCode.FAILED_PRECONDITION, "open: the stream is already open; send open once, first"
             )
         converter = self.server._check_accepting()
-        spec = await asyncio.to_thread(converter.stream_open, msg)
+        spec = await validated(msg.ByteSize(), converter.stream_open, msg)
         if spec.prefix:
             # pin the query's pages (refused at once when the pool cannot hold them) and prefill
             # it now: its KV stays on the device while the stream is open. The pin is recorded
@@ -832,7 +853,7 @@ class _StreamSession:
             # two answers with one id could not be told apart
             raise InvalidInput("batch_id", f"{batch_id} is already in flight on this stream; use a new id per batch")
         assert self.server.converter is not None
-        req = await asyncio.to_thread(self.server.converter.stream_batch, self.spec, msg)
+        req = await validated(msg.ByteSize(), self.server.converter.stream_batch, self.spec, msg)
         self.batch_ids.add(batch_id)
         if not req.items:
             answer = pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))
@@ -840,7 +861,7 @@ class _StreamSession:
             return
         unit = self.server._unit(req, "ScoreStream", self.server._deadline(self.context))
         unit.counts_lookup = False  # the open counted this stream's prefix-cache lookup
-        unit.on_done = lambda u: self.loop.call_soon_threadsafe(self.events.put_nowait, ("unit", (u, batch_id)))
+        unit.on_done = lambda u: self.events.put_nowait(("unit", (u, batch_id)))  # on this loop (_deliver)
         self.outstanding[id(unit)] = unit
         try:
             self.server.worker.submit(unit)

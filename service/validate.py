@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
+from prefixscore.model.token_rows import TokenRows
 from prefixscore.service.requests import InvalidInput, RequestTokenizer, TokenizedRequest, check_labels
 from prefixscore.service.templates import RerankTemplate
 
@@ -147,10 +150,13 @@ class Validator:
         return kept, len(query) - budget
 
     @staticmethod
-    def _cut_items(items: list[list[int]], room: int) -> tuple[list[list[int]], Truncation]:
-        cut = [j for j, it in enumerate(items) if len(it) > room]
-        dropped = sum(len(items[j]) - room for j in cut)
-        return [it[:room] for it in items], Truncation(items=tuple(cut), item_tokens=dropped)
+    def _cut_items(items: TokenRows, room: int) -> tuple[TokenRows, Truncation]:
+        lengths = items.lengths
+        cut = np.flatnonzero(lengths > room)
+        if not cut.size:
+            return items, Truncation()
+        dropped = int((lengths[cut] - room).sum())
+        return items.map_rows(lambda row: row[:room]), Truncation(items=tuple(cut.tolist()), item_tokens=dropped)
 
     def _joined_differs(self, pairs: list[tuple[str, str]], separate: list[list[int]]) -> list[bool]:
         """For each (first, second) text pair: does tokenizing first + second as one string differ
@@ -232,10 +238,13 @@ class Validator:
         if truncate == "end":
             docs, report = self._cut_items(docs, room)
         else:  # name the document, not the assembled item
-            for j, d in enumerate(docs):
-                if len(d) > room:
-                    raise InvalidInput(f"documents[{j}]", f"{len(d)} tokens, over the {room} that fit (truncate none)")
-        req = self.requests.assemble(prefix, [d + suffix for d in docs], template.label_ids, True, False)
+            over = np.flatnonzero(docs.lengths > room)
+            if over.size:
+                j = int(over[0])
+                raise InvalidInput(
+                    f"documents[{j}]", f"{docs.lengths[j]} tokens, over the {room} that fit (truncate none)"
+                )
+        req = self.requests.assemble(prefix, docs.with_suffix(suffix), template.label_ids, True, False)
         return ValidatedRerank(Validated(req, report, joined), list(inp.documents), top_n)
 
     def stream_open(self, inp: ScoreInput) -> StreamSpec:
@@ -243,7 +252,9 @@ class Validator:
         labels = self.labels(inp.label_token_ids, inp.labels)
         ids = self.requests.query_ids(inp.query)
         # no items yet: this checks the query leaves room for one and gives the prefix
-        opened = self.requests.assemble(ids, [], labels, bool(inp.apply_softmax), bool(inp.item_first))
+        opened = self.requests.assemble(
+            ids, TokenRows.coerce([]), labels, bool(inp.apply_softmax), bool(inp.item_first)
+        )
         kind = "text" if isinstance(inp.query, str) else "ids"
         return StreamSpec(ids, kind, labels, opened.apply_softmax, opened.item_first, opened.prefix)
 

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from prefixscore.model.token_rows import TokenRows
 from prefixscore.service.requests import InvalidInput, RequestTokenizer, TokenizedRequest
 from prefixscore.service.templates import RerankTemplate
 from prefixscore.service.validate import (
@@ -77,7 +78,11 @@ def _query(msg: pb.ScoreRequest | pb.StreamOpen) -> str | list[int]:
     return _input("query", msg.query)
 
 
-def _items(items: Sequence[pb.Input]) -> list[str | list[int]]:
+def _items(items: Sequence[pb.Input]) -> list[str | list[int]] | TokenRows:
+    """Token-id items straight into one array (integers by the message's type: no check per
+    token); texts, or a mix that validation refuses, as a list."""
+    if items and all(it.WhichOneof("kind") == "token_ids" for it in items):
+        return TokenRows.from_lists([it.token_ids.ids for it in items])
     return [_input(f"items[{j}]", it) for j, it in enumerate(items)]
 
 

@@ -28,11 +28,19 @@ import numpy as np
 
 from prefixscore.model.engine import CompileCounter, ScoringEngine
 from prefixscore.model.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
-from prefixscore.service.batcher import Batcher, Call, WorkUnit
+from prefixscore.service.batcher import Batcher, Call, NonFiniteScores, WorkUnit, take_results
 from prefixscore.service.logs import event
 from prefixscore.service.metrics import ServiceMetrics
 
 log = logging.getLogger("prefixscore.worker")
+
+
+def run_on_done(units: list[WorkUnit]) -> None:
+    for unit in units:
+        try:
+            unit.on_done(unit)
+        except Exception:
+            log.exception("on_done callback failed")
 
 
 class QueueFull(Exception):
@@ -53,10 +61,6 @@ class WorkerStopped(Exception):
 
 class WorkerFailed(WorkerStopped):
     """The device loop itself broke: the process must be restarted (health NOT_SERVING, exit non-zero)."""
-
-
-class NonFiniteScores(Exception):
-    """A device call returned NaN or Inf for these rows: never answered as OK."""
 
 
 @dataclasses.dataclass
@@ -80,7 +84,8 @@ class DeviceWorker:
 
     startup: builds the engine on this thread (load weights, compile); its
     return value becomes `self.engine`. `on_ready(error)` is called once after
-    it, with None or the exception that stopped the start.
+    it, with None or the exception that stopped the start. `deliver(units)` takes
+    the units finished by one step of the loop (one device call's, typically).
     """
 
     def __init__(
@@ -92,8 +97,13 @@ class DeviceWorker:
         batch_wait_s: float = 0.0,
         max_queue_tokens: int | None = None,
         on_failure: Callable[[BaseException], None] = lambda error: None,
+        deliver: Callable[[list[WorkUnit]], None] | None = None,
     ) -> None:
         self._startup = startup
+        # finished units leave in one hand-off per call (the server's: one wake-up of its event
+        # loop, which runs their on_done); by default on_done runs here, on the device thread
+        self._deliver = deliver or run_on_done
+        self._done: list[WorkUnit] = []  # finished under the lock, delivered after it
         self.metrics = metrics
         self.max_queue_items = max_queue_items
         self.max_queue_tokens = max_queue_tokens
@@ -289,8 +299,10 @@ class DeviceWorker:
                 while not self._has_work(inflight):
                     self._cv.wait(timeout=self._wait_timeout())
                     self._expire(time.monotonic())
-                if self._stopping and inflight is None and not self.batcher.ready():
-                    return
+                exiting = self._stopping and inflight is None and not self.batcher.ready()
+            self._flush()  # what expired while waiting
+            if exiting:
+                return
             if self.batch_wait_s and inflight is None:
                 time.sleep(self.batch_wait_s)  # let concurrent requests join the first call
             with self.engine.calls_lock:  # type: ignore[union-attr]
@@ -301,8 +313,10 @@ class DeviceWorker:
                     call = self.batcher.next_call(opens_only=bool(self._paused))
                     self.metrics.queue_depth.set(self.batcher.depth)
                 launched = self._launch(call) if call else None
+            self._flush()  # what planning finished (prefills, expiries, failed launches)
             if inflight is not None:
                 self._complete(inflight)
+                self._flush()
             inflight = launched
             self._sync_compile_metrics()
 
@@ -337,7 +351,7 @@ class DeviceWorker:
             self._fail_call(call, err)
             return None
         real, device = plan.prefill_tokens + plan.item_tokens, max(plan.device_tokens, 1)
-        self.metrics.batch_size.observe(len(plan.rows))
+        self.metrics.batch_size.observe(plan.items)
         self.metrics.batch_padding.observe(1.0 - real / device)
         self.metrics.padding_tokens.inc(max(0, device - real))
         self.metrics.tokens.labels("item").inc(plan.item_tokens)
@@ -345,7 +359,7 @@ class DeviceWorker:
         return _Launched(call, probs, time.monotonic())
 
     def _complete(self, launched: _Launched) -> None:
-        """Read one call back and deliver its rows."""
+        """Read one call back and deliver its rows: one slice per request, one pass for the call."""
         call = launched.call
         try:
             out = np.asarray(launched.probs)
@@ -357,41 +371,42 @@ class DeviceWorker:
         # device time of this call: it ran after the previous one finished (one device, in order)
         self.metrics.batch_seconds.labels("items").observe(now - max(launched.launched_at, self._last_done))
         self._last_done = now
-        self.metrics.items_scored.inc(len(call.plan.rows))
-        self._observe_rate(len(call.plan.rows), now - launched.launched_at)
-        finite = np.isfinite(out).all(axis=1)  # one pass for the call (unused columns are 0)
+        self.metrics.items_scored.inc(call.plan.items)
+        self._observe_rate(call.plan.items, now - launched.launched_at)
         with self._cv:
-            for row in call.plan.rows:
-                unit, index = row.ref
-                if unit.finished:
-                    continue  # cancelled while on the device
-                scores = out[row.row, : row.labels]
-                if not finite[row.row]:
-                    # a NaN is a wrong answer, not a score: fail the request, count it, keep serving
-                    self.metrics.nonfinite.inc()
-                    log.error("a device call returned non-finite scores (%s items)", len(unit.items))
-                    self.batcher.cancel(unit)  # type: ignore[union-attr]
-                    self._finish(unit, NonFiniteScores("the model produced non-finite scores (NaN or Inf)"))
-                    continue
-                unit.scores[index] = scores
-                unit.remaining -= 1
-                if unit.first_scores_at is None:
+            complete, broken = take_results(call, out)
+            for unit in broken:
+                # a NaN is a wrong answer, not a score: fail the request, count it, keep serving
+                self.metrics.nonfinite.inc()
+                log.error("a device call returned non-finite scores (%s items)", len(unit.items))
+                self.batcher.cancel(unit)  # type: ignore[union-attr]
+                self._finish(unit, NonFiniteScores("the model produced non-finite scores (NaN or Inf)"))
+            for span in call.plan.spans:
+                unit = span.ref
+                if unit.first_scores_at is None and not unit.finished:
                     unit.first_scores_at = now
                     self.metrics.first_batch_seconds.labels(unit.method).observe(now - unit.created)
-                if unit.remaining == 0:
-                    self._finish(unit, None)
+            for unit in complete:
+                self._finish(unit, None)
 
     def _finish(self, unit: WorkUnit, error: BaseException | None) -> None:
-        """Deliver a unit once and give back its pin (lock held)."""
+        """Finish a unit once and give back its pin (lock held); delivered by _flush."""
         if unit.finished:
             return
         unit.finished = True
         unit.error = error
         self._release(unit)
-        try:
-            unit.on_done(unit)
-        except Exception:
-            log.exception("on_done callback failed")
+        self._done.append(unit)
+
+    def _flush(self) -> None:
+        """Hand the finished units over, outside the lock (their callbacks may take time)."""
+        with self._cv:
+            done, self._done = self._done, []
+        if done:
+            try:
+                self._deliver(done)
+            except Exception:
+                log.exception("delivering results failed")
 
     def _fail_call(self, call: Call, err: BaseException) -> None:
         """A call failed: its rows' units fail, and the prefixes it wrote hold garbage."""
@@ -399,7 +414,7 @@ class DeviceWorker:
         with self._cv:
             for entry in call.written:
                 self.cache.discard(entry)
-            units = {id(row.ref[0]): row.ref[0] for row in call.plan.rows}
+            units = {id(span.ref): span.ref for span in call.plan.spans}
             units.update({id(u): u for u in self.batcher.live_units() if u.entry in call.written})
             for unit in units.values():
                 if not unit.finished:
@@ -413,6 +428,7 @@ class DeviceWorker:
             for unit in units:
                 self.batcher.cancel(unit)  # type: ignore[union-attr]
                 self._finish(unit, err)
+        self._flush()
 
     # ---- metrics ---------------------------------------------------------------------------------
     def _observe_rate(self, items: int, seconds: float) -> None:

@@ -62,7 +62,7 @@ def test_a_mixed_call_scores_each_request_as_alone(impl: str, monkeypatch: pytes
     runner.batcher.next_call = watched
     mixed, hits = runner.score_requests(mix)
     assert len(plans) == 1, "the mix fits one call and must ride in one"
-    assert plans[0].chunks == 4 and len(plans[0].rows) == sum(len(r.items) for r in mix)
+    assert plans[0].chunks == 4 and plans[0].items == sum(len(r.items) for r in mix)
     assert hits == [0, 0, len(cached.prefix), 0]
     for req, got in zip(mix, mixed, strict=True):
         alone, _ = EngineRunner(engine).score_requests([req])

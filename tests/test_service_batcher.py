@@ -30,9 +30,9 @@ def unit(cache, prefix=(1, 2, 3), lengths=(3,), labels=(5, 6), softmax=False, it
 
 def units_of(call) -> list[WorkUnit]:
     out: list[WorkUnit] = []
-    for row in call.plan.rows:
-        if row.ref[0] not in out:
-            out.append(row.ref[0])
+    for span in call.plan.spans:
+        if span.ref not in out:
+            out.append(span.ref)
     return out
 
 
@@ -47,7 +47,7 @@ def test_requests_of_different_queries_labels_and_options_share_one_call():
     for u in mix:
         b.add(u)
     call = b.next_call()
-    assert set(units_of(call)) == set(mix) and len(call.plan.rows) == 5
+    assert set(units_of(call)) == set(mix) and call.plan.items == 5
     assert call.plan.chunks == 2  # both new queries prefill in this very call
     assert b.depth == 0 and b.next_call() is None
     inputs = call.plan.inputs
