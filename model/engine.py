@@ -342,8 +342,9 @@ class ScoringEngine:
         plan.spans say which rows are whose. The pool's pages written by the call's prefill
         chunks are visible to every later call (calls run in launch order)."""
         exe = self._executable(plan.shape)
-        inputs = jax.device_put(plan.inputs, self._call_shardings())
-        probs, *self._pool = exe(self.params, *self._pool, inputs)
+        # numpy in: the executable ships it by its input shardings, about a quarter of the host
+        # time a separate jax.device_put of the pytree takes (measured: 0.26 vs 1.0 ms a call)
+        probs, *self._pool = exe(self.params, *self._pool, plan.inputs)
         self.stats["calls"] += 1
         self.stats["device_tokens"] += plan.device_tokens
         self.stats["tokens"] += plan.prefill_tokens + plan.item_tokens

@@ -186,8 +186,11 @@ class _Layout:
                 break  # no page-table row left (on another device it would need one too)
             start = self.used if continues else align_up(self.used, self.align)
             base = int(ends[taken - 1]) if taken else 0
-            fit = int(np.searchsorted(ends[taken:], base + self.capacity - start, side="right"))
-            k = min(fit, self.max_rows - self.rows)
+            room, rows_left = self.capacity - start, self.max_rows - self.rows
+            if int(ends[-1]) - base <= room:  # the common case: all the rest fits
+                k = min(n - taken, rows_left)
+            else:
+                k = min(int(np.searchsorted(ends[taken:], base + room, side="right")), rows_left)
             if k == 0:
                 if self.device + 1 == self.devices or not (self.used or self.rows):
                     break  # no device left, or the item does not fit an empty one

@@ -270,8 +270,8 @@ class Batcher:
         count = len(unit.items) - first
         if count <= 0:
             return 0, False
-        if share is not None:
-            offsets = unit.items.offsets
+        offsets = unit.items.offsets
+        if share is not None and int(offsets[-1] - offsets[first]) > share:  # else all of them
             ends = offsets[first + 1 :] - offsets[first]
             count = max(1, int(np.searchsorted(ends, share, side="right")))
         entry = unit.entry
