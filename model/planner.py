@@ -449,13 +449,14 @@ class CallBuilder:
                 segment_ids[dev, end[dev] : start] = segment_ids[dev, end[dev] - 1] if end[dev] else 0
             offsets = offer.rows.offsets
             lo, hi = int(offsets[piece.first]), int(offsets[piece.first + piece.count])
-            ends = offsets[piece.first + 1 : piece.first + piece.count + 1] - lo
+            bounds = offsets[piece.first : piece.first + piece.count + 1]
+            ends = bounds[1:] - lo
+            lengths = np.diff(bounds)
             where = slice(start, start + piece.tokens)
             rows = slice(piece.row, piece.row + piece.count)
             tokens[dev, where] = offer.rows.flat[lo:hi]
             positions[dev, where] = offer.prefix_len + offer.rows.positions()[lo:hi]
             segment_ids[dev, where] = seg_row
-            lengths = np.diff(ends, prepend=0)
             item_ids[dev, where] = np.repeat(np.arange(piece.row, piece.row + piece.count, dtype=np.int32), lengths)
             read_at[dev, rows] = shape.prefill_tokens + start + ends - 1
             label_set[dev, rows] = offer.label_set

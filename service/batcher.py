@@ -33,6 +33,9 @@ from prefixscore.model.token_rows import TokenRows
 DEFAULT_SLACK_S = 30.0
 # the builder refused this many offers in a row: the call is full enough
 MAX_REFUSALS = 8
+# the first (fair) pass offers a request its share of the call, or all of its items when they
+# are at most this many shares
+SPLIT_PAST = 2
 # a call more padded than this is also planned with up to TRIM_TRIES fewer requests, keeping
 # at least TRIM_KEEP of its real tokens: the best-filled plan runs
 PADDING_GOAL = 0.05
@@ -271,7 +274,9 @@ class Batcher:
         if count <= 0:
             return 0, False
         offsets = unit.items.offsets
-        if share is not None and int(offsets[-1] - offsets[first]) > share:  # else all of them
+        # a request needing up to twice its share goes whole: split, it would cost the call a second
+        # run (a page-table row, a kernel block) and leave the next call a few of its items
+        if share is not None and int(offsets[-1] - offsets[first]) > SPLIT_PAST * share:
             ends = offsets[first + 1 :] - offsets[first]
             count = max(1, int(np.searchsorted(ends, share, side="right")))
         entry = unit.entry
