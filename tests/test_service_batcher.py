@@ -9,7 +9,8 @@ import pytest
 from prefixscore.model.buckets import Buckets
 from prefixscore.model.planner import CallBuilder
 from prefixscore.model.prefix_cache import PoolExhausted, PrefixCache
-from prefixscore.service.batcher import Batcher, WorkUnit
+from prefixscore.model.token_rows import TokenRows
+from prefixscore.service.batcher import Batcher, WorkUnit, take_results
 
 BUCKETS = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256, page_tokens=128)
 POOL_PAGES = 64
@@ -216,3 +217,83 @@ def test_a_call_padded_past_its_bucket_takes_fewer_requests():
     assert units_of(call) == units[:10] and plan.chunks == 10
     assert 1 - (plan.prefill_tokens + plan.item_tokens) / plan.device_tokens < 0.05
     assert b.depth == 540
+
+
+def test_token_rows_hold_a_requests_items_in_one_array():
+    rows = TokenRows.from_lists([[5, 6, 7], [8], [9, 10]])
+    assert len(rows) == 3 and rows.total == 6 and rows.lengths.tolist() == [3, 1, 2]
+    assert rows[1] == [8] and rows[-1] == [9, 10] and rows[:2] == [[5, 6, 7], [8]] and list(rows) == rows.tolist()
+    assert rows.positions().tolist() == [0, 1, 2, 0, 0, 1]
+    assert rows.with_suffix([1, 2]).tolist() == [[5, 6, 7, 1, 2], [8, 1, 2], [9, 10, 1, 2]]
+    assert rows.map_rows(lambda r: r[:1]) == [[5], [8], [9]]
+    assert TokenRows.from_lists([]).total == 0 and len(TokenRows.coerce([])) == 0
+
+
+def test_an_earlier_segment_growing_is_appended_not_laid_out_again():
+    """Two requests over one query, a third request between them in priority order: the
+    second offer of the query opens a run of its own after the other request (its own
+    page-table row, the same pages), and every row reads the right tokens and positions."""
+    b, cache = setup()
+    first = unit(cache, prefix=(1,) * 30, lengths=(4, 5))
+    other = unit(cache, prefix=(2,) * 20, lengths=(3,))
+    again = unit(cache, prefix=(1,) * 30, lengths=(6,))
+    assert again.entry is first.entry
+    for u in (first, other, again):
+        b.add(u)
+    call = b.next_call()
+    plan, items = call.plan, call.plan.inputs.items
+    assert [(s.ref, s.first, s.count) for s in plan.spans] == [(first, 0, 2), (other, 0, 1), (again, 0, 1)]
+    seg = items.segment_ids[0]
+    runs = [int(seg[s]) for s in np.flatnonzero(np.diff(seg[:18], prepend=-1))]
+    assert len(runs) == 3 and len(set(runs)) == 3  # three runs, three page-table rows
+    table, prefix_len = plan.inputs.page_table, plan.inputs.prefix_len
+    assert table[runs[0]].tolist() == table[runs[2]].tolist() and prefix_len[runs[0]] == prefix_len[runs[2]] == 30
+    assert items.positions[0, :9].tolist() == [30, 31, 32, 33, 30, 31, 32, 33, 34]
+    assert items.positions[0, 12:18].tolist() == list(range(30, 36))
+    tp = plan.inputs.prefill.tokens.shape[0]
+    assert items.read_at[0, :4].tolist() == [tp + 3, tp + 8, tp + 11, tp + 17]
+    assert items.item_ids[0, :18].tolist() == [0] * 4 + [1] * 5 + [2] * 3 + [3] * 6
+
+
+def test_a_small_request_is_not_split_by_its_fair_share():
+    """64 W4-sized requests: a share of the call's item tokens is smaller than one request, but a
+    request needing at most twice its share goes whole (one run each, never a second one)."""
+    buckets = Buckets.for_context(8192)
+    cache = PrefixCache(1024, buckets.page_tokens, page_bytes=1)
+    b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk)
+    units = [unit(cache, prefix=(k,) * 300, lengths=(20,) * 10) for k in range(64)]
+    for u in units:
+        b.add(u)
+    while (call := b.next_call()) is not None:
+        assert all(s.first == 0 and s.count == 10 for s in call.plan.spans)
+
+
+def test_spans_cover_every_item_once_across_devices():
+    b, cache = setup(devices=2, align=64)
+    us = [unit(cache, prefix=(k,) * 10, lengths=(7, 30, 1, 12) * 3) for k in range(3)]
+    for u in us:
+        b.add(u)
+    seen = {id(u): [] for u in us}
+    while (call := b.next_call()) is not None:
+        items = call.plan.inputs.items
+        for span in call.plan.spans:
+            seen[id(span.ref)] += range(span.first, span.first + span.count)
+            dev, row = divmod(span.row, call.plan.shape.rows)
+            for k in range(span.count):  # each row's last token is its item's last token
+                n = len(span.ref.items[span.first + k])
+                at = items.read_at[dev, row + k] - call.plan.inputs.prefill.tokens.shape[0]
+                assert items.item_ids[dev, at] == row + k and items.positions[dev, at] == 10 + n - 1
+    assert all(sorted(v) == list(range(12)) for v in seen.values())
+
+
+def test_results_split_per_span_and_a_nan_fails_only_its_request():
+    b, cache = setup()
+    good, bad = unit(cache, lengths=(3, 4)), unit(cache, prefix=(5,) * 9, lengths=(2,))
+    b.add(good)
+    b.add(bad)
+    call = b.next_call()
+    out = np.zeros((call.plan.shape.rows, call.plan.shape.labels), np.float32)
+    out[:3, :2] = [[0.1, 0.2], [0.3, 0.4], [np.nan, 0.5]]
+    complete, broken = take_results(call, out)
+    assert complete == [good] and broken == [bad]
+    np.testing.assert_array_equal(good.scores, np.float32([[0.1, 0.2], [0.3, 0.4]]))

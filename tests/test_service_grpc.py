@@ -167,6 +167,32 @@ def test_32_concurrent_clients_are_batched_together(server, tiny_scorer):
     assert batches < total / largest_request  # far fewer device calls than requests would need alone
 
 
+def test_one_call_is_answered_in_one_hand_off_to_the_event_loop(server, monkeypatch):
+    """The requests finished by one device call reach the event loop together (one wake-up),
+    not one thread hop per request."""
+    worker = server.server.worker
+    handed: list[list[str]] = []
+    deliver = worker._deliver
+
+    def recording(units):
+        handed.append([u.method for u in units])
+        deliver(units)
+
+    monkeypatch.setattr(worker, "_deliver", recording)
+
+    async def main():
+        async with AsyncScoreClient(server.target) as client:
+            with worker.paused():  # all eight queued before the call is planned
+                tasks = [asyncio.ensure_future(client.score(f"hand-off {k}", ["a", "b c"], LABELS)) for k in range(8)]
+                while worker.depth < 16:
+                    await asyncio.sleep(0.02)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(asyncio.wait_for(main(), 120))
+    assert all(len(r.scores) == 2 for r in results)
+    assert handed == [["Score"] * 8]
+
+
 # ---- admission control, cancellation, deadlines --------------------------------------------------
 def test_full_queue_is_refused_with_a_retry_hint(server, client, stub):
     worker = server.server.worker
