@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,10 +14,12 @@ from prefixscore.model.buckets import Buckets
 from prefixscore.model.engine import ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service.batcher import Batcher, NonFiniteScores, WorkUnit, take_results
+from prefixscore.service.batcher import Batcher, WorkUnit
+from prefixscore.service.metrics import ServiceMetrics
 from prefixscore.service.requests import Limits, RequestTokenizer, TokenizedRequest
 from prefixscore.service.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
 from prefixscore.service.validate import RerankInput, ScoreInput, Validator
+from prefixscore.service.worker import DeviceWorker
 
 MODES = ("prefix", "sequential", "packed")
 
@@ -37,9 +41,10 @@ class RerankResult:
 class Scorer:
     """Scores items against a query with SGLang `/v1/score` semantics (see the README).
 
-    The same device path as the gRPC service, run synchronously: the prefix cache pins the
-    query's pages, the batcher plans calls that may mix requests (`score_requests`), the
-    engine runs them. `score` is thread-safe; device work is serialised by a lock.
+    The same device loop as the gRPC service (EngineRunner: a DeviceWorker of its own), waited
+    for on the caller's thread: the prefix cache pins the query's pages, the batcher plans
+    calls that may mix requests (`score_requests`), the engine runs them. `score` is
+    thread-safe.
     """
 
     def __init__(
@@ -169,43 +174,56 @@ class Scorer:
 
 
 class EngineRunner:
-    """The service's device path run synchronously on the caller's thread: pages pinned in a
-    prefix cache, calls planned by the batcher from all the given requests, run by the engine.
-    Not thread-safe (Scorer holds a lock around it)."""
+    """Runs validated requests on the service's one device loop and waits for them: the
+    in-process path. It drives a `DeviceWorker` of its own over the engine (the same
+    admission, planning, launch and read-back as the server's), and stops it when it is
+    garbage collected or closed.
+    """
 
     def __init__(self, engine: ScoringEngine) -> None:
         self.engine = engine
-        self.prefix_cache = engine.prefix_cache
-        self.batcher = Batcher(engine.builder, engine.buckets.prefill_chunk)
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self.worker = DeviceWorker(
+            lambda: engine,
+            ServiceMetrics(),
+            max_queue_items=1 << 62,  # an in-process caller is bounded by its own requests
+            on_ready=lambda err: started.set_exception(err) if err else started.set_result(None),
+        )
+        self.worker.start()
+        started.result()
+        self._closer = weakref.finalize(self, self.worker.stop, 30.0)
+
+    @property
+    def batcher(self) -> Batcher:
+        assert self.worker.batcher is not None
+        return self.worker.batcher
+
+    def close(self) -> None:
+        self._closer()
 
     def score_requests(self, reqs: Sequence[TokenizedRequest]) -> tuple[list[np.ndarray], list[int]]:
-        """Scores [items, labels] and prefix tokens served from the cache, per request."""
-        units = [WorkUnit(r.prefix, r.items, r.label_ids, r.apply_softmax, r.item_first) for r in reqs]
+        """Scores [items, labels] and prefix tokens served from the cache, per request. The
+        requests are queued together before the loop plans, so their prefills and items share
+        calls; the first failure is raised (QueueFull when the prefix pool cannot hold them)."""
+        units = [
+            WorkUnit(r.prefix, r.items, r.label_ids, r.apply_softmax, r.item_first, method="InProcess") for r in reqs
+        ]
+        left = threading.Semaphore(0)
+        for unit in units:
+            unit.on_done = lambda _: left.release()
+        submitted = []
         try:
-            for unit in units:
-                if not unit.item_first:
-                    unit.entry, hit = self.prefix_cache.acquire(unit.prefix)
-                    unit.cached_tokens = len(unit.prefix) if hit else 0
-                self.batcher.add(unit)
-            self._run()
-        finally:
-            for unit in units:
-                self.batcher.cancel(unit)  # a no-op unless something failed half way
-                if unit.entry is not None:
-                    self.prefix_cache.release(unit.entry)
+            with self.worker.paused():  # plan once everything is queued
+                for unit in units:
+                    self.worker.submit(unit)
+                    submitted.append(unit)
+        except BaseException:
+            for unit in submitted:
+                self.worker.cancel(unit)
+            raise
+        for _ in units:
+            left.acquire()
+        for unit in units:
+            if unit.error is not None:
+                raise unit.error
         return [unit.scores for unit in units], [unit.cached_tokens for unit in units]
-
-    def _run(self) -> None:
-        """Plan and launch every call the queued work needs, then read them back (launching all
-        before reading any lets host planning overlap device work)."""
-        launched = []
-        while True:
-            with self.engine.calls_lock:
-                call = self.batcher.next_call()
-                if call is None:
-                    break
-                launched.append((call, self.engine.launch(call.plan)))
-        for call, probs in launched:
-            complete, broken = take_results(call, np.asarray(probs))
-            if broken:
-                raise NonFiniteScores("the model produced non-finite scores (NaN or Inf)")

@@ -53,8 +53,8 @@ def test_a_mixed_call_scores_each_request_as_alone(impl: str, monkeypatch: pytes
     plans = []
     next_call = runner.batcher.next_call
 
-    def watched():
-        call = next_call()
+    def watched(**kwargs):
+        call = next_call(**kwargs)
         if call is not None:
             plans.append(call.plan)
         return call
