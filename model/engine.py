@@ -1,6 +1,6 @@
 """The scoring engine: owns the parameters and the paged prefix pool on the device(s), and runs
 planned calls. It validates nothing (callers do, before device work) and keeps no per-request
-state: which pages hold which query is the prefix cache's business (service/prefix_cache.py);
+state: which pages hold which query is the prefix cache's business (model/prefix_cache.py);
 what goes into a call is the planner's (model/planner.py). `launch` runs a CallPlan as it is.
 
 One kind of device call (model/step.py), one executable per CallShape, compiled ahead of time

@@ -10,7 +10,8 @@ Other threads call `submit`, `cancel`, `open_prefix` and `release`: they take th
 worker's lock, and the prefix cache's pages are acquired there, at once, so a request
 the pool cannot hold is refused before it queues (RESOURCE_EXHAUSTED), never an
 out-of-memory on the device. Results come back through each unit's `on_done`
-callback, on this thread.
+callback: the units one call finished are handed over together (`deliver`: the
+server runs their callbacks on its event loop, one wake-up per call).
 """
 
 from __future__ import annotations
