@@ -71,3 +71,15 @@ def test_gguf_tokenizer_needs_no_torch_and_equals_transformers():
     path = smollm2_gguf_path()
     ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [ref(x).input_ids for x in texts]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny-qwen3"])
+def test_the_tokenizers_core_gives_the_transformers_ids(which, smollm2, tiny_scorer):
+    """encode_many calls the fast tokenizer's Rust core directly: the same ids as the
+    transformers tokenizer around it, for a byte-level BPE with a start token (SmolLM2's
+    GGUF) and Qwen's."""
+    tok = (smollm2 if which == "smollm2" else tiny_scorer).model.tokenizer
+    texts = [QUERY, *ITEMS, " leading space", "naïve café — ünïcode ✓", "tabs\tand\nnewlines  ", "x" * 300]
+    want = [list(ids) for ids in tok.hf(texts, add_special_tokens=False).input_ids]
+    assert tok._backend is not None and tok.encode_many(texts) == want
+    assert [tok.encode(t) for t in texts] == want
