@@ -17,6 +17,15 @@ over the run's wall time. When the run has W1-cold (prefix), each W2/W3/W4 recor
 also gets its model FLOP rate as a share of W1-cold's (docs/benchmarks.md, "How
 `prefixscore bench` measures"): whether real traffic keeps the device as busy as the
 ideal request.
+
+Host cost: with --serve-process the bench starts `prefixscore serve` in a process of
+its own and runs every workload against it; each concurrent record then carries the
+server's CPU time per request by thread kind (python, xla, grpc, other), read from its
+`prefixscore_thread_cpu_seconds_total` before and after the timed run (service/host_cost.py),
+and requests/s. `host` is W4's shape for that measure (run it on the smallest preset,
+`--model tiny-qwen3`, so the device work is small); `host-rerank` is HTTP /v1/rerank with
+--rerank-docs text documents per request. Against a server already running, --target
+with --metrics-target (and --http-target for host-rerank) reads the same figures.
 """
 
 from __future__ import annotations
@@ -24,13 +33,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import http.client
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,11 +52,12 @@ from typing import Any
 import numpy as np
 
 from prefixscore.service import bench_workloads as wl
+from prefixscore.service import host_cost
 
-WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4")
+WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4", "host", "host-rerank")
 MODES = ("prefix", "packed", "sequential")
-# many clients at once through gRPC; the server runs its prefix path only
-CONCURRENT = ("w2", "w3-grpc", "w4")
+# many clients at once through gRPC (host-rerank: HTTP); the server runs its prefix path only
+CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank")
 # workloads whose model FLOP rate is reported as a share of W1-cold's
 SHARED_WITH_W1_COLD = ("w2", "w3", "w3-grpc", "w4")
 SHARE_KEY = "flop_rate_share_of_w1_cold"
@@ -68,6 +83,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="persistent XLA compilation cache directory [$PREFIXSCORE_COMPILE_CACHE_DIR]",
     )
     p.add_argument("--target", default=None, help="host:port of a running server: every workload over gRPC")
+    p.add_argument(
+        "--serve-process",
+        action="store_true",
+        help="start `prefixscore serve` (this --model, --dtype, --attention, --compile-cache) in a process of "
+        "its own and run every workload against it: its CPU time per request, by thread kind, is the host cost",
+    )
+    p.add_argument("--serve-arg", action="append", default=[], help="an extra `serve` argument (repeatable)")
+    p.add_argument(
+        "--metrics-target",
+        default=None,
+        help="host:port of --target's metrics endpoint, to read its CPU time by thread kind (host cost)",
+    )
+    p.add_argument("--http-target", default=None, help="host:port of --target's HTTP API (host-rerank)")
     p.add_argument(
         "--workload",
         type=_list(WORKLOADS),
@@ -111,6 +139,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--w4-query-tokens", type=int, default=300, help="W4 query length [%(default)s]")
     p.add_argument("--w4-items", type=int, default=10, help="W4 items per request [%(default)s]")
     p.add_argument("--w4-item-tokens", type=int, default=20, help="W4 item length [%(default)s]")
+    p.add_argument(
+        "--host-requests", type=int, default=2000, help="requests of host and host-rerank (W4's clients) [%(default)s]"
+    )
+    p.add_argument("--rerank-docs", type=int, default=20, help="host-rerank documents per request [%(default)s]")
     p.add_argument(
         "--profile",
         default=None,
@@ -166,6 +198,111 @@ class Remote:
 
     def close(self) -> None:
         self.client.close()
+
+
+class RemoteRerank:
+    """HTTP POST /v1/rerank, one keep-alive connection per client thread."""
+
+    kind = "http"
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._local = threading.local()
+
+    def score(self, req: wl.RerankTexts, mode: str) -> tuple[list[float], int]:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            host, port = self.target.rsplit(":", 1)
+            conn = self._local.conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        body = json.dumps({"query": req.query, "documents": req.items, "return_documents": False})
+        conn.request("POST", "/v1/rerank", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        if response.status != 200:
+            raise RuntimeError(f"/v1/rerank answered {response.status}: {answer}")
+        return [r["relevance_score"] for r in answer["results"]], answer["usage"]["cached_tokens"]
+
+
+class ServedProcess:
+    """`prefixscore serve` in a process of its own, on free ports, until closed: its threads
+    are the server's alone, so their CPU time per request is the host cost."""
+
+    def __init__(self, args: argparse.Namespace, timeout_s: float = 1800.0) -> None:
+        port, http_port, metrics_port = _free_ports(3)
+        self.target, self.http_target = f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
+        self.metrics_target = f"127.0.0.1:{metrics_port}"
+        cmd = [sys.executable, "-c", "from prefixscore.service.cli import main; main()", "serve"]
+        cmd += ["--model", args.model, "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--log-level", "warning"]
+        if args.attention:
+            cmd += ["--attention", args.attention]
+        if args.compile_cache:
+            cmd += ["--compile-cache", args.compile_cache]
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([*cmd, *args.serve_arg], stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_serving(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the served process exited {self.proc.returncode}:\n{self._tail()}")
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise RuntimeError(f"the served process was not SERVING after {timeout_s:.0f} s:\n{self._tail()}")
+
+    def _tail(self, chars: int = 4000) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-chars:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def thread_cpu(metrics_target: str) -> dict[str, float]:
+    """The server's `prefixscore_thread_cpu_seconds_total` by kind (service/host_cost.py)."""
+    with urllib.request.urlopen(f"http://{metrics_target}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    prefix = 'prefixscore_thread_cpu_seconds_total{kind="'
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            kind, value = line[len(prefix) :].split('"} ')
+            out[kind] = float(value)
+    out["total"] = sum(out.values())
+    return out
 
 
 # ---- measurement ---------------------------------------------------------------------------------
@@ -270,6 +407,12 @@ class Bench:
         self.scorer: Any = None
         self.server: Any = None
         self.peak: Peak | None = None
+        self.served: ServedProcess | None = None
+        self.metrics_target, self.http_target = args.metrics_target, args.http_target
+        if args.serve_process:
+            self.served = ServedProcess(args)
+            args.target = self.served.target
+            self.metrics_target, self.http_target = self.served.metrics_target, self.served.http_target
         self.remote: Remote | None = Remote(args.target) if args.target else None
         if self.remote is None:
             from prefixscore import Scorer
@@ -361,8 +504,10 @@ class Bench:
             return wl.w1(gen, self.sizes, labels, cold=workload == "w1-cold", runs=n)
         if workload == "w2":
             return wl.w2(gen, self.sizes, labels, n)
-        if workload == "w4":
+        if workload in ("w4", "host"):
             return wl.w4(gen, self.sizes, labels, n)
+        if workload == "host-rerank":
+            return wl.rerank_texts(gen, n, self.args.rerank_docs)  # type: ignore[return-value]
         return wl.w3(gen, self.sizes, labels, n)
 
     def concurrency(self, workload: str) -> int | None:
@@ -371,11 +516,13 @@ class Bench:
             "w2": self.sizes.w2_concurrency,
             "w3-grpc": self.sizes.w2_concurrency,
             "w4": self.sizes.w4_concurrency,
+            "host": self.sizes.w4_concurrency,
+            "host-rerank": self.sizes.w4_concurrency,
         }.get(workload)
 
     def flops(self, req: wl.Request, cached: int) -> int:
         """Model FLOPs of a request whose first `cached` query tokens came from the prefix cache."""
-        if self.cfg is None:
+        if self.cfg is None or isinstance(req, wl.RerankTexts):  # text: its tokens are the server's
             return 0
         from prefixscore.model import flops
 
@@ -386,18 +533,30 @@ class Bench:
         cached = min(cached, len(req.query))
         return total - flops.request(self.cfg, cached, [], req.apply_softmax, len(req.labels))["prefill"]
 
-    def target(self, workload: str) -> InProcess | Remote:
+    def target(self, workload: str) -> InProcess | Remote | RemoteRerank:
+        if workload == "host-rerank":
+            if self.http_target is None and self.remote is None:
+                self._local_server()
+            if self.http_target is None:
+                raise SystemExit("host-rerank needs an HTTP API: --serve-process, or --target with --http-target")
+            return RemoteRerank(self.http_target)
         if self.remote is not None:
             return self.remote
         if workload not in CONCURRENT:
             return InProcess(self.scorer)
-        if self.server is None:  # W2/W3-grpc/W4 are measured through gRPC: serve this engine on a free port
+        return self._local_server()
+
+    def _local_server(self) -> Remote:
+        """W2/W3-grpc/W4 (and host, host-rerank) without a target are measured through gRPC (and
+        HTTP): this engine served on free ports in this process."""
+        if self.server is None:
             from prefixscore.service.server import ServerConfig, ServerThread
 
             cfg = ServerConfig(
                 host="127.0.0.1",
                 port=0,
                 metrics_port=None,
+                http_port=0,
                 warmup=False,
                 loaded=self.scorer.model,
                 engine=self.scorer.engine,
@@ -409,6 +568,7 @@ class Bench:
                 server.stop()
                 raise
             self.server = server
+            self.http_target = f"127.0.0.1:{server.server.http_port}"
         return self.local_remote
 
     def one(self, workload: str, mode: str, gen: wl.Generator) -> dict[str, Any]:
@@ -417,9 +577,13 @@ class Bench:
         args = self.args
         target = self.target(workload)
         workers = self.concurrency(workload)
-        n_timed = {"w2": self.sizes.w2_requests, "w3-grpc": self.sizes.w3_requests, "w4": self.sizes.w4_requests}.get(
-            workload, args.runs
-        )
+        n_timed = {
+            "w2": self.sizes.w2_requests,
+            "w3-grpc": self.sizes.w3_requests,
+            "w4": self.sizes.w4_requests,
+            "host": args.host_requests,
+            "host-rerank": args.host_requests,
+        }.get(workload, args.runs)
         n_warm = max(args.warmup_runs, 1 if workload == "w1-warm" else 0)
         if workers:
             n_warm = min(n_warm * workers, n_timed)
@@ -446,9 +610,15 @@ class Bench:
         }
         stats0 = dict(self.scorer.engine.stats) if self.scorer is not None else None
         compiles = CompileCounter.count()
+        # the server's CPU time by thread kind around the timed run: when it runs in a process of
+        # its own (in this one, the bench's client threads would count too)
+        cpu0 = thread_cpu(self.metrics_target) if workers and self.metrics_target else None
         timing = self._timed(target, workload, mode, timed, workers)
+        cpu1 = thread_cpu(self.metrics_target) if cpu0 is not None else None
         record = self._record(workload, mode, timed, timing, warmup, stats0, CompileCounter.count() - compiles)
-        record["transport"] = target.kind if isinstance(target, InProcess) else f"grpc {target.target}"
+        if cpu0 is not None and cpu1 is not None:
+            record["host_cpu_ms_per_request"] = host_cost.per_request(cpu0, cpu1, len(timed))
+        record["transport"] = target.kind if isinstance(target, InProcess) else f"{target.kind} {target.target}"
         record["concurrency"] = workers or 1
         return record
 
@@ -493,8 +663,10 @@ class Bench:
 
     def _record(self, workload, mode, reqs, timing: Timing, warmup, stats0, steady_compiles) -> dict[str, Any]:
         utilisation = None
+        requests_per_s = None
         if workload in CONCURRENT:  # one concurrent run: totals over its wall time
             items_per_s = sum(timing.items) / timing.wall
+            requests_per_s = len(timing.items) / timing.wall
             flops_per_s = sum(timing.flops) / timing.wall
             if timing.peaks and all(timing.peaks) and self.cfg is not None:
                 utilisation = flops_per_s / timing.peaks[0]
@@ -518,6 +690,7 @@ class Bench:
             "items": sum(timing.items),
             "items_per_request": statistics.mean(timing.items),
             "items_per_s": items_per_s,
+            "requests_per_s": requests_per_s,
             "latency_ms": {"p50": percentile(ms, 50), "p95": percentile(ms, 95), "p99": percentile(ms, 99)},
             "warmup": warmup,
             "compile_seconds": warmup["compile_seconds"],
@@ -558,6 +731,8 @@ class Bench:
             self.server.stop()
         if self.remote is not None:
             self.remote.close()
+        if self.served is not None:
+            self.served.close()
 
 
 def table(records: list[dict[str, Any]]) -> str:
@@ -575,6 +750,23 @@ def table(records: list[dict[str, Any]]) -> str:
             f"{r['workload']:<9} {r['mode']:<10} {r['items_per_s']:>9.1f} {lat['p50']:>9.1f} {lat['p95']:>9.1f} "
             f"{lat['p99']:>9.1f} {(gf or 0) / 1e9:>8.1f} {(util or 0) * 100:>5.1f}% {r['compile_seconds']:>9.2f} "
             f"{'-' if pad is None else f'{pad * 100:.1f}':>6} {'-' if hit is None else f'{hit * 100:.0f}':>6}"
+        )
+    return "\n".join(lines)
+
+
+def host_table(records: list[dict[str, Any]]) -> str:
+    """The server's CPU time per request by thread kind (records that measured it)."""
+    rows = [r for r in records if r.get("host_cpu_ms_per_request")]
+    if not rows:
+        return ""
+    kinds = f"{'python':>7} {'xla':>7} {'grpc':>6} {'other':>6} {'total':>7}"
+    head = f"{'workload':<12} {'req/s':>8}  host CPU ms per request: {kinds}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        c = r["host_cpu_ms_per_request"]
+        lines.append(
+            f"{r['workload']:<12} {r['requests_per_s']:>8.1f}  {'':>24}{c['python']:>7.2f} {c['xla']:>7.2f} "
+            f"{c['grpc']:>6.2f} {c['other']:>6.2f} {c['total']:>7.2f}"
         )
     return "\n".join(lines)
 
@@ -624,6 +816,8 @@ def run(args: argparse.Namespace) -> int:
     if peak:
         print(f"peak: {peak.best / 1e9:.1f} GFLOP/s (best {peak.name}); util: vs the matmul timed around each request")
     print(table(records))
+    if host_table(records):
+        print(host_table(records))
     for r in records:
         if r.get("speedup"):
             print(f"{r['workload']} prefix vs {', '.join(f'{m} {x:.1f}x' for m, x in r['speedup'].items())}")

@@ -128,3 +128,27 @@ def w4(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]
         Request(gen.tokens(sizes.w4_query), [gen.tokens(sizes.w4_item_tokens) for _ in range(sizes.w4_items)], labels)
         for _ in range(n)
     ]
+
+
+# words the host-rerank workload's texts are drawn from (any text works: the server tokenizes it)
+WORDS = (
+    "the a river city light stone music table water green red blue house car apple paris "
+    "seven open market small large north south winter summer garden bridge road window"
+).split()
+
+
+@dataclasses.dataclass(frozen=True)
+class RerankTexts:
+    """A rerank request in text (HTTP /v1/rerank): `items` are the documents."""
+
+    query: str
+    items: list[str]
+
+
+def rerank_texts(gen: Generator, n: int, docs: int, query_words: int = 40, doc_words: int = 20) -> list[RerankTexts]:
+    """host-rerank: a new text query per request and `docs` documents of `doc_words` words."""
+
+    def text(words: int) -> str:
+        return " ".join(WORDS[i] for i in gen.rng.integers(0, len(WORDS), words))
+
+    return [RerankTexts(text(query_words), [text(doc_words) for _ in range(docs)]) for _ in range(n)]

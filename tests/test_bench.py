@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
+import time
 
 import pytest
 
 from prefixscore.model import flops
 from prefixscore.model.presets import RANDOM_PRESETS
-from prefixscore.service import bench
+from prefixscore.service import bench, host_cost
 from prefixscore.service import bench_workloads as wl
 
 SMOKE = [
     "bench",
+    "--host-requests",
+    "4",
+    "--rerank-docs",
+    "2",
     "--model",
     "tiny-qwen3",
     "--workload",
@@ -151,9 +157,11 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
             "buckets",
             "machine",
         ):
-            assert key in r, key
-        assert r["items_per_s"] > 0 and r["flops_per_request"] > 0
-        assert 0 < r["utilisation"] < 2
+            # host-rerank sends text: its tokens (and so its FLOPs) are the server's to know
+            assert key in r or (r["workload"] == "host-rerank" and key in ("peak_flops_per_s",)), key
+        assert r["items_per_s"] > 0
+        if r["workload"] != "host-rerank":
+            assert r["flops_per_request"] > 0 and 0 < r["utilisation"] < 2
         assert r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
         assert r["steady_state_compilations"] == 0 or r["mode"] == "packed"
         if r["mode"] != "packed":
@@ -164,6 +172,7 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
     assert by[("w3-grpc", "prefix")]["transport"].startswith("grpc ") and by[("w3-grpc", "prefix")]["requests"] == 4
     for w in ("w2", "w3", "w3-grpc", "w4"):
         assert by[(w, "prefix")][bench.SHARE_KEY] > 0
+    assert by[("host-rerank", "prefix")]["transport"].startswith("http ") and by[("host", "prefix")]["requests"] == 4
     assert bench.SHARE_KEY not in by[("w1-cold", "prefix")] and bench.SHARE_KEY not in by[("w1-warm", "prefix")]
     assert by[("w1-cold", "prefix")]["transport"] == "in-process"
     assert by[("w1-warm", "prefix")]["prefix_cache_hit_rate"] == 1.0
@@ -326,3 +335,52 @@ def test_flops_of_a_partial_prefix_cache_hit() -> None:
     assert b.flops(req, 100) == b.flops(req, 101) == full["total"] - full["prefill"]
     rest = full["total"] - flops.request(cfg, 60, [], True, 2)["prefill"]
     assert b.flops(req, 60) == rest and full["total"] - full["prefill"] < rest < full["total"]
+
+
+def test_thread_cpu_is_counted_by_kind_from_the_os() -> None:
+    """A Python thread that spins is booked as python; the process total covers every kind."""
+    before = host_cost.seconds_by_kind()
+    if before is None:
+        pytest.skip("no /proc on this platform")
+    spun, release = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        stop = time.monotonic() + 0.5
+        while time.monotonic() < stop:
+            pass
+        spun.set()
+        release.wait()  # alive while counted: an ended thread's time is booked as other
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    spun.wait()
+    after = host_cost.seconds_by_kind()
+    release.set()
+    spinner.join()
+    assert after is not None and after["python"] - before["python"] >= 0.3
+    assert after["total"] == pytest.approx(sum(after[k] for k in host_cost.KINDS))
+    assert host_cost.kind_of(1, "tf_XLAEigen", set(), "python") == "xla"
+    assert host_cost.kind_of(2, "python", set(), "python") == "xla"  # unnamed native: XLA's execution threads
+    assert host_cost.kind_of(2, "python", {2}, "python") == "python"
+    assert host_cost.kind_of(3, "grpc_global_tim", set(), "python") == "grpc"
+    ms = host_cost.per_request({"python": 1.0, "total": 1.0}, {"python": 1.5, "xla": 0.5, "total": 2.0}, 100)
+    assert ms["python"] == pytest.approx(5.0) and ms["total"] == pytest.approx(10.0)
+
+
+def test_host_cost_of_a_served_process(tmp_path) -> None:
+    """--serve-process: `prefixscore serve` in its own process; host (W4's shape over gRPC) and
+    host-rerank (HTTP /v1/rerank) report requests/s and the server's CPU per request by kind."""
+    out = tmp_path / "host.json"
+    argv = ["bench", "--serve-process", "--model", "tiny-qwen3", "--workload", "host,host-rerank"]
+    argv += ["--host-requests", "8", "--w4-concurrency", "4", "--w4-query-tokens", "16", "--w4-items", "2"]
+    argv += ["--w4-item-tokens", "4", "--rerank-docs", "2", "--no-progress", "--json", str(out)]
+    argv += ["--serve-arg=--warmup=false", "--serve-arg=--max-batch-tokens=256", "--serve-arg=--max-prefill-tokens=256"]
+    args = parse(argv)
+    assert args.func(args) == 0
+    records = {r["workload"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"host", "host-rerank"}
+    for r in records.values():
+        cpu = r["host_cpu_ms_per_request"]
+        assert r["requests"] == 8 and r["requests_per_s"] > 0 and cpu["python"] > 0
+        assert cpu["total"] == pytest.approx(sum(cpu[k] for k in host_cost.KINDS))
+    assert records["host-rerank"]["items"] == 16 and records["host-rerank"]["transport"].startswith("http")
