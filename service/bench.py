@@ -97,6 +97,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--http-target", default=None, help="host:port of --target's HTTP API (host-rerank)")
     p.add_argument(
+        "--target-pid",
+        type=int,
+        default=None,
+        help="pid of --target's process on this machine: its CPU time by thread kind read from /proc, the "
+        "Python threads told apart by py-spy (for a server without prefixscore_thread_cpu_seconds_total)",
+    )
+    p.add_argument(
         "--workload",
         type=_list(WORKLOADS),
         default=["w1-cold"],
@@ -571,6 +578,15 @@ class Bench:
             self.http_target = f"127.0.0.1:{server.server.http_port}"
         return self.local_remote
 
+    def host_cpu(self) -> dict[str, float] | None:
+        """The server's CPU seconds so far by thread kind: from its pid (--target-pid) or its
+        metrics endpoint; None when neither is known (a server in this process is not measured:
+        the bench's client threads would count too)."""
+        if self.args.target_pid:
+            pid = self.args.target_pid
+            return host_cost.seconds_by_kind(pid, host_cost.interpreter_thread_ids(pid))
+        return thread_cpu(self.metrics_target) if self.metrics_target else None
+
     def one(self, workload: str, mode: str, gen: wl.Generator) -> dict[str, Any]:
         from prefixscore.model.engine import CompileCounter
 
@@ -612,9 +628,9 @@ class Bench:
         compiles = CompileCounter.count()
         # the server's CPU time by thread kind around the timed run: when it runs in a process of
         # its own (in this one, the bench's client threads would count too)
-        cpu0 = thread_cpu(self.metrics_target) if workers and self.metrics_target else None
+        cpu0 = self.host_cpu() if workers else None
         timing = self._timed(target, workload, mode, timed, workers)
-        cpu1 = thread_cpu(self.metrics_target) if cpu0 is not None else None
+        cpu1 = self.host_cpu() if cpu0 is not None else None
         record = self._record(workload, mode, timed, timing, warmup, stats0, CompileCounter.count() - compiles)
         if cpu0 is not None and cpu1 is not None:
             record["host_cpu_ms_per_request"] = host_cost.per_request(cpu0, cpu1, len(timed))

@@ -22,7 +22,11 @@ Only Linux has /proc: elsewhere nothing is exported.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,6 +109,19 @@ def seconds_by_kind(pid: int | None = None, python_tids: set[int] | None = None)
         out[kind_of(tid, snap.names[tid], python_tids, snap.main_comm)] += spent
     out["other"] += max(0.0, total - sum(out.values()))  # threads that have ended
     return {**out, "total": max(total, sum(out.values()))}
+
+
+def interpreter_thread_ids(pid: int) -> set[int]:
+    """Native ids of another process's Python threads, from `py-spy dump` (it reads the
+    interpreter's thread states): for a server that does not export its own figures."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    try:
+        out = subprocess.run([spy, "dump", "--pid", str(pid), "--json"], capture_output=True, text=True, timeout=60)
+    except OSError as err:
+        raise RuntimeError(f"--target-pid needs py-spy to tell Python threads from native ones: {err}") from err
+    if out.returncode != 0:
+        raise RuntimeError(f"py-spy dump --pid {pid} failed: {out.stderr.strip()[-500:]}")
+    return {int(t["os_thread_id"]) for t in json.loads(out.stdout)}
 
 
 class ThreadCpuCollector:
