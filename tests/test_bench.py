@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -384,3 +386,32 @@ def test_host_cost_of_a_served_process(tmp_path) -> None:
         assert r["requests"] == 8 and r["requests_per_s"] > 0 and cpu["python"] > 0
         assert cpu["total"] == pytest.approx(sum(cpu[k] for k in host_cost.KINDS))
     assert records["host-rerank"]["items"] == 16 and records["host-rerank"]["transport"].startswith("http")
+
+
+def test_another_processes_python_threads_are_told_apart_from_native_ones(tmp_path) -> None:
+    """--target-pid: py-spy names the interpreter's threads of a running process; the rest of
+    its threads are native (XLA's, gRPC's)."""
+    ready = tmp_path / "tids"
+    code = (
+        "import threading, time, pathlib\n"
+        "t = threading.Thread(target=time.sleep, args=(60,), daemon=True); t.start()\n"
+        f"pathlib.Path({str(ready)!r}).write_text(f'{{threading.main_thread().native_id}} {{t.native_id}}')\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() or not ready.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        want = {int(t) for t in ready.read_text().split()}
+        try:
+            got = host_cost.interpreter_thread_ids(proc.pid)
+        except RuntimeError as err:  # a sandbox that forbids reading another process's memory
+            pytest.skip(f"py-spy cannot attach here: {err}")
+        assert got == want
+        seconds = host_cost.seconds_by_kind(proc.pid, got)
+        assert seconds is not None and seconds["total"] >= seconds["python"] >= 0
+    finally:
+        proc.kill()
+        proc.wait()
