@@ -202,16 +202,22 @@ def test_pool_book_stays_consistent_under_random_traffic():
     assert list(cache._idle) == idle
 
 
-def test_a_call_padded_past_its_bucket_takes_fewer_requests():
-    """64 new 300-token queries with 10 items of 20 tokens (W4): filled greedily a call takes 13
-    (3,900 prefill tokens in 4,096, 2,600 item tokens in 3,072: 9% padding); 10 fill 3,072 and
-    2,048 almost exactly, so the call takes 10 and the rest wait for the next."""
+def w4_queue() -> tuple[Batcher, list[WorkUnit]]:
+    """64 queued W4 requests: each its own new 300-token query, 10 items of 20 tokens."""
     buckets = Buckets.for_context(8192)
     cache = PrefixCache(1024, buckets.page_tokens, page_bytes=1)
     b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk)
     units = [unit(cache, prefix=(k,) * 300, lengths=(20,) * 10) for k in range(64)]
     for u in units:
         b.add(u)
+    return b, units
+
+
+def test_a_call_padded_past_its_bucket_takes_fewer_requests():
+    """64 new 300-token queries with 10 items of 20 tokens (W4): filled greedily a call takes 13
+    (3,900 prefill tokens in 4,096, 2,600 item tokens in 3,072: 9% padding); 10 fill 3,072 and
+    2,048 almost exactly, so the call takes 10 and the rest wait for the next."""
+    b, units = w4_queue()
     call = b.next_call()
     plan = call.plan
     assert units_of(call) == units[:10] and plan.chunks == 10
@@ -258,12 +264,7 @@ def test_an_earlier_segment_growing_is_appended_not_laid_out_again():
 def test_a_small_request_is_not_split_by_its_fair_share():
     """64 W4-sized requests: a share of the call's item tokens is smaller than one request, but a
     request needing at most twice its share goes whole (one run each, never a second one)."""
-    buckets = Buckets.for_context(8192)
-    cache = PrefixCache(1024, buckets.page_tokens, page_bytes=1)
-    b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk)
-    units = [unit(cache, prefix=(k,) * 300, lengths=(20,) * 10) for k in range(64)]
-    for u in units:
-        b.add(u)
+    b, _ = w4_queue()
     while (call := b.next_call()) is not None:
         assert all(s.first == 0 and s.count == 10 for s in call.plan.spans)
 
