@@ -108,6 +108,15 @@ class CompileCounter:
         return cls._seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmupStage:
+    """One step of a staged warm-up: the call shapes it compiles, and the buckets calls may be
+    planned in once they (and every earlier stage's) are compiled."""
+
+    buckets: Buckets
+    shapes: tuple[CallShape, ...]
+
+
 @dataclasses.dataclass
 class _Slot:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -170,6 +179,10 @@ class ScoringEngine:
         # reads pages a call planned before it has not yet been launched to write
         self.calls_lock = threading.Lock()
         self._slots: dict[CallShape, _Slot] = {}
+        # the buckets calls are planned in: every one, except during a staged warm-up, when only
+        # those whose shapes are compiled (warmup_stages); swapped whole, read without a lock
+        self.serving = self.buckets
+        self.shapes_ready = 0  # call shapes compiled by warm-up so far
         # float32 means float32 arithmetic: GPUs would otherwise run float32 matmuls as TF32
         # (about 1e-3 relative error); bfloat16 keeps the backend's default
         self._precision = "highest" if dtype == "float32" else None
@@ -207,8 +220,9 @@ class ScoringEngine:
         return min(budget, POOL_CONTEXTS * self.buckets.max_pages * self.page_bytes)
 
     def builder(self) -> CallBuilder:
-        """An empty plan for the next call (model/planner.py), for this engine's shapes."""
-        return CallBuilder(self.buckets, self.n_devices, self.segment_align, self.pool_pages)
+        """An empty plan for the next call (model/planner.py), in the shapes compiled so far
+        (all of them, unless a staged warm-up is still under way)."""
+        return CallBuilder(self.serving, self.n_devices, self.segment_align, self.pool_pages)
 
     # ---- executables ----------------------------------------------------------
     def _executable(self, shape: CallShape) -> Any:
@@ -316,18 +330,88 @@ class ScoringEngine:
         Returns {"executables", "compilations", "seconds"}; with a warm persistent
         compilation cache, compilations is 0.
         """
-        keys = self.executable_keys()
+        return self.compile_stages(self.warmup_stages(), workers, progress)
+
+    def warmup_stages(self) -> list[WarmupStage]:
+        """Every call shape, in stages in the order traffic needs them (see WarmupStage).
+
+        The first stage is the smallest item bucket, with and without the smallest prefill
+        region that holds a chunk: it serves any request whose items fit that bucket (more
+        work runs as more calls). Then the item buckets up to max_batch_tokens, smallest
+        first (fuller calls), the larger prefill regions (longer new queries per call), and
+        last the buckets for items longer than max_batch_tokens, which run alone. Each stage
+        adds one bucket of one axis beside every bucket of the other axis already compiled."""
+        b = self.buckets
+        short = [t for t in b.tokens if t <= b.max_batch_tokens] or [b.tokens[0]]
+        long = [t for t in b.tokens if t not in short]
+        first_prefill = Buckets.fit(b.prefill[1:], b.prefill_chunk, "prefill tokens")
+        tokens, prefill = [short[0]], [0, first_prefill]
+        steps = [(None, None)]
+        steps += [("tokens", t) for t in short[1:]]
+        steps += [("prefill", p) for p in b.prefill[1:] if p != first_prefill]
+        steps += [("tokens", t) for t in long]
+        stages: list[WarmupStage] = []
+        seen: set[CallShape] = set()
+        for axis, size in steps:
+            if axis == "tokens":
+                tokens.append(size)
+            elif axis == "prefill":
+                prefill.append(size)
+            ready_short = [t for t in tokens if t <= b.max_batch_tokens]
+            buckets = dataclasses.replace(
+                b,
+                tokens=tuple(sorted(tokens)),
+                prefill=tuple(sorted(prefill)),
+                max_batch_tokens=max(ready_short, default=b.max_batch_tokens),
+                max_prefill_tokens=max(prefill),
+            )
+            shapes = [CallShape(tp, ti, b.rows(ti), lb) for tp, ti, lb in buckets.call_shapes()]
+            stages.append(WarmupStage(buckets, tuple(s for s in shapes if s not in seen)))
+            seen.update(shapes)
+        return stages
+
+    def compile_stages(
+        self,
+        stages: Sequence[WarmupStage],
+        workers: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        on_stage: Callable[[], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> dict[str, float]:
+        """Compile the stages' shapes in order, each stage's in parallel (XLA compiles without
+        the GIL); once a stage is compiled, calls are planned in its buckets and `on_stage()` is
+        called. `stop` set: no further shape is started. Returns {"executables",
+        "compilations", "seconds"}; with a warm persistent cache, compilations is 0."""
         count, started = CompileCounter.count(), time.perf_counter()
         workers = workers or min(4, os.cpu_count() or 1)
+        total = sum(len(stage.shapes) for stage in stages)
+        done = 0
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for done, _ in enumerate(pool.map(self._executable, keys), 1):
-                if progress:
-                    progress(done, len(keys))
+            for stage in stages:
+                if stop is not None and stop.is_set():
+                    break
+                for _ in pool.map(self._compiled_unless(stop), stage.shapes):
+                    done += 1
+                    if progress:
+                        progress(done, total)
+                if stop is not None and stop.is_set():
+                    break
+                self.shapes_ready += len(stage.shapes)
+                self.serving = stage.buckets
+                if on_stage:
+                    on_stage()
         return {
-            "executables": len(keys),
+            "executables": total,
             "compilations": CompileCounter.count() - count,
             "seconds": time.perf_counter() - started,
         }
+
+    def _compiled_unless(self, stop: threading.Event | None) -> Callable[[CallShape], None]:
+        def compile_one(shape: CallShape) -> None:
+            if stop is None or not stop.is_set():
+                self._executable(shape)
+
+        return compile_one
 
     def check_attention(self) -> dict[str, float]:
         """The attention implementation against the reference at this model's head shapes and

@@ -274,6 +274,10 @@ class Batcher:
         if count <= 0:
             return 0, False
         offsets = unit.items.offsets
+        if int(offsets[first + 1] - offsets[first]) > builder.b.tokens[-1]:
+            # no compiled shape holds its next item yet (a staged warm-up is under way): it waits
+            # for its stage without counting as a refusal, so it holds up no one behind it
+            return 0, False
         # a request needing up to twice its share goes whole: split, it would cost the call a second
         # run (a page-table row, a kernel block) and leave the next call a few of its items
         if share is not None and int(offsets[-1] - offsets[first]) > SPLIT_PAST * share:

@@ -130,6 +130,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="same as --warmup false")
     p.add_argument(
+        "--serve-early",
+        type=_bool,
+        default=_env("SERVE_EARLY", True, _bool),
+        help="with --warmup: SERVING once the smallest shapes are compiled, the rest compiled in the background "
+        "and used as each is ready; false: all before SERVING [$PREFIXSCORE_SERVE_EARLY, %(default)s]",
+    )
+    p.add_argument(
         "--batch-wait-ms",
         type=float,
         default=_env("BATCH_WAIT_MS", 0.0, float),
@@ -279,6 +286,7 @@ def run_serve(args: argparse.Namespace) -> int:
         compile_cache=args.compile_cache,
         drain_seconds=args.drain_seconds,
         warmup=args.warmup,
+        serve_early=args.serve_early,
         buckets=_buckets(args),
         attn_impl=args.attention,
         batch_wait_s=args.batch_wait_ms / 1000.0,

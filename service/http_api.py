@@ -186,6 +186,10 @@ class ModelList(BaseModel):
 
 class Status(BaseModel):
     status: str
+    # /ready: device call shapes compiled so far, of those warm-up compiles (the rest compile in
+    # the background while requests are served in the compiled ones)
+    call_shapes_ready: int | None = None
+    call_shapes: int | None = None
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -516,8 +520,9 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
     async def ready() -> Any:
         failing = server.probe("/ready")  # the admin port's readiness, the same answer
         if failing:
-            return JSONResponse(Status(status=failing).model_dump(), status_code=503)
-        return Status(status="ready")
+            return JSONResponse(Status(status=failing).model_dump(exclude_none=True), status_code=503)
+        shapes_ready = server.engine.shapes_ready if server.engine else 0
+        return _encoded(Status(status="ready", call_shapes_ready=shapes_ready, call_shapes=server.call_shapes))
 
     return app
 

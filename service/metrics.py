@@ -82,6 +82,13 @@ class ServiceMetrics:
         self.queue_capacity = Gauge(
             "prefixscore_queue_capacity", "Items the queue admits before RESOURCE_EXHAUSTED.", registry=r
         )
+        self.call_shapes = Gauge(
+            "prefixscore_call_shapes",
+            "Device call shapes warm-up compiles (state=all) and those compiled so far (state=compiled); "
+            "requests are served from the compiled ones while the rest compile in the background.",
+            ["state"],
+            registry=r,
+        )
         self.inflight = Gauge("prefixscore_inflight_requests", "RPCs in progress (unary and streams).", registry=r)
         self.open_streams = Gauge("prefixscore_open_streams", "ScoreStream sessions open.", registry=r)
         self.rejected = Counter(

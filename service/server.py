@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixscore.model.buckets import Buckets
-from prefixscore.model.engine import CompileCounter, ScoringEngine
+from prefixscore.model.engine import CompileCounter, ScoringEngine, WarmupStage
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.service import request_ids, security
@@ -84,7 +84,10 @@ class ServerConfig:
     pool_memory_fraction: float = 0.5
     compile_cache: str | None = None  # None: $PREFIXSCORE_COMPILE_CACHE_DIR or the user's cache dir; "off"
     drain_seconds: float = 30.0  # how long SIGTERM waits for in-flight RPCs
-    warmup: bool = True  # compile every call shape before SERVING (engine.warmup)
+    warmup: bool = True  # compile every call shape (engine.warmup_stages) ...
+    # ... and with serve_early, report SERVING once the first stage is compiled and compile the
+    # rest in the background, each stage taken into service when it is ready; else all before
+    serve_early: bool = True
     # None: the engine's default for the model's context; or a function of the context
     buckets: Buckets | Callable[[int], Buckets] | None = None
     attn_impl: str | None = None
@@ -185,6 +188,8 @@ class ScoreServer:
         self._metrics_httpd: Any = None
         self._http: Any = None  # http_api.HttpServer when http_port is set
         self._inflight = 0
+        self.call_shapes = 0  # call shapes warm-up compiles (engine.shapes_ready: how many are)
+        self._warming_stop = threading.Event()  # ends a background warm-up at shutdown
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopped = asyncio.Event()
@@ -332,24 +337,63 @@ class ScoreServer:
             tokenizer=loaded.tokenizer is not None,
         )
         compiles, compile_s = CompileCounter.count(), CompileCounter.seconds()
-        report: dict = {}
-        if cfg.warmup:
-            # every call shape compiles now, before SERVING, so traffic never waits for XLA
-            report = engine.warmup()
+        stages = engine.warmup_stages() if cfg.warmup else []
+        self.call_shapes = sum(len(stage.shapes) for stage in stages)
+        # compiled before SERVING: every stage, or with serve_early the first, which serves any
+        # request whose items fit its bucket; traffic never waits for a shape it does not need
+        now, later = (stages[:1], stages[1:]) if cfg.serve_early else (stages, [])
+        report = engine.compile_stages(now) if now else {}
+        self.metrics.call_shapes.labels("compiled").set(engine.shapes_ready)
+        self.metrics.call_shapes.labels("all").set(self.call_shapes)
         # the kernels against the oracle on this very device: never serve a miscompiled kernel
         event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=engine.check_attention())
-        event(
-            log,
-            "warmed_up",
-            warmup=cfg.warmup,
+        warmed = dict(
             executables=report.get("executables"),
             compilations=CompileCounter.count() - compiles,
             compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
             seconds=round(time.monotonic() - loaded_at, 3),
             compile_cache=engine.compile_cache_dir,
         )
+        if later:
+            event(log, "serving_early", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes, **warmed)
+            self._warm_in_background(engine, later)
+        else:
+            event(log, "warmed_up", warmup=cfg.warmup, **warmed)
         self.loaded = loaded
         return engine
+
+    def _warm_in_background(self, engine: ScoringEngine, stages: list[WarmupStage]) -> None:
+        """Compile the later warm-up stages on a thread of their own while serving; each stage
+        is planned into as soon as it is compiled. A stage that fails to compile is a broken
+        device loop (the work waiting for its shapes would never run): the process restarts."""
+
+        def stage_ready() -> None:
+            self.metrics.call_shapes.labels("compiled").set(engine.shapes_ready)
+            event(log, "warmup_stage", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes)
+            self.worker.shapes_changed()
+
+        def run() -> None:
+            compiles, compile_s, started = CompileCounter.count(), CompileCounter.seconds(), time.monotonic()
+            try:
+                report = engine.compile_stages(stages, on_stage=stage_ready, stop=self._warming_stop)
+            except Exception as err:
+                log.exception("background warm-up failed")
+                self._on_worker_failure(err)
+                return
+            if engine.shapes_ready == self.call_shapes:
+                event(
+                    log,
+                    "warmed_up",
+                    warmup=True,
+                    background=True,
+                    executables=report["executables"],
+                    compilations=CompileCounter.count() - compiles,
+                    compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
+                    seconds=round(time.monotonic() - started, 3),
+                    compile_cache=engine.compile_cache_dir,
+                )
+
+        threading.Thread(target=run, name="prefixscore-warmup", daemon=True).start()
 
     def _on_worker_ready(self, error: BaseException | None) -> None:
         """From the device thread, once: hand the outcome to the event loop."""
@@ -439,6 +483,7 @@ class ScoreServer:
     async def stop(self) -> None:
         """Stop at once: cancel what is in flight, stop the worker and the metrics endpoint."""
         self.draining = True
+        self._warming_stop.set()
         if self._server is not None:
             await self._server.stop(grace=1.0)
         if self._http is not None:
@@ -661,6 +706,8 @@ class ScoreServer:
             attention=self.engine.attn_impl if self.engine else "",
             version=__version__,
             template=self.template.name if self.template else "",
+            call_shapes_ready=self.engine.shapes_ready if self.engine else 0,
+            call_shapes=self.call_shapes,
         )
 
 

@@ -318,8 +318,29 @@ class DeviceWorker:
             if inflight is not None:
                 self._complete(inflight)
                 self._flush()
+            elif launched is None:
+                self._wait_for_shapes()
             inflight = launched
             self._sync_compile_metrics()
+
+    def _wait_for_shapes(self) -> None:
+        """Work is queued but no call could be planned: its items need a call shape that a
+        staged warm-up has not compiled yet. Wait for the next stage (shapes_changed), new work
+        or a deadline; stopping, fail it (the shapes will not come)."""
+        assert self.batcher is not None
+        with self._cv:
+            if self._stopping:
+                for unit in self.batcher.live_units():
+                    self.batcher.cancel(unit)
+                    self._finish(unit, WorkerStopped("the server stopped before the items could be scored"))
+            else:
+                self._cv.wait(timeout=self._wait_timeout())
+        self._flush()
+
+    def shapes_changed(self) -> None:
+        """More call shapes are compiled (a staged warm-up): work that fit none may fit now."""
+        with self._cv:
+            self._cv.notify()
 
     def _has_work(self, inflight: _Launched | None) -> bool:
         """Lock held."""

@@ -1,0 +1,126 @@
+"""Start-up: serving early from the first warm-up stage while the rest compiles in the
+background, the stages themselves, and a restart from the persistent compilation cache."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import SMALL_BUCKETS
+from service_testing import LABELS, scrape, server_config, wait_for
+
+from prefixscore.client import ScoreClient
+from prefixscore.model import compile_cache
+from prefixscore.model.buckets import Buckets
+from prefixscore.model.engine import CompileCounter, ScoringEngine
+from prefixscore.service.server import ServerThread
+
+QUERY = list(range(100, 160))  # 60 token ids
+SHORT = [list(range(200 + k, 230 + k)) for k in range(6)]  # 30 tokens each: the first stage's bucket
+LONG = [list(range(300, 600))]  # 300 tokens: past the first stage's 256-token item bucket
+
+
+def _engine(scorer, buckets: Buckets, cache: str = "off") -> ScoringEngine:
+    m = scorer.model
+    return ScoringEngine(m.cfg, m.params, m.dtype, buckets, compile_cache_dir=cache)
+
+
+@pytest.mark.parametrize(
+    "buckets",
+    [SMALL_BUCKETS, Buckets.for_context(8192), Buckets.for_context(40960), Buckets(context=4096, labels=(8, 256))],
+    ids=["small", "8k", "40k", "labels"],
+)
+def test_warmup_stages_compile_every_shape_once_and_plan_only_compiled_ones(tiny_scorer, buckets) -> None:
+    """Every shape in exactly one stage; the first holds the smallest item bucket with and
+    without a prefill region that holds a chunk; after each stage, every shape its buckets can
+    plan is compiled (a grid), and the last stage plans in the full buckets."""
+    stages = ScoringEngine.warmup_stages(dataclasses.make_dataclass("E", [("buckets", Buckets)])(buckets))
+    every = [(s.prefill_tokens, s.item_tokens, s.labels) for stage in stages for s in stage.shapes]
+    assert sorted(every) == sorted(buckets.call_shapes()) and len(set(every)) == len(every)
+    first = stages[0].buckets
+    assert first.tokens == (buckets.tokens[0],) and first.prefill[0] == 0
+    assert first.prefill[-1] == Buckets.fit(buckets.prefill[1:], buckets.prefill_chunk, "prefill")
+    assert first.prefill_chunk == buckets.prefill_chunk
+    compiled: set[tuple[int, int, int]] = set()
+    for stage in stages:
+        compiled |= {(s.prefill_tokens, s.item_tokens, s.labels) for s in stage.shapes}
+        assert set(stage.buckets.call_shapes()) == compiled
+    assert stages[-1].buckets.call_shapes() == buckets.call_shapes()
+    assert stages[-1].buckets.max_batch_tokens == buckets.max_batch_tokens
+
+
+def test_serves_early_and_each_request_waits_only_for_the_shape_it_needs(tiny_scorer) -> None:
+    """SERVING once the first stage is compiled; a request that fits it is answered (exactly as
+    the in-process scorer answers) while the rest is held back; a request with a longer item
+    waits for its own stage, holding up no one; once every stage is in, traffic compiles nothing."""
+    engine = _engine(tiny_scorer, SMALL_BUCKETS)
+    stages = engine.warmup_stages()
+    assert [len(s.shapes) for s in stages] == [2, 1]
+    first = set(stages[0].shapes)
+    gate = threading.Event()
+    compile_shape = engine._executable
+
+    def gated(shape):  # the later stage's compile waits for the test; a launch never comes here
+        if shape not in first:
+            assert gate.wait(300), "the later stage was never released"
+        return compile_shape(shape)
+
+    engine._executable = gated
+    reference_short = np.array(tiny_scorer.score(QUERY, SHORT, LABELS))
+    reference_long = np.array(tiny_scorer.score(QUERY, LONG, LABELS))
+    config = server_config(tiny_scorer, engine=engine, warmup=True)
+    with ServerThread(config) as srv, ScoreClient(srv.target) as client:
+        info = client.model_info()
+        assert (info.call_shapes_ready, info.call_shapes) == (2, 3)
+        metrics = scrape(srv.server.metrics_port)
+        assert metrics["prefixscore_call_shapes{state=compiled}"] == 2
+        assert metrics["prefixscore_call_shapes{state=all}"] == 3
+        short = client.score(QUERY, SHORT, LABELS)
+        np.testing.assert_allclose(short.scores, reference_short, rtol=1e-5, atol=1e-6)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.score, QUERY, LONG, LABELS, timeout=300)
+            time.sleep(1.0)
+            assert not waiting.done(), "a request whose item fits no compiled shape was answered"
+            again = client.score(QUERY, SHORT[:3], LABELS)  # not held up behind the waiting one
+            np.testing.assert_allclose(again.scores, reference_short[:3], rtol=1e-5, atol=1e-6)
+            assert engine.shapes_ready == 2
+            gate.set()
+            np.testing.assert_allclose(waiting.result(300).scores, reference_long, rtol=1e-5, atol=1e-6)
+        wait_for(lambda: client.model_info().call_shapes_ready == 3, 300, "the background stages")
+        assert engine.serving == SMALL_BUCKETS
+        assert scrape(srv.server.metrics_port)["prefixscore_call_shapes{state=compiled}"] == 3
+        before = CompileCounter.count()
+        for items in (SHORT, LONG, SHORT[:1] + LONG):
+            client.score(QUERY, items, LABELS)
+        assert CompileCounter.count() == before, "traffic compiled after warm-up ended"
+
+
+def test_a_restart_with_a_warm_cache_serves_at_once_and_compiles_nothing(tiny_scorer, tmp_path) -> None:
+    """Two servers, one after the other, on one compile cache: the second loads every stage
+    from it (0 compilations in its early stage and in the background) and answers the same."""
+    answers = []
+    previous = jax.config.jax_compilation_cache_dir  # the engines point jax's one cache at tmp_path
+    try:
+        for run in range(2):
+            engine = _engine(tiny_scorer, SMALL_BUCKETS, cache=str(tmp_path))
+            before = CompileCounter.count()
+            with ServerThread(server_config(tiny_scorer, engine=engine, warmup=True)) as srv:
+                with ScoreClient(srv.target) as client:
+                    wait_for(lambda: client.model_info().call_shapes_ready == 3, 300, "the background stages")
+                    answers.append(client.score(QUERY, SHORT + LONG, LABELS).scores)
+            compiled = CompileCounter.count() - before
+            assert compiled > 0 if run == 0 else compiled == 0, (run, compiled)
+    finally:
+        compile_cache.enable(previous or compile_cache.default_dir())
+    np.testing.assert_allclose(answers[1], answers[0], rtol=1e-6, atol=1e-7)
+
+
+def test_serve_early_off_compiles_everything_before_serving(tiny_scorer) -> None:
+    engine = _engine(tiny_scorer, SMALL_BUCKETS)
+    with ServerThread(server_config(tiny_scorer, engine=engine, warmup=True, serve_early=False)) as srv:
+        assert engine.shapes_ready == 3 and srv.server.call_shapes == 3
