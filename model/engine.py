@@ -13,6 +13,7 @@ each device scores its own share of the item region (`shard_map` over a one-axis
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import os
@@ -106,6 +107,13 @@ class CompileCounter:
     @classmethod
     def seconds(cls) -> float:
         return cls._seconds
+
+
+def _niced(nice: int) -> None:
+    """Lower this thread's priority: Linux keeps a nice value per thread."""
+    if nice and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,16 +385,18 @@ class ScoringEngine:
         progress: Callable[[int, int], None] | None = None,
         on_stage: Callable[[], None] | None = None,
         stop: threading.Event | None = None,
+        nice: int = 0,
     ) -> dict[str, float]:
         """Compile the stages' shapes in order, each stage's in parallel (XLA compiles without
         the GIL); once a stage is compiled, calls are planned in its buckets and `on_stage()` is
-        called. `stop` set: no further shape is started. Returns {"executables",
+        called. `stop` set: no further shape is started. `nice`: the compiling threads' niceness
+        (Linux), below the threads that serve while they compile. Returns {"executables",
         "compilations", "seconds"}; with a warm persistent cache, compilations is 0."""
         count, started = CompileCounter.count(), time.perf_counter()
         workers = workers or min(4, os.cpu_count() or 1)
         total = sum(len(stage.shapes) for stage in stages)
         done = 0
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        with concurrent.futures.ThreadPoolExecutor(workers, initializer=_niced, initargs=(nice,)) as pool:
             for stage in stages:
                 if stop is not None and stop.is_set():
                     break

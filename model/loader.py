@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from prefixscore.model import presets
+from prefixscore.model import presets, weights_cache
 from prefixscore.model.config import ModelConfig, load_config
 from prefixscore.model.decoder import Params
 from prefixscore.model.engine import DTYPES
@@ -41,14 +41,14 @@ def load_model(model: str, dtype: str = "float32") -> LoadedModel:
         return LoadedModel(model, cfg, random_params(cfg, presets.RANDOM_SEED, jdtype), tokenizer, dtype)
     if model == "smollm2-135m":
         gguf = presets.smollm2_gguf_path()
-        cfg, params = load_gguf(gguf, jdtype)
+        cfg, params = weights_cache.cached(gguf, dtype, lambda: load_gguf(gguf, jdtype))
         cfg = dataclasses.replace(cfg, name=model)
         return LoadedModel(model, cfg, params, load_tokenizer(presets.smollm2_tokenizer_dir()), dtype)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"model: GGUF file {path} does not exist")
-        cfg, params = load_gguf(path, jdtype)
+        cfg, params = weights_cache.cached(path, dtype, lambda: load_gguf(path, jdtype))
         return LoadedModel(path.stem, cfg, params, _gguf_tokenizer(path), dtype)
     if path.is_dir():
         return _load_dir(path, path.name, dtype)

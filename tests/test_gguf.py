@@ -94,6 +94,12 @@ def llama_cpp_permute_inverse(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Converted weights of this module's files go to its own cache, not the user's."""
+    monkeypatch.setenv("PREFIXSCORE_CACHE", str(tmp_path / "cache"))
+
+
 QUERY = list(range(3, 40))
 ITEMS = [[7, 8, 9], [100], [250, 251, 252, 253, 254, 255, 256, 257, 258, 259]]
 LABELS = [1, 2, 300]
@@ -127,3 +133,46 @@ def test_gguf_unsupported_architecture(tmp_path):
     w.close()
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         Scorer.load(str(path))
+
+
+def test_converted_weights_are_cached_and_follow_their_source(tmp_path, monkeypatch):
+    """A GGUF file is converted once; later loads read the cached conversion (the converter is
+    not called) with identical weights; a changed file, a damaged cache file or another dtype
+    converts again; "off" writes nothing."""
+    import jax
+
+    from prefixscore.model import loader, weights_cache
+    from prefixscore.model.loader import load_model
+
+    path = tmp_path / "tiny-qwen3.gguf"
+    write_gguf(make_torch_model("qwen3", seed=7), "qwen3", path, Q.Q8_0)
+    first = load_model(str(path))
+    cached = sorted((tmp_path / "cache" / "weights").glob("*.safetensors"))
+    assert len(cached) == 1
+
+    convert = loader.load_gguf
+    calls = []
+    monkeypatch.setattr(loader, "load_gguf", lambda *a: calls.append(a) or convert(*a))
+    again = load_model(str(path))
+    assert calls == [] and again.cfg == first.cfg
+    same = jax.tree.map(
+        lambda a, b: a.dtype == b.dtype and bool((np.asarray(a) == np.asarray(b)).all()), first.params, again.params
+    )
+    assert all(jax.tree.leaves(same))
+
+    cached[0].write_bytes(b"not a safetensors file")
+    load_model(str(path))
+    assert len(calls) == 1
+    load_model(str(path), "bfloat16")
+    assert len(calls) == 2
+    write_gguf(make_torch_model("qwen3", seed=8), "qwen3", path, Q.Q8_0)  # the file changes
+    changed = load_model(str(path))
+    assert len(calls) == 3 and not np.array_equal(
+        np.asarray(changed.params["embed"]), np.asarray(first.params["embed"])
+    )
+    assert len(list((tmp_path / "cache" / "weights").glob("*.safetensors"))) == 3
+
+    monkeypatch.setenv(weights_cache.ENV, "off")
+    monkeypatch.setenv("PREFIXSCORE_CACHE", str(tmp_path / "other"))
+    load_model(str(path))
+    assert len(calls) == 4 and not (tmp_path / "other").exists()

@@ -8,6 +8,7 @@ import dataclasses
 import threading
 import time
 
+import grpc
 import jax
 import numpy as np
 import pytest
@@ -124,3 +125,32 @@ def test_serve_early_off_compiles_everything_before_serving(tiny_scorer) -> None
     engine = _engine(tiny_scorer, SMALL_BUCKETS)
     with ServerThread(server_config(tiny_scorer, engine=engine, warmup=True, serve_early=False)) as srv:
         assert engine.shapes_ready == 3 and srv.server.call_shapes == 3
+
+
+def test_stopping_during_the_background_warmup_fails_waiting_work_at_once(tiny_scorer) -> None:
+    """Work waiting for a stage that will not come (the server stops) fails instead of keeping
+    the device loop, and the stop, waiting."""
+    engine = _engine(tiny_scorer, SMALL_BUCKETS)
+    first = set(engine.warmup_stages()[0].shapes)
+    gate = threading.Event()
+    compile_shape = engine._executable
+
+    def gated(shape):
+        if shape not in first:
+            gate.wait(300)
+        return compile_shape(shape)
+
+    engine._executable = gated
+    srv = ServerThread(server_config(tiny_scorer, engine=engine, warmup=True)).start()
+    try:
+        with ScoreClient(srv.target) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.score, QUERY, LONG, LABELS, timeout=300)
+            wait_for(lambda: srv.server.worker.depth == 1, 30, "the long request queued")
+            started = time.monotonic()
+            srv.stop()
+            assert time.monotonic() - started < 10
+            with pytest.raises(grpc.RpcError):
+                waiting.result(30)
+            assert srv.server.worker.depth == 0
+    finally:
+        gate.set()
