@@ -287,6 +287,21 @@ class ServedProcess:
         self._log.close()
 
 
+def warmed_up(client: Any, timeout_s: float = 1800.0) -> Any:
+    """The target's GetModelInfo once its background warm-up is done: measuring while shapes
+    still compile beside the traffic would count the compiler's CPU and waits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = client.model_info()
+        if info.call_shapes_ready >= info.call_shapes:
+            return info
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the target compiled {info.call_shapes_ready} of {info.call_shapes} shapes in {timeout_s:.0f} s"
+            )
+        time.sleep(0.5)
+
+
 def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
@@ -441,7 +456,7 @@ class Bench:
         else:
             from prefixscore.model import presets
 
-            info = self.remote.client.model_info()
+            info = warmed_up(self.remote.client)
             self.model_info = info
             # FLOPs need the shapes: known for presets (a served directory reports no config)
             preset = presets.RANDOM_PRESETS.get(info.model)
