@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from prefixscore.service import prefix_key
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
@@ -165,6 +166,12 @@ def tls_credentials(ca: str | None = None, cert: str | None = None, key: str | N
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def _keyed(metadata: tuple[tuple[str, str], ...] | None, key: str) -> tuple[tuple[str, str], ...]:
+    """A call's metadata with its prefix key: a router (deploy/envoy) sends every call over one
+    query to the replica that caches it (service/prefix_key.py)."""
+    return (*(metadata or ()), (prefix_key.HEADER, key))
 
 
 def retry_after_ms(err: grpc.RpcError) -> int | None:
@@ -342,7 +349,8 @@ class ScoreClient:
     ) -> ScoreResult:
         """Probabilities [items][labels] of each label as the next token after query + item."""
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
-        response = self._stub.Score(request, timeout=timeout, metadata=self._metadata)
+        metadata = _keyed(self._metadata, prefix_key.for_score(query))
+        response = self._stub.Score(request, timeout=timeout, metadata=metadata)
         return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
 
     def stream(
@@ -356,7 +364,7 @@ class ScoreClient:
     ) -> ScoreStream:
         """Open a ScoreStream session over `query` (returns once the server has its KV on the device)."""
         opening = stream_open(query, label_token_ids, apply_softmax, item_first, labels)
-        return ScoreStream(self._stub, opening, timeout, self._metadata)
+        return ScoreStream(self._stub, opening, timeout, _keyed(self._metadata, prefix_key.for_score(query)))
 
     def rerank(
         self,
@@ -369,7 +377,8 @@ class ScoreClient:
     ) -> RerankResult:
         """Documents sorted by the server template's relevance to `query` (top_n: only the first N)."""
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
-        return _reranked(self._stub.Rerank(request, timeout=timeout, metadata=self._metadata))
+        metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction))
+        return _reranked(self._stub.Rerank(request, timeout=timeout, metadata=metadata))
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
@@ -466,7 +475,8 @@ class AsyncScoreClient:
         timeout: float | None = None,
     ) -> ScoreResult:
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
-        response = await self._stub.Score(request, timeout=timeout, metadata=self._metadata)
+        metadata = _keyed(self._metadata, prefix_key.for_score(query))
+        response = await self._stub.Score(request, timeout=timeout, metadata=metadata)
         return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
 
     async def stream(
@@ -478,7 +488,7 @@ class AsyncScoreClient:
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
     ) -> AsyncScoreStream:
-        call = self._stub.ScoreStream(timeout=timeout, metadata=self._metadata)
+        call = self._stub.ScoreStream(timeout=timeout, metadata=_keyed(self._metadata, prefix_key.for_score(query)))
         session = AsyncScoreStream(call)
         await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels))
         if not await session._receive_one():
@@ -496,7 +506,8 @@ class AsyncScoreClient:
         timeout: float | None = None,
     ) -> RerankResult:
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
-        return _reranked(await self._stub.Rerank(request, timeout=timeout, metadata=self._metadata))
+        metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction))
+        return _reranked(await self._stub.Rerank(request, timeout=timeout, metadata=metadata))
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from prefixscore.service import request_ids
+from prefixscore.service import prefix_key, request_ids
 from prefixscore.service.logs import event
 from prefixscore.service.requests import InvalidInput
 from prefixscore.service.security import TokenFile
@@ -210,11 +210,13 @@ def error(status: int, message: str, err_type: str, param: str | None = None, he
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def _encoded(body: BaseModel) -> Response:
+def _encoded(body: BaseModel, key: str | None = None) -> Response:
     """A response model encoded once, by pydantic's own JSON encoder. Returned as a model, FastAPI
     would validate it again against the route's `response_model` (which stays, for the OpenAPI
-    document) and encode it in a second pass: host time on every request."""
-    return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
+    document) and encode it in a second pass: host time on every request. `key`: the request's
+    prefix key, echoed as a header (service/prefix_key.py)."""
+    headers = {prefix_key.HEADER: key} if key else None
+    return Response(body.model_dump_json(exclude_none=True), media_type="application/json", headers=headers)
 
 
 def _invalid(err: InvalidInput) -> JSONResponse:
@@ -424,13 +426,15 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
             if req.items:
                 unit = await server.run(req, "HttpScore")
                 scores, cached = unit.scores.tolist(), unit.cached_tokens
+            key = prefix_key.for_score(body.query) if body.query is not None else None
             return _encoded(
                 ScoringResponse(
                     scores=scores,
                     model=model_name(body.model),
                     usage=_score_usage(req.prompt_tokens, cached, len(req.items), checked.truncation),
                     joined_tokenization_differs=checked.joined_differs,
-                )
+                ),
+                key,
             )
         return outcome["response"]
 
@@ -455,11 +459,12 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
                 unit = await server.run(req, "HttpRerank")
                 cached = unit.cached_tokens
                 differs = checked.scored.joined_differs
+                # built from validated values: constructed without validating them again
                 for r in ranked(unit.scores, checked.top_n):
                     doc = body.documents[r.index]
-                    document = RerankDocument(text=doc) if isinstance(doc, str) else doc
+                    document = RerankDocument.model_construct(text=doc) if isinstance(doc, str) else doc
                     results.append(
-                        RerankResult(
+                        RerankResult.model_construct(
                             index=r.index,
                             relevance_score=r.relevance_score,
                             document=document if body.return_documents else None,
@@ -476,9 +481,8 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
                 truncated_tokens=t.item_tokens,
             )
             rid = request_ids.current() or request_ids.new_id()
-            return _encoded(
-                RerankResponse(id=f"rerank-{rid}", model=model_name(body.model), results=results, usage=usage)
-            )
+            response = RerankResponse(id=f"rerank-{rid}", model=model_name(body.model), results=results, usage=usage)
+            return _encoded(response, prefix_key.for_rerank(body.query, body.instruction))
         return outcome["response"]
 
     summary = "Rerank documents by relevance to a query (Cohere / Jina / vLLM shape)"

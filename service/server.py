@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -32,7 +33,7 @@ from prefixscore.model.buckets import Buckets
 from prefixscore.model.engine import CompileCounter, ScoringEngine, WarmupStage
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service import request_ids, security
+from prefixscore.service import prefix_key, request_ids, security
 from prefixscore.service.batcher import WorkUnit
 from prefixscore.service.logs import event
 from prefixscore.service.metrics import ServiceMetrics, serve_metrics
@@ -154,6 +155,36 @@ def _admission() -> Iterator[None]:
         ) from full
     except WorkerStopped as err:
         raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+
+
+class _InitialMetadata:
+    """An RPC's initial metadata: its request id, and its prefix key once the request is parsed
+    (service/prefix_key.py). Sent once, before the first response or the status: a handler
+    sends it as soon as it knows the key, the wrapper otherwise."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, rid: str) -> None:
+        self.context = context
+        self.rid = rid
+        self.sent = False
+
+    async def send(self, key: str | None = None) -> None:
+        if self.sent:
+            return
+        self.sent = True
+        pairs = ((request_ids.HEADER, self.rid),) + (((prefix_key.HEADER, key),) if key else ())
+        await self.context.send_initial_metadata(pairs)
+
+
+_ECHO: contextvars.ContextVar[_InitialMetadata] = contextvars.ContextVar("prefixscore_initial_metadata")
+
+
+async def echo_prefix_key(key: str) -> None:
+    """Send the running RPC's initial metadata with its prefix key (see _InitialMetadata)."""
+    await _ECHO.get().send(key)
+
+
+def _input_key(query: pb.Input) -> str:
+    return prefix_key.for_score(query.text if query.WhichOneof("kind") == "text" else query.token_ids.ids)
 
 
 def _rpc(method: str) -> Callable:
@@ -514,19 +545,29 @@ class ScoreServer:
         # the client's x-request-id (or a new one): in every log line, echoed in the initial metadata
         sent = dict(context.invocation_metadata() or ()).get(request_ids.HEADER)
         with request_ids.bound(request_ids.accept(sent)) as rid:
-            await context.send_initial_metadata(((request_ids.HEADER, rid),))
-            return await self._observe_bound(method, fn, request, context)
+            echo = _InitialMetadata(context, rid)
+            token = _ECHO.set(echo)
+            try:
+                return await self._observe_bound(method, fn, request, context, echo)
+            finally:
+                _ECHO.reset(token)
 
-    async def _observe_bound(self, method: str, fn: Callable, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _observe_bound(
+        self, method: str, fn: Callable, request: Any, context: grpc.aio.ServicerContext, echo: _InitialMetadata
+    ) -> Any:
         with self.accounted(method) as status:
             try:
-                return await fn(self, request, context)
+                response = await fn(self, request, context)
+                await echo.send()
+                return response
             except RpcFailure as failure:
                 status[0] = failure.code.name
+                await echo.send()
                 await context.abort(failure.code, failure.message, trailing_metadata=failure.trailers)
             except InvalidInput as err:
                 failure = invalid(err)
                 status[0] = failure.code.name
+                await echo.send()
                 await context.abort(failure.code, failure.message)
             except asyncio.CancelledError:
                 remaining = context.time_remaining()
@@ -535,6 +576,7 @@ class ScoreServer:
                 raise
             except Exception as err:
                 status[0] = "INTERNAL"
+                await echo.send()
                 await context.abort(grpc.StatusCode.INTERNAL, internal_failure(f"{method} failed", err).message)
 
     @contextlib.contextmanager
@@ -610,6 +652,7 @@ class ScoreServer:
     @_rpc("Score")
     async def score(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         msg = parse(pb.ScoreRequest, raw)
+        await echo_prefix_key(_input_key(msg.query))
         converter = self._check_accepting()
         checked = await validated(len(raw), converter.score_request, msg)
         req = checked.request
@@ -628,6 +671,7 @@ class ScoreServer:
     @_rpc("Rerank")
     async def rerank(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
         msg = parse(pb.RerankRequest, raw)
+        await echo_prefix_key(prefix_key.for_rerank(msg.query, msg.instruction))
         converter = self._check_accepting()
         checked = await validated(len(raw), converter.rerank_request, msg)
         req = checked.scored.request
@@ -880,6 +924,7 @@ class _StreamSession:
             raise RpcFailure(
                 grpc.StatusCode.FAILED_PRECONDITION, "open: the stream is already open; send open once, first"
             )
+        await echo_prefix_key(_input_key(msg.query))
         converter = self.server._check_accepting()
         spec = await validated(msg.ByteSize(), converter.stream_open, msg)
         if spec.prefix:

@@ -73,6 +73,16 @@ class RerankTemplate:
             raise ValueError(f"template {name}: the model's tokenizer cannot serve the yes/no labels: {err}") from err
         if name == "chat" and not getattr(tokenizer.hf, "chat_template", None):
             raise ValueError("template chat: the model's tokenizer has no chat template; use qwen3-reranker or none")
+        self._suffix_ids: dict[str, list[int]] = {}  # suffix text -> ids: one or two per template
+
+    def suffix_ids(self, suffix: str) -> list[int]:
+        """The token ids of a prompt's suffix, tokenized once: every request's is the same text."""
+        ids = self._suffix_ids.get(suffix)
+        if ids is None:
+            if len(self._suffix_ids) >= 16:  # a chat template whose suffix varies: stay bounded
+                self._suffix_ids.clear()
+            ids = self._suffix_ids[suffix] = self.tokenizer.encode(suffix) if suffix else []
+        return ids
 
     def prompt(self, query: str, instruction: str | None) -> Prompt:
         """The prompt of one request, split at the document."""
@@ -94,9 +104,10 @@ class RerankTemplate:
         return document if self.name == "none" else " " + document
 
     @staticmethod
-    def relevance(probabilities: list[float]) -> float:
-        """Scores over LABELS with apply_softmax=True -> relevance = p(yes) / (p(yes) + p(no))."""
-        return float(probabilities[0])
+    def relevance(scores: np.ndarray) -> list[float]:
+        """[documents, LABELS] scores (apply_softmax=True) -> each document's relevance,
+        p(yes) / (p(yes) + p(no))."""
+        return scores[:, 0].tolist() if len(scores) else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,5 +119,6 @@ class Ranked:
 def ranked(scores: np.ndarray, top_n: int | None = None) -> list[Ranked]:
     """[documents, labels] scores of a template request -> relevance, highest first (ties: lower
     index first, so the order is deterministic), the first `top_n` only when given."""
-    order = sorted(range(len(scores)), key=lambda j: (-float(scores[j][0]), j))
-    return [Ranked(j, RerankTemplate.relevance(scores[j].tolist())) for j in order[:top_n]]
+    relevance = RerankTemplate.relevance(scores)
+    order = sorted(range(len(relevance)), key=lambda j: (-relevance[j], j))
+    return [Ranked(j, relevance[j]) for j in order[:top_n]]

@@ -220,7 +220,7 @@ class Validator:
         prompt = template.prompt(inp.query, inp.instruction)
         tokenizer = template.tokenizer
         prefix = tokenizer.encode(prompt.prefix)
-        suffix = tokenizer.encode(prompt.suffix) if prompt.suffix else []
+        suffix = template.suffix_ids(prompt.suffix)
         texts = [template.document_text(d) for d in inp.documents]
         cutting = truncate == "end" or per_doc is not None
         docs = self.requests.item_ids(texts, "text", field="documents", truncating=cutting)

