@@ -208,3 +208,60 @@ def test_a_stream_keeps_its_replica_for_its_life(replicas, envoy) -> None:
             assert stream.cached_tokens == 50  # opened on the replica that has the query
             for _ in range(5):
                 stream.send(ITEMS)
+
+
+# ---- the kustomize component ------------------------------------------------------------------
+def test_the_kustomize_component_runs_this_configuration(tmp_path) -> None:
+    """components/prefix-affinity beside the base: Envoy's Deployment and Service validate against
+    the Kubernetes schemas (strict), its ConfigMap carries deploy/envoy's files as they are, the
+    configuration reaches the base's headless Service on the server's ports, and Envoy itself
+    accepts it (`envoy --mode validate`) with the Lua file where the pod mounts it."""
+    from deploy_helpers import K8S
+    from test_deploy_k8s import by_kind, kustomize, kv, versions
+
+    (tmp_path / "k8s").symlink_to(K8S)
+    overlay = tmp_path / "combo"
+    overlay.mkdir()
+    kustomization = {"resources": ["../k8s/base"], "components": ["../k8s/components/prefix-affinity"]}
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    docs = kustomize(overlay)
+    validator = kv()
+    envoy_docs = [d for d in docs if d["metadata"]["name"].startswith("prefixscore-envoy")]
+    assert sorted(d["kind"] for d in envoy_docs) == ["ConfigMap", "Deployment", "Service"]
+    for doc in envoy_docs:
+        for version in versions(validator):
+            validator.validate(doc, version, strict=True)
+
+    (configmap,) = [d for d in envoy_docs if d["kind"] == "ConfigMap"]
+    assert configmap["data"] == {name: (ENVOY_DIR / name).read_text() for name in ("envoy.yaml", "prefix_key.lua")}
+    deployment = next(d for d in envoy_docs if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+    volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    assert container["args"][:2] == ["-c", f"{mount['mountPath']}/envoy.yaml"]
+    service = next(d for d in envoy_docs if d["kind"] == "Service")
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+    config = yaml.safe_load(configmap["data"]["envoy.yaml"])
+    headless = next(s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None")
+    server = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "prefixscore")
+    server_ports = {p["containerPort"] for p in server["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    for cluster in config["static_resources"]["clusters"]:
+        (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        address = endpoint["endpoint"]["address"]["socket_address"]
+        assert address["address"] == headless["metadata"]["name"] and address["port_value"] in server_ports
+    lua = next(
+        f["typed_config"]["default_source_code"]["filename"]
+        for listener in config["static_resources"]["listeners"]
+        for f in listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        if f["name"] == "envoy.filters.http.lua"
+    )
+    assert lua == f"{mount['mountPath']}/prefix_key.lua"
+    (tmp_path / "prefix_key.lua").write_text(configmap["data"]["prefix_key.lua"])
+    (tmp_path / "envoy.yaml").write_text(configmap["data"]["envoy.yaml"].replace(lua, str(tmp_path / "prefix_key.lua")))
+    check = subprocess.run(
+        [_envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
