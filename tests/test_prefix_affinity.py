@@ -3,10 +3,13 @@ with the project's own configuration (deploy/envoy) rendered for three loopback 
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import shutil
 import subprocess
 import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import cohere
@@ -108,7 +111,7 @@ def render_for_loopback(grpc_ports: list[int], http_ports: list[int], tmp: Path)
         cluster["type"] = "STATIC"
         for key in ("dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl"):
             cluster.pop(key)
-        cluster["health_checks"][0]["interval"] = "1s"
+        cluster["health_checks"][0]["interval"] = cluster["health_checks"][0]["no_traffic_interval"] = "1s"
         cluster["load_assignment"]["endpoints"] = [
             {
                 "lb_endpoints": [
@@ -122,24 +125,25 @@ def render_for_loopback(grpc_ports: list[int], http_ports: list[int], tmp: Path)
     return path, ports
 
 
-@pytest.fixture(scope="module")
-def replicas(tiny_scorer):
-    """Three replicas of tiny-qwen3, each with its own engine and prefix pool."""
-    m = tiny_scorer.model
-    servers = []
+@contextlib.contextmanager
+def serving_replicas(scorer, n: int = 3) -> Iterator[list[ServerThread]]:
+    """`n` replicas of tiny-qwen3, each with its own engine and prefix pool."""
+    m = scorer.model
+    servers: list[ServerThread] = []
     try:
-        for _ in range(3):
+        for _ in range(n):
             engine = ScoringEngine(m.cfg, m.params, m.dtype, SMALL_BUCKETS)
-            servers.append(ServerThread(server_config(tiny_scorer, engine=engine, http_port=0)).start())
+            servers.append(ServerThread(server_config(scorer, engine=engine, http_port=0)).start())
         yield servers
     finally:
         for srv in servers:
             srv.stop()
 
 
-@pytest.fixture(scope="module")
-def envoy(replicas, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("envoy")
+@contextlib.contextmanager
+def envoy_in_front(replicas: list[ServerThread], tmp: Path) -> Iterator[dict[str, int]]:
+    """The real Envoy with deploy/envoy's configuration over `replicas`; its ports once it has
+    health-checked every replica."""
     grpc_ports = [srv.server.port for srv in replicas]
     http_ports = [srv.server.http_port for srv in replicas]
     config, ports = render_for_loopback(grpc_ports, http_ports, tmp)
@@ -150,21 +154,32 @@ def envoy(replicas, tmp_path_factory):
         stderr=subprocess.STDOUT,
     )
     try:
-
-        def healthy() -> bool:
-            assert proc.poll() is None, (tmp / "envoy.log").read_text()
-            try:
-                stats = httpx.get(f"http://127.0.0.1:{ports['admin']}/clusters", timeout=2).text
-            except httpx.HTTPError:
-                return False
-            return stats.count("health_flags::healthy") == 6  # three replicas, two clusters
-
-        wait_for(healthy, 60, "Envoy sees three healthy replicas per cluster")
+        wait_for(lambda: healthy_hosts(ports, proc, tmp) == 2 * len(replicas), 60, "Envoy's health checks")
         yield ports
     finally:
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+def healthy_hosts(ports: dict[str, int], proc: subprocess.Popen, tmp: Path) -> int:
+    assert proc.poll() is None, (tmp / "envoy.log").read_text()
+    try:
+        return httpx.get(f"http://127.0.0.1:{ports['admin']}/clusters", timeout=2).text.count("health_flags::healthy")
+    except httpx.HTTPError:
+        return -1
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_scorer):
+    with serving_replicas(tiny_scorer) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def envoy(replicas, tmp_path_factory):
+    with envoy_in_front(replicas, tmp_path_factory.mktemp("envoy")) as ports:
+        yield ports
 
 
 def _hits(replicas) -> list[float]:
@@ -208,6 +223,68 @@ def test_a_stream_keeps_its_replica_for_its_life(replicas, envoy) -> None:
             assert stream.cached_tokens == 50  # opened on the replica that has the query
             for _ in range(5):
                 stream.send(ITEMS)
+
+
+def _misses(replicas) -> list[float]:
+    return [srv.server.metrics.cache_misses._value.get() for srv in replicas]
+
+
+def _replica_of(replicas, client: ScoreClient, query: list[int]) -> int:
+    """Send a new query once; the replica that prefilled it (its miss count moved)."""
+    before = _misses(replicas)
+    client.score(query, ITEMS, LABELS)
+    moved = [i for i, (a, b) in enumerate(zip(before, _misses(replicas), strict=True)) if b > a]
+    assert len(moved) == 1, moved
+    return moved[0]
+
+
+def test_a_replica_lost_moves_its_keys_and_fails_no_request(tiny_scorer, tmp_path) -> None:
+    """Kill one of three replicas: no unary request fails (Envoy retries refused connections and
+    UNAVAILABLE on another replica); once Envoy's health checks drop it, most survivors' keys
+    are where they were and hit their caches, and every key settles on one survivor. (Not all:
+    Envoy's ring gives each host ceil(minimum_ring_size / hosts) points, so two survivors get
+    more points each than three had, and about a sixth of their keys change hands.)"""
+    with serving_replicas(tiny_scorer) as replicas, envoy_in_front(replicas, tmp_path) as ports:
+        with ScoreClient(f"127.0.0.1:{ports['grpc']}") as client:
+            queries = [list(range(5000 + 41 * q, 5000 + 41 * q + 32)) for q in range(12)]
+            home = {q: _replica_of(replicas, client, query) for q, query in enumerate(queries)}
+            lost = max(set(home.values()), key=list(home.values()).count)
+            replicas[lost].stop()  # its port closes: connections refused
+            for query in queries:  # at once: Envoy retries on another replica, nothing fails
+                client.score(query, ITEMS, LABELS, timeout=60)
+            wait_for(lambda: _healthy(ports) == 4, 60, "Envoy's health checks drop the lost replica")
+            cached = {
+                q: client.score(query, ITEMS, LABELS, timeout=60).usage.cached_tokens for q, query in enumerate(queries)
+            }
+            stayed = [cached[q] == 32 for q in home if home[q] != lost]
+            assert sum(stayed) >= len(stayed) / 2, (cached, home, lost)
+            for query in queries:  # every key cached, on one survivor
+                assert client.score(query, ITEMS, LABELS, timeout=60).usage.cached_tokens == 32
+
+
+def _healthy(ports: dict[str, int]) -> int:
+    return httpx.get(f"http://127.0.0.1:{ports['admin']}/clusters", timeout=2).text.count("health_flags::healthy")
+
+
+def test_a_hot_key_past_the_load_bound_spills_to_a_second_replica_not_to_all(tiny_scorer, tmp_path) -> None:
+    """One key's replica holds its requests (its device loop paused): past the load bound
+    (hash_balance_factor 150) Envoy sends the rest to the next replica on the ring, and only
+    to it."""
+    with serving_replicas(tiny_scorer) as replicas, envoy_in_front(replicas, tmp_path) as ports:
+        hot = list(range(7000, 7040))
+        with ScoreClient(f"127.0.0.1:{ports['grpc']}") as client:
+            home = _replica_of(replicas, client, hot)
+            before = [srv.server.metrics.requests.labels("Score", "OK")._value.get() for srv in replicas]
+            with concurrent.futures.ThreadPoolExecutor(24) as pool:
+                with replicas[home].server.worker.paused():
+                    held = [pool.submit(client.score, hot, ITEMS, LABELS, timeout=120) for _ in range(24)]
+                    wait_for(lambda: sum(1 for f in held if f.done()) >= 6, 60, "requests spilled and answered")
+                for f in held:
+                    f.result(120)
+            after = [srv.server.metrics.requests.labels("Score", "OK")._value.get() for srv in replicas]
+        served = [a - b for a, b in zip(after, before, strict=True)]
+        assert sum(served) == 24 and served[home] > 0, served
+        assert sum(1 for n in served if n) == 2, f"the hot key went to {served}"
 
 
 # ---- the kustomize component ------------------------------------------------------------------
