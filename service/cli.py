@@ -315,19 +315,7 @@ def run_serve(args: argparse.Namespace) -> int:
         await server.wait_stopped()
         return server.exit_code  # non-zero when the device loop broke: the orchestrator restarts us
 
-    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-        return runner.run(serve())
-
-
-def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop where it is installed (a dependency on Linux and macOS): the loop's own work per
-    request (polling, socket reads and writes, callbacks) runs in C, under gRPC and HTTP alike.
-    None (asyncio's own loop) elsewhere."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
+    return asyncio.run(serve())
 
 
 # ---- score ---------------------------------------------------------------------------------------
