@@ -172,7 +172,11 @@ class _InitialMetadata:
             return
         self.sent = True
         pairs = ((request_ids.HEADER, self.rid),) + (((prefix_key.HEADER, key),) if key else ())
-        await self.context.send_initial_metadata(pairs)
+        try:
+            await self.context.send_initial_metadata(pairs)
+        except Exception as err:  # noqa: BLE001 - the call ended first (deadline, cancel, a client gone)
+            # nothing can reach the client any more; what ended the call is its status, not this
+            log.debug("initial metadata not sent, the call had ended: %s: %s", type(err).__name__, err)
 
 
 _ECHO: contextvars.ContextVar[_InitialMetadata] = contextvars.ContextVar("prefixscore_initial_metadata")
