@@ -191,6 +191,19 @@ def _input_key(query: pb.Input) -> str:
     return prefix_key.for_score(query.text if query.WhichOneof("kind") == "text" else query.token_ids.ids)
 
 
+def _warmup_report(
+    engine: ScoringEngine, report: dict, compiles: int, compile_s: float, started: float
+) -> dict[str, Any]:
+    """The log fields of a warm-up (or its first stage) since `started` and the counts then."""
+    return dict(
+        executables=report.get("executables"),
+        compilations=CompileCounter.count() - compiles,
+        compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
+        seconds=round(time.monotonic() - started, 3),
+        compile_cache=engine.compile_cache_dir,
+    )
+
+
 def _rpc(method: str) -> Callable:
     """Wrap a handler: metrics (requests by code, latency, in-flight) and error -> status mapping."""
 
@@ -387,13 +400,7 @@ class ScoreServer:
         self.metrics.call_shapes.labels("all").set(self.call_shapes)
         # the kernels against the oracle on this very device: never serve a miscompiled kernel
         event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=engine.check_attention())
-        warmed = dict(
-            executables=report.get("executables"),
-            compilations=CompileCounter.count() - compiles,
-            compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
-            seconds=round(time.monotonic() - loaded_at, 3),
-            compile_cache=engine.compile_cache_dir,
-        )
+        warmed = _warmup_report(engine, report, compiles, compile_s, loaded_at)
         if later:
             event(log, "serving_early", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes, **warmed)
             self._warm_in_background(engine, later)
@@ -423,17 +430,8 @@ class ScoreServer:
                 self._on_worker_failure(err)
                 return
             if engine.shapes_ready == self.call_shapes:
-                event(
-                    log,
-                    "warmed_up",
-                    warmup=True,
-                    background=True,
-                    executables=report["executables"],
-                    compilations=CompileCounter.count() - compiles,
-                    compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
-                    seconds=round(time.monotonic() - started, 3),
-                    compile_cache=engine.compile_cache_dir,
-                )
+                warmed = _warmup_report(engine, report, compiles, compile_s, started)
+                event(log, "warmed_up", warmup=True, background=True, **warmed)
 
         threading.Thread(target=run, name="prefixscore-warmup", daemon=True).start()
 

@@ -121,6 +121,7 @@ class DeviceWorker:
         self._running = False
         self._exited = False  # the thread ended: work is refused
         self._paused = 0
+        self._wakeups = 0  # counts _wake(): a change made while the loop was not waiting is not lost
         self._items_per_s = 0.0  # moving average, for the retry hint
         self._compiles_seen = CompileCounter.count()
         self._compile_s_seen = CompileCounter.seconds()
@@ -155,7 +156,7 @@ class DeviceWorker:
                 self._count_lookup(unit, hit)
             self.batcher.add(unit)
             self.metrics.queue_depth.set(self.batcher.depth)
-            self._cv.notify()
+            self._wake()
 
     def cancel(self, unit: WorkUnit) -> None:
         """Drop `unit`'s queued items (client cancelled or deadline passed); items already
@@ -195,7 +196,7 @@ class DeviceWorker:
             self.cache.pin(entry)
             assert self.batcher is not None
             self.batcher.add(unit)
-            self._cv.notify()
+            self._wake()
             return StreamPin(entry, ready)
 
     def release(self, pin: StreamPin) -> None:
@@ -216,14 +217,14 @@ class DeviceWorker:
         finally:
             with self._cv:
                 self._paused -= 1
-                self._cv.notify()
+                self._wake()
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish queued work, then end the thread."""
         with self._cv:
             self._stopping = True
             self._paused = 0
-            self._cv.notify()
+            self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -313,34 +314,41 @@ class DeviceWorker:
                         self._finish(unit, None)
                     call = self.batcher.next_call(opens_only=bool(self._paused))
                     self.metrics.queue_depth.set(self.batcher.depth)
+                    planned_at = self._wakeups
                 launched = self._launch(call) if call else None
             self._flush()  # what planning finished (prefills, expiries, failed launches)
             if inflight is not None:
                 self._complete(inflight)
                 self._flush()
             elif launched is None:
-                self._wait_for_shapes()
+                self._wait_for_shapes(planned_at)
             inflight = launched
             self._sync_compile_metrics()
 
-    def _wait_for_shapes(self) -> None:
-        """Work is queued but no call could be planned: its items need a call shape that a
-        staged warm-up has not compiled yet. Wait for the next stage (shapes_changed), new work
-        or a deadline; stopping, fail it (the shapes will not come)."""
+    def _wait_for_shapes(self, planned_at: int) -> None:
+        """No call could be planned: what is queued needs a call shape that a staged warm-up has
+        not compiled yet. Wait for the next stage (shapes_changed), new work or a deadline,
+        unless one came since planning (`planned_at`: the wake-ups seen then); stopping, fail
+        it (the shapes will not come)."""
         assert self.batcher is not None
         with self._cv:
             if self._stopping:
                 for unit in self.batcher.live_units():
                     self.batcher.cancel(unit)
                     self._finish(unit, WorkerStopped("the server stopped before the items could be scored"))
-            else:
+            elif self._wakeups == planned_at and self.batcher.ready(opens_only=bool(self._paused)):
                 self._cv.wait(timeout=self._wait_timeout())
         self._flush()
 
     def shapes_changed(self) -> None:
         """More call shapes are compiled (a staged warm-up): work that fit none may fit now."""
         with self._cv:
-            self._cv.notify()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Something changed (work, shapes, pause, stop): wake the device loop (lock held)."""
+        self._wakeups += 1
+        self._cv.notify()
 
     def _has_work(self, inflight: _Launched | None) -> bool:
         """Lock held."""
