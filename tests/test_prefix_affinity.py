@@ -243,7 +243,7 @@ def test_a_replica_lost_moves_its_keys_and_fails_no_request(tiny_scorer, tmp_pat
     UNAVAILABLE on another replica); once Envoy's health checks drop it, most survivors' keys
     are where they were and hit their caches, and every key settles on one survivor. (Not all:
     Envoy's ring gives each host ceil(minimum_ring_size / hosts) points, so two survivors get
-    more points each than three had, and about a sixth of their keys change hands.)"""
+    more points each than three had, and some of their keys change hands.)"""
     with serving_replicas(tiny_scorer) as replicas, envoy_in_front(replicas, tmp_path) as ports:
         with ScoreClient(f"127.0.0.1:{ports['grpc']}") as client:
             queries = [list(range(5000 + 41 * q, 5000 + 41 * q + 32)) for q in range(12)]
