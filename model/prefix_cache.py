@@ -180,6 +180,13 @@ class PrefixCache:
         return len(self._free)
 
     @property
+    def usage(self) -> float:
+        """The share of the pool's pages held by prefixes in use (0-1). Idle cached prefixes
+        count as free: eviction gives their pages to the next query that needs them."""
+        with self._lock:
+            return (self.total_pages - len(self._free) - self._idle_pages) / max(1, self.total_pages)
+
+    @property
     def bytes(self) -> int:
         """Device bytes of the pages held by cached prefixes."""
         return (self.total_pages - len(self._free)) * self.page_bytes

@@ -126,6 +126,30 @@ class ServiceMetrics:
             "Cached prefixes pinned by open streams or queued requests (0 when idle: a leak shows).",
             registry=r,
         )
+        # what the Gateway API Inference Extension's endpoint picker reads to score replicas
+        # (deploy/k8s/components/inference-gateway): its TotalQueuedRequests, TotalRunningRequests,
+        # KVCacheUtilization, and vLLM's cache_config_info shape for the page size and count
+        self.queued_requests = Gauge(
+            "prefixscore_queued_requests",
+            "Requests (and stream batches or opens) with work not yet in a device call.",
+            registry=r,
+        )
+        self.running_requests = Gauge(
+            "prefixscore_running_requests",
+            "Requests (and stream batches) whose work is all in device calls, not yet answered.",
+            registry=r,
+        )
+        self.pool_usage = Gauge(
+            "prefixscore_prefix_pool_usage_ratio",
+            "Share of the prefix pool's pages held by queries in use, 0-1 (idle cached queries count as free).",
+            registry=r,
+        )
+        self.pool_info = Gauge(
+            "prefixscore_prefix_pool_info",
+            "The prefix pool's page size in tokens (block_size) and its pages (num_gpu_blocks); value 1.",
+            ["block_size", "num_gpu_blocks"],
+            registry=r,
+        )
         self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)
         self.compile_seconds = Counter(
             "prefixscore_compile_seconds_total", "Seconds spent in XLA compilation since start.", registry=r

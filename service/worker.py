@@ -122,6 +122,7 @@ class DeviceWorker:
         self._exited = False  # the thread ended: work is refused
         self._paused = 0
         self._wakeups = 0  # counts _wake(): a change made while the loop was not waiting is not lost
+        self._live = 0  # units submitted and not yet finished (queued or on the device)
         self._items_per_s = 0.0  # moving average, for the retry hint
         self._compiles_seen = CompileCounter.count()
         self._compile_s_seen = CompileCounter.seconds()
@@ -155,6 +156,7 @@ class DeviceWorker:
                 unit.cached_tokens = len(unit.prefix) if hit else 0
                 self._count_lookup(unit, hit)
             self.batcher.add(unit)
+            self._live += 1
             self.metrics.queue_depth.set(self.batcher.depth)
             self._wake()
 
@@ -165,6 +167,7 @@ class DeviceWorker:
             if unit.finished or self.batcher is None:
                 return
             unit.finished = True
+            self._live -= 1
             self.batcher.cancel(unit)
             self._release(unit)
             self.metrics.queue_depth.set(self.batcher.depth)
@@ -196,6 +199,7 @@ class DeviceWorker:
             self.cache.pin(entry)
             assert self.batcher is not None
             self.batcher.add(unit)
+            self._live += 1
             self._wake()
             return StreamPin(entry, ready)
 
@@ -267,6 +271,7 @@ class DeviceWorker:
             self.metrics.pool_bytes.set(engine.pool_bytes)
             self.batcher = Batcher(engine.builder, b.prefill_chunk)
             self.engine = engine
+            self._pool_gauges()
         except BaseException as err:  # reported to the server, which exits
             with self._cv:
                 self._stopping = self._exited = True
@@ -424,6 +429,7 @@ class DeviceWorker:
         if unit.finished:
             return
         unit.finished = True
+        self._live -= 1
         unit.error = error
         self._release(unit)
         self._done.append(unit)
@@ -483,6 +489,26 @@ class DeviceWorker:
         self.metrics.cache_bytes.set(self.cache.bytes)
         self.metrics.cache_entries.set(len(self.cache))
         self.metrics.cache_pinned.set(self.cache.pinned)
+
+    def _pool_gauges(self) -> None:
+        """The endpoint picker's gauges (service/metrics.py), read when scraped: nothing is
+        counted per request for them."""
+        cache, batcher = self.cache, self.batcher
+        assert cache is not None and batcher is not None
+        labels = {"block_size": str(cache.page_tokens), "num_gpu_blocks": str(cache.total_pages)}
+        self.metrics.pool_info.labels(**labels).set(1)
+        self.metrics.pool_usage.set_function(lambda: cache.usage)
+
+        def queued() -> int:
+            with self._cv:
+                return len(batcher.units)
+
+        def running() -> int:
+            with self._cv:
+                return max(0, self._live - len(batcher.units))
+
+        self.metrics.queued_requests.set_function(queued)
+        self.metrics.running_requests.set_function(running)
 
     def _sync_compile_metrics(self) -> None:
         count, seconds = CompileCounter.count(), CompileCounter.seconds()

@@ -8,6 +8,7 @@ and taken out again by monkeypatch. Tests that need the device to hold work use
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import urllib.error
 import urllib.request
@@ -290,6 +291,45 @@ def test_metrics_endpoint_serves_only_metrics(server):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{port}{path}")
         assert err.value.code == 404
+
+
+def test_the_endpoint_pickers_gauges_count_queued_and_running_requests(server, client, monkeypatch):
+    """What a gateway's endpoint picker reads to choose a replica: requests queued while the
+    device is held, running while their call is on the device, the pool's pages in use by
+    their queries, the page size and count; all back to zero once answered."""
+    worker, port = server.server.worker, server.server.metrics_port
+    cache = worker.engine.prefix_cache
+    launch, on_device, release = worker.engine.launch, threading.Event(), threading.Event()
+
+    def held_launch(plan):
+        probs = launch(plan)
+        on_device.set()
+        release.wait(60)
+        return probs
+
+    monkeypatch.setattr(worker.engine, "launch", held_launch)
+    queries = [f"{QUERY} ({k}) {'gauge ' * 40}" for k in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        with worker.paused():
+            answers = [pool.submit(client.score, q, ["an item"], LABELS) for q in queries]
+            wait_for(lambda: scrape(port)["prefixscore_queued_requests"] == 3, 30, "three queued requests")
+            queued = scrape(port)
+            assert queued["prefixscore_running_requests"] == 0
+            # the three queries' pages are pinned; idle cached queries (earlier tests') count as free
+            pinned = sum(len(e.pages) for e in cache._entries.values() if e.pins > 0)
+            assert pinned > 0
+            assert queued["prefixscore_prefix_pool_usage_ratio"] == pytest.approx(pinned / cache.total_pages)
+        assert on_device.wait(60)
+        wait_for(lambda: scrape(port)["prefixscore_queued_requests"] == 0, 30, "the requests planned")
+        assert scrape(port)["prefixscore_running_requests"] == 3  # one call carries all three
+        release.set()
+        for answer in answers:
+            assert len(answer.result(60).scores) == 1
+    idle = scrape(port)
+    assert (idle["prefixscore_queued_requests"], idle["prefixscore_running_requests"]) == (0, 0)
+    assert idle["prefixscore_prefix_pool_usage_ratio"] == 0  # cached, unpinned: free to evict
+    info = f"prefixscore_prefix_pool_info{{block_size={cache.page_tokens},num_gpu_blocks={cache.total_pages}}}"
+    assert idle[info] == 1
 
 
 def test_limits_are_in_model_info(client):

@@ -241,6 +241,8 @@ def _settled(server: ServerThread) -> dict[str, float]:
         "prefixscore_inflight_requests",
         "prefixscore_queue_depth",
         "prefixscore_prefix_cache_pinned",
+        "prefixscore_queued_requests",
+        "prefixscore_running_requests",
     )
 
     def idle() -> dict[str, float] | None:
