@@ -32,7 +32,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import to_json
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from prefixscore.service import prefix_key, request_ids
 from prefixscore.service.logs import event
@@ -213,10 +215,15 @@ def error(status: int, message: str, err_type: str, param: str | None = None, he
 def _encoded(body: BaseModel, key: str | None = None) -> Response:
     """A response model encoded once, by pydantic's own JSON encoder. Returned as a model, FastAPI
     would validate it again against the route's `response_model` (which stays, for the OpenAPI
-    document) and encode it in a second pass: host time on every request. `key`: the request's
-    prefix key, echoed as a header (service/prefix_key.py)."""
+    document) and encode it in a second pass: host time on every request."""
+    return _json(body.model_dump_json(exclude_none=True), key)
+
+
+def _json(encoded: str | bytes, key: str | None = None) -> Response:
+    """An encoded JSON body; `key`: the request's prefix key, echoed as a header
+    (service/prefix_key.py)."""
     headers = {prefix_key.HEADER: key} if key else None
-    return Response(body.model_dump_json(exclude_none=True), media_type="application/json", headers=headers)
+    return Response(encoded, media_type="application/json", headers=headers)
 
 
 def _invalid(err: InvalidInput) -> JSONResponse:
@@ -453,36 +460,35 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
             )
             checked = await validated(_body_bytes(request), accepting().rerank, inp)
             req = checked.scored.request
-            results: list[RerankResult] = []
+            results: list[dict[str, Any]] = []
             cached = 0
             if req.items:
                 unit = await server.run(req, "HttpRerank")
                 cached = unit.cached_tokens
                 differs = checked.scored.joined_differs
-                # built from validated values: constructed without validating them again
+                # plain data from validated values, encoded once: RerankResponse (the route's
+                # response_model) documents this shape; a model per result cost more host time
+                # than the rest of the response
                 for r in ranked(unit.scores, checked.top_n):
-                    doc = body.documents[r.index]
-                    document = RerankDocument.model_construct(text=doc) if isinstance(doc, str) else doc
-                    results.append(
-                        RerankResult.model_construct(
-                            index=r.index,
-                            relevance_score=r.relevance_score,
-                            document=document if body.return_documents else None,
-                            joined_tokenization_differs=differs[r.index] if differs else None,
-                        )
-                    )
+                    result: dict[str, Any] = {"index": r.index, "relevance_score": r.relevance_score}
+                    if body.return_documents:
+                        doc = body.documents[r.index]
+                        result["document"] = {"text": doc} if isinstance(doc, str) else doc.model_dump()
+                    if differs:
+                        result["joined_tokenization_differs"] = differs[r.index]
+                    results.append(result)
             t = checked.scored.truncation
-            usage = RerankUsage(
-                prompt_tokens=req.prompt_tokens,
-                total_tokens=req.prompt_tokens,
-                cached_tokens=cached,
-                documents=len(req.items),
-                truncated_documents=list(t.items),
-                truncated_tokens=t.item_tokens,
-            )
+            usage = {
+                "prompt_tokens": req.prompt_tokens,
+                "total_tokens": req.prompt_tokens,
+                "cached_tokens": cached,
+                "documents": len(req.items),
+                "truncated_documents": list(t.items),
+                "truncated_tokens": t.item_tokens,
+            }
             rid = request_ids.current() or request_ids.new_id()
-            response = RerankResponse(id=f"rerank-{rid}", model=model_name(body.model), results=results, usage=usage)
-            return _encoded(response, prefix_key.for_rerank(body.query, body.instruction))
+            response = {"id": f"rerank-{rid}", "model": model_name(body.model), "results": results, "usage": usage}
+            return _json(to_json(response), prefix_key.for_rerank(body.query, body.instruction))
         return outcome["response"]
 
     summary = "Rerank documents by relevance to a query (Cohere / Jina / vLLM shape)"
@@ -543,6 +549,48 @@ def _score_usage(prompt_tokens: int, cached: int, items: int, t: Truncation) -> 
     )
 
 
+class _OneSendPerStep:
+    """A connection's transport that joins what one step of the event loop writes into one send.
+    uvicorn writes a response's status line and headers, then its body, as two writes, and an
+    asyncio transport sends each at once: two system calls per small response, which cost more
+    host time than building the response. Both writes come in the same step (nothing awaits
+    between them), so they leave together at the end of it."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data, self._pending = b"".join(self._pending), []
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()  # what was written before the close still goes
+        self._transport.close()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._flush()
+        self._transport.set_protocol(protocol)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the transport's own
+        return getattr(self._transport, name)
+
+
+class _HttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol over a transport that sends a response in one system call."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_OneSendPerStep(transport, self.loop))  # type: ignore[arg-type]
+
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn inside a process that owns its signals: SIGTERM drains gRPC and HTTP together
     (cli.py), so uvicorn must not install handlers of its own."""
@@ -579,7 +627,9 @@ class HttpServer:
         sock.listen(1024)
         sock.setblocking(False)
         # the socket listens already: connections queue in its backlog until uvicorn accepts them
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30)
+        config = uvicorn.Config(
+            self.app, http=_HttpProtocol, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30
+        )
         config.load()
         config.ssl = self.ssl_context  # ours, not uvicorn's: it follows rotated certificate files
         self._uvicorn = _EmbeddedServer(config)

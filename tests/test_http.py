@@ -23,6 +23,7 @@ from service_testing import scrape, server_config
 
 from prefixscore.client import ScoreClient
 from prefixscore.service import logs
+from prefixscore.service.http_api import RerankResponse
 from prefixscore.service.server import ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
@@ -165,6 +166,11 @@ def test_jina_example_and_aliases_and_grpc_agree(http, grpc_client, tiny_scorer)
     assert via_grpc.template == "qwen3-reranker"
     bare = ok(http.post("/v1/rerank", json={**JINA, "return_documents": False}))
     assert all("document" not in r for r in bare["results"])
+    # the documented response model, nothing more or less
+    assert RerankResponse.model_validate(body).model_dump(exclude_none=True) == body
+    tagged = {**JINA, "documents": [{**d, "id": f"doc-{j}"} for j, d in enumerate(JINA["documents"])]}
+    echoed = ok(http.post("/v1/rerank", json=tagged))["results"]
+    assert [r["document"]["id"] for r in echoed] == [f"doc-{r['index']}" for r in echoed]  # a document's own fields
 
 
 # ---- truncation -----------------------------------------------------------------------------------
