@@ -14,6 +14,10 @@ Over TLS: `ScoreClient(target, credentials=tls_credentials(ca="ca.pem"))` (mutua
 `cert=` and `key=`); with token authentication: `token="..."` (sent as
 `authorization: Bearer <token>` on every call).
 
+Over many replicas without a proxy: `ScoreClient("ipv4:10.0.0.1:50051,10.0.0.2:50051", affinity="ring_hash")`
+(or a headless Service's `dns:///` name) hashes each call's prefix key onto gRPC's own ring, so
+every call over one query reaches the replica that caches it (see `ring_hash_service_config`).
+
 Inputs are text or token ids, as in `Scorer.score`. Errors are `grpc.RpcError`
 (`.code()`, `.details()`); a full server queue gives RESOURCE_EXHAUSTED with a
 `retry-after-ms` trailing metadata entry (see `retry_after_ms`). On a stream, a full
@@ -24,9 +28,11 @@ and the stream goes on.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import queue
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
@@ -36,6 +42,15 @@ from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
 Text = str | Sequence[int]
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+Affinity = Literal["ring_hash"] | None
+
+# gRPC's ring hash hashes a request header of our choosing (`requestHashHeader`, gRFC A76) only
+# while this variable is true: grpcio's C core reads it when a channel parses its service config,
+# that is when the channel is created (setting it after `import grpc` is fine; changing it later
+# does not affect existing channels). Without it the field is dropped and every call on the
+# channel fails INTERNAL "hash attribute not present". It changes nothing for other channels.
+RING_HASH_ENV = "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"
+_TRUE = frozenset({"1", "t", "true", "y", "yes"})  # what the C core parses as true (case-insensitive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,14 +179,51 @@ def tls_credentials(ca: str | None = None, cert: str | None = None, key: str | N
     return grpc.ssl_channel_credentials(_file(ca), _file(key), _file(cert))
 
 
+def ring_hash_service_config(min_ring_size: int = 1024, max_ring_size: int = 4096) -> str:
+    """gRPC service config (JSON) for client-side consistent hashing on the prefix key header:
+    each call goes to the replica at its key's place on a ring of the target's addresses, the
+    next one on the ring while that one cannot connect. `min_ring_size` as Envoy's
+    (deploy/envoy); the C core caps the ring at 4096 entries unless a channel option raises it."""
+    ring = {"minRingSize": min_ring_size, "maxRingSize": max_ring_size, "requestHashHeader": prefix_key.HEADER}
+    return json.dumps({"loadBalancingConfig": [{"ring_hash_experimental": ring}]})
+
+
+def _enable_request_hash_header() -> None:
+    """Set RING_HASH_ENV before a ring-hash channel is created (see its comment): unset, it is
+    set for this process; set to anything but true, the user turned it off, so refuse."""
+    value = os.environ.get(RING_HASH_ENV)
+    if value is None:
+        os.environ[RING_HASH_ENV] = "true"
+    elif value.lower() not in _TRUE:
+        raise RuntimeError(
+            f"affinity='ring_hash' needs {RING_HASH_ENV}=true (it is {value!r}): without it gRPC "
+            "ignores the hash header and fails every call (INTERNAL: hash attribute not present)"
+        )
+
+
+def _channel_options(options: Sequence[tuple[str, Any]], affinity: Affinity) -> list[tuple[str, Any]]:
+    """The channel's options: ours, then the caller's; with affinity, the ring-hash service config."""
+    if affinity is None:
+        return [*CHANNEL_OPTIONS, *options]
+    if affinity != "ring_hash":
+        raise ValueError(f"affinity: expected None or 'ring_hash', got {affinity!r}")
+    clash = {name for name, _ in options} & {"grpc.service_config", "grpc.lb_policy_name"}
+    if clash:
+        raise ValueError(f"affinity='ring_hash' sets the load balancing itself: drop the option(s) {sorted(clash)}")
+    _enable_request_hash_header()
+    # resolution disabled: a service config from DNS (TXT records) would replace this one
+    ring_hash = [("grpc.service_config", ring_hash_service_config()), ("grpc.service_config_disable_resolution", 1)]
+    return [*CHANNEL_OPTIONS, *ring_hash, *options]
+
+
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-def _keyed(metadata: tuple[tuple[str, str], ...] | None, key: str) -> tuple[tuple[str, str], ...]:
+def _keyed(metadata: tuple[tuple[str, str], ...] | None, key: str | None) -> tuple[tuple[str, str], ...] | None:
     """A call's metadata with its prefix key: a router (deploy/envoy) sends every call over one
-    query to the replica that caches it (service/prefix_key.py)."""
-    return (*(metadata or ()), (prefix_key.HEADER, key))
+    query to the replica that caches it (service/prefix_key.py). None: the client sends none."""
+    return (*(metadata or ()), (prefix_key.HEADER, key)) if key is not None else metadata
 
 
 def retry_after_ms(err: grpc.RpcError) -> int | None:
@@ -318,8 +370,13 @@ class ScoreStream(_Session):
 
 
 class ScoreClient:
-    """Sync client. `target`: "host:port"; `credentials`: TLS (see `tls_credentials`), None for
-    plaintext; `token`: a bearer token. Use as a context manager or call `close()`."""
+    """Sync client. `target`: "host:port" (or any gRPC target: `dns:///name:port`,
+    `ipv4:a:p,b:p`); `credentials`: TLS (see `tls_credentials`), None for plaintext; `token`: a
+    bearer token; `affinity="ring_hash"`: over a target of many replicas, send every call over
+    one query to one replica, the one that caches it (`ring_hash_service_config`; sets
+    RING_HASH_ENV for the process if unset); `send_prefix_key=False`: calls carry no prefix key
+    (a router then spreads them as it would any client's). Use as a context manager or call
+    `close()`."""
 
     def __init__(
         self,
@@ -327,9 +384,12 @@ class ScoreClient:
         options: Sequence[tuple[str, Any]] = (),
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        affinity: Affinity = None,
+        send_prefix_key: bool = True,
     ) -> None:
         self.target = target
-        opts = [*CHANNEL_OPTIONS, *options]
+        self._send_key = send_prefix_key
+        opts = _channel_options(options, affinity)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=opts)
         else:
@@ -349,7 +409,7 @@ class ScoreClient:
     ) -> ScoreResult:
         """Probabilities [items][labels] of each label as the next token after query + item."""
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
-        metadata = _keyed(self._metadata, prefix_key.for_score(query))
+        metadata = _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
         response = self._stub.Score(request, timeout=timeout, metadata=metadata)
         return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
 
@@ -364,7 +424,12 @@ class ScoreClient:
     ) -> ScoreStream:
         """Open a ScoreStream session over `query` (returns once the server has its KV on the device)."""
         opening = stream_open(query, label_token_ids, apply_softmax, item_first, labels)
-        return ScoreStream(self._stub, opening, timeout, _keyed(self._metadata, prefix_key.for_score(query)))
+        return ScoreStream(
+            self._stub,
+            opening,
+            timeout,
+            _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None),
+        )
 
     def rerank(
         self,
@@ -377,7 +442,7 @@ class ScoreClient:
     ) -> RerankResult:
         """Documents sorted by the server template's relevance to `query` (top_n: only the first N)."""
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
-        metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction))
+        metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction) if self._send_key else None)
         return _reranked(self._stub.Rerank(request, timeout=timeout, metadata=metadata))
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
@@ -446,7 +511,7 @@ class AsyncScoreStream(_Session):
 
 
 class AsyncScoreClient:
-    """asyncio client with the methods (and arguments) of ScoreClient as coroutines."""
+    """asyncio client with the methods (and arguments, `affinity` included) of ScoreClient as coroutines."""
 
     def __init__(
         self,
@@ -454,9 +519,12 @@ class AsyncScoreClient:
         options: Sequence[tuple[str, Any]] = (),
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        affinity: Affinity = None,
+        send_prefix_key: bool = True,
     ) -> None:
         self.target = target
-        opts = [*CHANNEL_OPTIONS, *options]
+        self._send_key = send_prefix_key
+        opts = _channel_options(options, affinity)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=opts)
         else:
@@ -475,7 +543,7 @@ class AsyncScoreClient:
         timeout: float | None = None,
     ) -> ScoreResult:
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
-        metadata = _keyed(self._metadata, prefix_key.for_score(query))
+        metadata = _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
         response = await self._stub.Score(request, timeout=timeout, metadata=metadata)
         return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
 
@@ -488,7 +556,9 @@ class AsyncScoreClient:
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
     ) -> AsyncScoreStream:
-        call = self._stub.ScoreStream(timeout=timeout, metadata=_keyed(self._metadata, prefix_key.for_score(query)))
+        call = self._stub.ScoreStream(
+            timeout=timeout, metadata=_keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
+        )
         session = AsyncScoreStream(call)
         await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels))
         if not await session._receive_one():
@@ -506,7 +576,7 @@ class AsyncScoreClient:
         timeout: float | None = None,
     ) -> RerankResult:
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
-        metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction))
+        metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction) if self._send_key else None)
         return _reranked(await self._stub.Rerank(request, timeout=timeout, metadata=metadata))
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,36 @@ def test_the_server_echoes_the_key_it_computes(tiny_scorer) -> None:
         assert response.headers[prefix_key.HEADER] == prefix_key.for_score("q")
 
 
+def test_clients_send_the_key_unless_told_not_to() -> None:
+    """What reaches the wire: the SDK's calls carry the key; `send_prefix_key=False` (a client a
+    router should spread, as the bench's no-key pass) carries none. A recording endpoint, since
+    the server computes the key itself either way."""
+    seen: list[dict[str, str]] = []
+
+    def record(request: bytes, context: grpc.ServicerContext) -> bytes:
+        seen.append(dict(context.invocation_metadata()))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "recorded")
+
+    handler = grpc.method_handlers_generic_handler(
+        "prefixscore.v1.ScoreService",
+        {name: grpc.unary_unary_rpc_method_handler(record) for name in ("Score", "Rerank")},
+    )
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for send in (True, False):
+            with ScoreClient(f"127.0.0.1:{port}", send_prefix_key=send) as client:
+                with pytest.raises(grpc.RpcError):
+                    client.score("a query", ["an item"], LABELS)
+                with pytest.raises(grpc.RpcError):
+                    client.rerank("a query", DOCS)
+    finally:
+        server.stop(None)
+    keys = [call.get(prefix_key.HEADER) for call in seen]
+    assert keys == [prefix_key.for_score("a query"), prefix_key.for_rerank("a query"), None, None]
+
+
 # ---- through Envoy ---------------------------------------------------------------------------
 def _envoy_binary() -> str:
     found = shutil.which("envoy") or str(Path(sys.executable).parent / "envoy")
@@ -95,33 +126,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _loopback_renderer():
+    """deploy/envoy/loopback.py (a script beside the configuration, not a package module)."""
+    spec = importlib.util.spec_from_file_location("envoy_loopback", ENVOY_DIR / "loopback.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def render_for_loopback(grpc_ports: list[int], http_ports: list[int], tmp: Path) -> tuple[Path, dict[str, int]]:
-    """deploy/envoy/envoy.yaml with loopback ports: the replicas as static endpoints in place of
-    the headless Service, free ports for the listeners and the admin, faster health checks."""
-    config = yaml.safe_load((ENVOY_DIR / "envoy.yaml").read_text())
+    """deploy/envoy/envoy.yaml for loopback replicas (deploy/envoy/loopback.py), on free ports."""
     ports = {"grpc": _free_port(), "http": _free_port(), "admin": _free_port()}
-    config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": ports["admin"]}
-    for listener in config["static_resources"]["listeners"]:
-        listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": ports[listener["name"]]}
-        for chain in listener["filter_chains"]:
-            for f in chain["filters"][0]["typed_config"]["http_filters"]:
-                if f["name"] == "envoy.filters.http.lua":
-                    f["typed_config"]["default_source_code"] = {"filename": str(ENVOY_DIR / "prefix_key.lua")}
-    for cluster, replica_ports in zip(config["static_resources"]["clusters"], (grpc_ports, http_ports), strict=True):
-        cluster["type"] = "STATIC"
-        for key in ("dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl"):
-            cluster.pop(key)
-        cluster["health_checks"][0]["interval"] = cluster["health_checks"][0]["no_traffic_interval"] = "1s"
-        cluster["load_assignment"]["endpoints"] = [
-            {
-                "lb_endpoints": [
-                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-                    for p in replica_ports
-                ]
-            }
-        ]
     path = tmp / "envoy.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(_loopback_renderer().render(grpc_ports, http_ports, ports))
     return path, ports
 
 
