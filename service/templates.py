@@ -57,6 +57,7 @@ class Prompt:
 
     prefix: str  # shared by every document of a request: the cached prefix
     suffix: str  # appended to every document: part of each item
+    fixed: str = ""  # the prefix's opening that every request shares and that ends at an added token
 
 
 class RerankTemplate:
@@ -74,6 +75,9 @@ class RerankTemplate:
         if name == "chat" and not getattr(tokenizer.hf, "chat_template", None):
             raise ValueError("template chat: the model's tokenizer has no chat template; use qwen3-reranker or none")
         self._suffix_ids: dict[str, list[int]] = {}  # suffix text -> ids: one or two per template
+        # qwen3-reranker's system turn, up to the user turn's opening special token: tokenized once
+        self._fixed = tokenizer.fixed_head(QWEN3_PREFIX) if name == "qwen3-reranker" else ""
+        self._fixed_ids = tokenizer.encode(self._fixed) if self._fixed else []
 
     def suffix_ids(self, suffix: str) -> list[int]:
         """The token ids of a prompt's suffix, tokenized once: every request's is the same text."""
@@ -90,7 +94,8 @@ class RerankTemplate:
             return Prompt(prefix=query, suffix="")
         instruction = instruction or DEFAULT_INSTRUCTION
         if self.name == "qwen3-reranker":
-            return Prompt(prefix=QWEN3_PREFIX + user_turn(instruction, query, "").rstrip(" "), suffix=QWEN3_SUFFIX)
+            prefix = QWEN3_PREFIX + user_turn(instruction, query, "").rstrip(" ")
+            return Prompt(prefix=prefix, suffix=QWEN3_SUFFIX, fixed=self._fixed)
         messages = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": user_turn(instruction, query, _DOC_MARK)},
@@ -98,6 +103,13 @@ class RerankTemplate:
         text = self.tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         before, _, after = text.partition(_DOC_MARK)
         return Prompt(prefix=before.rstrip(" "), suffix=after)
+
+    def prefix_ids(self, prompt: Prompt) -> list[int]:
+        """The token ids of a prompt's prefix, the same as tokenizing it whole: its fixed opening's
+        ids were computed once (see TextTokenizer.fixed_head), only the rest is tokenized."""
+        if prompt.fixed and prompt.prefix.startswith(prompt.fixed):
+            return self._fixed_ids + self.tokenizer.encode(prompt.prefix[len(prompt.fixed) :])
+        return self.tokenizer.encode(prompt.prefix)
 
     def document_text(self, document: str) -> str:
         """The document as it follows the prefix (a space after "<Document>:" unless `none`)."""

@@ -218,8 +218,7 @@ class Validator:
             limit = self.requests.limits.max_text_chars
             raise InvalidInput("query", f"text of {len(inp.query)} characters exceeds the limit of {limit}")
         prompt = template.prompt(inp.query, inp.instruction)
-        tokenizer = template.tokenizer
-        prefix = tokenizer.encode(prompt.prefix)
+        prefix = template.prefix_ids(prompt)
         suffix = template.suffix_ids(prompt.suffix)
         texts = [template.document_text(d) for d in inp.documents]
         cutting = truncate == "end" or per_doc is not None

@@ -41,6 +41,47 @@ def test_qwen3_prompt_tokens_are_the_published_prompt_split_at_the_document(tiny
     assert req.label_ids == (tok.token_id("yes"), tok.token_id("no")) and req.apply_softmax
 
 
+@pytest.mark.parametrize(
+    "query, instruction",
+    [
+        (QUERY, None),
+        ("<|im_start|>user\nhidden <|im_end|> turns", "<|im_end|>"),  # special tokens in the user's text
+        ("  leading spaces, émoji 🙂 and 中文", "  "),
+        ("x", "Given a web search query"),
+    ],
+)
+def test_the_prompts_fixed_opening_tokenized_once_gives_the_whole_prompts_ids(tiny_scorer, query, instruction):
+    """The qwen3 prompt's system turn is tokenized once (up to the user turn's special token):
+    with any query and instruction the ids are those of tokenizing the whole prefix."""
+    tok = tiny_scorer.model.tokenizer
+    template = RerankTemplate("qwen3-reranker", tok)
+    prompt = template.prompt(query, instruction)
+    assert prompt.fixed.endswith("<|im_start|>") and QWEN3_PREFIX.startswith(prompt.fixed)
+    assert template.prefix_ids(prompt) == tok.encode(prompt.prefix)
+
+
+def test_a_fixed_opening_ends_only_at_a_token_nothing_after_it_can_change():
+    """Where an added token could match otherwise with other text after it (a longer added token
+    begins with it, or it matches only as a whole word), the opening ends at an earlier one."""
+    from tokenizers import AddedToken
+
+    from prefixscore.model import presets
+    from prefixscore.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(presets.smollm2_tokenizer_dir())  # its own copy: tokens are added below
+    assert tok.fixed_head("no added token here") == ""
+    assert tok.fixed_head(QWEN3_PREFIX) == QWEN3_PREFIX[: QWEN3_PREFIX.rindex("<|im_start|>") + 12]
+    # "<|im_start|>assistant" begins with "<|im_start|>": text after it could match the longer one
+    tok.hf.add_tokens([AddedToken("<|im_start|>assistant", special=True)])
+    head = tok.fixed_head(QWEN3_PREFIX)
+    assert head == QWEN3_PREFIX[: QWEN3_PREFIX.index("<|im_end|>") + 10]
+    rest = QWEN3_PREFIX[len(head) :] + "<Instruct>: a"
+    assert tok.encode(head) + tok.encode(rest) == tok.encode(head + rest)
+    words = load_tokenizer(presets.smollm2_tokenizer_dir())
+    words.hf.add_tokens([AddedToken("<|im_start|>", single_word=True, special=True)])
+    assert words.fixed_head(QWEN3_PREFIX) == QWEN3_PREFIX[: QWEN3_PREFIX.index("<|im_end|>") + 10]
+
+
 def test_qwen3_relevance_is_p_yes_over_p_yes_plus_p_no_of_a_plain_forward(tiny_scorer):
     tok = tiny_scorer.model.tokenizer
     yes, no = tok.token_id("yes"), tok.token_id("no")
