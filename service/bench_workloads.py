@@ -1,4 +1,4 @@
-"""The benchmark workloads (W1-W4, docs/benchmarks.md) as request generators (token ids).
+"""The benchmark workloads (W1-W5, docs/benchmarks.md) as request generators (token ids).
 
 Every size is a parameter, so CI-sized smoke runs use the same code as the
 published figures. Token ids are drawn from a fixed seed: two runs send the
@@ -128,6 +128,27 @@ def w4(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]
         Request(gen.tokens(sizes.w4_query), [gen.tokens(sizes.w4_item_tokens) for _ in range(sizes.w4_items)], labels)
         for _ in range(n)
     ]
+
+
+def w5(gen: Generator, sizes: Sizes, labels: list[int], queries: int, chunk: int, hot_requests: int) -> list[Request]:
+    """W5: repeated queries as a router in front of several replicas sees them. Each of `queries`
+    W1 queries (its items in requests of `chunk`, as the seed workloads' clients sent them) and
+    `hot_requests` W2-shaped requests over W2's hot queries, in a random order (many clients at
+    once). Every query is new to the replicas: only the requests after its first can hit."""
+    out = []
+    for _ in range(queries):
+        (whole,) = w1(gen, sizes, labels, cold=True, runs=1)
+        out += [Request(whole.query, whole.items[j : j + chunk], labels) for j in range(0, len(whole.items), chunk)]
+    hot = dataclasses.replace(sizes, w2_hot_share=1.0)  # W2's requests, every one over a hot query
+    out += w2(gen, hot, labels, hot_requests)
+    order = gen.rng.permutation(len(out))
+    return [out[j] for j in order]
+
+
+def ideal_hit_rate(reqs: list[Request]) -> float:
+    """The hit rate of one cache that saw every request: all but each distinct query's first."""
+    distinct = len({tuple(r.query) for r in reqs})
+    return 1 - distinct / len(reqs) if reqs else 0.0
 
 
 # words the host-rerank workload's texts are drawn from (any text works: the server tokenizes it)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -216,6 +217,37 @@ def test_every_request_of_one_key_reaches_one_replica(replicas, envoy) -> None:
     assert sum(1 for s in served if s > 0) >= 2, "twelve keys all hashed to one replica"
 
 
+def test_bench_w5_through_envoy_affinity_against_no_key(replicas, envoy, tmp_path) -> None:
+    """`prefixscore bench --workload w5` through Envoy, as docs/benchmarks.md runs it (smaller):
+    with the key, each query's requests after its first hit (one cache's ideal) and the replicas
+    prefill fewer query tokens than the same traffic without it; the replicas' own counts add
+    up to the requests sent. One client at a time: with several, a query's requests in flight
+    together can pass Envoy's load bound and spill to a second replica (a miss), by design."""
+    import argparse
+
+    from prefixscore.service import bench
+
+    parser = argparse.ArgumentParser(prog="prefixscore")
+    bench.register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "w5.json"
+    metrics = ",".join(f"127.0.0.1:{srv.server.metrics_port}" for srv in replicas)
+    sizes = "--query-tokens 64 --items 40 --item-tokens 8 --w5-queries 6 --w5-chunk 10 --w5-hot-requests 6"
+    sizes += " --w2-max-query 64 --w2-max-items 8 --w2-max-item-tokens 8 --concurrency 1"
+    args = parser.parse_args(
+        ["bench", "--target", f"127.0.0.1:{envoy['grpc']}", "--replica-metrics", metrics, "--workload", "w5"]
+        + [*sizes.split(), "--no-progress", "--json", str(out)]
+    )
+    assert args.func(args) == 0
+    affinity, no_key = json.loads(out.read_text())
+    assert (affinity["mode"], no_key["mode"]) == ("affinity", "no-key")
+    for r in (affinity, no_key):
+        assert r["requests"] == 6 * 4 + 6
+        assert sum(x["hits"] + x["misses"] for x in r["replicas"]) == r["requests"]
+    assert affinity["prefix_cache_hit_rate"] == pytest.approx(affinity["ideal_hit_rate"])
+    prefill = [sum(x["prefill_tokens"] for x in r["replicas"]) for r in (affinity, no_key)]
+    assert prefill[0] < prefill[1], prefill
+
+
 def test_a_rerank_without_the_header_is_routed_by_its_query(replicas, envoy) -> None:
     """The cohere SDK sends no key: Envoy's Lua derives it from the JSON body, the same key the
     SDK's header would carry (a request with the header joins the same replica's cache)."""
@@ -285,7 +317,7 @@ def _healthy(ports: dict[str, int]) -> int:
 
 def test_a_hot_key_past_the_load_bound_spills_to_a_second_replica_not_to_all(tiny_scorer, tmp_path) -> None:
     """One key's replica holds its requests (its device loop paused): past the load bound
-    (hash_balance_factor 150) Envoy sends the rest to the next replica on the ring, and only
+    (hash_balance_factor 200) Envoy sends the rest to the next replica on the ring, and only
     to it."""
     with serving_replicas(tiny_scorer) as replicas, envoy_in_front(replicas, tmp_path) as ports:
         hot = list(range(7000, 7040))
