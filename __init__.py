@@ -8,13 +8,13 @@ __all__ = ["Scorer", "Usage"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from prefixscore.service.scorer import Scorer, Usage
+    from prefixscore.engine.scorer import Scorer, Usage
 
 
 def __getattr__(name: str):
     # Lazy: `prefixscore.client` users should not pay for importing jax.
     if name in __all__:
-        from prefixscore.service import scorer
+        from prefixscore.engine import scorer
 
         return getattr(scorer, name)
     raise AttributeError(f"module 'prefixscore' has no attribute {name!r}")

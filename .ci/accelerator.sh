@@ -41,7 +41,7 @@ for step in "$@"; do
       timeout "${SUITE_TIMEOUT:-540}" "$PY" -m pytest -q -p no:cacheprovider --timeout 300 -rfE ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log"
       ;;
     bench)
-      "$PY" -m prefixscore.service.cli bench --model "$BENCH_MODEL" --dtype bfloat16 --no-progress \
+      "$PY" -m prefixscore.cli bench --model "$BENCH_MODEL" --dtype bfloat16 --no-progress \
         --json "$OUT/bench.json" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log"
       ;;
     *)

@@ -1,4 +1,4 @@
-"""Times the GPU attention kernels (kernels/gpu.py) at W1's shapes over block and pipeline
+"""Times the GPU attention kernels (kernels/pallas_gpu.py) at W1's shapes over block and pipeline
 settings, each checked against the reference first. Run on a GPU machine:
 
     python .ci/gpu_kernel_sweep.py            # prints a table, best first
@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixscore.kernels import gpu, reference
+from prefixscore.kernels import pallas_gpu as gpu
+from prefixscore.kernels import reference
 from prefixscore.kernels.paged import PagedAttentionMeta
 
 T, HEADS, KV, D, LAYERS, PAGE, PREFIX, ITEM = 10240, 16, 8, 128, 28, 128, 2000, 20

@@ -31,7 +31,7 @@ IMPLEMENTATIONS = {
     "reference": "prefixscore.kernels.reference",
     "xla": "prefixscore.kernels.xla",
     "pallas_tpu": "prefixscore.kernels.pallas_tpu",
-    "pallas_gpu": "prefixscore.kernels.gpu",
+    "pallas_gpu": "prefixscore.kernels.pallas_gpu",
 }
 # backend -> default implementation name
 DEFAULTS = {"cpu": "xla", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "xla", "tpu": "pallas_tpu"}

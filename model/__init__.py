@@ -1,1 +1,2 @@
-"""prefixscore.model: config, weights, tokenizer, the decoder, prefill and item scoring."""
+"""prefixscore.model: the model alone: config, weights and their loaders, tokenizer, decoder,
+the device call (step) and its typed inputs, presets, FLOP counting."""

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+
 # architectures[0] in config.json -> family
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,6 +22,9 @@ MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or options are not served by this decoder."""
 
+
+# the weight and pool dtypes a model can be served in (`--dtype`)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:

@@ -9,9 +9,8 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from prefixscore.model import presets, weights_cache
-from prefixscore.model.config import ModelConfig, load_config
+from prefixscore.model.config import DTYPES, ModelConfig, load_config
 from prefixscore.model.decoder import Params
-from prefixscore.model.engine import DTYPES
 from prefixscore.model.gguf_loader import load_gguf
 from prefixscore.model.tokenizer import TextTokenizer, has_tokenizer_files, load_tokenizer
 from prefixscore.model.weights import load_safetensors, random_params

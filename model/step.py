@@ -1,6 +1,6 @@
 """The one device call (per device): prefill chunks of new queries and items of many queries,
-over the paged prefix pool. model/engine.py wraps it in `shard_map` and `jit`, one executable
-per CallShape (model/planner.py lays out its inputs).
+over the paged prefix pool. engine/executables.py wraps it in `shard_map` and `jit`, one executable
+per CallShape (engine/planner.py lays out its inputs).
 
 Per layer: the projections of every token of the stream; the prefill region's K/V written
 into the pool pages (in place: the pool is a loop carry, donated to the call); then the
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from prefixscore.kernels.paged import PagedAttentionMeta
+from prefixscore.model.call_inputs import CallInputs
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import Params, embed, output_weight, rms_norm, run_layers
-from prefixscore.model.planner import CallInputs
 
 # vocabulary rows per step of the full-vocabulary log-sum-exp: a [rows, VOCAB_CHUNK]
 # float32 logits tile stays in cache instead of a [rows, vocab] matrix in memory

@@ -1,1 +1,2 @@
-"""prefixscore.service: the Scorer, gRPC server, device worker, batcher, prefix cache, metrics, client and CLI."""
+"""prefixscore.service: the transports (gRPC server, HTTP API) over one transport-neutral core,
+with wire mapping, security, request ids, logs and metrics."""

@@ -2,7 +2,7 @@
 `/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the gRPC server's
 own event loop, on its own port.
 
-Routes only map JSON onto the transport-neutral inputs of `service/validate.py` (the one
+Routes only map JSON onto the transport-neutral inputs of `engine/validation.py` (the one
 validation pass gRPC shares) and hand the validated request to `ScoreServer.run`, the same
 device worker and batcher as gRPC: items of HTTP and gRPC requests over one query ride in
 the same device calls. Errors keep SGLang's shape,
@@ -36,13 +36,12 @@ from pydantic_core import to_json
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from prefixscore.engine.templates import ranked
+from prefixscore.engine.validation import InvalidInput, RerankInput, ScoreInput, Truncation, Validator
 from prefixscore.service import prefix_key, request_ids
 from prefixscore.service.logs import event
-from prefixscore.service.requests import InvalidInput
 from prefixscore.service.security import TokenFile
 from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer, internal_failure, validated
-from prefixscore.service.templates import ranked
-from prefixscore.service.validate import RerankInput, ScoreInput, Truncation, Validator
 from prefixscore.service.wire import RpcFailure
 
 log = logging.getLogger("prefixscore.http")

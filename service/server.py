@@ -29,18 +29,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from prefixscore.model.buckets import Buckets
-from prefixscore.model.engine import CompileCounter, ScoringEngine, WarmupStage
-from prefixscore.model.loader import LoadedModel, load_model
-from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service import prefix_key, request_ids, security
-from prefixscore.service.batcher import WorkUnit
-from prefixscore.service.logs import event
-from prefixscore.service.metrics import ServiceMetrics, serve_metrics
-from prefixscore.service.requests import InvalidInput, Limits, RequestTokenizer, TokenizedRequest
-from prefixscore.service.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
-from prefixscore.service.wire import RequestConverter, RpcFailure, StreamSpec, invalid, item_scores, parse, usage
-from prefixscore.service.worker import (
+from prefixscore.engine.batcher import WorkUnit
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.device_loop import (
     DeadlineExpired,
     DeviceWorker,
     NonFiniteScores,
@@ -49,6 +40,15 @@ from prefixscore.service.worker import (
     WorkerStopped,
     run_on_done,
 )
+from prefixscore.engine.executables import CompileCounter, ScoringEngine, WarmupStage
+from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
+from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, TokenizedRequest
+from prefixscore.model.loader import LoadedModel, load_model
+from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.service import prefix_key, request_ids, security
+from prefixscore.service.logs import event
+from prefixscore.service.metrics import ServiceMetrics, serve_metrics
+from prefixscore.service.wire import RequestConverter, RpcFailure, StreamSpec, invalid, item_scores, parse, usage
 from prefixscore.v1 import score_service_pb2 as pb
 
 log = logging.getLogger("prefixscore.server")

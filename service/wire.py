@@ -1,4 +1,4 @@
-"""Proto messages <-> the transport-neutral inputs of `service/validate.py`, and the
+"""Proto messages <-> the transport-neutral inputs of `engine/validation.py`, and the
 gRPC statuses of its errors.
 
 This module only moves fields: every check is the one validation pass in
@@ -14,13 +14,15 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from prefixscore.model.token_rows import TokenRows
-from prefixscore.service.requests import InvalidInput, RequestTokenizer, TokenizedRequest
-from prefixscore.service.templates import RerankTemplate
-from prefixscore.service.validate import (
+from prefixscore.engine.templates import RerankTemplate
+from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.validation import (
+    InvalidInput,
+    RequestTokenizer,
     RerankInput,
     ScoreInput,
     StreamSpec,
+    TokenizedRequest,
     Truncation,
     Validated,
     ValidatedRerank,

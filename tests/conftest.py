@@ -17,7 +17,7 @@ if jax.default_backend() == "gpu":
     # (and the tests' own) float32 matmuls as TF32. float32 engines set this themselves.
     jax.config.update("jax_default_matmul_precision", "highest")
 
-from prefixscore.model.buckets import Buckets  # noqa: E402
+from prefixscore.engine.buckets import Buckets  # noqa: E402
 from prefixscore.model.config import ModelConfig  # noqa: E402
 
 # Small buckets keep compile time of the test models to seconds.

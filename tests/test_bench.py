@@ -11,10 +11,11 @@ import time
 
 import pytest
 
+from prefixscore.bench import run as bench
+from prefixscore.bench import workloads as wl
 from prefixscore.model import flops
 from prefixscore.model.presets import RANDOM_PRESETS
-from prefixscore.service import bench, host_cost
-from prefixscore.service import bench_workloads as wl
+from prefixscore.service import host_cost
 
 SMOKE = [
     "bench",

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from conftest import SMALL_QWEN3
 
-from prefixscore.model.buckets import Buckets
-from prefixscore.model.engine import ScoringEngine
-from prefixscore.service.requests import TokenizedRequest
-from prefixscore.service.scorer import EngineRunner
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.executables import ScoringEngine
+from prefixscore.engine.scorer import EngineRunner
+from prefixscore.engine.validation import TokenizedRequest
 
 # a 200-token query takes two 128-token prefill chunks
 BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)

@@ -19,8 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_testing import LABELS, scrape, wait_for
 
+from prefixscore import cli
 from prefixscore.client import ScoreClient
-from prefixscore.service import cli
 from prefixscore.service.server import SERVICE
 
 QUERY = "Is this sentence about rivers?"
@@ -68,7 +68,7 @@ class Served:
 def served():
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixscore.service.cli", *SERVE],
+        [sys.executable, "-m", "prefixscore.cli", *SERVE],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -240,7 +240,7 @@ def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
         [
             sys.executable,
             "-m",
-            "prefixscore.service.cli",
+            "prefixscore.cli",
             "serve",
             "--model",
             str(missing),

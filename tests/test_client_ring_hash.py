@@ -14,7 +14,7 @@ import pytest
 from service_testing import LABELS
 from test_prefix_affinity import ITEMS, serving_replicas
 
-from prefixscore.service.client import (
+from prefixscore.client.score_client import (
     RING_HASH_ENV,
     AsyncScoreClient,
     ScoreClient,
@@ -139,7 +139,7 @@ def test_the_environment_variable(replicas, monkeypatch) -> None:
     """Unset, the client sets it (C core reads it when the channel is created); set false, the
     client refuses with the reason. Without it gRPC itself drops `requestHashHeader` and fails
     every call: if that assertion fails, grpcio now enables gRFC A76 by default and the
-    variable's handling in service/client.py can go."""
+    variable's handling in client/score_client.py can go."""
     with ScoreClient(_target(replicas), affinity="ring_hash") as client:
         client.score(_query(20_000, 0), ITEMS, LABELS, timeout=60)
     assert os.environ[RING_HASH_ENV] == "true"

@@ -51,7 +51,7 @@ def lower_for_accelerators(cfg, buckets) -> dict[str, list[str]]:
 
     import jax.numpy as jnp
 
-    from prefixscore.model.engine import ScoringEngine
+    from prefixscore.engine.executables import ScoringEngine
     from prefixscore.model.weights import random_params
 
     shaped = dataclasses.replace(cfg, hidden_size=256, num_heads=16, num_kv_heads=8, head_dim=128, num_layers=1)
@@ -72,11 +72,11 @@ def main() -> None:
     import numpy as np
     from conftest import SMALL_QWEN3  # this file runs as a script from tests/
 
-    from prefixscore.model.buckets import Buckets
-    from prefixscore.model.engine import CompileCounter, ScoringEngine
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.executables import CompileCounter, ScoringEngine
+    from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.validation import TokenizedRequest
     from prefixscore.model.weights import random_params
-    from prefixscore.service.requests import TokenizedRequest
-    from prefixscore.service.scorer import EngineRunner
 
     assert jax.device_count() == DEVICES, jax.devices()
     cfg = SMALL_QWEN3

@@ -416,7 +416,7 @@ def test_rule_resources_match_the_rule_files(rendered):
 
 # ---- the contract with the server ----------------------------------------------------
 def test_pod_runs_the_server_with_its_contract(rendered):
-    from prefixscore.service.cli import build_parser
+    from prefixscore.cli import build_parser
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {a.dest.upper() for a in serve._actions}
@@ -570,7 +570,7 @@ def test_yaml_and_json_are_clean():
 def test_tls_auth_component_mounts_the_secrets_and_probes_the_admin_port(extra_renders):
     """TLS files and tokens from Secrets (mounted whole, so rotations reach the server), their
     paths handed to `serve` flags, and probes on the plaintext admin port (no kubelet TLS)."""
-    from prefixscore.service.cli import build_parser
+    from prefixscore.cli import build_parser
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {a.dest.upper() for a in serve._actions}

@@ -75,11 +75,11 @@ def test_engine_on_device_matches_cpu() -> None:
     """tiny-qwen3 scores on the accelerator (its default attention) equal the CPU engine's, through
     the service's device path (prefix cache, batcher, planned calls): a 300-token query in two
     prefill chunks, 50 items of mixed lengths over several calls, softmax both ways, whole sequences."""
-    from prefixscore.model.buckets import Buckets
-    from prefixscore.model.engine import ScoringEngine
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.executables import ScoringEngine
+    from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.validation import TokenizedRequest
     from prefixscore.model.loader import load_model
-    from prefixscore.service.requests import TokenizedRequest
-    from prefixscore.service.scorer import EngineRunner
 
     loaded = load_model("tiny-qwen3")
     buckets = Buckets(context=512, max_batch_tokens=512, prefill_chunk=256, max_prefill_tokens=512)

@@ -20,11 +20,11 @@ import re
 import jax.numpy as jnp
 import pytest
 
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.executables import ScoringEngine
 from prefixscore.kernels import dispatch
 from prefixscore.model import presets
-from prefixscore.model.buckets import Buckets
-from prefixscore.model.engine import ScoringEngine
-from prefixscore.model.planner import CallShape
+from prefixscore.model.call_inputs import CallShape
 from prefixscore.model.weights import random_params
 
 # the kernels every device call must contain, by (implementation, platform)

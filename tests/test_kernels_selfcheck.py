@@ -13,9 +13,9 @@ import pytest
 from conftest import SMALL_BUCKETS
 from jax.experimental.pallas import tpu as pltpu
 
+from prefixscore.engine.executables import ScoringEngine
 from prefixscore.kernels import dispatch, selfcheck, xla
 from prefixscore.kernels.paged import causal_by_region
-from prefixscore.model.engine import ScoringEngine
 from prefixscore.model.loader import load_model
 from prefixscore.service.server import ServerConfig, ServerThread, StartupFailed
 

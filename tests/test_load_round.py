@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import AsyncScoreClient, AsyncScoreStream
-from prefixscore.service.client import stream_open
+from prefixscore.client.score_client import stream_open
 from prefixscore.service.server import ServerThread
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 

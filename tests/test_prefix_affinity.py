@@ -23,7 +23,7 @@ from conftest import SMALL_BUCKETS
 from service_testing import LABELS, server_config, wait_for
 
 from prefixscore.client import ScoreClient
-from prefixscore.model.engine import ScoringEngine
+from prefixscore.engine.executables import ScoringEngine
 from prefixscore.service import prefix_key
 from prefixscore.service.server import ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
@@ -225,7 +225,7 @@ def test_bench_w5_through_envoy_affinity_against_no_key(replicas, envoy, tmp_pat
     together can pass Envoy's load bound and spill to a second replica (a miss), by design."""
     import argparse
 
-    from prefixscore.service import bench
+    from prefixscore.bench import run as bench
 
     parser = argparse.ArgumentParser(prog="prefixscore")
     bench.register(parser.add_subparsers(dest="command"))

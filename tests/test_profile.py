@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from prefixscore.service import profile
+from prefixscore.bench import profile
 
 
 def test_trace_time_is_attributed_to_named_scopes(tmp_path):

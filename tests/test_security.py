@@ -22,8 +22,8 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_testing import LABELS, server_config
 
+from prefixscore import cli
 from prefixscore.client import ScoreClient, tls_credentials
-from prefixscore.service import cli
 from prefixscore.service.server import ServerThread
 
 Code = grpc.StatusCode

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixscore.model.buckets import Buckets
-from prefixscore.model.planner import CallBuilder
-from prefixscore.model.prefix_cache import PoolExhausted, PrefixCache
-from prefixscore.model.token_rows import TokenRows
-from prefixscore.service.batcher import Batcher, WorkUnit, take_results
+from prefixscore.engine.batcher import Batcher, WorkUnit, take_results
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.planner import CallBuilder
+from prefixscore.engine.prefix_cache import PoolExhausted, PrefixCache
+from prefixscore.engine.token_rows import TokenRows
 
 BUCKETS = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256, page_tokens=128)
 POOL_PAGES = 64

@@ -16,9 +16,9 @@ from conftest import SMALL_BUCKETS
 from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import ScoreClient
-from prefixscore.model import compile_cache
-from prefixscore.model.buckets import Buckets
-from prefixscore.model.engine import CompileCounter, ScoringEngine
+from prefixscore.engine import compile_cache
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.executables import CompileCounter, ScoringEngine
 from prefixscore.service.server import ServerThread
 
 QUERY = list(range(100, 160))  # 60 token ids

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixscore.service.templates import QWEN3_PREFIX, QWEN3_SUFFIX, RerankTemplate
-from prefixscore.service.validate import RerankInput
+from prefixscore.engine.templates import QWEN3_PREFIX, QWEN3_SUFFIX, RerankTemplate
+from prefixscore.engine.validation import RerankInput
 
 QUERY = "What is the capital of China?"
 DOCS = ["The capital of China is Beijing.", "Gravity is a force that attracts two bodies towards each other."]
@@ -120,7 +120,7 @@ def test_chat_template_uses_the_models_chat_template(tiny_scorer):
 
 
 def template_system() -> str:
-    from prefixscore.service.templates import SYSTEM
+    from prefixscore.engine.templates import SYSTEM
 
     return SYSTEM
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixscore.model.engine import ScoringEngine
+from prefixscore.engine.executables import ScoringEngine
 
 LABELS = [1, 2]
 

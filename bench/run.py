@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixscore.service import bench_workloads as wl
+from prefixscore.bench import workloads as wl
 from prefixscore.service import host_cost
 
 WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4", "host", "host-rerank", "w5")
@@ -255,7 +255,7 @@ class ServedProcess:
         port, http_port, metrics_port = _free_ports(3)
         self.target, self.http_target = f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
         self.metrics_target = f"127.0.0.1:{metrics_port}"
-        cmd = [sys.executable, "-c", "from prefixscore.service.cli import main; main()", "serve"]
+        cmd = [sys.executable, "-c", "from prefixscore.cli import main; main()", "serve"]
         cmd += ["--model", args.model, "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--log-level", "warning"]
         if args.attention:
@@ -481,7 +481,7 @@ class Bench:
         self.remote: Remote | None = Remote(args.target) if args.target else None
         if self.remote is None:
             from prefixscore import Scorer
-            from prefixscore.model.engine import ScoringEngine
+            from prefixscore.engine.executables import ScoringEngine
             from prefixscore.model.loader import load_model
 
             loaded = load_model(args.model, args.dtype)
@@ -653,7 +653,7 @@ class Bench:
         return thread_cpu(self.metrics_target) if self.metrics_target else None
 
     def one(self, workload: str, mode: str, gen: wl.Generator) -> dict[str, Any]:
-        from prefixscore.model.engine import CompileCounter
+        from prefixscore.engine.executables import CompileCounter
 
         args = self.args
         target = self.target(workload, mode)
@@ -800,11 +800,11 @@ class Bench:
 
     def profile(self, log_dir: Path, gen: wl.Generator) -> dict[str, Any]:
         """Trace one W1 request over a new query (prefill included) after its shapes have
-        compiled; returns service/profile.py's summary, also written to log_dir/summary.json
+        compiled; returns bench/profile.py's summary, also written to log_dir/summary.json
         (with the compiled HLO the summary maps kernels through)."""
         import jax
 
-        from prefixscore.service import profile
+        from prefixscore.bench import profile
 
         target = InProcess(self.scorer)
         warm, cold = self.requests("w1-cold", 2, gen)
@@ -947,7 +947,7 @@ def run(args: argparse.Namespace) -> int:
     if shares:
         print("\n".join(shares))
     if profiled:
-        from prefixscore.service.profile import format_summary
+        from prefixscore.bench.profile import format_summary
 
         print(format_summary(profiled))
     if args.json_path:

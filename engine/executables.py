@@ -1,7 +1,7 @@
 """The scoring engine: owns the parameters and the paged prefix pool on the device(s), and runs
 planned calls. It validates nothing (callers do, before device work) and keeps no per-request
-state: which pages hold which query is the prefix cache's business (model/prefix_cache.py);
-what goes into a call is the planner's (model/planner.py). `launch` runs a CallPlan as it is.
+state: which pages hold which query is the prefix cache's business (engine/prefix_cache.py);
+what goes into a call is the planner's (engine/planner.py). `launch` runs a CallPlan as it is.
 
 One kind of device call (model/step.py), one executable per CallShape, compiled ahead of time
 (`warmup`, or on first use) and kept in a table, so steady-state traffic never compiles. With
@@ -28,23 +28,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from prefixscore.engine import compile_cache
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.planner import CallBuilder, CallPlan
+from prefixscore.engine.prefix_cache import PrefixCache
 from prefixscore.kernels import dispatch, selfcheck
-from prefixscore.model import compile_cache, forward, step
-from prefixscore.model.buckets import Buckets
-from prefixscore.model.config import ModelConfig
+from prefixscore.model import packed_baseline, step
+from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
+from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.decoder import Params
-from prefixscore.model.planner import (
-    LABEL_SETS,
-    CallBuilder,
-    CallInputs,
-    CallPlan,
-    CallShape,
-    ItemRegion,
-    PrefillRegion,
-)
-from prefixscore.model.prefix_cache import PrefixCache
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 AXIS = "data"
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -228,7 +221,7 @@ class ScoringEngine:
         return min(budget, POOL_CONTEXTS * self.buckets.max_pages * self.page_bytes)
 
     def builder(self) -> CallBuilder:
-        """An empty plan for the next call (model/planner.py), in the shapes compiled so far
+        """An empty plan for the next call (engine/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
         return CallBuilder(self.serving, self.n_devices, self.segment_align, self.pool_pages)
 
@@ -452,9 +445,9 @@ class ScoringEngine:
     ) -> np.ndarray:
         """Query and all items in one sequence under a block-diagonal mask (the seeds' `packed`).
 
-        A baseline: compiled on first use per length (multiples of forward.PACKED_ALIGN), not warmed up."""
+        A baseline: compiled on first use per length (multiples of packed_baseline.PACKED_ALIGN), not warmed up."""
         total = len(query_ids) + sum(len(it) for it in items)
-        s = -(-total // forward.PACKED_ALIGN) * forward.PACKED_ALIGN
+        s = -(-total // packed_baseline.PACKED_ALIGN) * packed_baseline.PACKED_ALIGN
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
         segments = np.full(s, -1, np.int32)
@@ -473,7 +466,7 @@ class ScoringEngine:
         ids[: len(label_ids)] = label_ids
         valid = np.arange(len(ids)) < len(label_ids)
         with jax.default_matmul_precision(self._precision):
-            probs = forward.score_packed(
+            probs = packed_baseline.score_packed(
                 self.params,
                 self.cfg,
                 jnp.asarray(tokens),

@@ -1,7 +1,7 @@
 """The device worker: the one thread that touches the device.
 
 It loads the model (through the `startup` callable it is given), then loops: plan the
-next device call from all pending work (service/batcher.py: prefill chunks of new
+next device call from all pending work (engine/batcher.py: prefill chunks of new
 queries and items of any number of queries in one call), launch it, and only then read
 back the previous call, so host-side planning and result delivery overlap device work
 (JAX dispatch is asynchronous).
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from prefixscore.model.engine import CompileCounter, ScoringEngine
-from prefixscore.model.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
-from prefixscore.service.batcher import Batcher, Call, NonFiniteScores, WorkUnit, take_results
+from prefixscore.engine.batcher import Batcher, Call, NonFiniteScores, WorkUnit, take_results
+from prefixscore.engine.executables import CompileCounter, ScoringEngine
+from prefixscore.engine.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
 from prefixscore.service.logs import event
 from prefixscore.service.metrics import ServiceMetrics
 

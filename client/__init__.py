@@ -1,6 +1,6 @@
-"""`prefixscore.client`: the Python client of the gRPC ScoreService (see service/client.py)."""
+"""`prefixscore.client`: the Python client of the gRPC ScoreService (see client/score_client.py)."""
 
-from prefixscore.service.client import (
+from prefixscore.client.score_client import (
     AsyncScoreClient,
     AsyncScoreStream,
     BatchRefused,

@@ -239,7 +239,7 @@ def _add_client_security(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace, target: str) -> Any:
-    from prefixscore.service.client import ScoreClient, tls_credentials
+    from prefixscore.client.score_client import ScoreClient, tls_credentials
 
     credentials = None
     if args.tls or args.tls_ca or args.tls_client_cert:
@@ -253,7 +253,7 @@ def _client(args: argparse.Namespace, target: str) -> Any:
 
 def _buckets(args: argparse.Namespace) -> Callable[[int], Any] | None:
     """Buckets from the flags as a function of the model's context (unset: the engine's default)."""
-    from prefixscore.model.buckets import Buckets
+    from prefixscore.engine.buckets import Buckets
 
     if not (args.max_batch_tokens or args.max_prefill_tokens):
         return None
@@ -484,9 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_rerank(sub)
     add_models(sub)
     try:
-        bench = importlib.import_module("prefixscore.service.bench")
+        bench = importlib.import_module("prefixscore.bench.run")
     except ModuleNotFoundError as err:  # bench.py is optional until it lands; other import errors are real
-        if err.name != "prefixscore.service.bench":
+        if err.name != "prefixscore.bench.run":
             raise
     else:
         bench.register(sub)

@@ -2,7 +2,7 @@
 next device call carries.
 
 A device call holds prefill chunks of new queries and items of any number of queries
-(model/planner.py). `next_call` offers the planner's `CallBuilder` pending work in
+(engine/planner.py). `next_call` offers the planner's `CallBuilder` pending work in
 priority order and plans the call once; what the call could not hold stays queued.
 
 Priority: earliest deadline first, where a request without a deadline counts as due
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from prefixscore.model.planner import CallBuilder, CallPlan
-from prefixscore.model.prefix_cache import CachedPrefix
-from prefixscore.model.token_rows import TokenRows
+from prefixscore.engine.planner import CallBuilder, CallPlan
+from prefixscore.engine.prefix_cache import CachedPrefix
+from prefixscore.engine.token_rows import TokenRows
 
 # a request without a deadline is scheduled as if due this long after it arrived
 DEFAULT_SLACK_S = 30.0

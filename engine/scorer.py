@@ -10,16 +10,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prefixscore.model.buckets import Buckets
-from prefixscore.model.engine import ScoringEngine
+from prefixscore.engine.batcher import Batcher, WorkUnit
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.device_loop import DeviceWorker
+from prefixscore.engine.executables import ScoringEngine
+from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
+from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service.batcher import Batcher, WorkUnit
 from prefixscore.service.metrics import ServiceMetrics
-from prefixscore.service.requests import Limits, RequestTokenizer, TokenizedRequest
-from prefixscore.service.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
-from prefixscore.service.validate import RerankInput, ScoreInput, Validator
-from prefixscore.service.worker import DeviceWorker
 
 MODES = ("prefix", "sequential", "packed")
 
@@ -75,7 +74,7 @@ class Scorer:
         template: str = DEFAULT_TEMPLATE,
     ) -> Scorer:
         """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py).
-        template: the reranker prompt of `rerank` (see service/templates.py)."""
+        template: the reranker prompt of `rerank` (see engine/templates.py)."""
         loaded = load_model(model, dtype)
         engine = ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl, pool_bytes=pool_bytes)
         return cls(loaded, engine, template=template)

@@ -1,0 +1,1 @@
+"""prefixscore.bench: the benchmark harness (`prefixscore bench`): workloads, host cost, profiles."""

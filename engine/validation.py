@@ -1,0 +1,495 @@
+"""Validation and tokenization: the one pass every transport shares (gRPC, HTTP and the
+in-process `Scorer`), before any device work.
+
+A transport only maps its wire format onto `ScoreInput` / `RerankInput` (plain Python
+values, unchecked) and maps the one error type, `InvalidInput` (which names the offending
+field), onto its own status (gRPC: INVALID_ARGUMENT, also when `too_large`; HTTP: 400, or
+413). Everything else happens here: labels, inputs, limits, truncation, templates and the
+joined-tokenization check. The result is a request in token ids (`TokenizedRequest`),
+ready for the batcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
+
+from prefixscore.engine.templates import RerankTemplate
+from prefixscore.engine.token_rows import TokenRows
+from prefixscore.model.config import ModelConfig
+from prefixscore.model.tokenizer import TextTokenizer
+
+
+class InvalidInput(ValueError):
+    """Bad request input; `field` names what is wrong. `too_large`: a size limit was exceeded
+    (HTTP 413) rather than a malformed input (HTTP 400); gRPC says INVALID_ARGUMENT for both."""
+
+    def __init__(self, field: str, message: str, too_large: bool = False) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.too_large = too_large
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_items: int = 10_000
+    max_labels: int = 256
+    max_text_chars: int = 1_000_000
+    # the longest sequence / item the engine's buckets serve (None: the model's context)
+    max_sequence_tokens: int | None = None
+    max_item_tokens: int | None = None
+    # tokens in one request or stream batch (query once, plus every item); None: no limit
+    max_request_tokens: int | None = None
+
+    @classmethod
+    def for_engine(cls, engine, **overrides) -> Limits:
+        """Limits that keep every request within the engine's largest buckets."""
+        b = engine.buckets
+        return cls(
+            **{
+                "max_labels": b.max_labels,
+                "max_sequence_tokens": b.context,
+                "max_item_tokens": min(b.context, b.tokens[-1]),
+                **overrides,
+            }
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedRequest:
+    """A validated request in token ids. prefix: start tokens + query (empty for item_first)."""
+
+    prefix: tuple[int, ...]
+    items: TokenRows  # for item_first: whole sequences (start + item + query); lists are converted
+    label_ids: tuple[int, ...]
+    apply_softmax: bool
+    item_first: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "items", TokenRows.coerce(self.items))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prefix) + self.items.total
+
+
+def _plain_ints(x: Sequence[object]) -> bool:
+    """Every element exactly an int (not a bool): one C-level pass, the common case of
+    thousands of ids a request (a Python-level loop per id showed in W1's host time)."""
+    return set(map(type, x)) <= {int}
+
+
+def _is_ids(x: object) -> bool:
+    return isinstance(x, (list, tuple)) and (
+        _plain_ints(x) or all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    )
+
+
+def check_ids(field: str, ids: Sequence[int], vocab: int) -> None:
+    if ids and _plain_ints(ids) and min(ids) >= 0 and max(ids) < vocab:
+        return
+    for t in ids:  # the slow path finds and names the offending id
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise InvalidInput(field, f"token ids must be integers, got {type(t).__name__}")
+        if not 0 <= t < vocab:
+            raise InvalidInput(field, f"token id {t} is outside the vocabulary [0, {vocab})")
+
+
+def check_rows(field: str, rows: TokenRows, vocab: int) -> None:
+    """Every id of every item inside the vocabulary and no item empty: a few array passes for
+    the whole request; the message names the first offending item."""
+    flat = rows.flat
+    if flat.size and (flat.min() < 0 or flat.max() >= vocab):
+        at = int(np.flatnonzero((flat < 0) | (flat >= vocab))[0])
+        j = int(np.searchsorted(rows.offsets, at, side="right")) - 1
+        raise InvalidInput(f"{field}[{j}]", f"token id {int(flat[at])} is outside the vocabulary [0, {vocab})")
+    empty = np.flatnonzero(rows.lengths == 0)
+    if empty.size:
+        raise InvalidInput(f"{field}[{int(empty[0])}]", "the item is empty (no tokens)")
+
+
+def check_labels(label_token_ids: Sequence[int], vocab: int, limits: Limits) -> tuple[int, ...]:
+    if not isinstance(label_token_ids, (list, tuple)) or not label_token_ids:
+        raise InvalidInput("label_token_ids", "at least one label token id is required")
+    if len(label_token_ids) > limits.max_labels:
+        raise InvalidInput("label_token_ids", f"{len(label_token_ids)} labels exceed the limit of {limits.max_labels}")
+    check_ids("label_token_ids", label_token_ids, vocab)
+    return tuple(label_token_ids)
+
+
+class RequestTokenizer:
+    """Validates and tokenizes score requests for one model."""
+
+    def __init__(self, cfg: ModelConfig, tokenizer: TextTokenizer | None, limits: Limits | None = None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.limits = limits or Limits()
+        self.start_ids: list[int] = tokenizer.start_ids if tokenizer else []
+        context = cfg.max_position_embeddings
+        # one sequence (start tokens + query + item), and one item, at most
+        self.max_sequence_tokens = min(context, self.limits.max_sequence_tokens or context)
+        self.max_item_tokens = min(self.max_sequence_tokens, self.limits.max_item_tokens or context)
+
+    def _text(self, field: str, text: str, truncating: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
+        if len(text) > self.limits.max_text_chars:
+            raise InvalidInput(
+                field, f"text of {len(text)} characters exceeds the limit of {self.limits.max_text_chars}"
+            )
+        if not truncating:
+            self._check_chars(field, len(text), self.max_sequence_tokens)
+        return self.tokenizer.encode(text)
+
+    def _check_chars(self, field: str, chars: int, max_tokens: int) -> None:
+        """Refuse text that is surely over `max_tokens` from its length alone, before tokenizing it:
+        tokenizing megabytes costs seconds of CPU and memory that a refusal should not."""
+        assert self.tokenizer is not None
+        if chars > max_tokens * self.tokenizer.max_token_chars:
+            raise InvalidInput(
+                field,
+                f"text of {chars} characters is over {max_tokens} tokens (at most "
+                f"{self.tokenizer.max_token_chars} characters a token)",
+            )
+
+    def check_request_tokens(self, tokens: int) -> None:
+        """The request's tokens (query once, plus every item) against max_request_tokens."""
+        limit = self.limits.max_request_tokens
+        if limit is not None and tokens > limit:
+            raise InvalidInput("items", f"the request is {tokens} tokens, over the limit of {limit} per request")
+
+    def query_ids(self, query: str | Sequence[int], truncating: bool = False) -> list[int]:
+        if isinstance(query, str):
+            if not query:
+                raise InvalidInput("query", "the query is empty")
+            return self._text("query", query, truncating)
+        if not _is_ids(query):
+            raise InvalidInput("query", "must be a string or a list of integer token ids")
+        if not query:
+            raise InvalidInput("query", "the query is empty")
+        check_ids("query", query, self.cfg.vocab_size)
+        return list(query)
+
+    def item_ids(
+        self,
+        items: Sequence[str] | Sequence[Sequence[int]],
+        kind: str | None = None,
+        field: str = "items",
+        truncating: bool = False,
+    ) -> TokenRows:
+        """Tokenize items; `kind` ("text" or "ids") is the query's kind, and items must match it.
+        `field`: what errors call the list ("items", or "documents" for a rerank). `truncating`:
+        the caller cuts items to fit, so only max_text_chars bounds a text before tokenizing."""
+        if not isinstance(items, (list, tuple, TokenRows)):
+            raise InvalidInput(field, "must be a list of strings or a list of token-id lists")
+        if len(items) > self.limits.max_items:
+            limit = self.limits.max_items
+            raise InvalidInput(field, f"{len(items)} items exceed the limit of {limit} per request", too_large=True)
+        texts = [False] * len(items) if isinstance(items, TokenRows) else [isinstance(it, str) for it in items]
+        if any(texts) and not all(texts):
+            raise InvalidInput(field, "mixes text and token ids; send all items the same way")
+        item_kind = "text" if items and texts[0] else "ids"
+        if items and kind is not None and item_kind != kind:
+            raise InvalidInput(field, f"items are {item_kind} but the query is {kind}; do not mix text and token ids")
+        if item_kind == "text":
+            for j, it in enumerate(items):
+                if not it:
+                    raise InvalidInput(f"{field}[{j}]", "the item is empty")
+                if len(it) > self.limits.max_text_chars:
+                    raise InvalidInput(
+                        f"{field}[{j}]", f"text exceeds the limit of {self.limits.max_text_chars} characters"
+                    )
+            if self.tokenizer is None:
+                raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
+            if not truncating:  # texts that will be cut to fit are not refused for their size
+                for j, it in enumerate(items):
+                    self._check_chars(f"{field}[{j}]", len(it), self.max_sequence_tokens)
+                if self.limits.max_request_tokens is not None:
+                    self._check_chars(field, sum(len(it) for it in items), self.limits.max_request_tokens)
+            rows = TokenRows.from_lists(self.tokenizer.encode_many(list(items)))  # type: ignore[arg-type]
+        elif isinstance(items, TokenRows):  # from the wire: integers by the message's type
+            rows = items
+        else:
+            lists = all(isinstance(it, (list, tuple)) for it in items)
+            if not (lists and set(map(type, chain.from_iterable(items))) <= {int}):  # type: ignore[arg-type]
+                for j, it in enumerate(items):  # the slow path names the offending item
+                    if not _is_ids(it):
+                        raise InvalidInput(f"{field}[{j}]", "must be a list of integer token ids")
+            rows = TokenRows.from_lists(items)  # type: ignore[arg-type]
+        check_rows(field, rows, self.cfg.vocab_size)
+        return rows
+
+    def assemble(
+        self, query: list[int], items: TokenRows, labels: tuple[int, ...], apply_softmax: bool, item_first: bool
+    ) -> TokenizedRequest:
+        """Place start tokens and check every sequence fits the context (array passes over the items)."""
+        context, max_item = self.max_sequence_tokens, self.max_item_tokens
+        start = list(self.start_ids)
+        if len(start) + len(query) + 1 > context:
+            raise InvalidInput(
+                "query", f"{len(start) + len(query)} tokens leave no room for an item within {context} tokens"
+            )
+        lengths = items.lengths
+        totals = len(start) + len(query) + lengths
+        over = totals > context
+        if not item_first:
+            over |= lengths > max_item
+        if over.any():
+            j = int(np.flatnonzero(over)[0])
+            if totals[j] > context:
+                raise InvalidInput(f"items[{j}]", f"query + item is {totals[j]} tokens, over the limit of {context}")
+            raise InvalidInput(f"items[{j}]", f"{lengths[j]} tokens, over the item limit of {max_item}")
+        if item_first:
+            sequences = TokenRows.from_lists([start + it + query for it in items])
+            self.check_request_tokens(sequences.total)
+            return TokenizedRequest((), sequences, labels, apply_softmax, True)
+        self.check_request_tokens(len(start) + len(query) + items.total)
+        return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False)
+
+
+TRUNCATE = ("none", "end")
+QUERY_TRUNCATION = ("none", "left", "right")
+
+
+@dataclasses.dataclass
+class ScoreInput:
+    """A score request as a transport received it (SGLang's fields, plus ours)."""
+
+    query: object  # text or token ids
+    items: object  # texts or token-id lists
+    label_token_ids: Sequence[int] = ()
+    labels: Sequence[str] = ()  # label strings, one token each (instead of label_token_ids)
+    apply_softmax: bool = False
+    item_first: bool = False
+    truncate: str = "none"  # an item too long: "none" rejects, "end" keeps its first tokens
+    query_truncation: str = "none"  # a query too long: "none" rejects, "left"/"right" drop from that side
+    max_query_tokens: int | None = None  # with query_truncation: the most query tokens kept
+    check_tokenization: bool = False
+
+
+@dataclasses.dataclass
+class RerankInput:
+    """A rerank request (Cohere/Jina/vLLM fields) as a transport received it."""
+
+    query: object
+    documents: object  # texts
+    instruction: str | None = None
+    top_n: int | None = None
+    return_documents: bool = True
+    max_tokens_per_doc: int | None = None
+    truncate: str = "end"  # documents: Cohere's default is to cut long ones
+    check_tokenization: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Truncation:
+    """What truncation removed: reported in the response's usage."""
+
+    query_tokens: int = 0
+    items: tuple[int, ...] = ()  # indices of the items (documents) that were cut
+    item_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Validated:
+    request: TokenizedRequest
+    truncation: Truncation = Truncation()
+    joined_differs: list[bool] | None = None  # with check_tokenization: per item
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidatedRerank:
+    scored: Validated
+    documents: list[str]
+    top_n: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """A validated stream open. prefix: start tokens + query (empty for item_first)."""
+
+    query: list[int]
+    kind: str  # "text" or "ids": every batch's items must be the same
+    label_ids: tuple[int, ...]
+    apply_softmax: bool
+    item_first: bool
+    prefix: tuple[int, ...]
+
+
+def _choice(field: str, value: object, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise InvalidInput(field, f"{value!r} is not one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _count(field: str, value: object) -> int | None:
+    """An optional non-negative integer option (0 and None mean unset)."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidInput(field, f"must be a non-negative integer, got {value!r}")
+    return value or None
+
+
+class Validator:
+    """Validates and tokenizes requests for one model (and its reranker template, if any)."""
+
+    def __init__(self, requests: RequestTokenizer, template: RerankTemplate | None = None) -> None:
+        self.requests = requests
+        self.template = template
+        self.max_sequence_tokens = requests.max_sequence_tokens
+        self.max_item_tokens = requests.max_item_tokens
+
+    # ---- pieces ----------------------------------------------------------------------------------
+    def labels(self, ids: Sequence[int], labels: Sequence[str]) -> tuple[int, ...]:
+        """label_token_ids, or label strings resolved to single tokens; checked against the vocabulary."""
+        limits = self.requests.limits
+        if ids and labels:
+            raise InvalidInput("labels", "set either label_token_ids or labels, not both")
+        if labels:
+            tokenizer = self.requests.tokenizer
+            if tokenizer is None:
+                raise InvalidInput("labels", "the model has no tokenizer; send label_token_ids instead")
+            if len(labels) > limits.max_labels:
+                raise InvalidInput("labels", f"{len(labels)} labels exceed the limit of {limits.max_labels}")
+            resolved = []
+            for j, label in enumerate(labels):
+                try:
+                    resolved.append(tokenizer.token_id(label))
+                except ValueError as err:
+                    raise InvalidInput(f"labels[{j}]", str(err)) from err
+            ids = resolved
+        return check_labels(list(ids) if isinstance(ids, (list, tuple)) else ids, self.requests.cfg.vocab_size, limits)
+
+    def _room(self, prefix_tokens: int) -> int:
+        """The most tokens one item may have after `prefix_tokens` (start tokens + query)."""
+        return min(self.max_item_tokens, self.max_sequence_tokens - prefix_tokens)
+
+    def _cut_query(self, query: list[int], how: str, keep: int | None) -> tuple[list[int], int]:
+        if how == "none":
+            if keep is not None:
+                raise InvalidInput("max_query_tokens", "only applies with query_truncation left or right")
+            return query, 0
+        # at most `keep` tokens, and always room for a one-token item after the start tokens
+        budget = min(keep or 1 << 62, self.max_sequence_tokens - len(self.requests.start_ids) - 1)
+        if len(query) <= budget:
+            return query, 0
+        kept = query[len(query) - budget :] if how == "left" else query[:budget]
+        return kept, len(query) - budget
+
+    @staticmethod
+    def _cut_items(items: TokenRows, room: int) -> tuple[TokenRows, Truncation]:
+        lengths = items.lengths
+        cut = np.flatnonzero(lengths > room)
+        if not cut.size:
+            return items, Truncation()
+        dropped = int((lengths[cut] - room).sum())
+        return items.map_rows(lambda row: row[:room]), Truncation(items=tuple(cut.tolist()), item_tokens=dropped)
+
+    def _joined_differs(self, pairs: list[tuple[str, str]], separate: list[list[int]]) -> list[bool]:
+        """For each (first, second) text pair: does tokenizing first + second as one string differ
+        from the ids the server scored apart (`separate`, before truncation)?"""
+        tokenizer = self.requests.tokenizer
+        assert tokenizer is not None
+        joined = tokenizer.encode_many([a + b for a, b in pairs])
+        return [j != s for j, s in zip(joined, separate, strict=True)]
+
+    # ---- requests --------------------------------------------------------------------------------
+    def score(self, inp: ScoreInput) -> Validated:
+        """A score request -> token ids, truncated as asked; raises InvalidInput naming the field."""
+        labels = self.labels(inp.label_token_ids, inp.labels)
+        truncate = _choice("truncate", inp.truncate, TRUNCATE)
+        how = _choice("query_truncation", inp.query_truncation, QUERY_TRUNCATION)
+        keep = _count("max_query_tokens", inp.max_query_tokens)
+        query = self.requests.query_ids(inp.query, truncating=how != "none")
+        is_text = isinstance(inp.query, str)
+        items = self.requests.item_ids(inp.items, "text" if is_text else "ids", truncating=truncate == "end")
+        if inp.check_tokenization and not is_text:
+            raise InvalidInput("check_tokenization", "only applies to text inputs (token ids are not tokenized)")
+        joined = None
+        if inp.check_tokenization and items:
+            texts = list(inp.items)  # type: ignore[call-overload]
+            if inp.item_first:
+                pairs, separate = [(t, inp.query) for t in texts], [it + query for it in items]
+            else:
+                pairs, separate = [(inp.query, t) for t in texts], [query + it for it in items]
+            joined = self._joined_differs(pairs, separate)  # type: ignore[arg-type]
+        query, query_cut = self._cut_query(query, how, keep)
+        report = Truncation(query_tokens=query_cut)
+        if truncate == "end":
+            items, cut = self._cut_items(items, self._room(len(self.requests.start_ids) + len(query)))
+            report = dataclasses.replace(cut, query_tokens=query_cut)
+        req = self.requests.assemble(query, items, labels, bool(inp.apply_softmax), bool(inp.item_first))
+        return Validated(req, report, joined)
+
+    def rerank(self, inp: RerankInput) -> ValidatedRerank:
+        """A rerank request -> the template's prompt in token ids (prefix = everything up to the
+        document; item = document + suffix), documents cut to fit as asked."""
+        template = self.template
+        if template is None:
+            raise InvalidInput("documents", "the model has no tokenizer, so it has no reranker template")
+        if not isinstance(inp.query, str):
+            raise InvalidInput("query", "must be text")
+        if not isinstance(inp.documents, (list, tuple)) or not all(isinstance(d, str) for d in inp.documents):
+            raise InvalidInput("documents", "must be a list of strings")
+        for j, doc in enumerate(inp.documents):
+            if not doc:
+                raise InvalidInput(f"documents[{j}]", "the document is empty")
+        if inp.instruction and template.name == "none":
+            raise InvalidInput("instruction", "the none template has no instruction; put it in the query")
+        truncate = _choice("truncate", inp.truncate, TRUNCATE)
+        per_doc = _count("max_tokens_per_doc", inp.max_tokens_per_doc)
+        top_n = _count("top_n", inp.top_n)
+        if not inp.query:
+            raise InvalidInput("query", "the query is empty")
+        if len(inp.query) > self.requests.limits.max_text_chars:
+            limit = self.requests.limits.max_text_chars
+            raise InvalidInput("query", f"text of {len(inp.query)} characters exceeds the limit of {limit}")
+        prompt = template.prompt(inp.query, inp.instruction)
+        prefix = template.prefix_ids(prompt)
+        suffix = template.suffix_ids(prompt.suffix)
+        texts = [template.document_text(d) for d in inp.documents]
+        cutting = truncate == "end" or per_doc is not None
+        docs = self.requests.item_ids(texts, "text", field="documents", truncating=cutting)
+        joined = None
+        if inp.check_tokenization and docs:
+            pairs = [(prompt.prefix, t + prompt.suffix) for t in texts]
+            joined = self._joined_differs(pairs, [prefix + d + suffix for d in docs])
+        start = len(self.requests.start_ids)
+        room = self._room(start + len(prefix)) - len(suffix)
+        if room < 1:
+            raise InvalidInput("query", f"the prompt is {start + len(prefix)} tokens and leaves no room for a document")
+        report = Truncation()
+        if per_doc is not None and per_doc < room:
+            room, truncate = per_doc, "end"  # an explicit per-document budget always cuts
+        if truncate == "end":
+            docs, report = self._cut_items(docs, room)
+        else:  # name the document, not the assembled item
+            over = np.flatnonzero(docs.lengths > room)
+            if over.size:
+                j = int(over[0])
+                raise InvalidInput(
+                    f"documents[{j}]", f"{docs.lengths[j]} tokens, over the {room} that fit (truncate none)"
+                )
+        req = self.requests.assemble(prefix, docs.with_suffix(suffix), template.label_ids, True, False)
+        return ValidatedRerank(Validated(req, report, joined), list(inp.documents), top_n)
+
+    def stream_open(self, inp: ScoreInput) -> StreamSpec:
+        """A stream's query, labels and options (no items yet)."""
+        labels = self.labels(inp.label_token_ids, inp.labels)
+        ids = self.requests.query_ids(inp.query)
+        # no items yet: this checks the query leaves room for one and gives the prefix
+        opened = self.requests.assemble(
+            ids, TokenRows.coerce([]), labels, bool(inp.apply_softmax), bool(inp.item_first)
+        )
+        kind = "text" if isinstance(inp.query, str) else "ids"
+        return StreamSpec(ids, kind, labels, opened.apply_softmax, opened.item_first, opened.prefix)
+
+    def stream_batch(self, spec: StreamSpec, items: object) -> TokenizedRequest:
+        """One batch of an open stream, over the stream's query."""
+        ids = self.requests.item_ids(items, spec.kind)  # type: ignore[arg-type]
+        return self.requests.assemble(spec.query, ids, spec.label_ids, spec.apply_softmax, spec.item_first)

@@ -1,0 +1,70 @@
+"""The typed inputs of one device call (model/step.py): what crosses into compiled code.
+
+The engine's planner (engine/planner.py) fills them on the host as numpy arrays; the
+executable ships them as they are. Every shape follows from a `CallShape` (the
+executable key) and the buckets: Tp prefill tokens, Ti item tokens and R rows per
+device, d devices, S segments (page-table rows) of P pages, L label ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+# label sets per call: rows index into a [LABEL_SETS, labels] table of the call
+LABEL_SETS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CallShape:
+    """The executable key: every shape of a call's inputs follows from it and the buckets."""
+
+    prefill_tokens: int  # Tp: the prefill region (0: none)
+    item_tokens: int  # Ti: the item region, per device
+    rows: int  # R: items per device
+    labels: int  # L: label ids per call (the union of its rows' label sets)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillRegion:
+    """Prefill chunks, the same on every device. All [Tp] int32."""
+
+    tokens: Any
+    positions: Any
+    segment_ids: Any  # the chunk's segment (page-table row)
+    item_ids: Any  # one causal item per chunk (padding: a unique id per token)
+    write_pages: Any  # the pool page each token's K/V goes to (pool pages: padding, dropped)
+    write_offsets: Any  # and the slot within that page
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ItemRegion:
+    """Items, one stream per device (leading axis: devices)."""
+
+    tokens: Any  # [d, Ti] int32
+    positions: Any  # [d, Ti] int32: prefix_len + index within the item
+    segment_ids: Any  # [d, Ti] int32
+    item_ids: Any  # [d, Ti] int32
+    read_at: Any  # [d, R] int32: the stream index (prefill region included) of each row's last token
+    label_set: Any  # [d, R] int32: row of label_sets
+    apply_softmax: Any  # [d, R] bool
+    n_rows: Any  # [d] int32: rows in use
+    max_item_len: Any  # [d] int32: the longest item (a hint for the causal part)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CallInputs:
+    """Everything a device call reads besides the weights and the pool."""
+
+    prefill: PrefillRegion
+    items: ItemRegion
+    page_table: Any  # [S, P] int32: pool pages of each segment
+    prefix_len: Any  # [S] int32
+    labels: Any  # [L] int32: the call's label ids
+    label_sets: Any  # [LABEL_SETS, L] int32: per set, indices into labels (-1: unused)
+    max_chunk_len: Any  # [] int32: the longest prefill chunk
