@@ -266,10 +266,11 @@ def _buckets(args: argparse.Namespace) -> Callable[[int], Any] | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from prefixscore.service import logs
+    from prefixscore.telemetry import logs
 
     logs.configure(args.log_format, args.log_level)
-    from prefixscore.service.server import ScoreServer, ServerConfig, StartupFailed
+    from prefixscore.service.core import ServerConfig, StartupFailed
+    from prefixscore.service.process import ScoreServer
 
     config = ServerConfig(
         model=args.model,

@@ -21,7 +21,7 @@ ideal request.
 Host cost: with --serve-process the bench starts `prefixscore serve` in a process of
 its own and runs every workload against it; each concurrent record then carries the
 server's CPU time per request by thread kind (python, xla, grpc, other), read from its
-`prefixscore_thread_cpu_seconds_total` before and after the timed run (service/host_cost.py),
+`prefixscore_thread_cpu_seconds_total` before and after the timed run (telemetry/host_cost.py),
 and requests/s. `host` is W4's shape for that measure (run it on the smallest preset,
 `--model tiny-qwen3`, so the device work is small); `host-rerank` is HTTP /v1/rerank with
 --rerank-docs text documents per request. Against a server already running, --target
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from prefixscore.bench import workloads as wl
-from prefixscore.service import host_cost
+from prefixscore.telemetry import host_cost
 
 WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4", "host", "host-rerank", "w5")
 MODES = ("prefix", "packed", "sequential")
@@ -357,7 +357,7 @@ def replica_counts(metrics_target: str) -> dict[str, float]:
 
 
 def thread_cpu(metrics_target: str) -> dict[str, float]:
-    """The server's `prefixscore_thread_cpu_seconds_total` by kind (service/host_cost.py)."""
+    """The server's `prefixscore_thread_cpu_seconds_total` by kind (telemetry/host_cost.py)."""
     with urllib.request.urlopen(f"http://{metrics_target}/metrics", timeout=30) as response:
         text = response.read().decode()
     out: dict[str, float] = {}
@@ -622,7 +622,8 @@ class Bench:
         """W2/W3-grpc/W4 (and host, host-rerank) without a target are measured through gRPC (and
         HTTP): this engine served on free ports in this process."""
         if self.server is None:
-            from prefixscore.service.server import ServerConfig, ServerThread
+            from prefixscore.service.core import ServerConfig
+            from prefixscore.service.process import ServerThread
 
             cfg = ServerConfig(
                 host="127.0.0.1",

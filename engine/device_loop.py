@@ -30,8 +30,8 @@ import numpy as np
 from prefixscore.engine.batcher import Batcher, Call, NonFiniteScores, WorkUnit, take_results
 from prefixscore.engine.executables import CompileCounter, ScoringEngine
 from prefixscore.engine.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
-from prefixscore.service.logs import event
-from prefixscore.service.metrics import ServiceMetrics
+from prefixscore.telemetry.logs import event
+from prefixscore.telemetry.metrics import ServiceMetrics
 
 log = logging.getLogger("prefixscore.worker")
 
@@ -491,7 +491,7 @@ class DeviceWorker:
         self.metrics.cache_pinned.set(self.cache.pinned)
 
     def _pool_gauges(self) -> None:
-        """The endpoint picker's gauges (service/metrics.py), read when scraped: nothing is
+        """The endpoint picker's gauges (telemetry/metrics.py), read when scraped: nothing is
         counted per request for them."""
         cache, batcher = self.cache, self.batcher
         assert cache is not None and batcher is not None

@@ -18,7 +18,7 @@ from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate, ranke
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service.metrics import ServiceMetrics
+from prefixscore.telemetry.metrics import ServiceMetrics
 
 MODES = ("prefix", "sequential", "packed")
 

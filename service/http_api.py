@@ -1,10 +1,10 @@
 """The HTTP API: SGLang's `/v1/score`, a Cohere/Jina/vLLM-style `/v1/rerank`, `/v1/models`,
-`/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the gRPC server's
-own event loop, on its own port.
+`/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the process's
+event loop (the gRPC server's too), on its own port.
 
 Routes only map JSON onto the transport-neutral inputs of `engine/validation.py` (the one
-validation pass gRPC shares) and hand the validated request to `ScoreServer.run`, the same
-device worker and batcher as gRPC: items of HTTP and gRPC requests over one query ride in
+validation pass gRPC shares) and hand the validated request to the core's `run` (service/core.py), the same
+device loop and batcher as gRPC: items of HTTP and gRPC requests over one query ride in
 the same device calls. Errors keep SGLang's shape,
 `{"object": "error", "message", "type", "param", "code"}`, with `message` starting with
 the field at fault: 400 bad input, 413 over a size limit, 429 queue full (Retry-After),
@@ -37,12 +37,12 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from prefixscore.engine.templates import ranked
-from prefixscore.engine.validation import InvalidInput, RerankInput, ScoreInput, Truncation, Validator
-from prefixscore.service import prefix_key, request_ids
-from prefixscore.service.logs import event
+from prefixscore.engine.validation import InvalidInput, RerankInput, ScoreInput, Truncation
+from prefixscore.service import prefix_key
+from prefixscore.service.core import Failure, ScoringService, internal_failure, validated
 from prefixscore.service.security import TokenFile
-from prefixscore.service.server import RETRY_AFTER_KEY, ScoreServer, internal_failure, validated
-from prefixscore.service.wire import RpcFailure
+from prefixscore.telemetry import request_ids
+from prefixscore.telemetry.logs import event
 
 log = logging.getLogger("prefixscore.http")
 
@@ -231,12 +231,11 @@ def _invalid(err: InvalidInput) -> JSONResponse:
     return error(400, str(err), "BadRequestError", err.field)
 
 
-def _refused(failure: RpcFailure) -> JSONResponse:
+def _refused(failure: Failure) -> JSONResponse:
     status, err_type = HTTP_STATUS.get(failure.code, (500, "InternalServerError"))
     headers = {}
-    for key, value in failure.trailers:
-        if key == RETRY_AFTER_KEY:
-            headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
+    if failure.retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(failure.retry_after_ms / 1000)))
     return error(status, failure.message, err_type, headers=headers)
 
 
@@ -347,8 +346,8 @@ class _BearerTokens:
         await refusal(scope, receive, send)
 
 
-def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
-    """The FastAPI application over a ScoreServer (its validation, batcher and worker)."""
+def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastAPI:
+    """The FastAPI application over the service's core (its validation and device loop)."""
     from prefixscore import __version__
 
     app = FastAPI(
@@ -361,7 +360,7 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
         # observability is its Prometheus metrics and request-id logs
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    app.add_middleware(_BodyLimit, limit=server.config.max_message_bytes)
+    app.add_middleware(_BodyLimit, limit=service.config.max_message_bytes)
     if tokens is not None:  # outside the body limit: a refused client's body is never read
         app.add_middleware(_BearerTokens, tokens=tokens)
     app.add_middleware(_RequestIds)  # added last: outermost, so refusals carry the request id too
@@ -374,34 +373,31 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
 
-    def accepting() -> Validator:
-        return server._check_accepting().validator
-
     def model_name(requested: str | None) -> str:
-        return requested or (server.loaded.name if server.loaded else "")
+        return requested or (service.loaded.name if service.loaded else "")
 
     @contextlib.contextmanager
     def handled(method: str) -> Iterator[dict]:
         """Count the request like an RPC (drain waits for it) and turn errors into responses."""
         outcome: dict[str, Any] = {}
         started = time.monotonic()
-        with server.accounted(method) as status:
+        with service.accounted(method) as counted:
             try:
                 yield outcome
             except InvalidInput as err:
-                status[0] = "INVALID_ARGUMENT"
+                counted.status = "INVALID_ARGUMENT"
                 outcome["response"] = _invalid(err)
-            except RpcFailure as failure:
-                status[0] = failure.code.name
+            except Failure as failure:
+                counted.status = failure.code.name
                 outcome["response"] = _refused(failure)
             except Exception as err:  # what failed and a request id; the details only in the log
-                status[0] = "INTERNAL"
+                counted.status = "INTERNAL"
                 failure = internal_failure(f"{method} failed", err)
                 outcome["response"] = error(500, failure.message, "InternalServerError")
             finally:
                 # an access-log line; it carries the request id like every line logged while handling it
                 seconds = round(time.monotonic() - started, 6)
-                event(log, "http_request", logging.DEBUG, method=method, status=status[0], seconds=seconds)
+                event(log, "http_request", logging.DEBUG, method=method, status=counted.status, seconds=seconds)
 
     @app.post(
         "/v1/score",
@@ -425,12 +421,12 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
                 max_query_tokens=body.max_query_tokens,
                 check_tokenization=body.check_tokenization,
             )
-            checked = await validated(_body_bytes(request), accepting().score, inp)
+            checked = await validated(_body_bytes(request), service.accepting().score, inp)
             req = checked.request
             scores: list[list[float]] = []
             cached = 0
             if req.items:
-                unit = await server.run(req, "HttpScore")
+                unit = await service.run(req, "HttpScore")
                 scores, cached = unit.scores.tolist(), unit.cached_tokens
             key = prefix_key.for_score(body.query) if body.query is not None else None
             return _encoded(
@@ -457,12 +453,12 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
                 truncate=body.truncate,
                 check_tokenization=body.check_tokenization,
             )
-            checked = await validated(_body_bytes(request), accepting().rerank, inp)
+            checked = await validated(_body_bytes(request), service.accepting().rerank, inp)
             req = checked.scored.request
             results: list[dict[str, Any]] = []
             cached = 0
             if req.items:
-                unit = await server.run(req, "HttpRerank")
+                unit = await service.run(req, "HttpRerank")
                 cached = unit.cached_tokens
                 differs = checked.scored.joined_differs
                 # plain data from validated values, encoded once: RerankResponse (the route's
@@ -505,14 +501,14 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses={503: ERRORS[503]}, summary="The served model")
     async def models() -> Any:
-        if not server.ready or server.loaded is None:
+        if not service.ready or service.loaded is None:
             return error(503, "the model is still loading; wait for /ready", "ServiceUnavailableError")
-        loaded = server.loaded
+        loaded = service.loaded
         card = ModelCard(
             id=loaded.name,
-            created=int(server.started_at),
+            created=int(service.started_at),
             max_model_len=loaded.cfg.max_position_embeddings,
-            template=server.template.name if server.template else None,
+            template=service.template.name if service.template else None,
         )
         return ModelList(data=[card])
 
@@ -527,11 +523,11 @@ def build_app(server: ScoreServer, tokens: TokenFile | None = None) -> FastAPI:
         summary="Readiness: 200 only when the model is loaded and the server is not draining",
     )
     async def ready() -> Any:
-        failing = server.probe("/ready")  # the admin port's readiness, the same answer
+        failing = service.probe("/ready")  # the admin port's readiness, the same answer
         if failing:
             return JSONResponse(Status(status=failing).model_dump(exclude_none=True), status_code=503)
-        shapes_ready = server.engine.shapes_ready if server.engine else 0
-        return _encoded(Status(status="ready", call_shapes_ready=shapes_ready, call_shapes=server.call_shapes))
+        shapes_ready = service.engine.shapes_ready if service.engine else 0
+        return _encoded(Status(status="ready", call_shapes_ready=shapes_ready, call_shapes=service.call_shapes))
 
     return app
 
@@ -600,17 +596,17 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    """The HTTP API on `host:port`, in the running event loop (the gRPC server's)."""
+    """The HTTP API on `host:port`, in the running event loop (the process's, shared with gRPC)."""
 
     def __init__(
         self,
-        server: ScoreServer,
+        service: ScoringService,
         host: str,
         port: int,
         tokens: TokenFile | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.app = build_app(server, tokens)
+        self.app = build_app(service, tokens)
         self.host = host
         self.port = port
         self.ssl_context = ssl_context

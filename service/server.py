@@ -1,28 +1,22 @@
-"""The gRPC server: `prefixscore.v1.ScoreService` on grpc.aio, plus grpc.health.v1.Health,
-server reflection, and Prometheus metrics on their own port.
+"""The gRPC transport: `prefixscore.v1.ScoreService` on grpc.aio, plus grpc.health.v1.Health
+and server reflection, over the service's core (service/core.py).
 
-Life cycle: `start()` listens at once with health NOT_SERVING, then the device
-worker loads the model and compiles (warm-up) on its own thread; health turns
-SERVING when that is done. `drain()` (SIGTERM) turns health NOT_SERVING,
-refuses new RPCs with UNAVAILABLE, lets in-flight RPCs and open streams finish
-(up to a timeout), then stops the server and the worker.
-
-Handlers do validation and tokenization off the event loop (a thread), hand
-token ids to the worker as `WorkUnit`s, and await their results; they never
-touch the device.
+Handlers parse the message (service/wire.py maps it onto the engine's validation inputs),
+validate through the core (inline, or in a thread for a large message), hand the request
+to the core's device loop, and map the core's `Failure` onto a status. Every response
+carries the request id and the prefix key as initial metadata. Health is NOT_SERVING
+until the process (service/process.py) says the core is ready, and again while draining.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import dataclasses
 import functools
 import logging
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -30,25 +24,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixscore.engine.batcher import WorkUnit
-from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.device_loop import (
-    DeadlineExpired,
-    DeviceWorker,
-    NonFiniteScores,
-    QueueFull,
-    StreamPin,
-    WorkerStopped,
-    run_on_done,
+from prefixscore.engine.device_loop import StreamPin
+from prefixscore.engine.templates import ranked
+from prefixscore.engine.validation import InvalidInput, StreamSpec
+from prefixscore.service import prefix_key, security
+from prefixscore.service.core import (
+    Failure,
+    ScoringService,
+    internal_failure,
+    invalid,
+    unit_failure,
+    validated,
 )
-from prefixscore.engine.executables import CompileCounter, ScoringEngine, WarmupStage
-from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
-from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, TokenizedRequest
-from prefixscore.model.loader import LoadedModel, load_model
-from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service import prefix_key, request_ids, security
-from prefixscore.service.logs import event
-from prefixscore.service.metrics import ServiceMetrics, serve_metrics
-from prefixscore.service.wire import RequestConverter, RpcFailure, StreamSpec, invalid, item_scores, parse, usage
+from prefixscore.service.wire import RequestConverter, item_scores, parse, usage
+from prefixscore.telemetry import request_ids
 from prefixscore.v1 import score_service_pb2 as pb
 
 log = logging.getLogger("prefixscore.server")
@@ -58,103 +47,12 @@ try:  # what grpc.aio raises when a message is written on a call that has alread
 except ImportError:  # pragma: no cover (another grpcio layout: such writes count as INTERNAL)
     _CallEnded = type("_CallEnded", (Exception,), {})
 
-# a request message up to this size is validated (and tokenized) on the event loop: that takes
-# well under a millisecond, less than the hop to a worker thread and back costs the host;
-# larger ones go to a thread so the loop keeps serving everyone else meanwhile
-INLINE_VALIDATION_BYTES = 32 << 10
-
-# a background warm-up compiles on this many threads, niced: requests are being served beside it
-# (measured on 2 cores, SmolLM2 from a warm cache: 4 threads at normal priority doubled the first
-# request's 2.1 s)
-BACKGROUND_COMPILE_THREADS = 2
-
 SERVICE = pb.DESCRIPTOR.services_by_name["ScoreService"].full_name  # "prefixscore.v1.ScoreService"
-RETRY_AFTER_KEY = "retry-after-ms"
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal: when to retry
 
 
-@dataclasses.dataclass
-class ServerConfig:
-    """Everything `prefixscore serve` can set (see cli.py for the flags and environment variables)."""
-
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    host: str = "0.0.0.0"
-    port: int = 50051  # 0: any free port (see ScoreServer.port)
-    metrics_port: int | None = 9090  # None: no metrics endpoint; 0: any free port
-    http_port: int | None = None  # the HTTP API (service/http_api.py); None: off; 0: any free port
-    template: str = DEFAULT_TEMPLATE  # the reranker prompt template of Rerank and /v1/rerank
-    max_queue_items: int = 65_536  # admission control: items waiting for the device
-    max_items: int = 10_000  # items per request or stream batch
-    # the prefix pool: bytes, or (None) a fraction of the device memory left after the weights
-    pool_bytes: int | None = None
-    pool_memory_fraction: float = 0.5
-    compile_cache: str | None = None  # None: $PREFIXSCORE_COMPILE_CACHE_DIR or the user's cache dir; "off"
-    drain_seconds: float = 30.0  # how long SIGTERM waits for in-flight RPCs
-    warmup: bool = True  # compile every call shape (engine.warmup_stages) ...
-    # ... and with serve_early, report SERVING once the first stage is compiled and compile the
-    # rest in the background, each stage taken into service when it is ready; else all before
-    serve_early: bool = True
-    # None: the engine's default for the model's context; or a function of the context
-    buckets: Buckets | Callable[[int], Buckets] | None = None
-    attn_impl: str | None = None
-    batch_wait_s: float = 0.0  # extra wait before an idle device's first batch, to merge more requests
-    max_message_bytes: int = 64 << 20
-    # ---- limits against careless or hostile clients (docs/operations.md) ----
-    max_queue_tokens: int = 1 << 22  # admission control in item tokens, besides items
-    max_request_tokens: int = 1 << 20  # query + items of one request or stream batch
-    max_streams: int = 256  # ScoreStreams open at once (each pins its query); past it RESOURCE_EXHAUSTED
-    max_concurrent_rpcs: int = 1024  # RPCs in progress, health included; gRPC refuses past it
-    stream_idle_timeout_s: float = 120.0  # a stream that sends nothing, or reads nothing, this long is ended
-    max_pending_batches: int = 32  # per stream: batches accepted but not yet sent back; past it reading pauses
-    keepalive_time_s: float = 60.0  # server pings idle connections this often ...
-    keepalive_timeout_s: float = 20.0  # ... and closes those that do not answer within this
-    max_connection_idle_s: float = 600.0  # connections without calls are closed after this
-    max_connection_age_s: float = 3600.0  # connections are recycled (GOAWAY) after this, to rebalance ...
-    max_connection_age_grace_s: float = 60.0  # ... letting their calls finish for this long
-    # ---- security ----
-    metrics_host: str | None = None  # None: the same as `host`
-    reflection: bool = False  # gRPC server reflection (grpcurl without the .proto)
-    tls_cert: str | None = None  # PEM files; with both, TLS only (reloaded when they change)
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # mutual TLS: clients need a certificate this CA signed
-    auth_tokens_file: str | None = None  # bearer tokens, one a line: every call but health needs one
-    loaded: LoadedModel | None = None  # a model already in memory (tests, embedding): `model` is not loaded
-    engine: ScoringEngine | None = None  # with `loaded`: an engine already built (and compiled) for it
-
-
-class StartupFailed(RuntimeError):
-    """The model could not be loaded or compiled."""
-
-
-def internal_failure(what: str, err: BaseException) -> RpcFailure:
-    """INTERNAL that says what failed, not how: paths and device details go to the log only,
-    under the request id the client is given to find them."""
-    rid = request_ids.current() or request_ids.new_id()
-    log.error("%s (request id %s): %s: %s", what, rid, type(err).__name__, err, exc_info=err)
-    return RpcFailure(grpc.StatusCode.INTERNAL, f"{what}; request id {rid} (details in the server log)")
-
-
-def _unit_failure(err: BaseException) -> RpcFailure:
-    if isinstance(err, DeadlineExpired):
-        return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
-    if isinstance(err, WorkerStopped):
-        return RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err))
-    if isinstance(err, NonFiniteScores):
-        return internal_failure("the model produced non-finite scores (NaN or Inf)", err)
-    return internal_failure("the device call failed", err)
-
-
-@contextlib.contextmanager
-def _admission() -> Iterator[None]:
-    """Admission control refusals as gRPC statuses: RESOURCE_EXHAUSTED with a retry hint."""
-    try:
-        yield
-    except QueueFull as full:
-        raise RpcFailure(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {full}", ((RETRY_AFTER_KEY, str(full.retry_after_ms)),)
-        ) from full
-    except WorkerStopped as err:
-        raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+def _trailers(failure: Failure) -> tuple[tuple[str, str], ...]:
+    return ((RETRY_AFTER_KEY, str(failure.retry_after_ms)),) if failure.retry_after_ms is not None else ()
 
 
 class _InitialMetadata:
@@ -191,25 +89,12 @@ def _input_key(query: pb.Input) -> str:
     return prefix_key.for_score(query.text if query.WhichOneof("kind") == "text" else query.token_ids.ids)
 
 
-def _warmup_report(
-    engine: ScoringEngine, report: dict, compiles: int, compile_s: float, started: float
-) -> dict[str, Any]:
-    """The log fields of a warm-up (or its first stage) since `started` and the counts then."""
-    return dict(
-        executables=report.get("executables"),
-        compilations=CompileCounter.count() - compiles,
-        compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
-        seconds=round(time.monotonic() - started, 3),
-        compile_cache=engine.compile_cache_dir,
-    )
-
-
 def _rpc(method: str) -> Callable:
     """Wrap a handler: metrics (requests by code, latency, in-flight) and error -> status mapping."""
 
     def decorate(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         @functools.wraps(fn)
-        async def handler(self: ScoreServer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handler(self: GrpcServer, request: Any, context: grpc.aio.ServicerContext) -> Any:
             return await self._observe(method, fn, request, context)
 
         return handler
@@ -217,57 +102,22 @@ def _rpc(method: str) -> Callable:
     return decorate
 
 
-class ScoreServer:
-    """One ScoreService server; see the module doc. Use from one asyncio event loop."""
+class GrpcServer:
+    """The ScoreService and health servers on one port, over `service`; see the module doc.
+    Use from one asyncio event loop."""
 
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.metrics = ServiceMetrics()
+    def __init__(self, service: ScoringService) -> None:
+        self.service = service
+        self.config = service.config
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
-        self.metrics_port: int | None = None
-        self.http_port: int | None = None
-        self.template: RerankTemplate | None = None
-        self.ready = False
-        self.draining = False
-        self.started_at = time.time()  # /v1/models' "created"
-        self.exit_code = 0  # non-zero: the process must be restarted (the device loop broke)
-        self._streams = 0
-        self.loaded: LoadedModel | None = None
-        self.engine: ScoringEngine | None = None
-        self.converter: RequestConverter | None = None
-        self.devices: list[str] = []
+        self.streams = 0  # ScoreStreams open now
+        self._converter: RequestConverter | None = None
         self._server: grpc.aio.Server | None = None
-        self._metrics_httpd: Any = None
-        self._http: Any = None  # http_api.HttpServer when http_port is set
-        self._inflight = 0
-        self.call_shapes = 0  # call shapes warm-up compiles (engine.shapes_ready: how many are)
-        self._warming_stop = threading.Event()  # ends a background warm-up at shutdown
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._stopped = asyncio.Event()
-        self._ready_task: asyncio.Task | None = None
-        CompileCounter.install()  # count the compilations of loading and warm-up too
-        self.worker = DeviceWorker(
-            self._startup,
-            self.metrics,
-            config.max_queue_items,
-            on_ready=self._on_worker_ready,
-            batch_wait_s=config.batch_wait_s,
-            max_queue_tokens=config.max_queue_tokens,
-            on_failure=self._on_worker_failure,
-            deliver=self._deliver,
-        )
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._worker_ready: asyncio.Future | None = None
 
-    # ---- life cycle ------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Listen (health NOT_SERVING), start the metrics endpoint, and start loading the model."""
+    async def start(self, tokens: security.TokenFile | None) -> int:
+        """Listen now, health NOT_SERVING; returns the bound port."""
         cfg = self.config
-        self._loop = asyncio.get_running_loop()
-        self._worker_ready = self._loop.create_future()
-        tokens = security.TokenFile(cfg.auth_tokens_file) if cfg.auth_tokens_file else None
         ms = lambda seconds: int(seconds * 1000)  # noqa: E731
         server = grpc.aio.server(
             interceptors=[security.BearerTokenInterceptor(tokens)] if tokens else None,
@@ -312,8 +162,7 @@ class ScoreServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if cfg.reflection:
             reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        for name in ("", SERVICE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.set_serving(False)
         address = f"{cfg.host}:{cfg.port}"
         if cfg.tls_cert or cfg.tls_key:
             if not (cfg.tls_cert and cfg.tls_key):
@@ -326,221 +175,20 @@ class ScoreServer:
             self.port = server.add_insecure_port(address)
         await server.start()
         self._server = server
-        if cfg.metrics_port is not None:
-            host = cfg.metrics_host or cfg.host
-            self._metrics_httpd = serve_metrics(host, cfg.metrics_port, self.metrics.registry, self.probe)
-            self.metrics_port = self._metrics_httpd.server_port
-        if cfg.http_port is not None:
-            from prefixscore.service.http_api import HttpServer  # the ASGI stack loads only when asked for
+        return self.port
 
-            tls = security.http_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
-            self._http = HttpServer(self, cfg.host, cfg.http_port, tokens, tls)
-            self.http_port = await self._http.start()
-        event(
-            log,
-            "listening",
-            host=cfg.host,
-            port=self.port,
-            metrics_port=self.metrics_port,
-            http_port=self.http_port,
-            tls=bool(cfg.tls_cert),
-            mutual_tls=bool(cfg.tls_client_ca),
-            auth_tokens=tokens is not None,
-            reflection=cfg.reflection,
-        )
-        self.worker.start()
-        self._ready_task = asyncio.ensure_future(self._become_ready())
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
 
-    def _startup(self) -> ScoringEngine:
-        """On the device thread: load weights, build the engine, compile the buckets."""
-        cfg = self.config
-        started = time.monotonic()
-        loaded = cfg.loaded or load_model(cfg.model, cfg.dtype)
-        loaded_at = time.monotonic()
-        if cfg.engine is not None:
-            engine = cfg.engine
-        else:
-            buckets = cfg.buckets(loaded.cfg.max_position_embeddings) if callable(cfg.buckets) else cfg.buckets
-            engine = ScoringEngine(
-                loaded.cfg,
-                loaded.params,
-                loaded.dtype,
-                buckets,
-                cfg.attn_impl,
-                compile_cache_dir=cfg.compile_cache,
-                pool_bytes=cfg.pool_bytes,
-                pool_memory_fraction=cfg.pool_memory_fraction,
-            )
-
-        self.devices = [f"{d.platform}:{d.id}" for d in engine.devices]
-        # a template the model cannot serve (no chat template, labels not single tokens) fails startup
-        self.template = RerankTemplate(cfg.template, loaded.tokenizer) if loaded.tokenizer is not None else None
-        event(
-            log,
-            "model_loaded",
-            model=loaded.name,
-            family=loaded.cfg.family,
-            dtype=loaded.dtype,
-            devices=self.devices,
-            attention=engine.attn_impl,
-            seconds=round(loaded_at - started, 3),
-            buckets=dataclasses.asdict(engine.buckets),
-            pool_pages=engine.pool_pages,
-            pool_bytes=engine.pool_bytes,
-            tokenizer=loaded.tokenizer is not None,
-        )
-        compiles, compile_s = CompileCounter.count(), CompileCounter.seconds()
-        stages = engine.warmup_stages() if cfg.warmup else []
-        self.call_shapes = sum(len(stage.shapes) for stage in stages)
-        # compiled before SERVING: every stage, or with serve_early the first, which serves any
-        # request whose items fit its bucket; traffic never waits for a shape it does not need
-        now, later = (stages[:1], stages[1:]) if cfg.serve_early else (stages, [])
-        report = engine.compile_stages(now) if now else {}
-        self.metrics.call_shapes.labels("compiled").set(engine.shapes_ready)
-        self.metrics.call_shapes.labels("all").set(self.call_shapes)
-        # the kernels against the oracle on this very device: never serve a miscompiled kernel
-        event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=engine.check_attention())
-        warmed = _warmup_report(engine, report, compiles, compile_s, loaded_at)
-        if later:
-            event(log, "serving_early", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes, **warmed)
-            self._warm_in_background(engine, later)
-        else:
-            event(log, "warmed_up", warmup=cfg.warmup, **warmed)
-        self.loaded = loaded
-        return engine
-
-    def _warm_in_background(self, engine: ScoringEngine, stages: list[WarmupStage]) -> None:
-        """Compile the later warm-up stages on a thread of their own while serving; each stage
-        is planned into as soon as it is compiled. A stage that fails to compile is a broken
-        device loop (the work waiting for its shapes would never run): the process restarts."""
-
-        def stage_ready() -> None:
-            self.metrics.call_shapes.labels("compiled").set(engine.shapes_ready)
-            event(log, "warmup_stage", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes)
-            self.worker.shapes_changed()
-
-        def run() -> None:
-            compiles, compile_s, started = CompileCounter.count(), CompileCounter.seconds(), time.monotonic()
-            try:
-                report = engine.compile_stages(
-                    stages, BACKGROUND_COMPILE_THREADS, on_stage=stage_ready, stop=self._warming_stop, nice=10
-                )
-            except Exception as err:
-                log.exception("background warm-up failed")
-                self._on_worker_failure(err)
-                return
-            if engine.shapes_ready == self.call_shapes:
-                warmed = _warmup_report(engine, report, compiles, compile_s, started)
-                event(log, "warmed_up", warmup=True, background=True, **warmed)
-
-        threading.Thread(target=run, name="prefixscore-warmup", daemon=True).start()
-
-    def _on_worker_ready(self, error: BaseException | None) -> None:
-        """From the device thread, once: hand the outcome to the event loop."""
-        assert self._loop is not None and self._worker_ready is not None
-        future = self._worker_ready
-
-        def settle() -> None:
-            if not future.done():
-                future.set_result(error)
-
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-            self._loop.call_soon_threadsafe(settle)
-
-    def _on_worker_failure(self, error: BaseException) -> None:
-        """From the device thread: the device loop broke. Not serving any more: health
-        NOT_SERVING at once, then stop with a non-zero exit so the orchestrator restarts us."""
-        assert self._loop is not None
-
-        async def fail() -> None:
-            self.exit_code = 1
-            event(log, "worker_failed", level=logging.CRITICAL, error=f"{type(error).__name__}: {error}")
-            for name in ("", SERVICE):
-                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-            await self.stop()
-
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending anyway
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(fail()))
-
-    async def _become_ready(self) -> None:
-        assert self._worker_ready is not None
-        error = await self._worker_ready
-        if error is not None:
-            event(log, "startup_failed", level=logging.ERROR, error=f"{type(error).__name__}: {error}")
-            raise StartupFailed(f"{type(error).__name__}: {error}") from error
-        assert self.loaded is not None and self.worker.engine is not None
-        self.engine = self.worker.engine
-        loaded = self.loaded
-        # the Scorer's limits (sequences within the compiled buckets), and no request larger than the queue
-        cfg = self.config
-        limits = Limits.for_engine(
-            self.engine,
-            max_items=min(cfg.max_items, cfg.max_queue_items),
-            max_request_tokens=min(cfg.max_request_tokens, cfg.max_queue_tokens),
-        )
-        self.converter = RequestConverter(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits), self.template)
-        self.metrics.model_info.info(
-            dict(model=loaded.name, family=loaded.cfg.family, dtype=loaded.dtype, devices=",".join(self.devices))
-        )
-        self.ready = True
-        if not self.draining:
-            for name in ("", SERVICE):
-                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        event(log, "ready", model=loaded.name, port=self.port, metrics_port=self.metrics_port)
-
-    def probe(self, path: str) -> str | None:
-        """The admin port's probes: None when `path` ("/health": liveness, "/ready": readiness)
-        passes, else the reason it does not."""
-        if self.exit_code:
-            return "failed: the device loop broke; the process is exiting"
-        if path == "/ready":
-            if self.draining:
-                return "draining"
-            if not self.ready:
-                return "loading"
-        return None
-
-    async def wait_ready(self) -> None:
-        """Return once SERVING; raises StartupFailed if the model could not be loaded."""
-        assert self._ready_task is not None, "start() first"
-        await asyncio.shield(self._ready_task)
-
-    async def drain(self, timeout: float | None = None) -> None:
-        """Graceful stop: health NOT_SERVING, refuse new RPCs, finish in-flight ones, stop."""
-        if self.draining:
-            await self._stopped.wait()
-            return
-        self.draining = True
-        timeout = self.config.drain_seconds if timeout is None else timeout
-        event(log, "draining", inflight=self._inflight, queued_items=self.worker.depth, timeout_s=timeout)
+    async def enter_graceful_shutdown(self) -> None:
+        """Health NOT_SERVING for good: load balancers move traffic away while calls finish."""
         await self.health.enter_graceful_shutdown()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            event(log, "drain_timeout", level=logging.WARNING, inflight=self._inflight)
-        await self.stop()
 
     async def stop(self) -> None:
-        """Stop at once: cancel what is in flight, stop the worker and the metrics endpoint."""
-        self.draining = True
-        self._warming_stop.set()
         if self._server is not None:
             await self._server.stop(grace=1.0)
-        if self._http is not None:
-            await self._http.stop()
-            self._http = None
-        await asyncio.to_thread(self.worker.stop, 30.0)
-        if self._metrics_httpd is not None:
-            await asyncio.to_thread(self._metrics_httpd.shutdown)
-            self._metrics_httpd.server_close()
-            self._metrics_httpd = None
-        if self._ready_task is not None and not self._ready_task.done():
-            self._ready_task.cancel()
-        event(log, "stopped")
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
     # ---- RPC plumbing ----------------------------------------------------------------------------
     async def _observe(self, method: str, fn: Callable, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -557,111 +205,54 @@ class ScoreServer:
     async def _observe_bound(
         self, method: str, fn: Callable, request: Any, context: grpc.aio.ServicerContext, echo: _InitialMetadata
     ) -> Any:
-        with self.accounted(method) as status:
+        with self.service.accounted(method) as outcome:
             try:
                 response = await fn(self, request, context)
                 await echo.send()
                 return response
-            except RpcFailure as failure:
-                status[0] = failure.code.name
+            except Failure as failure:
+                outcome.status = failure.code.name
                 await echo.send()
-                await context.abort(failure.code, failure.message, trailing_metadata=failure.trailers)
+                await context.abort(failure.code, failure.message, trailing_metadata=_trailers(failure))
             except InvalidInput as err:
                 failure = invalid(err)
-                status[0] = failure.code.name
+                outcome.status = failure.code.name
                 await echo.send()
                 await context.abort(failure.code, failure.message)
             except asyncio.CancelledError:
                 remaining = context.time_remaining()
                 expired = remaining is not None and remaining <= 0
-                status[0] = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+                outcome.status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
                 raise
             except Exception as err:
-                status[0] = "INTERNAL"
+                outcome.status = "INTERNAL"
                 await echo.send()
                 await context.abort(grpc.StatusCode.INTERNAL, internal_failure(f"{method} failed", err).message)
 
-    @contextlib.contextmanager
-    def accounted(self, method: str) -> Iterator[list[str]]:
-        """A request of any transport (gRPC, HTTP) counted once: in flight (drain waits for
-        it), then by status and latency. The caller sets `status[0]` to a gRPC code name."""
-        started = time.monotonic()
-        self._inflight += 1
-        self._idle.clear()
-        self.metrics.inflight.inc()
-        status = ["OK"]
-        try:
-            yield status
-        finally:
-            self.metrics.inflight.dec()
-            self.metrics.requests.labels(method, status[0]).inc()
-            self.metrics.request_seconds.labels(method).observe(time.monotonic() - started)
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-
-    def _check_accepting(self) -> RequestConverter:
-        if self.draining:
-            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
-        if not self.ready or self.converter is None:
-            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
-        return self.converter
-
-    def _deliver(self, units: list[WorkUnit]) -> None:
-        """The worker's finished units (one device call's): one wake-up of the event loop for
-        all of them, where their on_done runs (it settles futures that live on this loop)."""
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(run_on_done, units)
-
-    def _submit(self, unit: WorkUnit) -> None:
-        with _admission():
-            self.worker.submit(unit)
-
-    def _pin(self, prefix: tuple[int, ...]) -> StreamPin:
-        with _admission():
-            return self.worker.open_prefix(prefix)
+    def _accepting(self) -> RequestConverter:
+        """The wire converter over the core's validator (UNAVAILABLE while loading or draining)."""
+        validator = self.service.accepting()
+        if self._converter is None or self._converter.validator is not validator:
+            self._converter = RequestConverter(validator)
+        return self._converter
 
     @staticmethod
     def _deadline(context: grpc.aio.ServicerContext) -> float | None:
         remaining = context.time_remaining()
         return None if remaining is None else time.monotonic() + remaining
 
-    @staticmethod
-    def _unit(req: TokenizedRequest, method: str, deadline: float | None) -> WorkUnit:
-        return WorkUnit(
-            req.prefix, req.items, req.label_ids, req.apply_softmax, req.item_first, method=method, deadline=deadline
-        )
-
-    async def run(self, req: TokenizedRequest, method: str, deadline: float | None = None) -> WorkUnit:
-        """Score a validated request on the device worker, whatever the transport (gRPC Score and
-        Rerank, HTTP /v1/score and /v1/rerank): its items join the same batches as everyone's.
-        Returns the finished unit (scores, cached_tokens); raises RpcFailure."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        unit = self._unit(req, method, deadline)
-        unit.on_done = lambda u: _settle(done, u)  # on this loop (_deliver)
-        self._submit(unit)
-        try:
-            await done
-        except asyncio.CancelledError:
-            self.worker.cancel(unit)  # queued items leave the queue
-            raise
-        if unit.error is not None:
-            raise _unit_failure(unit.error)
-        return unit
-
     # ---- Score -----------------------------------------------------------------------------------
     @_rpc("Score")
     async def score(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         msg = parse(pb.ScoreRequest, raw)
         await echo_prefix_key(_input_key(msg.query))
-        converter = self._check_accepting()
+        converter = self._accepting()
         checked = await validated(len(raw), converter.score_request, msg)
         req = checked.request
         differs = checked.joined_differs or []
         if not req.items:
             return pb.ScoreResponse(usage=pb.Usage(), label_token_ids=req.label_ids)
-        unit = await self.run(req, "Score", self._deadline(context))
+        unit = await self.service.run(req, "Score", self._deadline(context))
         return pb.ScoreResponse(
             scores=item_scores(unit.scores),
             usage=usage(req, unit.cached_tokens, checked.truncation),
@@ -674,13 +265,13 @@ class ScoreServer:
     async def rerank(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
         msg = parse(pb.RerankRequest, raw)
         await echo_prefix_key(prefix_key.for_rerank(msg.query, msg.instruction))
-        converter = self._check_accepting()
+        converter = self._accepting()
         checked = await validated(len(raw), converter.rerank_request, msg)
         req = checked.scored.request
-        template = self.template.name if self.template else ""
+        template = self.service.template.name if self.service.template else ""
         if not req.items:
             return pb.RerankResponse(usage=pb.Usage(), template=template)
-        unit = await self.run(req, "Rerank", self._deadline(context))
+        unit = await self.service.run(req, "Rerank", self._deadline(context))
         differs = checked.scored.joined_differs
         results = [
             pb.RerankResult(
@@ -698,49 +289,50 @@ class ScoreServer:
     # ---- ScoreStream -----------------------------------------------------------------------------
     @_rpc("ScoreStream")
     async def score_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
-        self._check_accepting()
-        if self._streams >= self.config.max_streams:
-            self.metrics.rejected.inc()
-            raise RpcFailure(
+        self._accepting()
+        if self.streams >= self.config.max_streams:
+            self.service.metrics.rejected.inc()
+            raise Failure(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server busy: {self._streams} streams are open (limit {self.config.max_streams}); retry later",
-                ((RETRY_AFTER_KEY, "1000"),),
+                f"server busy: {self.streams} streams are open (limit {self.config.max_streams}); retry later",
+                retry_after_ms=1000,
             )
         session = _StreamSession(self, context)
-        self._streams += 1
-        self.metrics.open_streams.inc()
+        self.streams += 1
+        self.service.metrics.open_streams.inc()
         try:
             await session.run(requests)
         finally:
-            self._streams -= 1
-            self.metrics.open_streams.dec()
+            self.streams -= 1
+            self.service.metrics.open_streams.dec()
             session.close()
 
     # ---- GetModelInfo ----------------------------------------------------------------------------
     @_rpc("GetModelInfo")
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
         parse(pb.GetModelInfoRequest, raw)
-        self._check_accepting()  # draining: UNAVAILABLE like every call, so clients go elsewhere
-        assert self.loaded is not None and self.converter is not None
+        validator = self.service.accepting()  # draining: UNAVAILABLE like every call, so clients go elsewhere
+        service = self.service
+        assert service.loaded is not None
         from prefixscore import __version__
 
         cfg = self.config
 
-        loaded, limits, conv = self.loaded, self.converter.requests.limits, self.converter
+        loaded, limits, requests = service.loaded, validator.requests.limits, validator.requests
         return pb.GetModelInfoResponse(
             model=loaded.name,
             family=loaded.cfg.family,
             vocab_size=loaded.cfg.vocab_size,
             context_length=loaded.cfg.max_position_embeddings,
             dtype=loaded.dtype,
-            devices=self.devices,
+            devices=service.devices,
             limits=pb.Limits(
                 max_items=limits.max_items,
                 max_labels=limits.max_labels,
                 max_text_chars=limits.max_text_chars,
-                max_queue_items=self.config.max_queue_items,
-                max_sequence_tokens=conv.requests.max_sequence_tokens,
-                max_item_tokens=conv.requests.max_item_tokens,
+                max_queue_items=cfg.max_queue_items,
+                max_sequence_tokens=requests.max_sequence_tokens,
+                max_item_tokens=requests.max_item_tokens,
                 max_queue_tokens=cfg.max_queue_tokens,
                 max_request_tokens=limits.max_request_tokens or 0,
                 max_streams=cfg.max_streams,
@@ -753,39 +345,52 @@ class ScoreServer:
                 max_connection_age_ms=int(cfg.max_connection_age_s * 1000),
                 max_connection_age_grace_ms=int(cfg.max_connection_age_grace_s * 1000),
                 max_message_bytes=cfg.max_message_bytes,
-                pool_bytes=self.engine.pool_bytes if self.engine else 0,
+                pool_bytes=service.engine.pool_bytes if service.engine else 0,
             ),
             has_tokenizer=loaded.tokenizer is not None,
-            attention=self.engine.attn_impl if self.engine else "",
+            attention=service.engine.attn_impl if service.engine else "",
             version=__version__,
-            template=self.template.name if self.template else "",
-            call_shapes_ready=self.engine.shapes_ready if self.engine else 0,
-            call_shapes=self.call_shapes,
+            template=service.template.name if service.template else "",
+            call_shapes_ready=service.engine.shapes_ready if service.engine else 0,
+            call_shapes=service.call_shapes,
         )
 
 
-def _client_gone(context: grpc.aio.ServicerContext) -> RpcFailure | None:
+def _client_gone(context: grpc.aio.ServicerContext) -> Failure | None:
     """The status of a call its client ended (deadline passed, cancelled, disconnected), or None
     while the client is still there."""
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
-        return RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
+        return Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
     if context.cancelled() or context.done():
-        return RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")
+        return Failure(grpc.StatusCode.CANCELLED, "the client went away")
     return None
 
 
-async def validated(size: int | None, fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) (validation and tokenization) inline for a request of `size` bytes up to
-    INLINE_VALIDATION_BYTES, else in a thread; `size` None (unknown): in a thread."""
-    if size is not None and size <= INLINE_VALIDATION_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+# what the stream's handler is told, in order, by its reader task and the device loop
+@dataclasses.dataclass(frozen=True)
+class _Write:
+    message: pb.ScoreStreamResponse  # to send as is (`opened`)
 
 
-def _settle(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    message: pb.ScoreStreamResponse  # a batch's answer without device work: empty, or refused
+    batch_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scored:
+    unit: WorkUnit  # a batch the device loop finished (scores, or its error)
+    batch_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ended:
+    failure: Failure | None = None  # None: the client half-closed; else what ends the stream
+
+
+_StreamEvent = _Write | _Answer | _Scored | _Ended
 
 
 class _StreamSession:
@@ -798,12 +403,14 @@ class _StreamSession:
     client that sends without reading, and nothing piles up in server memory. A stream that
     neither sends (with nothing in flight) nor reads for `stream_idle_timeout_s` is ended."""
 
-    def __init__(self, server: ScoreServer, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, server: GrpcServer, context: grpc.aio.ServicerContext) -> None:
         self.server = server
+        self.service = server.service
         self.context = context
         self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events: asyncio.Queue[_StreamEvent] = asyncio.Queue()
         self.spec: StreamSpec | None = None
+        self.converter: RequestConverter | None = None  # set by the open
         self.pinned: StreamPin | None = None
         self.cached_tokens = 0
         self.item_tokens = 0
@@ -818,24 +425,23 @@ class _StreamSession:
         self.reader = asyncio.ensure_future(self._read(requests))
         eof = False
         while True:
-            kind, payload = await self.events.get()
-            if kind == "write":
-                await self._write(payload)
-            elif kind == "answer":  # an empty batch, or one refused
-                response, batch_id = payload
-                await self._write(response)
-                self._answered(batch_id)
-            elif kind == "unit":
-                unit, batch_id = payload
+            happened = await self.events.get()
+            if isinstance(happened, _Write):
+                await self._write(happened.message)
+            elif isinstance(happened, _Answer):  # an empty batch, or one refused
+                await self._write(happened.message)
+                self._answered(happened.batch_id)
+            elif isinstance(happened, _Scored):
+                unit = happened.unit
                 self.outstanding.pop(id(unit), None)
                 if unit.error is not None:
-                    raise _unit_failure(unit.error)
-                batch = pb.BatchScores(batch_id=batch_id, scores=item_scores(unit.scores))
+                    raise unit_failure(unit.error)
+                batch = pb.BatchScores(batch_id=happened.batch_id, scores=item_scores(unit.scores))
                 await self._write(pb.ScoreStreamResponse(batch=batch))
-                self._answered(batch_id)
-            elif kind == "fail":
-                raise payload
-            elif kind == "eof":
+                self._answered(happened.batch_id)
+            elif isinstance(happened, _Ended):
+                if happened.failure is not None:
+                    raise happened.failure
                 eof = True
             if eof and not self.outstanding and not self.batch_ids:
                 usage = pb.Usage(
@@ -846,9 +452,9 @@ class _StreamSession:
                 await self._write(pb.ScoreStreamResponse(usage=usage))
                 return
 
-    def _idle(self, what: str) -> RpcFailure:
-        self.server.metrics.streams_idle_closed.inc()
-        return RpcFailure(
+    def _idle(self, what: str) -> Failure:
+        self.service.metrics.streams_idle_closed.inc()
+        return Failure(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"stream: the client {what} for {self.idle_s:g} s (the server's stream idle timeout); stream ended",
         )
@@ -863,7 +469,7 @@ class _StreamSession:
             # gRPC refuses a message on a call that is already over: the client cancelled, went
             # away or its deadline passed while its answer was computed (the context's flags can
             # lag behind). Its choice, not a server error: no ERROR log, no INTERNAL
-            gone = _client_gone(self.context) or RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")
+            gone = _client_gone(self.context) or Failure(grpc.StatusCode.CANCELLED, "the client went away")
             log.debug("stream write dropped: %s", gone.message)
             raise gone from None
 
@@ -898,18 +504,18 @@ class _StreamSession:
                     await self._open(msg.open)
                 elif which == "batch":
                     if self.slots.locked():
-                        self.server.metrics.stream_backpressure.inc()
+                        self.service.metrics.stream_backpressure.inc()
                     await self.slots.acquire()  # backpressure: no reading past the unsent results
                     await self._batch(msg.batch)
                 else:
                     raise InvalidInput("request", "set either open or batch")
             if self.spec is None:
                 raise InvalidInput("open", "the stream ended before it was opened; send open first")
-            self.events.put_nowait(("eof", None))
-        except RpcFailure as failure:
-            self.events.put_nowait(("fail", failure))
+            self.events.put_nowait(_Ended())
+        except Failure as failure:
+            self.events.put_nowait(_Ended(failure))
         except InvalidInput as err:
-            self.events.put_nowait(("fail", invalid(err)))
+            self.events.put_nowait(_Ended(invalid(err)))
         except asyncio.CancelledError:
             raise
         except Exception as err:
@@ -917,71 +523,71 @@ class _StreamSession:
                 # the client went away mid-read: its choice, not a server error (no ERROR log,
                 # no INTERNAL inflating the error-ratio alert)
                 log.debug("stream reader ended: the client went away (%s)", type(err).__name__)
-                self.events.put_nowait(("fail", RpcFailure(grpc.StatusCode.CANCELLED, "the client went away")))
+                self.events.put_nowait(_Ended(Failure(grpc.StatusCode.CANCELLED, "the client went away")))
             else:
-                self.events.put_nowait(("fail", internal_failure("reading the stream failed", err)))
+                self.events.put_nowait(_Ended(internal_failure("reading the stream failed", err)))
 
     async def _open(self, msg: pb.StreamOpen) -> None:
         if self.spec is not None:
-            raise RpcFailure(
+            raise Failure(
                 grpc.StatusCode.FAILED_PRECONDITION, "open: the stream is already open; send open once, first"
             )
         await echo_prefix_key(_input_key(msg.query))
-        converter = self.server._check_accepting()
-        spec = await validated(msg.ByteSize(), converter.stream_open, msg)
+        self.converter = self.server._accepting()
+        spec = await validated(msg.ByteSize(), self.converter.stream_open, msg)
         if spec.prefix:
             # pin the query's pages (refused at once when the pool cannot hold them) and prefill
             # it now: its KV stays on the device while the stream is open. The pin is recorded
             # before the prefill is awaited, so a stream cancelled during it still unpins (close)
-            self.pinned = self.server._pin(spec.prefix)
+            self.pinned = self.service.pin(spec.prefix)
             try:
                 self.cached_tokens = await asyncio.wrap_future(self.pinned.ready)
             except Exception as err:  # WorkerStopped: UNAVAILABLE; a failed prefill: INTERNAL
-                raise _unit_failure(err) from err
+                raise unit_failure(err) from err
         self.spec = spec
         opened = pb.StreamOpened(
             prefix_tokens=len(spec.prefix), cached_tokens=self.cached_tokens, label_token_ids=spec.label_ids
         )
-        self.events.put_nowait(("write", pb.ScoreStreamResponse(opened=opened)))
+        self.events.put_nowait(_Write(pb.ScoreStreamResponse(opened=opened)))
 
     async def _batch(self, msg: pb.ItemBatch) -> None:
         if self.spec is None:
-            raise RpcFailure(
+            raise Failure(
                 grpc.StatusCode.FAILED_PRECONDITION, "batch: items sent before the stream was opened; send open first"
             )
         batch_id = msg.batch_id
         if batch_id in self.batch_ids:
             # two answers with one id could not be told apart
             raise InvalidInput("batch_id", f"{batch_id} is already in flight on this stream; use a new id per batch")
-        assert self.server.converter is not None
-        req = await validated(msg.ByteSize(), self.server.converter.stream_batch, self.spec, msg)
+        # the converter of the open: an open stream is served to its end, draining or not
+        assert self.converter is not None
+        req = await validated(msg.ByteSize(), self.converter.stream_batch, self.spec, msg)
         self.batch_ids.add(batch_id)
         if not req.items:
             answer = pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))
-            self.events.put_nowait(("answer", (answer, batch_id)))
+            self.events.put_nowait(_Answer(answer, batch_id))
             return
-        unit = self.server._unit(req, "ScoreStream", self.server._deadline(self.context))
+        unit = self.service.unit(req, "ScoreStream", self.server._deadline(self.context))
         unit.counts_lookup = False  # the open counted this stream's prefix-cache lookup
-        unit.on_done = lambda u: self.events.put_nowait(("unit", (u, batch_id)))  # on this loop (_deliver)
+        unit.on_done = lambda u: self.events.put_nowait(_Scored(u, batch_id))  # on this loop (_deliver)
         self.outstanding[id(unit)] = unit
         try:
-            self.server.worker.submit(unit)
-        except QueueFull as full:
+            self.service.submit(unit)
+        except Failure as failure:
+            self.outstanding.pop(id(unit), None)
+            if failure.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
             # a full queue refuses this batch only: the stream, the batches it already has in
             # flight and the ones it sends later go on (a stream is long-lived; ending it would
             # throw away accepted work and the query's prefill)
-            self.outstanding.pop(id(unit), None)
             refused = pb.BatchRefused(
                 batch_id=batch_id,
-                code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                message=f"server busy: {full}",
-                retry_after_ms=full.retry_after_ms,
+                code=failure.code.value[0],
+                message=failure.message,
+                retry_after_ms=failure.retry_after_ms or 0,
             )
-            self.events.put_nowait(("answer", (pb.ScoreStreamResponse(refused=refused), batch_id)))
+            self.events.put_nowait(_Answer(pb.ScoreStreamResponse(refused=refused), batch_id))
             return
-        except WorkerStopped as err:
-            self.outstanding.pop(id(unit), None)
-            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
         # usage counts what is scored: a refused batch is not
         self.items += len(req.items)
         self.item_tokens += sum(len(it) for it in req.items) if not self.spec.item_first else req.prompt_tokens
@@ -991,68 +597,10 @@ class _StreamSession:
         if self.reader is not None:
             self.reader.cancel()
         for unit in self.outstanding.values():
-            self.server.worker.cancel(unit)
+            self.service.cancel(unit)
         self.outstanding.clear()
         if self.pinned is not None:
-            self.server.worker.release(self.pinned)
+            self.service.release(self.pinned)
             self.pinned = None
 
 
-class ServerThread:
-    """A ScoreServer on its own event loop in a background thread (tests, notebooks).
-
-    with ServerThread(ServerConfig(model="tiny-qwen3", port=0, host="127.0.0.1")) as srv:
-        ScoreClient(srv.target).score(...)
-    """
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.loop = asyncio.new_event_loop()
-        self.server: ScoreServer | None = None
-        self._thread = threading.Thread(target=self.loop.run_forever, name="prefixscore-grpc", daemon=True)
-
-    def _run(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
-
-    def start(self, wait_ready: bool = True, timeout: float = 600.0) -> ServerThread:
-        self._thread.start()
-
-        async def create() -> ScoreServer:
-            server = ScoreServer(self.config)
-            await server.start()
-            return server
-
-        self.server = self._run(create(), timeout)
-        if wait_ready:
-            self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        assert self.server is not None
-        self._run(self.server.wait_ready(), timeout)
-
-    @property
-    def target(self) -> str:
-        assert self.server is not None
-        host = self.config.host if self.config.host not in ("0.0.0.0", "[::]", "") else "127.0.0.1"
-        return f"{host}:{self.server.port}"
-
-    def drain(self, timeout: float | None = None) -> None:
-        assert self.server is not None
-        self._run(self.server.drain(timeout))
-
-    def stop(self) -> None:
-        """Stop the server (draining in-flight RPCs briefly) and the loop thread."""
-        if self.server is not None and not self.server._stopped.is_set():
-            self._run(self.server.drain(5.0))
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-        if not self.loop.is_running():
-            self.loop.close()
-
-    def __enter__(self) -> ServerThread:
-        return self.start() if not self._thread.is_alive() else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -1,9 +1,8 @@
-"""Proto messages <-> the transport-neutral inputs of `engine/validation.py`, and the
-gRPC statuses of its errors.
+"""Proto messages <-> the transport-neutral inputs of `engine/validation.py`.
 
 This module only moves fields: every check is the one validation pass in
-validate.py, which HTTP and the in-process `Scorer` share. Its `InvalidInput`
-becomes INVALID_ARGUMENT (a size limit too: retrying cannot help).
+engine/validation.py, which HTTP and the in-process `Scorer` share (its `InvalidInput`
+becomes INVALID_ARGUMENT in service/server.py: a size limit too, retrying cannot help).
 """
 
 from __future__ import annotations
@@ -14,11 +13,9 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.engine.validation import (
     InvalidInput,
-    RequestTokenizer,
     RerankInput,
     ScoreInput,
     StreamSpec,
@@ -28,6 +25,7 @@ from prefixscore.engine.validation import (
     ValidatedRerank,
     Validator,
 )
+from prefixscore.service.core import Failure
 from prefixscore.v1 import score_service_pb2 as pb
 
 TRUNCATE = {pb.TRUNCATE_NONE: "none", pb.TRUNCATE_END: "end"}
@@ -39,28 +37,12 @@ QUERY_TRUNCATION = {
 }
 
 
-class RpcFailure(Exception):
-    """Ends an RPC with `code` and `message` (and optional trailing metadata)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.trailers = trailers
-
-
-def invalid(err: InvalidInput) -> RpcFailure:
-    # INVALID_ARGUMENT also past a size limit: RESOURCE_EXHAUSTED tells clients to retry, and
-    # the same request can never succeed (HTTP says 413 for it)
-    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-
-
 def parse(cls: type[Message], raw: bytes, field: str = "request") -> Message:
     """Deserialize here, not in gRPC, so that undecodable bytes get INVALID_ARGUMENT naming the field."""
     try:
         return cls.FromString(raw)
     except DecodeError as err:
-        raise RpcFailure(
+        raise Failure(
             grpc.StatusCode.INVALID_ARGUMENT, f"{field}: not a valid {cls.DESCRIPTOR.full_name} message ({err})"
         ) from err
 
@@ -93,14 +75,13 @@ def _truncate(value: int, default: str) -> str:
 
 
 class RequestConverter:
-    """Turns the service's messages into validated requests for one model and bucket set."""
+    """Turns the service's messages into validated requests, through the core's one validator."""
 
-    def __init__(self, requests: RequestTokenizer, template: RerankTemplate | None = None) -> None:
-        self.requests = requests
-        self.validator = Validator(requests, template)
+    def __init__(self, validator: Validator) -> None:
+        self.validator = validator
 
     def score_request(self, msg: pb.ScoreRequest) -> Validated:
-        """A ScoreRequest -> a validated request; raises InvalidInput or RpcFailure."""
+        """A ScoreRequest -> a validated request; raises InvalidInput."""
         return self.validator.score(
             ScoreInput(
                 query=_query(msg),

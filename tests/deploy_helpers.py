@@ -113,7 +113,7 @@ def service_exposition() -> str:
     """The exposition of a fresh ServiceMetrics registry (every metric declared, none observed)."""
     from prometheus_client import generate_latest
 
-    from prefixscore.service.metrics import ServiceMetrics
+    from prefixscore.telemetry.metrics import ServiceMetrics
 
     return generate_latest(ServiceMetrics().registry).decode()
 

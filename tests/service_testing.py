@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixscore.service.server import ServerConfig
+from prefixscore.service.core import ServerConfig
 
 LABELS = [28, 1017]  # two token ids of the tiny-qwen3 (SmolLM2) vocabulary
 

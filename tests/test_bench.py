@@ -15,7 +15,7 @@ from prefixscore.bench import run as bench
 from prefixscore.bench import workloads as wl
 from prefixscore.model import flops
 from prefixscore.model.presets import RANDOM_PRESETS
-from prefixscore.service import host_cost
+from prefixscore.telemetry import host_cost
 
 SMOKE = [
     "bench",
@@ -190,7 +190,8 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
 def test_bench_over_grpc_target(tmp_path) -> None:
     """--target: the workloads go to a running server (here one in a thread)."""
     from prefixscore import Scorer
-    from prefixscore.service.server import ServerConfig, ServerThread
+    from prefixscore.service.core import ServerConfig
+    from prefixscore.service.process import ServerThread
 
     scorer = Scorer.load("tiny-qwen3")
     cfg = ServerConfig(

@@ -49,7 +49,7 @@ def _target(replicas, *extra_ports: int) -> str:
 def _lookups(replicas) -> list[float]:
     """Prefix-cache lookups per replica: one hit or one miss per Score request, counted before it
     is answered (the request counters move only once the answer is sent, racing the client)."""
-    m = [srv.server.metrics for srv in replicas]
+    m = [srv.server.service.metrics for srv in replicas]
     return [x.cache_hits._value.get() + x.cache_misses._value.get() for x in m]
 
 

@@ -39,7 +39,7 @@ from prefixscore.service import prefix_key
 HERE = Path(__file__).resolve().parent
 INFERENCEPOOL_CRD = HERE / "data" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
 MODELS = TOOLS / "deploy-node" / "node_modules" / "@kubernetes-models"
-# What the endpoint picker reads from every replica (service/metrics.py): the model-server
+# What the endpoint picker reads from every replica (telemetry/metrics.py): the model-server
 # protocol's queue, running requests, KV-cache utilization and cache-config info.
 EPP_METRICS = {
     "queuedRequestsSpec": "prefixscore_queued_requests",

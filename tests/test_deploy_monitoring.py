@@ -1,7 +1,7 @@
 """deploy/prometheus and deploy/grafana against the real server.
 
 Static: `promtool check rules` and the rules' unit tests pass, the dashboard is well formed,
-and nothing in a rule, panel or HPA names a metric that service/metrics.py does not declare.
+and nothing in a rule, panel or HPA names a metric that telemetry/metrics.py does not declare.
 
 End to end: `prefixscore serve --model tiny-qwen3` on loopback, a real Prometheus (Debian's
 package) scraping it every second with the recording and alerting rules loaded, traffic from
@@ -154,7 +154,7 @@ def test_grafana_provisioning_files():
 
 
 def test_no_reference_to_an_unexported_metric():
-    """Against the metrics the server declares (service/metrics.py); the e2e test repeats this
+    """Against the metrics the server declares (telemetry/metrics.py); the e2e test repeats this
     against a real scrape."""
     exported = sample_names(service_exposition())
     recorded = {r["record"] for r in load_rules() if "record" in r}

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import BatchRefused, retry_after_ms
-from prefixscore.service.server import SERVICE, ServerThread
+from prefixscore.service.process import ServerThread
+from prefixscore.service.server import SERVICE
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
@@ -72,7 +73,7 @@ def _internal_errors(server) -> float:
 # ---- 1. the pinned prefix of a stream cancelled while its query is prefilled ----------------------
 @pytest.mark.parametrize("end", ["cancel", "deadline"])
 def test_stream_ended_during_its_prefill_unpins(server, stub, tiny_scorer, end):
-    worker, engine = server.server.worker, server.server.worker.engine
+    worker, engine = server.server.service.worker, server.server.service.worker.engine
     query = ids(200, 3000 if end == "cancel" else 4000)
     prefix = tiny_scorer.requests.query_ids(query)
     release = threading.Event()
@@ -84,7 +85,7 @@ def test_stream_ended_during_its_prefill_unpins(server, stub, tiny_scorer, end):
         with pytest.raises(grpc.RpcError) as ended:
             next(call)
         assert ended.value.code() == (Code.CANCELLED if end == "cancel" else Code.DEADLINE_EXCEEDED)
-        wait_for(lambda: server.server._streams == 0, 30, "the stream handler to end")
+        wait_for(lambda: server.server.grpc.streams == 0, 30, "the stream handler to end")
     release.set()
     wait_for(lambda: worker.cache.pins(tuple(prefix)) == 0, 30, "the prefix to be unpinned")
     assert scrape(server.server.metrics_port)["prefixscore_open_streams"] == 0
@@ -116,7 +117,7 @@ def test_idle_stream_is_ended_and_unpinned(server, stub, tiny_scorer):
         assert idle.value.code() == Code.DEADLINE_EXCEEDED and "idle timeout" in idle.value.details()
     finally:
         release.set()
-    worker = server.server.worker
+    worker = server.server.service.worker
     wait_for(lambda: worker.cache.pins(tuple(query)) == 0, 30, "the idle stream's prefix to be unpinned")
     assert scrape(server.server.metrics_port)["prefixscore_streams_idle_closed_total"] >= 1
 
@@ -125,7 +126,7 @@ def test_idle_stream_is_ended_and_unpinned(server, stub, tiny_scorer):
 def test_stream_that_is_not_read_stops_being_read(server, stub):
     """A client that sends 12 batches and reads nothing: the server takes max_pending_batches,
     then stops reading; once the client reads, every batch is answered."""
-    worker = server.server.worker
+    worker = server.server.service.worker
     metric = "prefixscore_stream_backpressure_total"
     before = scrape(server.server.metrics_port).get(metric, 0)
     batches = [_batch(k, f"item {k}") for k in range(12)]
@@ -140,7 +141,7 @@ def test_stream_that_is_not_read_stops_being_read(server, stub):
 
 # ---- 4. worker supervision: NaN, device errors, a broken device loop -----------------------------
 def test_nan_scores_are_internal_and_counted(server, client, monkeypatch):
-    engine = server.server.worker.engine
+    engine = server.server.service.worker.engine
     launch = engine.launch
     monkeypatch.setattr(engine, "launch", lambda plan: launch(plan) * jnp.nan)
     with pytest.raises(grpc.RpcError) as err:
@@ -153,7 +154,7 @@ def test_nan_scores_are_internal_and_counted(server, client, monkeypatch):
 
 
 def test_device_error_reaches_the_client_without_internals(server, client, monkeypatch):
-    engine = server.server.worker.engine
+    engine = server.server.service.worker.engine
 
     def broken(plan):
         raise RuntimeError("/opt/secret/xla/kernel.cc:42 RESOURCE_EXHAUSTED: out of memory allocating 9 GiB")
@@ -171,7 +172,7 @@ def test_device_error_reaches_the_client_without_internals(server, client, monke
 def test_broken_device_loop_goes_not_serving_and_exits_non_zero(tiny_scorer):
     srv = ServerThread(server_config(tiny_scorer, metrics_port=None)).start()
     try:
-        worker = srv.server.worker
+        worker = srv.server.service.worker
         with grpc.insecure_channel(srv.target) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
@@ -225,7 +226,7 @@ def test_request_over_the_token_limit_is_invalid(stub):
 
 
 def test_queue_capacity_counts_tokens(server, stub, client):
-    worker = server.server.worker
+    worker = server.server.service.worker
 
     def request(n_items: int) -> pb.ScoreRequest:
         items = [pb.Input(token_ids=pb.TokenIds(ids=ids(100, 600 + k))) for k in range(n_items)]
@@ -245,7 +246,7 @@ def test_full_queue_refuses_one_stream_batch_and_the_stream_goes_on(server, stub
     """Issue finding 7: RESOURCE_EXHAUSTED on one ItemBatch used to end the whole stream, batches
     already accepted included. Now that batch alone is refused (code, message, retry hint) and the
     batches before and after it are scored."""
-    worker = server.server.worker
+    worker = server.server.service.worker
     query = ids(5, 8000)
 
     def tokens(n_items: int, start: int) -> list[list[int]]:
@@ -297,7 +298,7 @@ def test_the_endpoint_pickers_gauges_count_queued_and_running_requests(server, c
     """What a gateway's endpoint picker reads to choose a replica: requests queued while the
     device is held, running while their call is on the device, the pool's pages in use by
     their queries, the page size and count; all back to zero once answered."""
-    worker, port = server.server.worker, server.server.metrics_port
+    worker, port = server.server.service.worker, server.server.metrics_port
     cache = worker.engine.prefix_cache
     launch, on_device, release = worker.engine.launch, threading.Event(), threading.Event()
 
@@ -342,7 +343,7 @@ def test_limits_are_in_model_info(client):
 
 # ---- 7. the smaller items ------------------------------------------------------------------------
 def test_duplicate_batch_id_in_flight_is_invalid(server, stub):
-    with server.server.worker.paused():
+    with server.server.service.worker.paused():
         with pytest.raises(grpc.RpcError) as err:
             list(stub.ScoreStream(iter([_open(), _batch(7, "a"), _batch(7, "b")]), timeout=60))
     assert err.value.code() == Code.INVALID_ARGUMENT and err.value.details().startswith("batch_id")
@@ -364,7 +365,7 @@ def test_too_many_items_is_invalid_not_retryable(stub):
 def test_client_going_away_is_not_an_internal_error(server, stub, client):
     """Streams cancelled at every stage: none counts as INTERNAL, nothing stays pinned."""
     before = _internal_errors(server)
-    worker = server.server.worker
+    worker = server.server.service.worker
     for k in range(6):
         release = threading.Event()
         messages = [_open(), *[_batch(j, f"gone {j}") for j in range(k)]]
@@ -373,7 +374,7 @@ def test_client_going_away_is_not_an_internal_error(server, stub, client):
             next(call)  # opened: cancel after the open was answered
         call.cancel()
         release.set()
-    wait_for(lambda: server.server._streams == 0, 30, "the cancelled streams to end")
+    wait_for(lambda: server.server.grpc.streams == 0, 30, "the cancelled streams to end")
     assert _internal_errors(server) == before
     with client.stream(QUERY, LABELS) as session:  # still serving streams
         assert len(session.send(["after"])) == 1
@@ -383,7 +384,7 @@ def test_client_going_away_is_not_an_internal_error(server, stub, client):
 def test_model_info_while_draining_is_unavailable(tiny_scorer):
     srv = ServerThread(server_config(tiny_scorer, metrics_port=None)).start()
     try:
-        worker = srv.server.worker
+        worker = srv.server.service.worker
         with grpc.insecure_channel(srv.target) as channel:
             stub = pb_grpc.ScoreServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)

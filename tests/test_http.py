@@ -22,9 +22,9 @@ import pytest
 from service_testing import scrape, server_config
 
 from prefixscore.client import ScoreClient
-from prefixscore.service import logs
 from prefixscore.service.http_api import RerankResponse
-from prefixscore.service.server import ServerThread
+from prefixscore.service.process import ServerThread
+from prefixscore.telemetry import logs
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
@@ -122,7 +122,7 @@ def test_http_and_grpc_items_share_device_calls(server, http, grpc_client):
     grpc_client.score(query, ["warm the prefix cache"], [9454, 2753])
     before = scrape(server.server.metrics_port)["prefixscore_device_batch_size_count"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        with server.server.worker.paused():
+        with server.server.service.worker.paused():
             via_http = pool.submit(
                 http.post, "/v1/score", json={"query": query, "items": ["a", "b"], "label_token_ids": [9454, 2753]}
             )
@@ -136,7 +136,7 @@ def test_http_and_grpc_items_share_device_calls(server, http, grpc_client):
 def wait_queued(server, items: int) -> None:
     from service_testing import wait_for
 
-    wait_for(lambda: server.server.worker.depth >= items, what=f"{items} items queued")
+    wait_for(lambda: server.server.service.worker.depth >= items, what=f"{items} items queued")
 
 
 # ---- /v1/rerank ------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from prefixscore.engine.executables import ScoringEngine
 from prefixscore.kernels import dispatch, selfcheck, xla
 from prefixscore.kernels.paged import causal_by_region
 from prefixscore.model.loader import load_model
-from prefixscore.service.server import ServerConfig, ServerThread, StartupFailed
+from prefixscore.service.core import ServerConfig, StartupFailed
+from prefixscore.service.process import ServerThread
 
 QWEN3_06B = (16, 8, 128)  # heads, kv heads, head_dim
 BENCH_CPU = (4, 2, 64)
@@ -81,6 +82,6 @@ def test_server_with_wrong_kernels_never_serves(monkeypatch):
     try:
         with pytest.raises(StartupFailed, match="KernelCheckFailed: attention implementation 'broken'"):
             srv.wait_ready(120)
-        assert not srv.server.ready
+        assert not srv.server.service.ready
     finally:
         srv.stop()

@@ -24,7 +24,7 @@ from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import AsyncScoreClient, AsyncScoreStream
 from prefixscore.client.score_client import stream_open
-from prefixscore.service.server import ServerThread
+from prefixscore.service.process import ServerThread
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
 Code = grpc.StatusCode
@@ -254,9 +254,9 @@ def _settled(server: ServerThread) -> dict[str, float]:
     except AssertionError:
         metrics = scrape(srv.metrics_port)
         raise AssertionError({n: metrics[n] for n in names}) from None
-    cache = srv.engine.prefix_cache
+    cache = srv.service.engine.prefix_cache
     assert cache.pinned == 0 and all(e.pins == 0 for e in cache._entries.values())
-    assert srv._streams == 0 and srv._inflight == 0
+    assert srv.grpc.streams == 0 and srv.service.inflight == 0
     return metrics
 
 
@@ -302,7 +302,7 @@ def test_drain_under_load_loses_no_accepted_batch(tiny_scorer, expected):
     streams may finish, new streams get UNAVAILABLE, health goes NOT_SERVING, then it stops."""
     srv = ServerThread(server_config(tiny_scorer, stream_idle_timeout_s=30)).start()
     try:
-        worker = srv.server.worker
+        worker = srv.server.service.worker
         drained = threading.Event()
 
         async def main() -> None:
@@ -341,8 +341,8 @@ def test_drain_under_load_loses_no_accepted_batch(tiny_scorer, expected):
                 await drain
 
         asyncio.run(asyncio.wait_for(main(), ROUND_S))
-        assert drained.is_set() and srv.server._stopped.is_set()
+        assert drained.is_set() and srv.server.stopped
         assert srv.server.exit_code == 0
-        assert srv.server.engine.prefix_cache.pinned == 0
+        assert srv.server.service.engine.prefix_cache.pinned == 0
     finally:
         srv.stop()

@@ -25,7 +25,7 @@ from service_testing import LABELS, server_config, wait_for
 from prefixscore.client import ScoreClient
 from prefixscore.engine.executables import ScoringEngine
 from prefixscore.service import prefix_key
-from prefixscore.service.server import ServerThread
+from prefixscore.service.process import ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
@@ -201,7 +201,7 @@ def envoy(replicas, tmp_path_factory):
 
 
 def _hits(replicas) -> list[float]:
-    return [srv.server.metrics.cache_hits._value.get() for srv in replicas]
+    return [srv.server.service.metrics.cache_hits._value.get() for srv in replicas]
 
 
 def test_every_request_of_one_key_reaches_one_replica(replicas, envoy) -> None:
@@ -213,7 +213,7 @@ def test_every_request_of_one_key_reaches_one_replica(replicas, envoy) -> None:
             query = list(range(1000 + 37 * q, 1000 + 37 * q + 40))
             cached.append([client.score(query, ITEMS, LABELS).usage.cached_tokens for _ in range(3)])
     assert all(c[0] == 0 and c[1] == c[2] == 40 for c in cached), cached
-    served = [srv.server.metrics.cache_misses._value.get() for srv in replicas]
+    served = [srv.server.service.metrics.cache_misses._value.get() for srv in replicas]
     assert sum(1 for s in served if s > 0) >= 2, "twelve keys all hashed to one replica"
 
 
@@ -275,7 +275,7 @@ def test_a_stream_keeps_its_replica_for_its_life(replicas, envoy) -> None:
 
 
 def _misses(replicas) -> list[float]:
-    return [srv.server.metrics.cache_misses._value.get() for srv in replicas]
+    return [srv.server.service.metrics.cache_misses._value.get() for srv in replicas]
 
 
 def _replica_of(replicas, client: ScoreClient, query: list[int]) -> int:
@@ -323,14 +323,14 @@ def test_a_hot_key_past_the_load_bound_spills_to_a_second_replica_not_to_all(tin
         hot = list(range(7000, 7040))
         with ScoreClient(f"127.0.0.1:{ports['grpc']}") as client:
             home = _replica_of(replicas, client, hot)
-            before = [srv.server.metrics.requests.labels("Score", "OK")._value.get() for srv in replicas]
+            before = [srv.server.service.metrics.requests.labels("Score", "OK")._value.get() for srv in replicas]
             with concurrent.futures.ThreadPoolExecutor(24) as pool:
-                with replicas[home].server.worker.paused():
+                with replicas[home].server.service.worker.paused():
                     held = [pool.submit(client.score, hot, ITEMS, LABELS, timeout=120) for _ in range(24)]
                     wait_for(lambda: sum(1 for f in held if f.done()) >= 6, 60, "requests spilled and answered")
                 for f in held:
                     f.result(120)
-            after = [srv.server.metrics.requests.labels("Score", "OK")._value.get() for srv in replicas]
+            after = [srv.server.service.metrics.requests.labels("Score", "OK")._value.get() for srv in replicas]
         served = [a - b for a, b in zip(after, before, strict=True)]
         assert sum(served) == 24 and served[home] > 0, served
         assert sum(1 for n in served if n) == 2, f"the hot key went to {served}"

@@ -21,7 +21,8 @@ from google.protobuf import json_format
 from service_testing import server_config
 
 from prefixscore.client import ScoreClient
-from prefixscore.service.server import SERVICE, ServerThread
+from prefixscore.service.process import ServerThread
+from prefixscore.service.server import SERVICE
 from prefixscore.v1 import score_service_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]

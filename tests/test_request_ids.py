@@ -4,7 +4,7 @@ import io
 import json
 import logging
 
-from prefixscore.service import logs, request_ids
+from prefixscore.telemetry import logs, request_ids
 
 
 def test_log_lines_carry_the_bound_request_id():

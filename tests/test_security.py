@@ -24,7 +24,7 @@ from service_testing import LABELS, server_config
 
 from prefixscore import cli
 from prefixscore.client import ScoreClient, tls_credentials
-from prefixscore.service.server import ServerThread
+from prefixscore.service.process import ServerThread
 
 Code = grpc.StatusCode
 TOKEN = "s3cret-token-for-tests"
@@ -182,14 +182,14 @@ def test_probes_answer_in_plaintext_on_the_admin_port(mtls_server):
         assert plain.get(f"{admin}/ready").text == "ok\n"
         assert plain.get(f"{admin}/v1/score").status_code == 404
     assert mtls_server.server.probe("/ready") is None
-    mtls_server.server.draining = True  # what drain() sets first
+    mtls_server.server.service.draining = True  # what drain() sets first
     try:
         with httpx.Client(timeout=10) as plain:
             refused = plain.get(f"{admin}/ready")
             assert refused.status_code == 503 and refused.text == "draining\n"
             assert plain.get(f"{admin}/health").status_code == 200  # draining is not dead
     finally:
-        mtls_server.server.draining = False
+        mtls_server.server.service.draining = False
 
 
 def test_rotated_certificates_are_picked_up_without_a_restart(tiny_scorer, pki, tmp_path):

@@ -20,8 +20,10 @@ from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import AsyncScoreClient, BatchRefused, ScoreClient, retry_after_ms
 from prefixscore.engine.executables import ScoringEngine
-from prefixscore.service.metrics import ServiceMetrics
-from prefixscore.service.server import SERVICE, ScoreServer, ServerConfig, ServerThread
+from prefixscore.service.core import ScoringService, ServerConfig
+from prefixscore.service.process import ServerThread
+from prefixscore.service.server import SERVICE
+from prefixscore.telemetry.metrics import ServiceMetrics
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
@@ -96,7 +98,7 @@ def test_empty_items_return_no_scores(client):
 def test_stream_equals_scorer_and_pins_the_prefix(server, client, tiny_scorer):
     query = "Stream query: rank these against France."
     prefix = tiny_scorer.tokenize(query, ["x"], LABELS).prefix
-    cache = server.server.worker.cache
+    cache = server.server.service.worker.cache
     with client.stream(query, LABELS) as session:
         assert (session.prefix_tokens, session.cached_tokens) == (len(prefix), 0)
         assert cache.pins(prefix) >= 1  # the KV stays on the device while the stream is open
@@ -144,7 +146,7 @@ def test_32_concurrent_clients_are_batched_together(server, tiny_scorer):
 
     async def main():
         async with AsyncScoreClient(server.target) as client:
-            worker = server.server.worker
+            worker = server.server.service.worker
             with worker.paused():  # hold the device until every client's items are queued
                 tasks = [asyncio.ensure_future(client.score(q, items, LABELS)) for q, items in unary]
                 tasks += [asyncio.ensure_future(run_stream(client, q, b)) for q, b in streams]
@@ -170,7 +172,7 @@ def test_32_concurrent_clients_are_batched_together(server, tiny_scorer):
 def test_one_call_is_answered_in_one_hand_off_to_the_event_loop(server, monkeypatch):
     """The requests finished by one device call reach the event loop together (one wake-up),
     not one thread hop per request."""
-    worker = server.server.worker
+    worker = server.server.service.worker
     handed: list[list[str]] = []
     deliver = worker._deliver
 
@@ -195,7 +197,7 @@ def test_one_call_is_answered_in_one_hand_off_to_the_event_loop(server, monkeypa
 
 # ---- admission control, cancellation, deadlines --------------------------------------------------
 def test_full_queue_is_refused_with_a_retry_hint(server, client, stub):
-    worker = server.server.worker
+    worker = server.server.service.worker
     with worker.paused():
         held = stub.Score.future(
             pb.ScoreRequest(
@@ -218,7 +220,7 @@ def test_full_queue_is_refused_with_a_retry_hint(server, client, stub):
 
 
 def test_cancelled_request_leaves_the_queue_unscored(server, stub):
-    worker = server.server.worker
+    worker = server.server.service.worker
     port = server.server.metrics_port
     before = scrape(port)
     with worker.paused():
@@ -234,7 +236,7 @@ def test_cancelled_request_leaves_the_queue_unscored(server, stub):
 
 
 def test_cancelled_stream_drops_its_batches_and_unpins(server, client, tiny_scorer):
-    worker = server.server.worker
+    worker = server.server.service.worker
     query = "A stream that the client abandons."
     prefix = tiny_scorer.tokenize(query, ["x"], LABELS).prefix
     session = client.stream(query, LABELS)  # its prefill is a device call: before the pause
@@ -247,7 +249,7 @@ def test_cancelled_stream_drops_its_batches_and_unpins(server, client, tiny_scor
 
 
 def test_deadline_exceeded_removes_queued_work(server, client):
-    worker = server.server.worker
+    worker = server.server.service.worker
     before = scrape(server.server.metrics_port)["prefixscore_items_scored_total"]
     with worker.paused():
         with pytest.raises(grpc.RpcError) as late:
@@ -373,8 +375,8 @@ def test_health_serving_and_reflection_lists_services(server):
 def test_health_transitions_and_graceful_drain(server, tiny_scorer, monkeypatch):
     """NOT_SERVING while loading, SERVING when ready, NOT_SERVING on drain; in-flight work finishes."""
     gate = threading.Event()
-    startup = ScoreServer._startup
-    monkeypatch.setattr(ScoreServer, "_startup", lambda self: (gate.wait(60), startup(self))[1])
+    startup = ScoringService._startup
+    monkeypatch.setattr(ScoringService, "_startup", lambda self: (gate.wait(60), startup(self))[1])
     srv = ServerThread(config(tiny_scorer, metrics_port=None)).start(wait_ready=False)
     try:
         with grpc.insecure_channel(srv.target) as channel:
@@ -391,7 +393,7 @@ def test_health_transitions_and_graceful_drain(server, tiny_scorer, monkeypatch)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             srv.wait_ready(60)
 
-            worker = srv.server.worker
+            worker = srv.server.service.worker
             with worker.paused():
                 inflight = stub.Score.future(_req(items=[pb.Input(text=t) for t in ITEMS]))
                 wait_for(lambda: worker.depth == len(ITEMS), 30, "queued in-flight items")
@@ -407,7 +409,7 @@ def test_health_transitions_and_graceful_drain(server, tiny_scorer, monkeypatch)
             )
             watch.cancel()
             drain.join(60)
-            assert srv.server._stopped.is_set()
+            assert srv.server.stopped
     finally:
         gate.set()
         srv.stop()

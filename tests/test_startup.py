@@ -19,7 +19,7 @@ from prefixscore.client import ScoreClient
 from prefixscore.engine import compile_cache
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.executables import CompileCounter, ScoringEngine
-from prefixscore.service.server import ServerThread
+from prefixscore.service.process import ServerThread
 
 QUERY = list(range(100, 160))  # 60 token ids
 SHORT = [list(range(200 + k, 230 + k)) for k in range(6)]  # 30 tokens each: the first stage's bucket
@@ -124,7 +124,7 @@ def test_a_restart_with_a_warm_cache_serves_at_once_and_compiles_nothing(tiny_sc
 def test_serve_early_off_compiles_everything_before_serving(tiny_scorer) -> None:
     engine = _engine(tiny_scorer, SMALL_BUCKETS)
     with ServerThread(server_config(tiny_scorer, engine=engine, warmup=True, serve_early=False)) as srv:
-        assert engine.shapes_ready == 3 and srv.server.call_shapes == 3
+        assert engine.shapes_ready == 3 and srv.server.service.call_shapes == 3
 
 
 def test_stopping_during_the_background_warmup_fails_waiting_work_at_once(tiny_scorer) -> None:
@@ -145,12 +145,12 @@ def test_stopping_during_the_background_warmup_fails_waiting_work_at_once(tiny_s
     try:
         with ScoreClient(srv.target) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(client.score, QUERY, LONG, LABELS, timeout=300)
-            wait_for(lambda: srv.server.worker.depth == 1, 30, "the long request queued")
+            wait_for(lambda: srv.server.service.worker.depth == 1, 30, "the long request queued")
             started = time.monotonic()
             srv.stop()
             assert time.monotonic() - started < 10
             with pytest.raises(grpc.RpcError):
                 waiting.result(30)
-            assert srv.server.worker.depth == 0
+            assert srv.server.service.worker.depth == 0
     finally:
         gate.set()

@@ -17,7 +17,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
-from prefixscore.service.host_cost import ThreadCpuCollector
+from prefixscore.telemetry.host_cost import ThreadCpuCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -28,7 +28,7 @@ class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        r.register(ThreadCpuCollector())  # host cost by thread kind (service/host_cost.py)
+        r.register(ThreadCpuCollector())  # host cost by thread kind (telemetry/host_cost.py)
         self.model_info = Info("prefixscore_model", "The served model.", registry=r)
         self.requests = Counter(
             "prefixscore_requests_total",

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from prefixscore.service import request_ids
+from prefixscore.telemetry import request_ids
 
 _FIELDS = "prefixscore_fields"
 
