@@ -330,8 +330,8 @@ def _free_ports(n: int) -> list[int]:
             sock.close()
 
 
-def _scrape(metrics_target: str) -> dict[str, float]:
-    """A server's samples by name with labels ("name{k=v,...}")."""
+def scrape(metrics_target: str) -> dict[str, float]:
+    """A server's samples by name with labels ("name{k=v,...}"), from GET /metrics at `host:port`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://{metrics_target}/metrics", timeout=30) as response:
@@ -347,7 +347,7 @@ def _scrape(metrics_target: str) -> dict[str, float]:
 def replica_counts(metrics_target: str) -> dict[str, float]:
     """What one replica behind a router did so far: query tokens prefilled, prefix-cache hits and
     misses (one per request), items scored."""
-    m = _scrape(metrics_target)
+    m = scrape(metrics_target)
     return {
         "prefill_tokens": m.get("prefixscore_tokens_total{kind=prefix}", 0.0),
         "hits": m.get("prefixscore_prefix_cache_hits_total", 0.0),

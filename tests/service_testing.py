@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from prefixscore.bench import run as bench
 from prefixscore.service.core import ServerConfig
 
 LABELS = [28, 1017]  # two token ids of the tiny-qwen3 (SmolLM2) vocabulary
@@ -21,13 +19,7 @@ def server_config(scorer, **overrides) -> ServerConfig:
 
 def scrape(port: int) -> dict[str, float]:
     """GET /metrics -> {"name{label=value,...}": value} for every sample."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
+    return bench.scrape(f"127.0.0.1:{port}")
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> object:
