@@ -32,11 +32,6 @@ def _bool(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    """ "64,128,256" -> (64, 128, 256)."""
-    return tuple(sorted(int(x) for x in text.split(",") if x.strip()))
-
-
 def _metrics_port(text: str) -> int | None:
     return None if text.strip().lower() in ("off", "none", "-1") else int(text)
 

@@ -40,7 +40,8 @@ def inputs():
         item_ids=jnp.asarray(np.arange(T) // ITEM, jnp.int32),
         page_table=jnp.asarray(table),
         prefix_len=jnp.asarray([PREFIX, 0, 0, 0], jnp.int32),
-        max_item_len=jnp.asarray([0, ITEM], jnp.int32),
+        max_chunk_len=jnp.int32(0),
+        max_item_len=jnp.int32(ITEM),
         layer=jnp.int32(5),
         split=0,
     )

@@ -16,6 +16,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from prefixscore.model.call_inputs import CallShape
+
 
 def geometric(lo: int, hi: int, ratio: int, cap: int | None = None) -> tuple[int, ...]:
     """lo, ratio*lo, ... up to the first value >= hi; with `cap`, values above it become cap."""
@@ -35,8 +37,14 @@ def steps(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def ceil_div(n: int, d: int) -> int:
+    """n / d rounded up (non-negative n, positive d): pages of n tokens, and the like."""
+    return -(-n // d)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
+    return ceil_div(n, multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +82,7 @@ class Buckets:
         object.__setattr__(self, "prefill_chunk", min(self.prefill_chunk, self.max_prefill_tokens))
         if not self.tokens:
             short = (256, *steps(1024, self.max_batch_tokens))
-            long = geometric(self.max_batch_tokens, self.context, 4, cap=_round_up(self.context, 256))
+            long = geometric(self.max_batch_tokens, self.context, 4, cap=round_up(self.context, 256))
             object.__setattr__(self, "tokens", tuple(sorted({t for t in (*short, *long) if t > 0})))
         if not self.prefill:
             lo = min(1024, self.max_prefill_tokens)
@@ -102,19 +110,23 @@ class Buckets:
     @property
     def max_pages(self) -> int:
         """Pages of the longest prefix: a page-table row."""
-        return -(-self.context // self.page_tokens)
+        return ceil_div(self.context, self.page_tokens)
 
     def rows(self, tokens: int) -> int:
         """Item rows an item region of `tokens` tokens returns."""
         return max(1, tokens // self.tokens_per_row)
 
-    def call_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (prefill tokens, item tokens, labels) a call can have: a prefill region only
-        beside item regions up to max_batch_tokens (longer ones hold one long item alone)."""
+    def shape(self, prefill_tokens: int, item_tokens: int, labels: int) -> CallShape:
+        """The call shape of these buckets (its rows follow from the item tokens)."""
+        return CallShape(prefill_tokens, item_tokens, self.rows(item_tokens), labels)
+
+    def call_shapes(self) -> list[CallShape]:
+        """Every shape a call can have: a prefill region only beside item regions up to
+        max_batch_tokens (longer ones hold one long item alone)."""
         out = []
         for tp in self.prefill:
             for ti in self.tokens:
                 if tp and ti > self.max_batch_tokens:
                     continue
-                out += [(tp, ti, lb) for lb in self.labels]
+                out += [self.shape(tp, ti, lb) for lb in self.labels]
         return out

@@ -119,7 +119,6 @@ class DeviceWorker:
         self._cv = threading.Condition()
         self._stopping = False
         self._running = False
-        self._exited = False  # the thread ended: work is refused
         self._paused = 0
         self._wakeups = 0  # counts _wake(): a change made while the loop was not waiting is not lost
         self._live = 0  # units submitted and not yet finished (queued or on the device)
@@ -274,7 +273,7 @@ class DeviceWorker:
             self._pool_gauges()
         except BaseException as err:  # reported to the server, which exits
             with self._cv:
-                self._stopping = self._exited = True
+                self._stopping = True
             self._on_ready(err)
             return
         self._sync_compile_metrics()
@@ -293,7 +292,6 @@ class DeviceWorker:
         finally:
             with self._cv:
                 self._running = False
-                self._exited = True
             self._fail_all(stopped)
         if self.failure is not None:
             self._on_failure(self.failure)

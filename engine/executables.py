@@ -29,14 +29,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from prefixscore.engine import compile_cache
-from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.buckets import Buckets, round_up
 from prefixscore.engine.planner import CallBuilder, CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import packed_baseline, step
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
 from prefixscore.model.config import DTYPES, ModelConfig
-from prefixscore.model.decoder import Params
+from prefixscore.model.weights import Weights
 
 AXIS = "data"
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
@@ -52,6 +52,10 @@ DEFAULT_POOL_BYTES = 1 << 30
 # traffic pins would only slow the page book, and small models would take a device's memory
 POOL_CONTEXTS = 64
 
+
+def _all_fields(region: type, value: Any) -> Any:
+    """`region` (a call-input dataclass) with every field set to `value` (one sharding for all)."""
+    return region(**{field.name: value for field in dataclasses.fields(region)})
 
 class CompileCounter:
     """Counts XLA compilations process-wide (jax.monitoring), to prove steady state compiles nothing.
@@ -141,7 +145,7 @@ class ScoringEngine:
     def __init__(
         self,
         cfg: ModelConfig,
-        params: Params,
+        params: Weights,
         dtype: str = "float32",
         buckets: Buckets | None = None,
         attn_impl: str | None = None,
@@ -260,8 +264,8 @@ class ScoringEngine:
     def _call_shardings(self) -> CallInputs:
         rep, split = self._replicated, self._split
         return CallInputs(
-            prefill=PrefillRegion(*[rep] * 6),
-            items=ItemRegion(*[split] * 9),
+            prefill=_all_fields(PrefillRegion, rep),
+            items=_all_fields(ItemRegion, split),
             page_table=rep,
             prefix_len=rep,
             labels=rep,
@@ -292,7 +296,7 @@ class ScoringEngine:
 
     def _call_fn(
         self,
-        params: Params,
+        params: Weights,
         pool_k: jax.Array,
         pool_v: jax.Array,
         call: CallInputs,
@@ -320,8 +324,7 @@ class ScoringEngine:
 
     def executable_keys(self) -> list[CallShape]:
         """Every executable the engine can be asked for with its buckets."""
-        b = self.buckets
-        return [CallShape(tp, ti, b.rows(ti), lb) for tp, ti, lb in b.call_shapes()]
+        return self.buckets.call_shapes()
 
     def warmup(
         self, workers: int | None = None, progress: Callable[[int, int], None] | None = None
@@ -366,7 +369,7 @@ class ScoringEngine:
                 max_batch_tokens=max(ready_short, default=b.max_batch_tokens),
                 max_prefill_tokens=max(prefill),
             )
-            shapes = [CallShape(tp, ti, b.rows(ti), lb) for tp, ti, lb in buckets.call_shapes()]
+            shapes = buckets.call_shapes()
             stages.append(WarmupStage(buckets, tuple(s for s in shapes if s not in seen)))
             seen.update(shapes)
         return stages
@@ -447,7 +450,7 @@ class ScoringEngine:
 
         A baseline: compiled on first use per length (multiples of packed_baseline.PACKED_ALIGN), not warmed up."""
         total = len(query_ids) + sum(len(it) for it in items)
-        s = -(-total // packed_baseline.PACKED_ALIGN) * packed_baseline.PACKED_ALIGN
+        s = round_up(total, packed_baseline.PACKED_ALIGN)
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
         segments = np.full(s, -1, np.int32)

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.buckets import Buckets, round_up
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
+
+if TYPE_CHECKING:  # the batcher plans with this module: its units are the handles here
+    from prefixscore.engine.batcher import WorkUnit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +44,7 @@ class RowSpan:
     """Output rows `row` .. `row + count - 1` are items `first` .. `first + count - 1` of `ref`:
     results are split per span (an array slice), not per item."""
 
-    ref: Any  # the caller's handle for the items (a WorkUnit)
+    ref: WorkUnit  # whose items these are: the batcher's unit, which carries its reply
     first: int
     count: int
     row: int  # the first row in the call's output [devices * R, L]
@@ -79,7 +82,7 @@ class _Offer:
     count: int
     label_set: int
     softmax: bool
-    ref: Any
+    ref: WorkUnit  # whose items
 
 
 @dataclasses.dataclass
@@ -94,10 +97,6 @@ class _Piece:
     start: int
     row: int
     tokens: int
-
-
-def align_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class _Layout:
@@ -128,7 +127,7 @@ class _Layout:
             opens_run = offer.seg != 0 and not continues
             if opens_run and self.runs + 1 > row_budget:
                 break  # no page-table row left (on another device it would need one too)
-            start = self.used if continues else align_up(self.used, self.align)
+            start = self.used if continues else round_up(self.used, self.align)
             base = int(ends[taken - 1]) if taken else 0
             room, rows_left = self.capacity - start, self.max_rows - self.rows
             if int(ends[-1]) - base <= room:  # the common case: all the rest fits
@@ -192,7 +191,7 @@ class CallBuilder:
         already written (in an earlier call, or by an earlier chunk of this one)."""
         if self.closed or len(tokens) > self.b.prefill_chunk:
             return False
-        at = align_up(self.prefill_used, self.align)
+        at = round_up(self.prefill_used, self.align)
         if at + len(tokens) > self.b.prefill[-1] or self._layout.runs + 1 > self._row_budget():
             return False
         self.chunks.append(_Chunk(pages, tokens, start))
@@ -220,7 +219,7 @@ class CallBuilder:
         count: int,
         label_ids: tuple[int, ...],
         apply_softmax: bool,
-        ref: Any,
+        ref: WorkUnit,
     ) -> int:
         """Items first .. first + count - 1 of `rows` over the prefix `key` (pages, prefix_len;
         prefix_len 0: whole sequences), in order, as many as fit; returns how many were taken."""
@@ -296,7 +295,7 @@ class CallBuilder:
         b, d = self.b, self.devices
         tp, ti, layout = self._buckets()
         labels_bucket = Buckets.fit(b.labels, max(1, len(self.labels)), "label_token_ids")
-        shape = CallShape(tp, ti, b.rows(ti), labels_bucket)
+        shape = b.shape(tp, ti, labels_bucket)
         table = np.zeros((b.segments, b.max_pages), np.int32)
         prefix_len = np.zeros(b.segments, np.int32)
         slot = 1  # row 0: no prefix
@@ -339,7 +338,7 @@ class CallBuilder:
         write_offsets = np.zeros(tp, np.int32)
         at = 0
         for c, chunk in enumerate(self.chunks):
-            start = align_up(at, self.align)
+            start = round_up(at, self.align)
             segment_ids[at:start] = segment_ids[at - 1] if at else 0  # the gap continues the last chunk
             n = len(chunk.tokens)
             where = slice(start, start + n)
@@ -354,7 +353,7 @@ class CallBuilder:
             prefix_len[slot + c] = chunk.start
             at = start + n
         # the tail up to the next aligned index continues the last chunk; beyond it, no prefix
-        tail = min(align_up(at, self.align), tp)
+        tail = min(round_up(at, self.align), tp)
         if at:
             segment_ids[at:tail] = segment_ids[at - 1]
         return PrefillRegion(tokens, positions, segment_ids, item_ids, write_pages, write_offsets)
@@ -413,7 +412,7 @@ class CallBuilder:
             end[dev] = start + piece.tokens
         for dev in range(d):  # the tail up to the next aligned index continues the last run
             if end[dev]:
-                tail = min(align_up(int(end[dev]), self.align), ti)
+                tail = min(round_up(int(end[dev]), self.align), ti)
                 segment_ids[dev, end[dev] : tail] = segment_ids[dev, end[dev] - 1]
         region = ItemRegion(tokens, positions, segment_ids, item_ids, read_at, label_set, softmax, n_rows, max_len)
         return region, spans

@@ -21,6 +21,8 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
+from prefixscore.engine.buckets import ceil_div
+
 
 class PoolExhausted(Exception):
     """The pages a prefix needs are all held by prefixes in use."""
@@ -75,7 +77,7 @@ class PrefixCache:
         self._lock = threading.RLock()
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_tokens)
+        return ceil_div(tokens, self.page_tokens)
 
     def acquire(self, tokens: tuple[int, ...]) -> tuple[CachedPrefix, bool]:
         """The prefix's entry, pinned; (entry, hit). On a miss its pages are taken (evicting

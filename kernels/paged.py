@@ -45,7 +45,8 @@ class PagedAttentionMeta:
     item_ids: jax.Array  # [T] int32: equal (contiguous) ids form one causal item
     page_table: jax.Array  # [S, P] int32: the pool pages of each segment's prefix, in order
     prefix_len: jax.Array  # [S] int32: prefix tokens each segment sees (0: none)
-    max_item_len: jax.Array  # [2] int32: an upper bound on an item's length in each region
+    max_chunk_len: jax.Array  # [] int32: an upper bound on a prefill chunk's length (the prefill region)
+    max_item_len: jax.Array  # [] int32: an upper bound on an item's length (the item region)
     layer: jax.Array  # [] int32: the layer whose pages are read
     split: int = dataclasses.field(default=0, metadata=dict(static=True))  # tokens of the prefill region
 
@@ -67,6 +68,15 @@ def segment_runs(segment_ids: jax.Array, max_runs: int, split: int = 0) -> tuple
     return starts, ends, count
 
 
+def segment_starts(segment_ids: jax.Array, boundary: int = 0) -> jax.Array:
+    """[n] -> the stream index where each token's (contiguous) segment starts. A segment also
+    starts at `boundary` (the regions' split: the prefill region may end in the segment the
+    item region starts with), whatever the ids on either side."""
+    idx = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
+    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]]) | (idx == boundary)
+    return jax.lax.cummax(jnp.where(is_start, idx, 0))
+
+
 def causal_by_region(
     ragged_item_attention: Callable[..., tuple[jax.Array, jax.Array]],
     q: jax.Array,
@@ -79,9 +89,9 @@ def causal_by_region(
     q: [T, heads, d]; k, v: [T, kv, d]. Returns out [T, heads, d], lse [T, heads] float32."""
     s = meta.split
     if s == 0:
-        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len[1])
+        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len)
     if s == q.shape[0]:
-        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len[0])
-    a = ragged_item_attention(q[:s], k[:s], v[:s], meta.item_ids[:s], meta.max_item_len[0])
-    b = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len[1])
+        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_chunk_len)
+    a = ragged_item_attention(q[:s], k[:s], v[:s], meta.item_ids[:s], meta.max_chunk_len)
+    b = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len)
     return jnp.concatenate([a[0], b[0]]), jnp.concatenate([a[1], b[1]])

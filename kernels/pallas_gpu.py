@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from prefixscore.kernels import dispatch, xla
-from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region
+from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region, segment_starts
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = [
@@ -46,7 +46,6 @@ __all__ = [
     "paged_attention",
     "paged_prefix_attention",
     "ragged_item_attention",
-    "segment_starts",
 ]
 
 # Segment starts (and the prefill region's length) are multiples of this, so one prefix
@@ -210,13 +209,6 @@ def _ragged_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale):
     out, lse = _finish(*jax.lax.fori_loop(first, i + 1, step, init))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
-
-
-def segment_starts(segment_ids: jax.Array) -> jax.Array:
-    """[n] -> the stream index where each token's (contiguous) segment starts."""
-    idx = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
-    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]])
-    return jax.lax.cummax(jnp.where(is_start, idx, 0))
 
 
 def ragged_item_attention(

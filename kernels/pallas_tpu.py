@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from prefixscore.kernels import dispatch, xla
-from prefixscore.kernels.paged import PagedAttentionMeta
+from prefixscore.kernels.paged import PagedAttentionMeta, segment_starts
 from prefixscore.kernels.reference import MASK_VALUE
 
 __all__ = [
@@ -256,14 +256,6 @@ def _ragged_kernel(first_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, *,
     m, total, acc = jax.lax.fori_loop(first_ref[i], i + 1, step, init)
     o_ref[...] = (acc / _widen(total, d)).astype(o_ref.dtype)  # total >= exp(0): every row sees itself
     lse_ref[...] = m + jnp.log(total)
-
-
-def segment_starts(segment_ids: jax.Array, boundary: int = 0) -> jax.Array:
-    """[n] -> the stream index where each token's (contiguous) segment starts. A segment
-    also starts at `boundary` (the region split), whatever the ids on either side."""
-    idx = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
-    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]]) | (idx == boundary)
-    return jax.lax.cummax(jnp.where(is_start, idx, 0))
 
 
 def ragged_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, group: int):

@@ -79,13 +79,13 @@ def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed:
         end = (-(-at // ALIGN)) * ALIGN
         segment_ids[at:end] = seg  # alignment padding continues the segment (as the planner pads)
         item_ids[at:end] = -1 - np.arange(at, end)  # and is an item per token: never read
-    longest = [200, 100]
     meta = PagedAttentionMeta(
         segment_ids=jnp.asarray(segment_ids),
         item_ids=jnp.asarray(item_ids),
         page_table=jnp.asarray(table),
         prefix_len=jnp.asarray(prefix_len),
-        max_item_len=jnp.asarray(longest, jnp.int32),
+        max_chunk_len=jnp.int32(200),
+        max_item_len=jnp.int32(100),
         layer=jnp.int32(1),
         split=SPLIT,
     )

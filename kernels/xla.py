@@ -33,7 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from prefixscore.kernels.paged import PagedAttentionMeta, segment_runs
+from prefixscore.kernels.paged import PagedAttentionMeta, segment_runs, segment_starts
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = ["merge_attention", "paged_attention", "paged_prefix_attention", "ragged_item_attention"]
@@ -216,13 +216,6 @@ def _two_blocks(
     init = (jnp.full((kv_heads, nb, blk * g), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, nb, blk * g, d + 1)))
     out, lse = _finish(*_online_step(init, sc, vals, d**-0.5, "kbqc,kbcd->kbqd"), jnp.float32)
     return out.reshape(kv_heads, rows, d), lse.reshape(kv_heads, rows)
-
-
-def segment_starts(segment_ids: jax.Array) -> jax.Array:
-    """[n] -> the stream index where each token's (contiguous) segment starts."""
-    idx = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
-    is_start = jnp.concatenate([jnp.ones((1,), bool), segment_ids[1:] != segment_ids[:-1]])
-    return jax.lax.cummax(jnp.where(is_start, idx, 0))
 
 
 def _item_blocks(
@@ -442,7 +435,7 @@ def paged_attention(
     if s == q.shape[0]:
         return out_p
     with jax.named_scope("item_part"):
-        out_i, lse_i = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len[1])
+        out_i, lse_i = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len)
     with jax.named_scope("merge"):
         items = merge_attention(out_p[s:], lse_p[s:], out_i, lse_i)
     return items if s == 0 else jnp.concatenate([out_p[:s], items])

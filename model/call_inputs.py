@@ -17,7 +17,7 @@ import jax
 LABEL_SETS = 16
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, order=True)
 class CallShape:
     """The executable key: every shape of a call's inputs follows from it and the buckets."""
 

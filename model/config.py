@@ -50,20 +50,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     name: str = ""
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        if self.attention_bias:
-            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * h * i + 2 * h + (2 * hd if self.qk_norm else 0)
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * layer + h + head
-
 
 def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     """Build a ModelConfig from the parsed contents of a HF config.json."""

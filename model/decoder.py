@@ -1,19 +1,9 @@
-"""The decoder (Llama / Qwen2 / Qwen3 families) as free functions over a parameter pytree.
+"""The decoder (Llama / Qwen2 / Qwen3 families) as free functions over typed weights.
 
-Parameters (a dict; per-layer weights stacked on a leading layer axis so the
-layers run under one `lax.scan`, which keeps compile time independent of depth):
-
-  embed       [vocab, hidden]
-  lm_head     [vocab, hidden]            (absent when tied to embed)
-  final_norm  [hidden]
-  layers:
-    attn_norm [layers, hidden]           mlp_norm [layers, hidden]
-    wq [layers, hidden, heads*hd]        bq [layers, heads*hd]      (Qwen2 bias)
-    wk [layers, hidden, kv_heads*hd]     bk [layers, kv_heads*hd]
-    wv [layers, hidden, kv_heads*hd]     bv [layers, kv_heads*hd]
-    wo [layers, heads*hd, hidden]
-    q_norm, k_norm [layers, hd]          (Qwen3)
-    w_gate, w_up [layers, hidden, inter] w_down [layers, inter, hidden]
+The weights (model/weights.py: `Weights`, `LayerWeights`, `AttentionWeights`,
+`MlpWeights`, each field with its shape) stack every layer's tensors on a leading layer
+axis, so the layers run under one `lax.scan`, which keeps compile time independent of
+depth. Each layer's attention and MLP run under their own `jax.named_scope`.
 
 Everything follows the Hugging Face modelling code numerically (RMSNorm in
 float32, RoPE tables in float32), which is what makes 1e-4 parity possible.
@@ -29,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixscore.model.config import ModelConfig
+from prefixscore.model.weights import AttentionWeights, LayerWeights, MlpWeights, Weights
 
-Params = dict[str, Any]
 # attend(q [b,t,heads,hd], k [b,t,kv,hd], v [b,t,kv,hd], layer [] int32, state) -> ([b,t,heads,hd], state)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -72,30 +62,30 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
-def _qkv(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+def _qkv(attn: AttentionWeights, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
     """Projections, biases, q/k norms and RoPE. x: [b, t, hidden] -> q [b,t,heads,hd], k, v [b,t,kv,hd]."""
     b, t, _ = x.shape
-    q = x @ lp["wq"]
-    k = x @ lp["wk"]
-    v = x @ lp["wv"]
+    q = x @ attn.wq
+    k = x @ attn.wk
+    v = x @ attn.wv
     if cfg.attention_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q, k, v = q + attn.bq, k + attn.bk, v + attn.bv
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, attn.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, attn.k_norm, cfg.rms_norm_eps)
     inv_freq = rope_inv_freq(cfg)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def mlp(lp: Params, y: jax.Array) -> jax.Array:
+def mlp(w: MlpWeights, y: jax.Array) -> jax.Array:
     """The gated MLP. y: [..., hidden] (normalised) -> [..., hidden]."""
-    return (jax.nn.silu(y @ lp["w_gate"]) * (y @ lp["w_up"])) @ lp["w_down"]
+    return (jax.nn.silu(y @ w.w_gate) * (y @ w.w_up)) @ w.w_down
 
 
-def tiled_mlp(lp: Params, y: jax.Array, tile: int | None) -> jax.Array:
+def tiled_mlp(w: MlpWeights, y: jax.Array, tile: int | None) -> jax.Array:
     """mlp() over `tile` tokens at a time (a loop), when tile divides the tokens.
 
     y: [b, t, hidden]. On a CPU the [tokens, intermediate] activations of a whole call (30 MB
@@ -104,12 +94,12 @@ def tiled_mlp(lp: Params, y: jax.Array, tile: int | None) -> jax.Array:
     W4 5%. Accelerators want the whole product (tile None)."""
     b, t, hidden = y.shape
     if tile is None or t <= tile or (b * t) % tile:
-        return mlp(lp, y)
-    return jax.lax.map(lambda part: mlp(lp, part), y.reshape(b * t // tile, tile, hidden)).reshape(b, t, hidden)
+        return mlp(w, y)
+    return jax.lax.map(lambda part: mlp(w, part), y.reshape(b * t // tile, tile, hidden)).reshape(b, t, hidden)
 
 
 def run_layers(
-    params: Params,
+    params: Weights,
     cfg: ModelConfig,
     x: jax.Array,
     positions: jax.Array,
@@ -126,30 +116,27 @@ def run_layers(
     Returns the final hidden states [b, t, hidden] and the final state.
     """
 
-    def layer(carry: tuple[jax.Array, Any], xs: tuple[Params, jax.Array]) -> tuple[tuple[jax.Array, Any], None]:
+    def layer(
+        carry: tuple[jax.Array, Any], xs: tuple[LayerWeights, jax.Array]
+    ) -> tuple[tuple[jax.Array, Any], None]:
         h, st = carry
-        lp, index = xs
+        lw, index = xs  # this layer's slice of the stacked weights
         with jax.named_scope("attention"):
-            q, k, v = _qkv(lp, cfg, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions)
-            attn, st = attend(q, k, v, index, st)
+            q, k, v = _qkv(lw.attn, cfg, rms_norm(h, lw.attn_norm, cfg.rms_norm_eps), positions)
+            out, st = attend(q, k, v, index, st)
             b, t = h.shape[:2]
-            h = h + attn.reshape(b, t, -1) @ lp["wo"]
+            h = h + out.reshape(b, t, -1) @ lw.attn.wo
         with jax.named_scope("mlp"):
-            h = h + tiled_mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), mlp_tile)
+            h = h + tiled_mlp(lw.mlp, rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps), mlp_tile)
         return (h, st), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, state), _ = jax.lax.scan(layer, (x, state), (params["layers"], layers))
+    (h, state), _ = jax.lax.scan(layer, (x, state), (params.layers, layers))
     return h, state
 
 
-def output_weight(params: Params) -> jax.Array:
-    """The vocabulary projection [vocab, hidden] (the embedding when tied)."""
-    return params["lm_head"] if "lm_head" in params else params["embed"]
-
-
 def label_probs(
-    params: Params,
+    params: Weights,
     cfg: ModelConfig,
     h_last: jax.Array,
     label_ids: jax.Array,
@@ -164,8 +151,8 @@ def label_probs(
     apply_softmax=True: softmax over the valid label logits only, so only the
     label rows of the projection are computed. Returns [b, labels] float32.
     """
-    h = rms_norm(h_last, params["final_norm"], cfg.rms_norm_eps)
-    w = output_weight(params)
+    h = rms_norm(h_last, params.final_norm, cfg.rms_norm_eps)
+    w = params.output
     if apply_softmax:
         logits = jnp.einsum("bh,lh->bl", h, w[label_ids], preferred_element_type=jnp.float32)
         logits = jnp.where(label_valid, logits, -jnp.inf)
@@ -175,6 +162,6 @@ def label_probs(
     return jnp.exp(jnp.take(logits, label_ids, axis=-1) - lse)
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    """tokens: [b, t] int32 -> [b, t, hidden] in the parameter dtype."""
-    return jnp.take(params["embed"], tokens, axis=0)
+def embed(params: Weights, tokens: jax.Array) -> jax.Array:
+    """tokens: [b, t] int32 -> [b, t, hidden] in the weights' dtype."""
+    return jnp.take(params.embed, tokens, axis=0)

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
-from prefixscore.model.decoder import Params
-from prefixscore.model.weights import params_from_hf_tensors
+from prefixscore.model.weights import Weights, params_from_hf_tensors
 
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -88,7 +87,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Weights]:
     """Read a GGUF file: F32/F16/BF16 and quantized (Q4_0, Q4_1, Q8_0, K-quants...) tensors are dequantized."""
     from gguf import GGUFReader
     from gguf.quants import dequantize

@@ -10,17 +10,16 @@ import jax.numpy as jnp
 
 from prefixscore.model import presets, weights_cache
 from prefixscore.model.config import DTYPES, ModelConfig, load_config
-from prefixscore.model.decoder import Params
 from prefixscore.model.gguf_loader import load_gguf
 from prefixscore.model.tokenizer import TextTokenizer, has_tokenizer_files, load_tokenizer
-from prefixscore.model.weights import load_safetensors, random_params
+from prefixscore.model.weights import Weights, load_safetensors, random_params
 
 
 @dataclasses.dataclass
 class LoadedModel:
     name: str
     cfg: ModelConfig
-    params: Params
+    params: Weights
     tokenizer: TextTokenizer | None  # None: token-id inputs only
     dtype: str
 

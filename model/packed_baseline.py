@@ -13,7 +13,8 @@ import jax
 
 from prefixscore.kernels import xla
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.decoder import Params, embed, label_probs, run_layers
+from prefixscore.model.decoder import embed, label_probs, run_layers
+from prefixscore.model.weights import Weights
 
 # the packed baseline's sequence length is padded to a multiple of this (a key chunk)
 PACKED_ALIGN = 1024
@@ -38,7 +39,7 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Arr
 
 @functools.partial(jax.jit, static_argnames=("cfg", "apply_softmax"))
 def score_packed(
-    params: Params,
+    params: Weights,
     cfg: ModelConfig,
     tokens: jax.Array,
     positions: jax.Array,

@@ -12,6 +12,7 @@ Every length that varies between calls is a runtime value, never a shape.
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 import jax
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 from prefixscore.kernels.paged import PagedAttentionMeta
 from prefixscore.model.call_inputs import CallInputs
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.decoder import Params, embed, output_weight, rms_norm, run_layers
+from prefixscore.model.decoder import embed, rms_norm, run_layers
+from prefixscore.model.weights import Weights
 
 # vocabulary rows per step of the full-vocabulary log-sum-exp: a [rows, VOCAB_CHUNK]
 # float32 logits tile stays in cache instead of a [rows, vocab] matrix in memory
@@ -30,7 +32,7 @@ MIN_HEAD_ROWS = 32
 
 
 def score_call(
-    params: Params,
+    params: Weights,
     cfg: ModelConfig,
     pool_k: jax.Array,
     pool_v: jax.Array,
@@ -60,7 +62,8 @@ def score_call(
         item_ids=jnp.concatenate([prefill.item_ids, items.item_ids]),
         page_table=call.page_table,
         prefix_len=call.prefix_len,
-        max_item_len=jnp.stack([call.max_chunk_len, items.max_item_len]),
+        max_chunk_len=call.max_chunk_len,
+        max_item_len=items.max_item_len,
         layer=jnp.int32(0),
         split=split,
     )
@@ -90,9 +93,7 @@ def score_call(
 
 
 def _at_layer(meta: PagedAttentionMeta, layer: jax.Array) -> PagedAttentionMeta:
-    return PagedAttentionMeta(
-        meta.segment_ids, meta.item_ids, meta.page_table, meta.prefix_len, meta.max_item_len, layer, meta.split
-    )
+    return dataclasses.replace(meta, layer=layer)
 
 
 def vocab_logsumexp(h: jax.Array, w: jax.Array) -> jax.Array:
@@ -124,7 +125,7 @@ def vocab_logsumexp(h: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def row_label_probs(
-    params: Params,
+    params: Weights,
     cfg: ModelConfig,
     h_last: jax.Array,
     labels: jax.Array,
@@ -141,8 +142,8 @@ def row_label_probs(
     cache-sized tiles, and only when some row of the step needs it (always with
     `always_lse`: no branch on a runtime value). Returns [rows, L] float32 (unused columns 0).
     """
-    h = rms_norm(h_last, params["final_norm"], cfg.rms_norm_eps)
-    w = output_weight(params)
+    h = rms_norm(h_last, params.final_norm, cfg.rms_norm_eps)
+    w = params.output
     logits = jnp.einsum("bh,lh->bl", h, jnp.take(w, labels, axis=0), preferred_element_type=jnp.float32)
     valid = row_labels >= 0
     logits = jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1)  # [rows, L]

@@ -1,55 +1,133 @@
-"""Weights: Hugging Face tensors (safetensors, single or sharded) -> the decoder's parameter pytree.
+"""The decoder's weights as typed pytrees, and every source of them: Hugging Face tensors
+(safetensors, single or sharded; GGUF goes through the same names) and random presets.
 
-Every source (safetensors, GGUF, random presets) ends in `params_from_hf_tensors`,
-so there is one place that knows the layout of model/decoder.py.
+Every source ends in `params_from_hf_tensors` (or builds the same tree), so there is one
+place that knows the layout model/decoder.py reads. Per-layer weights are stacked on a
+leading layer axis: the layers run under one `lax.scan`, which keeps compile time
+independent of depth. Flat names ("layers.attn.wq") are what the on-disk cache of
+converted weights stores (model/weights_cache.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.decoder import Params
 
-# decoder key -> (HF name inside model.layers.{i}., transpose to [in, out])
+
+@struct.dataclass
+class AttentionWeights:
+    """One projection each of q, k, v and the output, stacked over layers."""
+
+    wq: jax.Array  # [layers, hidden, heads * hd]
+    wk: jax.Array  # [layers, hidden, kv_heads * hd]
+    wv: jax.Array  # [layers, hidden, kv_heads * hd]
+    wo: jax.Array  # [layers, heads * hd, hidden]
+    bq: jax.Array | None = None  # [layers, heads * hd]: Qwen2's projection biases
+    bk: jax.Array | None = None  # [layers, kv_heads * hd]
+    bv: jax.Array | None = None  # [layers, kv_heads * hd]
+    q_norm: jax.Array | None = None  # [layers, hd]: Qwen3's RMSNorm of each q and k head
+    k_norm: jax.Array | None = None  # [layers, hd]
+
+
+@struct.dataclass
+class MlpWeights:
+    """The gated MLP, stacked over layers."""
+
+    w_gate: jax.Array  # [layers, hidden, inter]
+    w_up: jax.Array  # [layers, hidden, inter]
+    w_down: jax.Array  # [layers, inter, hidden]
+
+
+@struct.dataclass
+class LayerWeights:
+    """Every decoder layer's weights, stacked on the leading layer axis (one scan runs them)."""
+
+    attn_norm: jax.Array  # [layers, hidden]
+    mlp_norm: jax.Array  # [layers, hidden]
+    attn: AttentionWeights
+    mlp: MlpWeights
+
+
+@struct.dataclass
+class Weights:
+    """The decoder's weights (model/decoder.py). Linear weights are [in, out]."""
+
+    embed: jax.Array  # [vocab, hidden]
+    final_norm: jax.Array  # [hidden]
+    layers: LayerWeights
+    lm_head: jax.Array | None = None  # [vocab, hidden]; None: tied to embed
+
+    @property
+    def output(self) -> jax.Array:
+        """The vocabulary projection [vocab, hidden] (the embedding when tied)."""
+        return self.embed if self.lm_head is None else self.lm_head
+
+
+# flat layer name -> (HF name inside model.layers.{i}., transpose to [in, out])
 LAYER_TENSORS: dict[str, tuple[str, bool]] = {
     "attn_norm": ("input_layernorm.weight", False),
     "mlp_norm": ("post_attention_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
+    "attn.wq": ("self_attn.q_proj.weight", True),
+    "attn.wk": ("self_attn.k_proj.weight", True),
+    "attn.wv": ("self_attn.v_proj.weight", True),
+    "attn.wo": ("self_attn.o_proj.weight", True),
+    "attn.bq": ("self_attn.q_proj.bias", False),
+    "attn.bk": ("self_attn.k_proj.bias", False),
+    "attn.bv": ("self_attn.v_proj.bias", False),
+    "attn.q_norm": ("self_attn.q_norm.weight", False),
+    "attn.k_norm": ("self_attn.k_norm.weight", False),
+    "mlp.w_gate": ("mlp.gate_proj.weight", True),
+    "mlp.w_up": ("mlp.up_proj.weight", True),
+    "mlp.w_down": ("mlp.down_proj.weight", True),
 }
 
 
 def layer_keys(cfg: ModelConfig) -> list[str]:
-    """The per-layer parameters this configuration has."""
-    keys = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
+    """The flat names of the per-layer weights this configuration has."""
+    keys = ["attn_norm", "mlp_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down"]
     if cfg.attention_bias:
-        keys += ["bq", "bk", "bv"]
+        keys += ["attn.bq", "attn.bk", "attn.bv"]
     if cfg.qk_norm:
-        keys += ["q_norm", "k_norm"]
+        keys += ["attn.q_norm", "attn.k_norm"]
     return keys
+
+
+def weights_from_flat(flat: Mapping[str, jax.Array]) -> Weights:
+    """The tree from flat names ("embed", "layers.attn.wq", ...); absent optional ones are None."""
+
+    def group(prefix: str) -> dict[str, jax.Array]:
+        """The arrays named `prefix` + a field name (not those of a deeper group)."""
+        fields = {name[len(prefix) :]: array for name, array in flat.items() if name.startswith(prefix)}
+        return {field: array for field, array in fields.items() if "." not in field}
+
+    return Weights(
+        embed=flat["embed"],
+        final_norm=flat["final_norm"],
+        lm_head=flat.get("lm_head"),
+        layers=LayerWeights(
+            **group("layers."), attn=AttentionWeights(**group("layers.attn.")), mlp=MlpWeights(**group("layers.mlp."))
+        ),
+    )
+
+
+def flat_weights(weights: Weights) -> dict[str, jax.Array]:
+    """The inverse of `weights_from_flat`: every array under its dotted name (None fields left out)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(weights)
+    return {".".join(key.name for key in path): array for path, array in leaves}
 
 
 def params_from_hf_tensors(
     cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype: jnp.dtype, has: Callable[[str], bool]
-) -> Params:
-    """Assemble parameters from HF-named tensors ([out, in] linear weights).
+) -> Weights:
+    """Assemble the weights from HF-named tensors ([out, in] linear weights).
 
     get(name) returns a float numpy array; has(name) says whether it exists.
     Layers are stacked one key at a time to keep peak host memory at one tensor stack.
@@ -58,7 +136,7 @@ def params_from_hf_tensors(
     def put(a: np.ndarray) -> jax.Array:
         return jnp.asarray(a, dtype=dtype)
 
-    layers = {}
+    flat: dict[str, jax.Array] = {}
     for key in layer_keys(cfg):
         name, transpose = LAYER_TENSORS[key]
         per_layer = []
@@ -68,25 +146,22 @@ def params_from_hf_tensors(
                 raise ValueError(f"model weights: tensor {full!r} is missing")
             t = np.asarray(get(full), dtype=np.float32)
             per_layer.append(t.T if transpose else t)
-        layers[key] = put(np.stack(per_layer))
-    params: Params = {
-        "embed": put(get("model.embed_tokens.weight")),
-        "final_norm": put(get("model.norm.weight")),
-        "layers": layers,
-    }
+        flat[f"layers.{key}"] = put(np.stack(per_layer))
+    flat["embed"] = put(get("model.embed_tokens.weight"))
+    flat["final_norm"] = put(get("model.norm.weight"))
     if not cfg.tie_word_embeddings:
         if not has("lm_head.weight"):
             raise ValueError("model weights: lm_head.weight is missing and tie_word_embeddings is false")
-        params["lm_head"] = put(get("lm_head.weight"))
-    if params["embed"].shape != (cfg.vocab_size, cfg.hidden_size):
+        flat["lm_head"] = put(get("lm_head.weight"))
+    if flat["embed"].shape != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(
-            f"model weights: embed_tokens has shape {params['embed'].shape}, "
+            f"model weights: embed_tokens has shape {flat['embed'].shape}, "
             f"config says {(cfg.vocab_size, cfg.hidden_size)}"
         )
-    return params
+    return weights_from_flat(flat)
 
 
-def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) -> Params:
+def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) -> Weights:
     """Load `model.safetensors` or a sharded `model.safetensors.index.json` checkpoint."""
     from safetensors import safe_open
 
@@ -129,7 +204,7 @@ def _float32(get: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
     return wrapped
 
 
-def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Params:
+def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:
     """Deterministic random weights (std 0.02, norms near 1) built on the device, no host copy.
 
     Same seed, same config -> the same weights on every run and backend (threefry).
@@ -138,23 +213,23 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Params:
     shapes = {
         "attn_norm": (L, h),
         "mlp_norm": (L, h),
-        "wq": (L, h, cfg.num_heads * hd),
-        "wk": (L, h, cfg.num_kv_heads * hd),
-        "wv": (L, h, cfg.num_kv_heads * hd),
-        "wo": (L, cfg.num_heads * hd, h),
-        "bq": (L, cfg.num_heads * hd),
-        "bk": (L, cfg.num_kv_heads * hd),
-        "bv": (L, cfg.num_kv_heads * hd),
-        "q_norm": (L, hd),
-        "k_norm": (L, hd),
-        "w_gate": (L, h, inter),
-        "w_up": (L, h, inter),
-        "w_down": (L, inter, h),
+        "attn.wq": (L, h, cfg.num_heads * hd),
+        "attn.wk": (L, h, cfg.num_kv_heads * hd),
+        "attn.wv": (L, h, cfg.num_kv_heads * hd),
+        "attn.wo": (L, cfg.num_heads * hd, h),
+        "attn.bq": (L, cfg.num_heads * hd),
+        "attn.bk": (L, cfg.num_kv_heads * hd),
+        "attn.bv": (L, cfg.num_kv_heads * hd),
+        "attn.q_norm": (L, hd),
+        "attn.k_norm": (L, hd),
+        "mlp.w_gate": (L, h, inter),
+        "mlp.w_up": (L, h, inter),
+        "mlp.w_down": (L, inter, h),
     }
     keys = layer_keys(cfg)
 
     @jax.jit
-    def build(key: jax.Array) -> Params:
+    def build(key: jax.Array) -> Weights:
         ks = jax.random.split(key, len(keys) + 3)
 
         def draw(k: jax.Array, shape: tuple[int, ...], name: str) -> jax.Array:
@@ -163,13 +238,11 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Params:
                 return (1.0 + 0.1 * noise).astype(dtype)
             return (0.02 * noise).astype(dtype)
 
-        params: Params = {
-            "embed": draw(ks[0], (cfg.vocab_size, h), "embed"),
-            "final_norm": draw(ks[1], (h,), "final_norm"),
-            "layers": {name: draw(k, shapes[name], name) for name, k in zip(keys, ks[3:], strict=True)},
-        }
+        flat = {f"layers.{name}": draw(k, shapes[name], name) for name, k in zip(keys, ks[3:], strict=True)}
+        flat["embed"] = draw(ks[0], (cfg.vocab_size, h), "embed")
+        flat["final_norm"] = draw(ks[1], (h,), "final_norm")
         if not cfg.tie_word_embeddings:
-            params["lm_head"] = draw(ks[2], (cfg.vocab_size, h), "lm_head")
-        return params
+            flat["lm_head"] = draw(ks[2], (cfg.vocab_size, h), "lm_head")
+        return weights_from_flat(flat)
 
     return build(jax.random.key(seed))

@@ -25,18 +25,17 @@ import jax
 
 from prefixscore.model import gguf_loader, weights
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.decoder import Params
 from prefixscore.model.presets import cache_dir
+from prefixscore.model.weights import Weights, flat_weights, weights_from_flat
 
 log = logging.getLogger("prefixscore.weights")
 
 ENV = "PREFIXSCORE_WEIGHTS_CACHE"  # "off" disables the cache
-FORMAT = 1  # bump when the file layout changes
+FORMAT = 2  # bump when the file layout changes (2: the typed tree's dotted names)
 # larger conversions are not kept: a big model's weights in float would fill the cache volume
 # that the compile cache lives on (an emptyDir with a size limit in deploy/k8s) and get the pod
 # evicted; the embedded SmolLM2 is 0.5 GiB in float32
 MAX_BYTES = 2 << 30
-_SEP = "/"  # nested parameter names: "layers/wq"
 
 
 def directory() -> Path | None:
@@ -56,7 +55,7 @@ def _key(source: Path, dtype: str) -> str:
     return digest.hexdigest()[:32]
 
 
-def cached(source: Path, dtype: str, convert: Callable[[], tuple[ModelConfig, Params]]) -> tuple[ModelConfig, Params]:
+def cached(source: Path, dtype: str, convert: Callable[[], tuple[ModelConfig, Weights]]) -> tuple[ModelConfig, Weights]:
     """`convert()`'s config and parameters for `source` in `dtype`, from the cache when it has
     them (written there after a conversion)."""
     root = directory()
@@ -78,15 +77,10 @@ def cached(source: Path, dtype: str, convert: Callable[[], tuple[ModelConfig, Pa
     return cfg, params
 
 
-def _write(path: Path, cfg: ModelConfig, params: Params) -> None:
+def _write(path: Path, cfg: ModelConfig, params: Weights) -> None:
     from safetensors.flax import save_file
 
-    flat = {}
-    for name, value in params.items():
-        if isinstance(value, dict):
-            flat.update({f"{name}{_SEP}{key}": array for key, array in value.items()})
-        else:
-            flat[name] = value
+    flat = flat_weights(params)  # "layers.attn.wq": array, ...
     path.parent.mkdir(parents=True, exist_ok=True)
     # written beside, then renamed: a reader never sees half a file, and replicas sharing the
     # directory may race to write it harmlessly
@@ -100,19 +94,14 @@ def _write(path: Path, cfg: ModelConfig, params: Params) -> None:
             os.unlink(tmp)
 
 
-def _read(path: Path) -> tuple[ModelConfig, Params]:
+def _read(path: Path) -> tuple[ModelConfig, Weights]:
     from safetensors import safe_open
 
-    params: Params = {}
+    flat: dict[str, jax.Array] = {}
     with safe_open(str(path), framework="flax") as f:
         fields = json.loads(f.metadata()["config"])
         fields["rope_scaling"] = tuple(tuple(pair) for pair in fields.get("rope_scaling", ()))  # JSON made lists
         cfg = ModelConfig(**fields)
         for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            outer, _, inner = name.partition(_SEP)
-            array: jax.Array = f.get_tensor(name)
-            if inner:
-                params.setdefault(outer, {})[inner] = array
-            else:
-                params[outer] = array
-    return cfg, params
+            flat[name] = f.get_tensor(name)
+    return cfg, weights_from_flat(flat)

@@ -191,14 +191,19 @@ def test_build_context_installs_the_package(tmp_path):
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     for module in (
-        "prefixscore/service/cli.py",
+        "prefixscore/cli.py",
         "prefixscore/service/server.py",
+        "prefixscore/service/http_api.py",
+        "prefixscore/engine/device_loop.py",
         "prefixscore/model/loader.py",
         "prefixscore/kernels/__init__.py",
+        "prefixscore/telemetry/metrics.py",
+        "prefixscore/client/__init__.py",
+        "prefixscore/bench/run.py",
         "prefixscore/v1/score_service_pb2.py",
     ):
         assert module in names, f"{module} missing from the image's install"
-    assert re.search(r"^prefixscore\s*=\s*prefixscore\.service\.cli:main", entry_points, re.M)
+    assert re.search(r"^prefixscore\s*=\s*prefixscore\.cli:main", entry_points, re.M)
     # the package's own sources have no weights either
     assert not [n for n in names if any(fnmatch.fnmatch(n, w) for w in WEIGHT_FILES)]
 

@@ -152,7 +152,8 @@ def test_xla_prefix_steps_of_every_size() -> None:
         item_ids=jnp.asarray(item),
         page_table=jnp.asarray(table),
         prefix_len=jnp.asarray([p for _, p in segs], jnp.int32),
-        max_item_len=jnp.asarray([300, 1], jnp.int32),
+        max_chunk_len=jnp.int32(300),
+        max_item_len=jnp.int32(1),
         layer=jnp.int32(1),
         split=split,
     )

@@ -119,9 +119,9 @@ def test_the_cpu_mlp_tiles_compute_the_whole_mlp() -> None:
     from prefixscore.model import decoder
 
     params = random_params(CFG, 1, jnp.float32)
-    lp = jax.tree.map(lambda a: a[0], params["layers"])
+    first_mlp = jax.tree.map(lambda a: a[0], params.layers.mlp)
     rng = np.random.default_rng(2)
     for tokens in (3 * 128, 200, 128):
         y = jnp.asarray(rng.normal(size=(1, tokens, CFG.hidden_size)), jnp.float32)
-        got = jax.jit(lambda y: decoder.tiled_mlp(lp, y, 128))(y)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(decoder.mlp(lp, y)), atol=1e-6, rtol=1e-5)
+        got = jax.jit(lambda y: decoder.tiled_mlp(first_mlp, y, 128))(y)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(decoder.mlp(first_mlp, y)), atol=1e-6, rtol=1e-5)

@@ -19,6 +19,7 @@ from prefixscore.client import ScoreClient
 from prefixscore.engine import compile_cache
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.executables import CompileCounter, ScoringEngine
+from prefixscore.model.call_inputs import CallShape
 from prefixscore.service.process import ServerThread
 
 QUERY = list(range(100, 160))  # 60 token ids
@@ -41,15 +42,15 @@ def test_warmup_stages_compile_every_shape_once_and_plan_only_compiled_ones(tiny
     without a prefill region that holds a chunk; after each stage, every shape its buckets can
     plan is compiled (a grid), and the last stage plans in the full buckets."""
     stages = ScoringEngine.warmup_stages(dataclasses.make_dataclass("E", [("buckets", Buckets)])(buckets))
-    every = [(s.prefill_tokens, s.item_tokens, s.labels) for stage in stages for s in stage.shapes]
+    every = [s for stage in stages for s in stage.shapes]
     assert sorted(every) == sorted(buckets.call_shapes()) and len(set(every)) == len(every)
     first = stages[0].buckets
     assert first.tokens == (buckets.tokens[0],) and first.prefill[0] == 0
     assert first.prefill[-1] == Buckets.fit(buckets.prefill[1:], buckets.prefill_chunk, "prefill")
     assert first.prefill_chunk == buckets.prefill_chunk
-    compiled: set[tuple[int, int, int]] = set()
+    compiled: set[CallShape] = set()
     for stage in stages:
-        compiled |= {(s.prefill_tokens, s.item_tokens, s.labels) for s in stage.shapes}
+        compiled |= set(stage.shapes)
         assert set(stage.buckets.call_shapes()) == compiled
     assert stages[-1].buckets.call_shapes() == buckets.call_shapes()
     assert stages[-1].buckets.max_batch_tokens == buckets.max_batch_tokens
