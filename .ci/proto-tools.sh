@@ -2,7 +2,7 @@
 # Installs the buf CLI (npm package @bufbuild/buf, pinned) into a tools folder
 # outside the work tree and runs `buf lint` on protos/ (buf.yaml at the repo root).
 # Idempotent: a second run reuses the install. Prints where buf is, so tests can
-# find it through $PREFIXSCORE_BUF (tests/test_proto_lint.py also looks in the
+# find it through $PREFIXSCORE_BUF (tests/test_proto.py also looks in the
 # same default folder).
 #
 #   bash .ci/proto-tools.sh            # install if needed, then lint
