@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from prefixscore.engine.planner import CallBuilder, CallPlan
+from prefixscore.engine.planner import CallBuilder, CallPlan, Extent
 from prefixscore.engine.prefix_cache import CachedPrefix
 from prefixscore.engine.token_rows import TokenRows
 
@@ -116,6 +116,15 @@ class Call:
     written: list[CachedPrefix]  # prefixes whose chunks the call writes
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """What a fill limited to the units admitted so far can reach (see _Fill.bounds)."""
+
+    least_real: int  # real tokens placed so far: the second pass only adds
+    most_real: int  # those, plus all that the admitted units left for the second pass
+    placed: Extent  # how far what is placed so far reaches: the trial's buckets are no smaller
+
+
 @dataclasses.dataclass
 class _Fill:
     """One way of filling a call: the builder, and what committing it would change."""
@@ -124,6 +133,9 @@ class _Fill:
     written: dict[int, tuple[CachedPrefix, int]] = dataclasses.field(default_factory=dict)  # id(entry) ->
     offered: dict[int, int] = dataclasses.field(default_factory=dict)  # unit seq -> items taken
     admitted: int = 0  # units that got chunks or items
+    # after the k-th admission of the fair pass (index k - 1): what a fill limited to k units can
+    # reach. Such a fill is this one's fair pass up to there, then a second pass that only adds
+    bounds: list[_Bound] = dataclasses.field(default_factory=list)
 
 
 class Batcher:
@@ -193,9 +205,19 @@ class Batcher:
         real, device = best.builder.fill()
         full_real, best_share = real, real / device
         for fewer in range(1, TRIM_TRIES + 1):
-            if best_share >= 1 - PADDING_GOAL or best.admitted - fewer < 1:
+            limit = best.admitted - fewer
+            if best_share >= 1 - PADDING_GOAL or limit < 1:
                 break
-            trial = self._fill(pending, best.admitted - fewer)
+            if limit <= len(best.bounds):
+                # decide from the first fill what the trial's own checks below would surely decide
+                bound, keep = best.bounds[limit - 1], TRIM_KEEP * full_real
+                if bound.most_real < keep:
+                    break
+                if bound.least_real >= keep:
+                    least_device = best.builder.least_device_tokens(bound.placed)
+                    if least_device is not None and bound.most_real / least_device <= best_share:
+                        continue  # it cannot fill better
+            trial = self._fill(pending, limit)
             real, device = trial.builder.fill()
             if real < TRIM_KEEP * full_real:
                 break
@@ -226,6 +248,7 @@ class Batcher:
         prefilling = sum(1 for u in pending if u.entry is not None and not u.entry.ready)
         prefill_share = max(self.chunk, builder.b.prefill[-1] // max(1, prefilling))
         admitted: set[int] = set()
+        left_over = 0  # tokens the units admitted so far could still add in the second pass
         for fair in (True, False):
             refusals = 0
             for unit in pending:
@@ -240,10 +263,24 @@ class Batcher:
                     took, refused = self._offer(builder, unit, fill.offered.get(unit.seq, 0), share if fair else None)
                     fill.offered[unit.seq] = fill.offered.get(unit.seq, 0) + took
                 if took or len(builder.chunks) > chunks:
+                    if fair and unit.seq not in admitted:
+                        left_over += self._left_over(unit, fill, took)
+                        real = builder.real_tokens
+                        fill.bounds.append(_Bound(real, real + left_over, builder.extent()))
                     admitted.add(unit.seq)
                 refusals = refusals + 1 if refused else 0
         fill.admitted = len(admitted)
         return fill
+
+    @staticmethod
+    def _left_over(unit: WorkUnit, fill: _Fill, took: int) -> int:
+        """Tokens of `unit` that its first-pass offer left: its query's chunks not placed and its
+        items not taken."""
+        offsets = unit.items.offsets
+        items = int(offsets[-1] - offsets[unit.taken + took]) if not unit.cancelled else 0
+        entry = unit.entry
+        chunks = len(entry.tokens) - fill.written[id(entry)][1] if entry is not None else 0
+        return items + chunks
 
     def _prefill(
         self, builder: CallBuilder, unit: WorkUnit, written: dict[int, tuple[CachedPrefix, int]], share: int | None

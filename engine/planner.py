@@ -52,6 +52,15 @@ class RowSpan:
 
 
 @dataclasses.dataclass(frozen=True)
+class Extent:
+    """How far a call being filled reaches: its buckets can be no smaller (one device)."""
+
+    prefill_tokens: int  # the prefill region's tokens in use (alignment gaps included)
+    item_tokens: int  # the item stream's tokens in use
+    rows: int  # item rows in use
+
+
+@dataclasses.dataclass(frozen=True)
 class CallPlan:
     shape: CallShape
     inputs: CallInputs  # numpy arrays, shipped as they are
@@ -284,6 +293,26 @@ class CallBuilder:
     def _ends(offer: _Offer) -> np.ndarray:
         offsets = offer.rows.offsets
         return offsets[offer.first + 1 : offer.first + offer.count + 1] - offsets[offer.first]
+
+    @property
+    def real_tokens(self) -> int:
+        """Real (not padding) tokens taken so far: prefill chunks and items."""
+        return self.prefill_real + self.item_real
+
+    def extent(self) -> Extent:
+        """How far the call's regions reach now (cheap: what a later bound is computed from)."""
+        return Extent(self.prefill_used if self.chunks else 0, self._layout.used, self._layout.rows)
+
+    def least_device_tokens(self, extent: Extent) -> int | None:
+        """The fewest device tokens a call reaching at least `extent` can have: its buckets only
+        grow as work is added. None with several devices, where a smaller item bucket spreads the
+        items differently (no cheap bound)."""
+        if self.devices != 1:
+            return None
+        b = self.b
+        tp = Buckets.fit(b.prefill, extent.prefill_tokens, "prefill tokens") if extent.prefill_tokens else 0
+        ti = next((t for t in b.tokens if extent.item_tokens <= t and extent.rows <= b.rows(t)), b.tokens[-1])
+        return tp + ti
 
     def fill(self) -> tuple[int, int]:
         """(real tokens, device tokens) the call would have: its padding, before building it."""

@@ -225,6 +225,62 @@ def test_a_call_padded_past_its_bucket_takes_fewer_requests():
     assert b.depth == 540
 
 
+class _EveryTrimFilled(Batcher):
+    """The batcher as it was before trims were decided from the first fill: every trim tried
+    is filled (its first fill keeps no bounds)."""
+
+    def _fill(self, pending, limit):
+        fill = super()._fill(pending, limit)
+        fill.bounds.clear()
+        return fill
+
+
+def _plans(batcher: Batcher) -> list[tuple]:
+    """Every call the queue becomes: its shape and, per span, (unit, first item, count, row)."""
+    out = []
+    while (call := batcher.next_call()) is not None:
+        out.append((call.plan.shape, [(s.ref.seq, s.first, s.count, s.row) for s in call.plan.spans]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_trims_decided_from_the_first_fill_plan_what_filling_every_trim_plans(seed):
+    """Random queues of new and shared queries with items of mixed lengths (calls often land past
+    a bucket, so trims are weighed): the calls planned are the same, call for call."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(int(rng.integers(20, 70))):
+        hot = rng.random() < 0.3  # one of 12 hot queries (each always the same length), or a new one
+        query = int(rng.integers(0, 12)) if hot else int(rng.integers(100, 10**6))
+        length = 50 + 97 * query if hot else int(rng.integers(50, 1200))
+        lengths = rng.integers(5, 120, int(rng.integers(1, 40))).tolist()
+        requests.append(((query,) * length, lengths))
+    buckets = Buckets.for_context(8192)
+    queues = []
+    for cls in (Batcher, _EveryTrimFilled):
+        cache = PrefixCache(4096, buckets.page_tokens, page_bytes=1)
+        b = cls(lambda: CallBuilder(buckets, 1, 1, 4096), buckets.prefill_chunk)
+        for prefix, lengths in requests:
+            b.add(unit(cache, prefix=prefix, lengths=lengths))
+        queues.append(b)
+    assert _plans(queues[0]) == _plans(queues[1])
+
+
+def test_a_w4_call_is_filled_twice_not_once_per_trim(monkeypatch):
+    """W4's trims (12 and 11 requests cannot fill better than 13; 10 can) cost one more fill, not four."""
+    b, units = w4_queue()
+    fills = []
+    original = Batcher._fill
+
+    def counted(self, pending, limit):
+        fills.append(limit)
+        return original(self, pending, limit)
+
+    monkeypatch.setattr(Batcher, "_fill", counted)
+    call = b.next_call()
+    assert units_of(call) == units[:10] and fills == [None, 10]
+
+
 def test_token_rows_hold_a_requests_items_in_one_array():
     rows = TokenRows.from_lists([[5, 6, 7], [8], [9, 10]])
     assert len(rows) == 3 and rows.total == 6 and rows.lengths.tolist() == [3, 1, 2]
