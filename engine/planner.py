@@ -317,7 +317,7 @@ class CallBuilder:
     def fill(self) -> tuple[int, int]:
         """(real tokens, device tokens) the call would have: its padding, before building it."""
         tp, ti, _ = self._buckets()
-        return self.prefill_real + self.item_real, self.devices * (tp + ti)
+        return self.real_tokens, self.devices * (tp + ti)
 
     def build(self) -> CallPlan:
         """Lay out what was taken in the smallest buckets that hold it."""
