@@ -277,7 +277,7 @@ class Batcher:
         """Tokens of `unit` that its first-pass offer left: its query's chunks not placed and its
         items not taken."""
         offsets = unit.items.offsets
-        items = int(offsets[-1] - offsets[unit.taken + took]) if not unit.cancelled else 0
+        items = int(offsets[-1] - offsets[unit.taken + took])  # a pending unit is never cancelled
         entry = unit.entry
         chunks = len(entry.tokens) - fill.written[id(entry)][1] if entry is not None else 0
         return items + chunks
