@@ -460,7 +460,7 @@ def run_models(args: argparse.Namespace) -> int:
         weights = "random" + (", tokenizer" if tok else ", token ids only")
         print(
             f"{name:<20} {cfg.family:<7} {cfg.num_layers:>6} {cfg.hidden_size:>6} {cfg.vocab_size:>7} "
-            f"{cfg.max_position_embeddings:>7}  {weights}"
+            f"{cfg.context_length:>7}  {weights}"
         )
     default = "  [default]" if DEFAULT_MODEL == "smollm2-135m" else ""
     print(

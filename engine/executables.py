@@ -159,7 +159,7 @@ class ScoringEngine:
         self.compile_cache_dir = compile_cache.enable(compile_cache_dir)
         self.cfg = cfg
         self.dtype = dtype
-        self.buckets = buckets or Buckets.for_context(cfg.max_position_embeddings)
+        self.buckets = buckets or Buckets.for_context(cfg.context_length)
         self.attn_impl = dispatch.resolve(attn_impl)
         self._impl = dispatch.get(self.attn_impl)
         if devices is None:

@@ -129,7 +129,7 @@ class RequestTokenizer:
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
         self.start_ids: list[int] = tokenizer.start_ids if tokenizer else []
-        context = cfg.max_position_embeddings
+        context = cfg.context_length
         # one sequence (start tokens + query + item), and one item, at most
         self.max_sequence_tokens = min(context, self.limits.max_sequence_tokens or context)
         self.max_item_tokens = min(self.max_sequence_tokens, self.limits.max_item_tokens or context)

@@ -1,4 +1,10 @@
-"""Model configuration from a Hugging Face `config.json` (Llama, Qwen2, Qwen3 families)."""
+"""Model configuration from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3 families).
+
+transformers' own config class for the model type parses the file (its defaults, legacy
+spellings and derived fields are the oracle's), and every field is walked through the
+inventory (model/config_inventory.py): computed exactly, refused naming the field and its
+value, served with the context capped at a sliding window, or inert.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,17 @@ from typing import Any
 
 import jax.numpy as jnp
 
-# architectures[0] in config.json -> family
+from prefixscore.model import config_inventory
+
+# architectures[0] in config.json -> the model type whose config class and inventory apply
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# model type -> the decoder family that computes it (Mistral is Llama's decoder with a window)
+DECODER_FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 class UnsupportedModelError(ValueError):
@@ -25,6 +34,7 @@ class UnsupportedModelError(ValueError):
 
 # the weight and pool dtypes a model can be served in (`--dtype`)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -42,64 +52,129 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
-    attention_bias: bool = False  # q/k/v projection bias (Qwen2)
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2; Llama/Qwen3 attention_bias)
+    out_bias: bool = False  # a bias on the attention output projection (Llama/Qwen3 attention_bias)
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
     # llama3 RoPE frequency scaling as (key, value) pairs (factor, low/high_freq_factor,
     # original_max_position_embeddings); () means plain RoPE
     rope_scaling: tuple[tuple[str, float], ...] = ()
-    bos_token_id: int | None = None
-    name: str = ""
+    # per-frequency divisors [head_dim // 2] (a GGUF file's rope_freqs tensor); () means none
+    rope_freq_factors: tuple[float, ...] = ()
+    # the narrowest sliding attention window of any layer (None: every layer attends fully);
+    # served by capping the context at it, inside which a window changes nothing
+    sliding_window: int | None = None
+    # the name is not math: configs that differ only by name share compiled executables
+    name: str = dataclasses.field(default="", compare=False)
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence served: the model's positions, capped at a sliding window."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        fields = json.loads(text)
+        fields["rope_scaling"] = tuple(tuple(pair) for pair in fields["rope_scaling"])  # JSON made lists
+        fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+        return cls(**fields)
+
+
+def _model_type(raw: dict[str, Any]) -> str:
+    """The model type whose config class parses `raw`; refuses any other architecture."""
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type") or (ARCHITECTURES.get(archs[0]) if archs else None)
+    if archs and ARCHITECTURES.get(archs[0]) != model_type:
+        raise UnsupportedModelError(
+            f"config.json architectures {archs[0]!r} (model_type {model_type!r}) is not supported; "
+            f"supported: {sorted(ARCHITECTURES)}"
+        )
+    if model_type not in config_inventory.FAMILIES:
+        raise UnsupportedModelError(
+            f"config.json model_type {model_type!r} is not supported; supported: {sorted(config_inventory.FAMILIES)}"
+        )
+    return model_type
+
+
+def _transformers_config(model_type: str, raw: dict[str, Any]) -> Any:
+    import transformers
+
+    cls = getattr(transformers, config_inventory.FAMILIES[model_type][0])
+    try:
+        return cls.from_dict(raw)
+    except Exception as err:  # transformers' own validation: the message names the field
+        raise UnsupportedModelError(f"config.json is not a valid {cls.__name__}: {err}") from err
+
+
+def _checked_values(model_type: str, raw: dict[str, Any], hf: Any) -> dict[str, Any]:
+    """Every inventoried value of the config, each checked (refused naming the field)."""
+    inventory = config_inventory.family_fields(model_type)
+    class_fields = {f.name for f in dataclasses.fields(type(hf))}
+    unlisted = sorted(class_fields - inventory.keys())
+    if unlisted:  # a transformers release added a field nobody has classified yet
+        raise UnsupportedModelError(
+            f"config fields {unlisted} of transformers' {type(hf).__name__} are not in prefixscore's inventory "
+            "(model/config_inventory.py): whether they change scores is unknown"
+        )
+    values = {name: getattr(hf, name) for name in class_fields}
+    values.update({key: getattr(hf, key, raw[key]) for key in raw if key in inventory and key not in values})
+    for key, value in (hf.rope_parameters or {}).items():
+        values[f"rope_parameters.{key}"] = value
+    for name, value in values.items():
+        field = inventory.get(name)
+        if field is None:  # only rope_parameters keys get here: class fields were checked above
+            raise UnsupportedModelError(f"config.json {name}={value!r} is not in prefixscore's inventory")
+        refusal = field.refusal(value, hf)
+        if refusal:
+            raise UnsupportedModelError(f"config.json {refusal}")
+    return values
+
+
+def _sliding_window(model_type: str, hf: Any) -> int | None:
+    """The window of the layers that slide (None: none does), as transformers' modelling reads it."""
+    if model_type == "llama":  # transformers' Llama has no window (a sliding_window key is read past)
+        return None
+    window = hf.sliding_window
+    if model_type == "mistral" or window is None:  # Mistral: every layer, whenever a window is set
+        return window
+    return window if "sliding_attention" in hf.layer_types else None
 
 
 def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     """Build a ModelConfig from the parsed contents of a HF config.json."""
-    archs = raw.get("architectures") or []
-    family = ARCHITECTURES.get(archs[0]) if archs else MODEL_TYPES.get(raw.get("model_type", ""))
-    if family is None:
-        got = archs[0] if archs else raw.get("model_type", "<missing>")
-        raise UnsupportedModelError(
-            f"config.json architecture {got!r} is not supported; supported: {sorted(ARCHITECTURES)}"
-        )
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"config.json hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-    if family == "llama" and raw.get("mlp_bias"):
-        raise UnsupportedModelError("config.json mlp_bias=true is not supported")
-    num_heads = int(raw["num_attention_heads"])
-    hidden = int(raw["hidden_size"])
-    head_dim = raw.get("head_dim") or hidden // num_heads
-    # transformers >= 5 writes rope settings under rope_parameters; older files at top level
-    rope_params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or (
-        rope_params if rope_params.get("rope_type") not in (None, "default") else None
-    )
-    rope_theta = rope_params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    model_type = _model_type(raw)
+    hf = _transformers_config(model_type, raw)
+    values = _checked_values(model_type, raw, hf)
+    rope = hf.rope_parameters
     rope_scaling: tuple[tuple[str, float], ...] = ()
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            rope_scaling = tuple((k, float(scaling[k])) for k in keys)
-        elif kind not in (None, "default"):
-            raise UnsupportedModelError(f"config.json rope_scaling type {kind!r} is not supported (default, llama3)")
-    attention_bias = family == "qwen2" or bool(raw.get("attention_bias", False))
-    bos = raw.get("bos_token_id")
+    if rope["rope_type"] == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        rope_scaling = tuple((k, float(rope[k])) for k in keys)
+    # Llama and Qwen3: attention_bias on q, k, v and o; Qwen2: on q, k, v always; Mistral: none
+    attention_bias = bool(values.get("attention_bias", False))
+    num_heads = int(hf.num_attention_heads)
     return ModelConfig(
-        family=family,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        family=DECODER_FAMILY[model_type],
+        vocab_size=int(hf.vocab_size),
+        hidden_size=int(hf.hidden_size),
+        intermediate_size=int(hf.intermediate_size),
+        num_layers=int(hf.num_hidden_layers),
         num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-        attention_bias=attention_bias,
-        qk_norm=family == "qwen3",
+        num_kv_heads=int(hf.num_key_value_heads or num_heads),
+        head_dim=int(values.get("head_dim") or hf.hidden_size // num_heads),
+        rope_theta=float(rope["rope_theta"]),
+        rms_norm_eps=float(hf.rms_norm_eps),
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        max_position_embeddings=int(hf.max_position_embeddings),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        out_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
         rope_scaling=rope_scaling,
-        bos_token_id=bos if isinstance(bos, int) else None,
+        sliding_window=_sliding_window(model_type, hf),
         name=name,
     )
 

@@ -33,7 +33,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] in float32, with llama3 scaling if configured."""
+    """Inverse frequencies [head_dim // 2] in float32, with llama3 scaling or a GGUF file's
+    frequency factors if configured."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     inv = inv.astype(np.float32)
@@ -48,6 +49,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    if cfg.rope_freq_factors:  # llama.cpp divides each frequency by its factor
+        inv = (inv / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
     return inv
 
 
@@ -68,7 +71,7 @@ def _qkv(attn: AttentionWeights, cfg: ModelConfig, x: jax.Array, positions: jax.
     q = x @ attn.wq
     k = x @ attn.wk
     v = x @ attn.wv
-    if cfg.attention_bias:
+    if cfg.qkv_bias:
         q, k, v = q + attn.bq, k + attn.bk, v + attn.bv
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -125,7 +128,8 @@ def run_layers(
             q, k, v = _qkv(lw.attn, cfg, rms_norm(h, lw.attn_norm, cfg.rms_norm_eps), positions)
             out, st = attend(q, k, v, index, st)
             b, t = h.shape[:2]
-            h = h + out.reshape(b, t, -1) @ lw.attn.wo
+            attn_out = out.reshape(b, t, -1) @ lw.attn.wo
+            h = h + (attn_out + lw.attn.bo if cfg.out_bias else attn_out)
         with jax.named_scope("mlp"):
             h = h + tiled_mlp(lw.mlp, rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps), mlp_tile)
         return (h, st), None

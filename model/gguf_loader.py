@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
-from prefixscore.model.weights import Weights, params_from_hf_tensors
+from prefixscore.model.config_inventory import Effect, gguf_field
+from prefixscore.model.weights import Weights, check_all_used, params_from_hf_tensors
 
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -20,6 +21,7 @@ GGUF_LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -34,6 +36,7 @@ GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"  # read into the config (llama3 RoPE), not a weight
 
 
 def _field(reader, key: str, default=None):
@@ -43,8 +46,34 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _check_metadata(reader, arch: str, cfg: ModelConfig) -> None:
+    """Every metadata key through the inventory (model/config_inventory.py): an unknown key
+    under the architecture's prefix, or a value not computed exactly, refuses the load."""
+    for key, field in reader.fields.items():
+        entry = gguf_field(key, arch)
+        if entry is None:
+            raise UnsupportedModelError(
+                f"GGUF metadata {key} is not in prefixscore's inventory: whether it changes scores is unknown"
+            )
+        if entry.effect is Effect.INERT:  # tokenizer arrays are large: never decoded here
+            continue
+        refusal = entry.refusal(field.contents(), cfg)
+        if refusal:
+            raise UnsupportedModelError(f"GGUF {refusal.replace('{arch}', arch)}")
+
+
+def _rope_freq_factors(reader) -> tuple[float, ...]:
+    """llama3 RoPE as llama.cpp stores it: a divisor per frequency (the rope_freqs tensor)."""
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            from gguf.quants import dequantize
+
+            return tuple(float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1))
+    return ()
+
+
 def gguf_config(reader, name: str = "") -> ModelConfig:
-    """ModelConfig from GGUF metadata (`{arch}.*` keys)."""
+    """ModelConfig from GGUF metadata (`{arch}.*` keys), every key checked against the inventory."""
     arch = _field(reader, "general.architecture")
     family = GGUF_FAMILIES.get(arch)
     if family is None:
@@ -53,11 +82,11 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         )
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = _field(reader, "tokenizer.ggml.tokens") if f"{arch}.vocab_size" not in reader.fields else None
     vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     tied = "output.weight" not in {t.name for t in reader.tensors}
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    cfg = ModelConfig(
         family=family,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -70,11 +99,14 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings=tied,
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        attention_bias=family == "qwen2",
+        qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3",
-        bos_token_id=int(bos) if bos is not None else None,
+        rope_freq_factors=_rope_freq_factors(reader),
+        sliding_window=int(window) if window else None,
         name=name,
     )
+    _check_metadata(reader, arch, cfg)
+    return cfg
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -96,15 +128,20 @@ def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Weights]
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader, name=path.stem)
     by_hf_name = {}
+    unknown = []
     for t in reader.tensors:
         if t.name in GGUF_GLOBAL_NAMES:
             by_hf_name[GGUF_GLOBAL_NAMES[t.name]] = t
-        elif t.name.startswith("blk."):
+        elif t.name.startswith("blk.") and t.name.split(".", 2)[2] in GGUF_LAYER_NAMES:
             _, idx, rest = t.name.split(".", 2)
-            if rest in GGUF_LAYER_NAMES:
-                by_hf_name[f"model.layers.{idx}.{GGUF_LAYER_NAMES[rest]}"] = t
+            by_hf_name[f"model.layers.{idx}.{GGUF_LAYER_NAMES[rest]}"] = t
+        elif t.name != ROPE_FREQS:
+            unknown.append(t.name)
+    check_all_used(unknown, set())  # a tensor no HF name maps to is never read
+    used: set[str] = set()
 
     def get(name: str) -> np.ndarray:
+        used.add(name)
         t = by_hf_name[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGML lists dims innermost first
@@ -114,4 +151,6 @@ def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Weights]
             w = _unpermute_rope(w, cfg.num_kv_heads)
         return w
 
-    return cfg, params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name)
+    params = params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name)
+    check_all_used(by_hf_name, used)
+    return cfg, params

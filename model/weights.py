@@ -11,7 +11,7 @@ converted weights stores (model/weights_cache.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import jax
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from prefixscore.model.config import ModelConfig
+from prefixscore.model.config import ModelConfig, UnsupportedModelError
 
 
 @struct.dataclass
@@ -30,9 +30,10 @@ class AttentionWeights:
     wk: jax.Array  # [layers, hidden, kv_heads * hd]
     wv: jax.Array  # [layers, hidden, kv_heads * hd]
     wo: jax.Array  # [layers, heads * hd, hidden]
-    bq: jax.Array | None = None  # [layers, heads * hd]: Qwen2's projection biases
+    bq: jax.Array | None = None  # [layers, heads * hd]: projection biases (ModelConfig.qkv_bias)
     bk: jax.Array | None = None  # [layers, kv_heads * hd]
     bv: jax.Array | None = None  # [layers, kv_heads * hd]
+    bo: jax.Array | None = None  # [layers, hidden]: the output projection's bias (ModelConfig.out_bias)
     q_norm: jax.Array | None = None  # [layers, hd]: Qwen3's RMSNorm of each q and k head
     k_norm: jax.Array | None = None  # [layers, hd]
 
@@ -82,6 +83,7 @@ LAYER_TENSORS: dict[str, tuple[str, bool]] = {
     "attn.bq": ("self_attn.q_proj.bias", False),
     "attn.bk": ("self_attn.k_proj.bias", False),
     "attn.bv": ("self_attn.v_proj.bias", False),
+    "attn.bo": ("self_attn.o_proj.bias", False),
     "attn.q_norm": ("self_attn.q_norm.weight", False),
     "attn.k_norm": ("self_attn.k_norm.weight", False),
     "mlp.w_gate": ("mlp.gate_proj.weight", True),
@@ -93,8 +95,10 @@ LAYER_TENSORS: dict[str, tuple[str, bool]] = {
 def layer_keys(cfg: ModelConfig) -> list[str]:
     """The flat names of the per-layer weights this configuration has."""
     keys = ["attn_norm", "mlp_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down"]
-    if cfg.attention_bias:
+    if cfg.qkv_bias:
         keys += ["attn.bq", "attn.bk", "attn.bv"]
+    if cfg.out_bias:
+        keys += ["attn.bo"]
     if cfg.qk_norm:
         keys += ["attn.q_norm", "attn.k_norm"]
     return keys
@@ -161,8 +165,17 @@ def params_from_hf_tensors(
     return weights_from_flat(flat)
 
 
+# checkpoint tensors transformers itself drops on load: RoPE tables that older Llama
+# checkpoints saved as buffers (recomputed from the config, as here)
+IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
 def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) -> Weights:
-    """Load `model.safetensors` or a sharded `model.safetensors.index.json` checkpoint."""
+    """Load `model.safetensors` or a sharded `model.safetensors.index.json` checkpoint.
+
+    Every tensor of the checkpoint must be read: one the config does not use (a bias the
+    config does not declare, a head the architecture lacks) would be read past and the
+    scores silently wrong, so the load fails naming it."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -183,8 +196,10 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) 
     if weight_map is None:
         names = set(handle("model.safetensors").keys())
         weight_map = {n: "model.safetensors" for n in names}
+    used = {name for name in weight_map if name.endswith(IGNORED_TENSOR_SUFFIXES)}
 
     def get(name: str) -> np.ndarray:
+        used.add(name)
         return handle(weight_map[name]).get_tensor(name)
 
     def has(name: str) -> bool:
@@ -192,7 +207,26 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) 
 
     if "lm_head.weight" not in weight_map and not cfg.tie_word_embeddings:
         raise ValueError("model weights: lm_head.weight is missing and tie_word_embeddings is false")
-    return params_from_hf_tensors(cfg, _float32(get), dtype, has)
+    params = params_from_hf_tensors(cfg, _float32(get), dtype, has)
+    if cfg.tie_word_embeddings and "lm_head.weight" in weight_map:
+        # a tied head saved anyway is harmless only when it is the embedding
+        if not np.array_equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
+            raise UnsupportedModelError(
+                "model weights: lm_head.weight differs from the embedding but config.json says tie_word_embeddings=true"
+            )
+    check_all_used(weight_map, used)
+    return params
+
+
+def check_all_used(names: Iterable[str], used: set[str]) -> None:
+    """Refuses a checkpoint with tensors the decoder did not read (named, the first few)."""
+    unused = sorted(set(names) - used)
+    if unused:
+        shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise UnsupportedModelError(
+            f"model weights: {len(unused)} checkpoint tensor(s) the configuration does not use: {shown} "
+            "(serving without them would give wrong scores)"
+        )
 
 
 def _float32(get: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
@@ -220,6 +254,7 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:
         "attn.bq": (L, cfg.num_heads * hd),
         "attn.bk": (L, cfg.num_kv_heads * hd),
         "attn.bv": (L, cfg.num_kv_heads * hd),
+        "attn.bo": (L, h),
         "attn.q_norm": (L, hd),
         "attn.k_norm": (L, hd),
         "mlp.w_gate": (L, h, inter),

@@ -12,9 +12,7 @@ effort: a read-only home directory serves from the source each time, with a warn
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from prefixscore.model import gguf_loader, weights
+from prefixscore.model import config, config_inventory, gguf_loader, weights
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.presets import cache_dir
 from prefixscore.model.weights import Weights, flat_weights, weights_from_flat
@@ -50,7 +48,7 @@ def _key(source: Path, dtype: str) -> str:
     digest = hashlib.sha256()
     for part in (FORMAT, source.resolve(), stat.st_size, stat.st_mtime_ns, dtype):
         digest.update(f"{part}\0".encode())
-    for module in (gguf_loader, weights):  # the conversion itself
+    for module in (config, config_inventory, gguf_loader, weights):  # the conversion itself
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:32]
 
@@ -87,7 +85,7 @@ def _write(path: Path, cfg: ModelConfig, params: Weights) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
-        save_file(flat, tmp, metadata={"config": json.dumps(dataclasses.asdict(cfg))})
+        save_file(flat, tmp, metadata={"config": cfg.to_json()})
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -99,9 +97,7 @@ def _read(path: Path) -> tuple[ModelConfig, Weights]:
 
     flat: dict[str, jax.Array] = {}
     with safe_open(str(path), framework="flax") as f:
-        fields = json.loads(f.metadata()["config"])
-        fields["rope_scaling"] = tuple(tuple(pair) for pair in fields.get("rope_scaling", ()))  # JSON made lists
-        cfg = ModelConfig(**fields)
+        cfg = ModelConfig.from_json(f.metadata()["config"])
         for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             flat[name] = f.get_tensor(name)
     return cfg, weights_from_flat(flat)

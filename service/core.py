@@ -252,7 +252,7 @@ class ScoringService:
         if cfg.engine is not None:
             engine = cfg.engine
         else:
-            buckets = cfg.buckets(loaded.cfg.max_position_embeddings) if callable(cfg.buckets) else cfg.buckets
+            buckets = cfg.buckets(loaded.cfg.context_length) if callable(cfg.buckets) else cfg.buckets
             engine = ScoringEngine(
                 loaded.cfg,
                 loaded.params,
@@ -273,6 +273,10 @@ class ScoringService:
             model=loaded.name,
             family=loaded.cfg.family,
             dtype=loaded.dtype,
+            context_length=loaded.cfg.context_length,
+            # a sliding-window model is served only inside its window, where it is exact
+            context_capped_at_window=loaded.cfg.context_length != loaded.cfg.max_position_embeddings,
+            sliding_window=loaded.cfg.sliding_window,
             devices=self.devices,
             attention=engine.attn_impl,
             seconds=round(loaded_at - started, 3),

@@ -176,7 +176,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "prefixscore"
-    max_model_len: int
+    max_model_len: int  # the longest query + item served (capped at a sliding window)
+    # the narrowest sliding attention window (None: none); max_model_len is capped at it
+    sliding_window: int | None = None
+    max_position_embeddings: int  # what the model's configuration declares
     template: str | None = None
 
 
@@ -507,7 +510,9 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
         card = ModelCard(
             id=loaded.name,
             created=int(service.started_at),
-            max_model_len=loaded.cfg.max_position_embeddings,
+            max_model_len=loaded.cfg.context_length,
+            sliding_window=loaded.cfg.sliding_window,
+            max_position_embeddings=loaded.cfg.max_position_embeddings,
             template=service.template.name if service.template else None,
         )
         return ModelList(data=[card])

@@ -323,7 +323,9 @@ class GrpcServer:
             model=loaded.name,
             family=loaded.cfg.family,
             vocab_size=loaded.cfg.vocab_size,
-            context_length=loaded.cfg.max_position_embeddings,
+            context_length=loaded.cfg.context_length,
+            sliding_window=loaded.cfg.sliding_window or 0,
+            max_position_embeddings=loaded.cfg.max_position_embeddings,
             dtype=loaded.dtype,
             devices=service.devices,
             limits=pb.Limits(

@@ -1,0 +1,429 @@
+"""Every config field the loader can meet, and what it does to the forward pass.
+
+A checkpoint's `config.json` is parsed by transformers' own config class for its model type,
+so defaults and legacy spellings (`rope_scaling`, a top-level `rope_theta`, Qwen's derived
+`layer_types`, Mistral's default window of 4,096) are exactly transformers'. model/config.py
+then walks the family's inventory below, and model/gguf_loader.py walks GGUF_KEYS, before a
+ModelConfig exists. Each field is one of:
+
+- COMPUTED: read into ModelConfig and computed exactly, at any value;
+- LIMITED: computed exactly at the values `accepts` admits; any other value refuses the load
+  with a message naming the field and its value;
+- CAPPED: a sliding attention window, served with the context capped at the window, so
+  every sequence the server accepts lies inside it and is exact (ModelConfig.context_length);
+- INERT: cannot change a score (`why` says why).
+
+A field of transformers' class that is missing here refuses the load: a new family or a
+new transformers release cannot slip a field past (tests/test_config_inventory.py checks
+the installed classes). `trials` are configurations that set the field to a non-default
+value; the inventory test builds a tiny checkpoint from each (2 layers, head_dim 16) and
+checks that it either scores exactly as transformers does or is refused, so a field added
+here is tested without another line of test code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class Effect(enum.Enum):
+    COMPUTED = "computed"
+    LIMITED = "limited"
+    CAPPED = "capped"
+    INERT = "inert"
+
+
+def _any(value: Any, cfg: Any) -> bool:
+    return True
+
+
+def _never(value: Any, cfg: Any) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One config field: its effect on the forward pass, why, and the values computed exactly."""
+
+    name: str  # the config.json key; "rope_parameters.<key>" for a key of that dict
+    effect: Effect
+    why: str
+    # LIMITED: whether a value is computed exactly, given the config read so far (a GGUF
+    # file's ModelConfig, or transformers' config object)
+    accepts: Callable[[Any, Any], bool] = _any
+    # configurations (config overrides) that set a non-default value, for the inventory test
+    trials: tuple[Mapping[str, Any], ...] = ()
+
+    def refusal(self, value: Any, cfg: Any) -> str | None:
+        """The message refusing `value`, or None when it is computed exactly (or inert)."""
+        if not self.accepts(value, cfg):
+            return f"{self.name}={value!r} is not supported: {self.why}"
+        return None
+
+
+COMPUTED, LIMITED, CAPPED, INERT = Effect.COMPUTED, Effect.LIMITED, Effect.CAPPED, Effect.INERT
+
+# transformers' PretrainedConfig fields, shared by every family
+_BASE = (
+    Field("architectures", COMPUTED, "chooses the family (with model_type); *ForCausalLM only"),
+    Field("transformers_version", INERT, "the writer's version"),
+    Field("output_hidden_states", INERT, "what a forward pass returns, not what it computes"),
+    Field("return_dict", INERT, "what a forward pass returns, not what it computes"),
+    Field("dtype", INERT, "the stored dtype; weights are converted to the served --dtype"),
+    Field("chunk_size_feed_forward", INERT, "not read by these decoders"),
+    Field("is_encoder_decoder", INERT, "not read by these decoders"),
+    Field("id2label", INERT, "labels of a classification head; a causal LM has none"),
+    Field("label2id", INERT, "labels of a classification head; a causal LM has none"),
+    Field("problem_type", INERT, "the loss of a classification head; a causal LM has none"),
+)
+
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 2.0,
+    "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def _rope(**params: Any) -> dict[str, Any]:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **params}}
+
+
+_SHAPES = (
+    Field("vocab_size", COMPUTED, "the embedding's and the vocabulary head's rows"),
+    Field("hidden_size", COMPUTED, "the residual stream's width"),
+    Field("intermediate_size", COMPUTED, "the MLP's width"),
+    Field("num_hidden_layers", COMPUTED, "the number of decoder layers"),
+    Field("num_attention_heads", COMPUTED, "query heads"),
+    Field("num_key_value_heads", COMPUTED, "key/value heads (grouped-query attention)"),
+    Field(
+        "hidden_act",
+        LIMITED,
+        "the MLP's activation; only silu is computed",
+        accepts=lambda v, cfg: v == "silu",
+        trials=({"hidden_act": "gelu"}, {"hidden_act": "relu"}),
+    ),
+    Field(
+        "max_position_embeddings",
+        COMPUTED,
+        "the longest sequence served (context_length); longer requests are refused",
+        trials=({"max_position_embeddings": 64},),
+    ),
+    Field("rms_norm_eps", COMPUTED, "every RMSNorm's epsilon", trials=({"rms_norm_eps": 1e-2},)),
+    Field(
+        "tie_word_embeddings",
+        COMPUTED,
+        "the vocabulary head is the embedding",
+        trials=({"tie_word_embeddings": True}, {"tie_word_embeddings": False}),
+    ),
+    Field("rope_parameters", COMPUTED, "a dict; each key is listed as rope_parameters.<key>"),
+    Field(
+        "rope_parameters.rope_type",
+        LIMITED,
+        "RoPE frequencies: default and llama3 are computed; linear, dynamic, yarn, longrope are not",
+        accepts=lambda v, cfg: v in ("default", "llama3"),
+        trials=(
+            {"rope_parameters": _LLAMA3},
+            _rope(rope_type="linear", factor=2.0),
+            _rope(rope_type="dynamic", factor=2.0),
+            _rope(rope_type="yarn", factor=2.0, original_max_position_embeddings=64),
+        ),
+    ),
+    Field("rope_parameters.rope_theta", COMPUTED, "the RoPE base", trials=(_rope(rope_theta=100.0),)),
+    Field(
+        "rope_parameters.partial_rotary_factor",
+        LIMITED,
+        "RoPE on part of each head is not computed (only 1.0)",
+        accepts=lambda v, cfg: v == 1.0,
+        trials=(_rope(partial_rotary_factor=0.5),),
+    ),
+    *(
+        Field(f"rope_parameters.{key}", COMPUTED, "llama3 RoPE scaling", trials=({"rope_parameters": _LLAMA3},))
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    ),
+    Field("rope_parameters.type", INERT, "the legacy name of rope_type, which transformers reads instead"),
+    *(
+        Field(f"rope_parameters.{key}", INERT, "read only by the RoPE types refused above")
+        for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "short_factor")
+    ),
+    *(
+        Field(f"rope_parameters.{key}", INERT, "read only by the RoPE types refused above")
+        for key in ("long_factor", "truncate")
+    ),
+    Field("initializer_range", INERT, "random initialisation only; weights are loaded"),
+    Field("use_cache", INERT, "generation's KV cache; scoring keeps its own"),
+    Field("pad_token_id", INERT, "the embedding's padding row only matters in training"),
+    Field("bos_token_id", INERT, "a token id (the tokenizer adds start tokens), not math"),
+    Field("eos_token_id", INERT, "a token id for generation"),
+    Field("attention_dropout", INERT, "dropout is off in inference", trials=({"attention_dropout": 0.5},)),
+)
+
+_HEAD_DIM = Field("head_dim", COMPUTED, "each head's width (not always hidden / heads)", trials=({"head_dim": 32},))
+
+
+def _attention_bias(why: str) -> Field:
+    return Field("attention_bias", COMPUTED, why, trials=({"attention_bias": True},))
+
+
+_QWEN_WINDOW = {"use_sliding_window": True, "sliding_window": 48}
+_QWEN_WINDOWS = (
+    Field(
+        "use_sliding_window",
+        CAPPED,
+        "sliding-window attention on layers from max_window_layers on",
+        trials=({**_QWEN_WINDOW, "max_window_layers": 1}, {"use_sliding_window": False, "sliding_window": 48}),
+    ),
+    Field(
+        "sliding_window",
+        CAPPED,
+        "the window of the sliding layers",
+        trials=({**_QWEN_WINDOW, "max_window_layers": 0},),
+    ),
+    Field(
+        "max_window_layers",
+        CAPPED,
+        "layers below it attend fully; none windowed needs no cap",
+        trials=({**_QWEN_WINDOW, "max_window_layers": 2},),
+    ),
+    Field(
+        "layer_types",
+        CAPPED,
+        "each layer's attention: full_attention or sliding_attention",
+        accepts=lambda v, cfg: set(v) <= {"full_attention", "sliding_attention"},
+        trials=({**_QWEN_WINDOW, "layer_types": ["full_attention", "sliding_attention"]},),
+    ),
+)
+
+# model_type -> (transformers config class name, its fields, with the other keys its modelling code reads)
+FAMILIES: dict[str, tuple[str, tuple[Field, ...]]] = {
+    "llama": (
+        "LlamaConfig",
+        (
+            *_BASE,
+            *_SHAPES,
+            _HEAD_DIM,
+            _attention_bias("biases on the q, k, v and o projections"),
+            Field(
+                "mlp_bias",
+                LIMITED,
+                "biases on the MLP projections are not computed",
+                accepts=lambda v, cfg: not v,
+                trials=({"mlp_bias": True},),
+            ),
+            Field("pretraining_tp", INERT, "transformers 5 does not read it", trials=({"pretraining_tp": 2},)),
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        (
+            *_BASE,
+            *_SHAPES,
+            _HEAD_DIM,
+            Field(
+                "sliding_window",
+                CAPPED,
+                "sliding-window attention on every layer (transformers' default: 4,096)",
+                trials=({"sliding_window": 48}, {"sliding_window": None}),
+            ),
+        ),
+    ),
+    "qwen2": ("Qwen2Config", (*_BASE, *_SHAPES, _HEAD_DIM, *_QWEN_WINDOWS)),
+    "qwen3": (
+        "Qwen3Config",
+        (*_BASE, *_SHAPES, _HEAD_DIM, _attention_bias("biases on the q, k, v and o projections"), *_QWEN_WINDOWS),
+    ),
+}
+
+# keys outside transformers' classes that a config.json may hold, read by the loader itself
+EXTRA_KEYS: tuple[Field, ...] = (
+    Field("model_type", COMPUTED, "chooses transformers' config class"),
+    Field(
+        "quantization_config",
+        LIMITED,
+        "quantized checkpoints (GPTQ, AWQ, bitsandbytes, FP8) are not dequantized; use GGUF or float weights",
+        accepts=_never,
+    ),
+    Field("auto_map", LIMITED, "custom modelling code is not run", accepts=_never),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufTrial:
+    """A GGUF file written from a tiny transformers model built with `hf` overrides, with
+    `metadata` set on top (`{arch}` stands for the architecture)."""
+
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    hf: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _equals(expected: Any) -> Callable[[Any, Any], bool]:
+    return lambda v, cfg: v == expected
+
+
+def _head_dim(value: Any, cfg: Any) -> bool:
+    return value == cfg.head_dim
+
+
+_NO_ROPE_SCALING = "RoPE scaling in GGUF metadata is not computed (llama3 factors come as rope_freqs.weight)"
+
+# GGUF metadata keys ("{arch}." the architecture's prefix) and tensors; a key under "{arch}."
+# or outside general.*, tokenizer.*, GGUF.* that is not listed refuses the load
+GGUF_KEYS: tuple[Field, ...] = (
+    Field("general.architecture", COMPUTED, "the family: llama, qwen2 or qwen3"),
+    Field("general.*", INERT, "names, license, file type: each tensor's own type is read and dequantized"),
+    Field("GGUF.*", INERT, "the file's structure"),
+    Field("tokenizer.*", INERT, "the tokenizer's; scores of token ids do not depend on them"),
+    Field("{arch}.vocab_size", COMPUTED, "the vocabulary's size"),
+    Field("{arch}.embedding_length", COMPUTED, "the residual stream's width"),
+    Field("{arch}.feed_forward_length", COMPUTED, "the MLP's width"),
+    Field("{arch}.block_count", COMPUTED, "the number of decoder layers"),
+    Field("{arch}.attention.head_count", COMPUTED, "query heads"),
+    Field("{arch}.attention.head_count_kv", COMPUTED, "key/value heads"),
+    Field(
+        "{arch}.attention.key_length",
+        COMPUTED,
+        "each head's width",
+        trials=(GgufTrial({"{arch}.attention.key_length": 32, "{arch}.attention.value_length": 32}, {"head_dim": 32}),),
+    ),
+    Field(
+        "{arch}.attention.value_length",
+        LIMITED,
+        "values as wide as keys (key_length) only",
+        accepts=_head_dim,
+        trials=(GgufTrial({"{arch}.attention.value_length": 8}),),
+    ),
+    Field(
+        "{arch}.context_length",
+        COMPUTED,
+        "the longest sequence served",
+        trials=(GgufTrial({"{arch}.context_length": 64}),),
+    ),
+    Field(
+        "{arch}.rope.freq_base",
+        COMPUTED,
+        "the RoPE base",
+        trials=(GgufTrial({"{arch}.rope.freq_base": 100.0}, _rope(rope_theta=100.0)),),
+    ),
+    Field(
+        "{arch}.attention.layer_norm_rms_epsilon",
+        COMPUTED,
+        "every RMSNorm's epsilon",
+        trials=(GgufTrial({"{arch}.attention.layer_norm_rms_epsilon": 1e-2}, {"rms_norm_eps": 1e-2}),),
+    ),
+    Field(
+        "{arch}.rope.dimension_count",
+        LIMITED,
+        "RoPE on part of each head is not computed (only the head's width)",
+        accepts=_head_dim,
+        trials=(GgufTrial({"{arch}.rope.dimension_count": 8}),),
+    ),
+    Field(
+        "{arch}.rope.scaling.type",
+        LIMITED,
+        _NO_ROPE_SCALING,
+        accepts=_equals("none"),
+        trials=(GgufTrial({"{arch}.rope.scaling.type": "linear"}), GgufTrial({"{arch}.rope.scaling.type": "yarn"})),
+    ),
+    *(
+        Field(key, LIMITED, _NO_ROPE_SCALING, accepts=_equals(1.0), trials=(GgufTrial({key: 2.0}),))
+        for key in ("{arch}.rope.scaling.factor", "{arch}.rope.scale_linear", "{arch}.rope.scaling.attn_factor")
+    ),
+    *(
+        Field(key, INERT, "read only under a rope.scaling.type, which is refused")
+        for key in ("{arch}.rope.scaling.original_context_length", "{arch}.rope.scaling.finetuned")
+    ),
+    Field(
+        "{arch}.attention.sliding_window",
+        CAPPED,
+        "sliding-window attention",
+        trials=(GgufTrial({"{arch}.attention.sliding_window": 48}),),
+    ),
+    *(
+        Field(
+            key,
+            LIMITED,
+            "mixture-of-experts layers are not computed",
+            accepts=_equals(0),
+            trials=(GgufTrial({key: 4}),),
+        )
+        for key in ("{arch}.expert_count", "{arch}.expert_used_count")
+    ),
+    Field(
+        "{arch}.attention.clamp_kqv",
+        LIMITED,
+        "clamped q/k/v projections are not computed",
+        accepts=_never,
+        trials=(GgufTrial({"{arch}.attention.clamp_kqv": 8.0}),),
+    ),
+    Field(
+        "{arch}.attention.layer_norm_epsilon",
+        LIMITED,
+        "LayerNorm (not RMSNorm) is not computed",
+        accepts=_never,
+        trials=(GgufTrial({"{arch}.attention.layer_norm_epsilon": 1e-5}),),
+    ),
+    Field(
+        "{arch}.attention.causal",
+        LIMITED,
+        "bidirectional attention is not computed",
+        accepts=_equals(True),
+        trials=(GgufTrial({"{arch}.attention.causal": False}),),
+    ),
+    *(
+        Field(
+            key,
+            LIMITED,
+            "scaled logits, embeddings or residuals are not computed",
+            accepts=_equals(1.0),
+            trials=(GgufTrial({key: 2.0}),),
+        )
+        for key in ("{arch}.logit_scale", "{arch}.embedding_scale", "{arch}.residual_scale")
+    ),
+    Field(
+        "{arch}.attention.scale",
+        LIMITED,
+        "an attention scale other than 1/sqrt(head width) is not computed",
+        accepts=_never,
+        trials=(GgufTrial({"{arch}.attention.scale": 0.5}),),
+    ),
+    Field(
+        "{arch}.pooling_type",
+        LIMITED,
+        "embedding models (pooled outputs) are not scored",
+        accepts=_equals(0),
+        trials=(GgufTrial({"{arch}.pooling_type": 1}),),
+    ),
+    Field(
+        "split.count",
+        LIMITED,
+        "split GGUF files are not read; merge them first",
+        accepts=_equals(1),
+        trials=(GgufTrial({"split.count": 2}),),
+    ),
+    Field("split.*", INERT, "the position of a file in a split set of one"),
+    Field(
+        "rope_freqs.weight",
+        COMPUTED,
+        "a tensor: llama3 RoPE frequency factors (each frequency divided by its factor)",
+        trials=(GgufTrial(hf={"rope_parameters": _LLAMA3}),),
+    ),
+)
+
+
+def family_fields(model_type: str) -> dict[str, Field]:
+    """The inventory of one model type, by name (KeyError: not a family the loader serves)."""
+    return {f.name: f for f in (*FAMILIES[model_type][1], *EXTRA_KEYS)}
+
+
+def gguf_field(key: str, arch: str) -> Field | None:
+    """The inventory entry of GGUF metadata key `key` for architecture `arch` (None: unknown)."""
+    for field in GGUF_KEYS:
+        pattern = field.name.replace("{arch}", arch)
+        if pattern == key or (pattern.endswith(".*") and key.startswith(pattern[:-1])):
+            return field
+    return None
