@@ -49,23 +49,27 @@ TINY_SHAPES = dict(
 )
 FAMILY_OPTIONS = {
     "llama": dict(tie_word_embeddings=False, rope_theta=10000.0),
+    "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0),
     "qwen2": dict(tie_word_embeddings=False, rope_theta=1_000_000.0),
     "qwen3": dict(tie_word_embeddings=True, rope_theta=1_000_000.0, head_dim=16),
 }
 
 
 def make_torch_model(family: str, seed: int = 0, **overrides):
-    """A randomly initialised transformers model of the family (eval mode, float32)."""
+    """A randomly initialised transformers model of the family (eval mode, float32, eager attention:
+    the plain softmax(QK^T)V the fast paths must equal)."""
     import torch
     import transformers
 
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[family]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**TINY_SHAPES, **FAMILY_OPTIONS[family], **overrides})).eval()
+    config = config_cls(**{**TINY_SHAPES, **FAMILY_OPTIONS[family], **overrides})
+    model = model_cls._from_config(config, attn_implementation="eager").eval()
     # HF initialises norms to exactly 1: perturb them so a missing or misplaced norm weight shows.
     # Its std-0.02 q/k weights give near-uniform attention, blind to positions: sharpen them so
     # RoPE, the q/k layout and the causal/prefix masks all move the scores.

@@ -20,6 +20,7 @@ HF_TO_GGUF_LAYER = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
@@ -36,23 +37,56 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, family: str, path, qtype: Q) -> None:
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """The divisor of each RoPE frequency that llama.cpp's converter stores as rope_freqs.weight
+    for a llama3-scaled model: 1 for short wavelengths, `factor` for long ones, a blend between."""
+    inv = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    wavelen = 2 * np.pi / inv
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended)).astype(np.float32)
+
+
+def _add_metadata(w: GGUFWriter, key: str, value) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    else:
+        w.add_string(key, value)
+
+
+def write_gguf(model, family: str, path, qtype: Q, metadata: dict | None = None) -> None:
     """Write `model` as llama.cpp would, 2-D weights in `qtype`; load the dequantized weights back
-    into `model` so that it is the exact oracle for what the file holds."""
+    into `model` so that it is the exact oracle for what the file holds. `metadata` adds or
+    replaces keys ("{arch}" stands for the architecture)."""
     cfg = model.config
     arch = family
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
-    if family == "qwen3":
-        w.add_key_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    keys = {
+        "{arch}.block_count": cfg.num_hidden_layers,
+        "{arch}.context_length": cfg.max_position_embeddings,
+        "{arch}.embedding_length": cfg.hidden_size,
+        "{arch}.feed_forward_length": cfg.intermediate_size,
+        "{arch}.attention.head_count": cfg.num_attention_heads,
+        "{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        "{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        "{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "{arch}.vocab_size": cfg.vocab_size,
+        "{arch}.attention.key_length": head_dim,
+        "{arch}.attention.value_length": head_dim,
+        "{arch}.rope.dimension_count": head_dim,
+        **(metadata or {}),
+    }
+    for key, value in keys.items():
+        _add_metadata(w, key.replace("{arch}", arch), value)
+    if cfg.rope_parameters["rope_type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg.rope_parameters, head_dim))
     state = {}
     for name, tensor in model.state_dict().items():
         t = tensor.numpy().astype(np.float32)

@@ -1,0 +1,176 @@
+"""Never a silently wrong score: every configuration in the inventory (model/config_inventory.py)
+either scores exactly as transformers' eager model does or is refused, naming its field.
+
+The trials come from the inventory itself, so a field added there is tested here without
+another line. Each trial is a tiny checkpoint written by transformers (or a GGUF file written
+from one) with the field set to a non-default value, scored with a query longer than any
+window (trials' windows are 48 tokens) and a short one, items of several lengths: every
+sequence inside the served context must match within 1e-5 (float32), every sequence past it
+must get the context-length error, and the short ones must fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import transformers
+from conftest import FAMILY_OPTIONS, TINY_SHAPES, make_torch_model, torch_label_probs
+from gguf import GGMLQuantizationType as Q
+from test_gguf import write_gguf
+
+from prefixscore import Scorer
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.validation import InvalidInput
+from prefixscore.model.config import UnsupportedModelError
+from prefixscore.model.config_inventory import FAMILIES, GGUF_KEYS, Effect, family_fields
+
+TOLERANCE = 1e-5  # float32, against transformers' eager float32 forward pass
+# one page size, one item bucket, one prefill bucket: each trial compiles two small executables
+BUCKETS = Buckets(
+    context=512,
+    tokens=(128,),
+    prefill=(0, 128),
+    max_batch_tokens=128,
+    prefill_chunk=64,
+    max_prefill_tokens=128,
+    page_tokens=16,
+    segments=4,
+    labels=(8,),
+    head_rows=32,
+)
+RNG = np.random.default_rng(28)
+QUERIES = [RNG.integers(0, 320, n).tolist() for n in (20, 60)]  # inside and past a 48-token window
+ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 5, 13, 27)]
+LABELS = [3, 77, 319]
+
+
+def _dedupe(trials):
+    """(key, trial, fields it tries) with identical configurations merged: one compile each."""
+    merged: dict[str, tuple[object, list[str]]] = {}
+    for name, trial in trials:
+        key = json.dumps(dataclasses.asdict(trial) if dataclasses.is_dataclass(trial) else trial, sort_keys=True)
+        merged.setdefault(key, (trial, []))[1].append(name)
+    return [(trial, names) for trial, names in merged.values()]
+
+
+HF_TRIALS = [
+    pytest.param(model_type, trial, names, id=f"{model_type}-{'+'.join(names)}-{i}")
+    for model_type, (_, fields) in FAMILIES.items()
+    for i, (trial, names) in enumerate(_dedupe((f.name, t) for f in fields for t in f.trials))
+]
+GGUF_TRIALS = [
+    pytest.param(arch, trial, names, id=f"{arch}-{'+'.join(names)}-{i}")
+    for arch in ("llama", "qwen2", "qwen3")
+    for i, (trial, names) in enumerate(_dedupe((f.name, t) for f in GGUF_KEYS for t in f.trials))
+]
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Converted GGUF weights go to this test's cache, not the user's."""
+    monkeypatch.setenv("PREFIXSCORE_CACHE", str(tmp_path / "cache"))
+
+
+def _score_or_refuse(path: str, torch_model) -> None:
+    """Load `path` and hold it to transformers, or accept a refusal (the caller checks it)."""
+    scorer = Scorer.load(path, buckets=BUCKETS)
+    context = scorer.cfg.context_length
+    assert context >= len(QUERIES[0]) + len(ITEMS[-1]), "the cap refuses even short sequences"
+    for query in QUERIES:
+        fits = [item for item in ITEMS if len(query) + len(item) <= context]
+        for item in ITEMS:
+            if item not in fits:  # past the served context: the precise error, before device work
+                with pytest.raises(InvalidInput, match=f"(within|over the limit of) {context}"):
+                    scorer.score(query, [item], LABELS)
+        for apply_softmax in (False,)[: 1 if fits else 0]:  # each query new: one call shape, one compile
+            got = np.array(scorer.score(query, fits, LABELS, apply_softmax=apply_softmax))
+            want = torch_label_probs(torch_model, [query + item for item in fits], LABELS, apply_softmax)
+            err = np.abs(got - want).max()
+            assert err <= TOLERANCE, (len(query), apply_softmax, err)
+
+
+def _named(message: str, names: list[str], refusable: bool) -> None:
+    assert refusable, f"a computed field was refused: {message}"
+    assert any(name.replace("{arch}.", "") in message for name in names), message
+
+
+@pytest.mark.parametrize("model_type,trial,names", HF_TRIALS)
+def test_every_config_field_scores_exactly_or_is_refused(tmp_path, model_type, trial, names):
+    inventory = family_fields(model_type)
+    torch_model = make_torch_model(model_type, seed=5, **trial)
+    torch_model.save_pretrained(tmp_path)
+    refusable = any(inventory[n].effect is Effect.LIMITED for n in names)
+    if all(inventory[n].effect is Effect.INERT for n in names):  # inert: the very config of the base
+        base = tmp_path / "base"
+        make_torch_model(model_type, seed=5).save_pretrained(base)
+        assert Scorer.load(str(tmp_path), buckets=BUCKETS).cfg == Scorer.load(str(base), buckets=BUCKETS).cfg
+        return
+    try:
+        _score_or_refuse(str(tmp_path), torch_model)
+    except UnsupportedModelError as err:
+        _named(str(err), [n.removeprefix("rope_parameters.") for n in names], refusable)
+
+
+@pytest.mark.parametrize("arch,trial,names", GGUF_TRIALS)
+def test_every_gguf_key_scores_exactly_or_is_refused(tmp_path, arch, trial, names):
+    torch_model = make_torch_model(arch, seed=6, **trial.hf)
+    path = tmp_path / "trial.gguf"
+    write_gguf(torch_model, arch, path, Q.F32, dict(trial.metadata))
+    by_name = {f.name: f for f in GGUF_KEYS}
+    try:
+        _score_or_refuse(str(path), torch_model)
+    except UnsupportedModelError as err:
+        _named(str(err), names, any(by_name[n].effect is Effect.LIMITED for n in names))
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_inventory_covers_transformers_config_class(model_type):
+    """Every field of the installed transformers' class is classified, and each computed field
+    without a trial of its own is set to a non-default value by the tests' tiny checkpoint."""
+    class_name, _ = FAMILIES[model_type]
+    cls = getattr(transformers, class_name)
+    inventory = family_fields(model_type)
+    class_fields = {f.name for f in dataclasses.fields(cls)}
+    assert class_fields <= inventory.keys(), sorted(class_fields - inventory.keys())
+    default, tiny = cls(), cls(**{**TINY_SHAPES, **FAMILY_OPTIONS[model_type]})
+    for field in inventory.values():
+        if field.effect in (Effect.COMPUTED, Effect.CAPPED) and not field.trials:
+            if field.name in class_fields and field.name not in ("architectures", "rope_parameters"):
+                assert getattr(tiny, field.name) != getattr(default, field.name), field.name
+
+
+def test_a_field_missing_from_the_inventory_refuses_the_load(tmp_path, monkeypatch):
+    """A transformers field nobody has classified (as after an upgrade) is refused, named."""
+    make_torch_model("llama", seed=5).save_pretrained(tmp_path)
+    fields = tuple(f for f in FAMILIES["llama"][1] if f.name != "mlp_bias")
+    monkeypatch.setitem(FAMILIES, "llama", ("LlamaConfig", fields))
+    with pytest.raises(UnsupportedModelError, match="mlp_bias.*inventory"):
+        Scorer.load(str(tmp_path), buckets=BUCKETS)
+
+
+def test_an_unknown_gguf_key_refuses_the_load(tmp_path):
+    path = tmp_path / "odd.gguf"
+    write_gguf(make_torch_model("llama", seed=6), "llama", path, Q.F32, {"{arch}.attention.temperature": 0.5})
+    with pytest.raises(UnsupportedModelError, match="llama.attention.temperature"):
+        Scorer.load(str(path), buckets=BUCKETS)
+
+
+def test_a_checkpoint_tensor_the_config_does_not_use_refuses_the_load(tmp_path):
+    """A Llama checkpoint with attention biases whose config.json says attention_bias=false: the
+    biases would be read past, so the load names them."""
+    make_torch_model("llama", seed=5, attention_bias=True).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["attention_bias"] = False
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match="o_proj.bias"):
+        Scorer.load(str(tmp_path), buckets=BUCKETS)
+
+
+def test_the_window_cap_is_reported(tmp_path):
+    """Mistral v0.1's shape: a window under the positions serves at the window, and says so."""
+    make_torch_model("mistral", seed=5, sliding_window=48).save_pretrained(tmp_path)
+    cfg = Scorer.load(str(tmp_path), buckets=BUCKETS).cfg
+    assert (cfg.sliding_window, cfg.max_position_embeddings, cfg.context_length) == (48, 512, 48)
