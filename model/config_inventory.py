@@ -341,7 +341,13 @@ GGUF_KEYS: tuple[Field, ...] = (
         "{arch}.attention.sliding_window",
         CAPPED,
         "sliding-window attention",
-        trials=(GgufTrial({"{arch}.attention.sliding_window": 48}),),
+        # the oracle slides too (Mistral's class stands in for a llama file)
+        trials=(
+            GgufTrial(
+                {"{arch}.attention.sliding_window": 48},
+                {"sliding_window": 48, "use_sliding_window": True, "max_window_layers": 0},
+            ),
+        ),
     ),
     *(
         Field(

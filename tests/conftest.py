@@ -75,7 +75,7 @@ def make_torch_model(family: str, seed: int = 0, **overrides):
     # RoPE, the q/k layout and the causal/prefix masks all move the scores.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):  # HF initialises biases to 0: a dropped one would not show
                 p.add_(0.1 * torch.randn_like(p))
             if "q_proj.weight" in name or "k_proj.weight" in name:
                 p.mul_(12.0)
