@@ -154,6 +154,18 @@ def test_a_field_missing_from_the_inventory_refuses_the_load(tmp_path, monkeypat
         Scorer.load(str(tmp_path), buckets=BUCKETS)
 
 
+@pytest.mark.parametrize(
+    "key,value",
+    [("quantization_config", {"quant_method": "fp8"}), ("auto_map", {"AutoModelForCausalLM": "modeling.Custom"})],
+)
+def test_keys_outside_transformers_class_that_change_the_model_are_refused(tmp_path, key, value):
+    make_torch_model("qwen3", seed=5).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, key: value}))
+    with pytest.raises(UnsupportedModelError, match=f"config.json {key}="):
+        Scorer.load(str(tmp_path), buckets=BUCKETS)
+
+
 def test_an_unknown_gguf_key_refuses_the_load(tmp_path):
     path = tmp_path / "odd.gguf"
     write_gguf(make_torch_model("llama", seed=6), "llama", path, Q.F32, {"{arch}.attention.temperature": 0.5})
@@ -172,8 +184,30 @@ def test_a_checkpoint_tensor_the_config_does_not_use_refuses_the_load(tmp_path):
         Scorer.load(str(tmp_path), buckets=BUCKETS)
 
 
-def test_the_window_cap_is_reported(tmp_path):
-    """Mistral v0.1's shape: a window under the positions serves at the window, and says so."""
+def test_the_window_cap_is_served_and_reported(tmp_path):
+    """Mistral v0.1's shape: a window under the positions serves at the window, says so over
+    gRPC and HTTP, and refuses a longer sequence with the usual context error."""
+    import grpc
+    import httpx
+    from service_testing import server_config
+
+    from prefixscore.client import ScoreClient
+    from prefixscore.service.process import ServerThread
+
     make_torch_model("mistral", seed=5, sliding_window=48).save_pretrained(tmp_path)
-    cfg = Scorer.load(str(tmp_path), buckets=BUCKETS).cfg
+    scorer = Scorer.load(str(tmp_path), buckets=BUCKETS)
+    cfg = scorer.cfg
     assert (cfg.sliding_window, cfg.max_position_embeddings, cfg.context_length) == (48, 512, 48)
+    with ServerThread(server_config(scorer, http_port=0)) as srv, ScoreClient(srv.target) as client:
+        info = client.model_info(timeout=30)
+        assert (info.context_length, info.sliding_window, info.max_position_embeddings) == (48, 48, 512)
+        assert info.limits.max_sequence_tokens == 48
+        with pytest.raises(grpc.RpcError) as err:
+            client.score(QUERIES[1], [ITEMS[0]], LABELS)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "48" in err.value.details()
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.server.http_port}", timeout=60) as http:
+            card = http.get("/v1/models").json()["data"][0]
+            assert (card["max_model_len"], card["sliding_window"], card["max_position_embeddings"]) == (48, 48, 512)
+            long = {"query": QUERIES[0], "items": [ITEMS[-1] + ITEMS[-1]], "label_token_ids": LABELS}
+            refused = http.post("/v1/score", json=long)
+            assert refused.status_code == 400 and "items[0]" in refused.json()["message"]
