@@ -309,9 +309,26 @@ def run_serve(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             pass  # drained before it was ready
         await server.wait_stopped()
+        if server.service.compiling_in_background:
+            # an XLA compile cannot be interrupted, and the interpreter joins the compiling
+            # threads at exit (5-15 s after "stopped"); everything is drained and logged: go now
+            _exit_now(server.exit_code)
         return server.exit_code  # non-zero when the device loop broke: the orchestrator restarts us
 
     return asyncio.run(serve())
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once, after flushing what was written (no interpreter shutdown)."""
+    import logging
+
+    from prefixscore.telemetry import logs
+
+    logs.event(logging.getLogger("prefixscore.serve"), "exiting", code=code, abandoned="background compile")
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 # ---- score ---------------------------------------------------------------------------------------

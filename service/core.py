@@ -222,6 +222,7 @@ class ScoringService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._warming_stop = threading.Event()  # ends a background warm-up at shutdown
+        self._warming: threading.Thread | None = None  # the background warm-up, while it runs
         CompileCounter.install()  # count the compilations of loading and warm-up too
         self.worker = DeviceWorker(
             self._startup,
@@ -329,7 +330,13 @@ class ScoringService:
                 warmed = _warmup_report(engine, report, compiles, compile_s, started)
                 event(log, "warmed_up", warmup=True, background=True, **warmed)
 
-        threading.Thread(target=run, name="prefixscore-warmup", daemon=True).start()
+        self._warming = threading.Thread(target=run, name="prefixscore-warmup", daemon=True)
+        self._warming.start()
+
+    @property
+    def compiling_in_background(self) -> bool:
+        """Whether a background warm-up still runs (a compile in progress cannot be interrupted)."""
+        return self._warming is not None and self._warming.is_alive()
 
     def _on_worker_ready(self, error: BaseException | None) -> None:
         """From the device thread, once: hand the outcome to the event loop."""

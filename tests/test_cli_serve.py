@@ -3,6 +3,7 @@ and a graceful SIGTERM drain (health NOT_SERVING, new RPCs refused, the open str
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -261,3 +263,46 @@ def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
     assert result.returncode == 1
     failed = [json.loads(line) for line in result.stderr.splitlines() if '"startup_failed"' in line]
     assert failed and "does not exist" in failed[0]["error"]
+
+
+def test_sigterm_during_a_background_compile_exits_within_a_second(tmp_path):
+    """Served early, the rest of the shapes compiling in the background (bench-cpu has dozens):
+    SIGTERM with nothing in flight drains at once, and the process must exit within 1 s of it,
+    not when the compile in progress ends (the interpreter would join the compiling threads)."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        # a compile cache of its own: cached shapes would finish the warm-up before the signal
+        "PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp_path / "compile-cache"),
+    }
+    args = ["serve", "--model", "bench-cpu", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "off"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixscore.cli", *args, "--log-format", "json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    events: list[dict] = []
+
+    def read_logs() -> None:
+        for line in proc.stderr:
+            with contextlib.suppress(json.JSONDecodeError):
+                events.append(json.loads(line))
+
+    threading.Thread(target=read_logs, daemon=True).start()
+    try:
+        seen = lambda name: any(e.get("event") == name for e in list(events))  # noqa: E731
+        wait_for(lambda: seen("serving_early") or proc.poll() is not None, 300, "serving early")
+        assert proc.poll() is None and not seen("warmed_up"), events
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        took = time.monotonic() - signalled
+        assert code == 0, events
+        assert took < 1.0, f"exited {took:.1f} s after SIGTERM"
+        wait_for(lambda: seen("exiting"), 5, "the exiting event")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
