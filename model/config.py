@@ -18,14 +18,7 @@ import jax.numpy as jnp
 from prefixscore.model import config_inventory
 
 # architectures[0] in config.json -> the model type whose config class and inventory apply
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-# model type -> the decoder family that computes it (Mistral is Llama's decoder with a window)
-DECODER_FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {family.architecture: model_type for model_type, family in config_inventory.FAMILIES.items()}
 
 
 class UnsupportedModelError(ValueError):
@@ -103,7 +96,7 @@ def _model_type(raw: dict[str, Any]) -> str:
 def _transformers_config(model_type: str, raw: dict[str, Any]) -> Any:
     import transformers
 
-    cls = getattr(transformers, config_inventory.FAMILIES[model_type][0])
+    cls = getattr(transformers, config_inventory.FAMILIES[model_type].config_class)
     try:
         return cls.from_dict(raw)
     except Exception as err:  # transformers' own validation: the message names the field
@@ -158,7 +151,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     attention_bias = bool(values.get("attention_bias", False))
     num_heads = int(hf.num_attention_heads)
     return ModelConfig(
-        family=DECODER_FAMILY[model_type],
+        family=config_inventory.FAMILIES[model_type].decoder,
         vocab_size=int(hf.vocab_size),
         hidden_size=int(hf.hidden_size),
         intermediate_size=int(hf.intermediate_size),

@@ -149,11 +149,16 @@ _SHAPES = (
     Field("rope_parameters.type", INERT, "the legacy name of rope_type, which transformers reads instead"),
     *(
         Field(f"rope_parameters.{key}", INERT, "read only by the RoPE types refused above")
-        for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "short_factor")
-    ),
-    *(
-        Field(f"rope_parameters.{key}", INERT, "read only by the RoPE types refused above")
-        for key in ("long_factor", "truncate")
+        for key in (
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "short_factor",
+            "long_factor",
+            "truncate",
+        )
     ),
     Field("initializer_range", INERT, "random initialisation only; weights are loaded"),
     Field("use_cache", INERT, "generation's KV cache; scoring keeps its own"),
@@ -199,10 +204,22 @@ _QWEN_WINDOWS = (
     ),
 )
 
-# model_type -> (transformers config class name, its fields, with the other keys its modelling code reads)
-FAMILIES: dict[str, tuple[str, tuple[Field, ...]]] = {
-    "llama": (
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model type the loader accepts: where its config comes from and what computes it."""
+
+    architecture: str  # config.json's architectures[0]
+    config_class: str  # transformers' config class that parses config.json
+    decoder: str  # the decoder family that computes it (ModelConfig.family)
+    fields: tuple[Field, ...]  # the class's fields, with the other keys its modelling code reads
+
+
+FAMILIES: dict[str, Family] = {  # by model_type
+    "llama": Family(
+        "LlamaForCausalLM",
         "LlamaConfig",
+        "llama",
         (
             *_BASE,
             *_SHAPES,
@@ -218,8 +235,10 @@ FAMILIES: dict[str, tuple[str, tuple[Field, ...]]] = {
             Field("pretraining_tp", INERT, "transformers 5 does not read it", trials=({"pretraining_tp": 2},)),
         ),
     ),
-    "mistral": (
+    "mistral": Family(  # Llama's decoder with a window
+        "MistralForCausalLM",
         "MistralConfig",
+        "llama",
         (
             *_BASE,
             *_SHAPES,
@@ -232,9 +251,11 @@ FAMILIES: dict[str, tuple[str, tuple[Field, ...]]] = {
             ),
         ),
     ),
-    "qwen2": ("Qwen2Config", (*_BASE, *_SHAPES, _HEAD_DIM, *_QWEN_WINDOWS)),
-    "qwen3": (
+    "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config", "qwen2", (*_BASE, *_SHAPES, _HEAD_DIM, *_QWEN_WINDOWS)),
+    "qwen3": Family(
+        "Qwen3ForCausalLM",
         "Qwen3Config",
+        "qwen3",
         (*_BASE, *_SHAPES, _HEAD_DIM, _attention_bias("biases on the q, k, v and o projections"), *_QWEN_WINDOWS),
     ),
 }
@@ -423,7 +444,7 @@ GGUF_KEYS: tuple[Field, ...] = (
 
 def family_fields(model_type: str) -> dict[str, Field]:
     """The inventory of one model type, by name (KeyError: not a family the loader serves)."""
-    return {f.name: f for f in (*FAMILIES[model_type][1], *EXTRA_KEYS)}
+    return {f.name: f for f in (*FAMILIES[model_type].fields, *EXTRA_KEYS)}
 
 
 def gguf_field(key: str, arch: str) -> Field | None:

@@ -21,7 +21,6 @@ GGUF_LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -109,6 +108,14 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
     return cfg
 
 
+def _layer_name(gguf_name: str) -> str | None:
+    """The HF name of a per-layer GGUF tensor ("blk.3.attn_q.weight"), None for any other."""
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}"
+    return None
+
+
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved -> HF rotate-half layout). w: [out, in].
 
@@ -132,9 +139,8 @@ def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Weights]
     for t in reader.tensors:
         if t.name in GGUF_GLOBAL_NAMES:
             by_hf_name[GGUF_GLOBAL_NAMES[t.name]] = t
-        elif t.name.startswith("blk.") and t.name.split(".", 2)[2] in GGUF_LAYER_NAMES:
-            _, idx, rest = t.name.split(".", 2)
-            by_hf_name[f"model.layers.{idx}.{GGUF_LAYER_NAMES[rest]}"] = t
+        elif (hf_name := _layer_name(t.name)) is not None:
+            by_hf_name[hf_name] = t
         elif t.name != ROPE_FREQS:
             unknown.append(t.name)
     check_all_used(unknown, set())  # a tensor no HF name maps to is never read

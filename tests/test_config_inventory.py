@@ -58,8 +58,8 @@ def _dedupe(trials):
 
 HF_TRIALS = [
     pytest.param(model_type, trial, names, id=f"{model_type}-{'+'.join(names)}-{i}")
-    for model_type, (_, fields) in FAMILIES.items()
-    for i, (trial, names) in enumerate(_dedupe((f.name, t) for f in fields for t in f.trials))
+    for model_type, family in FAMILIES.items()
+    for i, (trial, names) in enumerate(_dedupe((f.name, t) for f in family.fields for t in f.trials))
 ]
 GGUF_TRIALS = [
     pytest.param(arch, trial, names, id=f"{arch}-{'+'.join(names)}-{i}")
@@ -133,8 +133,7 @@ def test_every_gguf_key_scores_exactly_or_is_refused(tmp_path, arch, trial, name
 def test_the_inventory_covers_transformers_config_class(model_type):
     """Every field of the installed transformers' class is classified, and each computed field
     without a trial of its own is set to a non-default value by the tests' tiny checkpoint."""
-    class_name, _ = FAMILIES[model_type]
-    cls = getattr(transformers, class_name)
+    cls = getattr(transformers, FAMILIES[model_type].config_class)
     inventory = family_fields(model_type)
     class_fields = {f.name for f in dataclasses.fields(cls)}
     assert class_fields <= inventory.keys(), sorted(class_fields - inventory.keys())
@@ -148,8 +147,8 @@ def test_the_inventory_covers_transformers_config_class(model_type):
 def test_a_field_missing_from_the_inventory_refuses_the_load(tmp_path, monkeypatch):
     """A transformers field nobody has classified (as after an upgrade) is refused, named."""
     make_torch_model("llama", seed=5).save_pretrained(tmp_path)
-    fields = tuple(f for f in FAMILIES["llama"][1] if f.name != "mlp_bias")
-    monkeypatch.setitem(FAMILIES, "llama", ("LlamaConfig", fields))
+    fields = tuple(f for f in FAMILIES["llama"].fields if f.name != "mlp_bias")
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], fields=fields))
     with pytest.raises(UnsupportedModelError, match="mlp_bias.*inventory"):
         Scorer.load(str(tmp_path), buckets=BUCKETS)
 
