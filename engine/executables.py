@@ -5,9 +5,11 @@ what goes into a call is the planner's (engine/planner.py). `launch` runs a Call
 
 One kind of device call (model/step.py), one executable per CallShape, compiled ahead of time
 (`warmup`, or on first use) and kept in a table, so steady-state traffic never compiles. With
-several devices the weights and the pool are replicated: the prefill region runs on every
-device (so every replica of the pool gets the same pages written, with no collective), and
-each device scores its own share of the item region (`shard_map` over a one-axis mesh, "data").
+several devices the call runs under `shard_map` over a 2-D mesh (engine/mesh.py): on the
+model axis each device holds its share of the heads, MLP columns, vocabulary rows and the
+pool's KV heads; on the data axis the replicas each run the prefill region (so every replica
+of the pool gets the same pages written, with no collective) and score their own share of
+the item region.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from prefixscore.engine import compile_cache
 from prefixscore.engine.buckets import Buckets, round_up
+from prefixscore.engine.mesh import DATA, Layout, MeshShape, choose_mesh
 from prefixscore.engine.planner import CallBuilder, CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
 from prefixscore.kernels import dispatch, selfcheck
@@ -38,7 +40,6 @@ from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, Ite
 from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.weights import Weights
 
-AXIS = "data"
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # on CPUs the MLP runs this many tokens at a time, so its activations stay in cache
@@ -56,6 +57,7 @@ POOL_CONTEXTS = 64
 def _all_fields(region: type, value: Any) -> Any:
     """`region` (a call-input dataclass) with every field set to `value` (one sharding for all)."""
     return region(**{field.name: value for field in dataclasses.fields(region)})
+
 
 class CompileCounter:
     """Counts XLA compilations process-wide (jax.monitoring), to prove steady state compiles nothing.
@@ -128,15 +130,31 @@ class _Slot:
     exe: Any = None
 
 
-def pool_pages(cfg: ModelConfig, dtype: str, buckets: Buckets, budget: int) -> int:
-    """Pages of the prefix pool a byte budget holds (at least one full context and a page)."""
-    pages = budget // page_bytes(cfg, dtype, buckets.page_tokens)
-    return int(max(buckets.max_pages + 1, pages))
+def page_bytes(cfg: ModelConfig, dtype: str, page_tokens: int, kv_heads: int) -> int:
+    """Bytes of one page on one device: keys and values of page_tokens tokens in every layer,
+    for the `kv_heads` KV heads that device stores."""
+    return 2 * cfg.num_layers * kv_heads * page_tokens * cfg.head_dim * jnp.dtype(DTYPES[dtype]).itemsize
 
 
-def page_bytes(cfg: ModelConfig, dtype: str, page_tokens: int) -> int:
-    """Device bytes of one page: keys and values of page_tokens tokens in every layer."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_tokens * cfg.head_dim * jnp.dtype(DTYPES[dtype]).itemsize
+def default_layout(
+    cfg: ModelConfig, params: Weights, devices: int | Sequence[jax.Device] | None, mesh: MeshShape | None
+) -> Layout:
+    """The layout on `devices` (all local ones by default; an int: the first that many):
+    `mesh` if given, else the smallest model axis the weights fit (engine/mesh.py)."""
+    if devices is None:
+        devices = jax.local_devices()
+    elif isinstance(devices, int):
+        devices = jax.local_devices()[:devices]
+    devices = list(devices)
+    if mesh is None:
+        weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
+        mesh = choose_mesh(cfg, len(devices), weight_bytes=weight_bytes, device_bytes=device_memory(devices[0]))
+    return Layout(cfg, mesh, devices)
+
+
+def device_memory(device: jax.Device) -> int | None:
+    """A device's memory in bytes, where the backend reports it (not on CPUs)."""
+    return (device.memory_stats() or {}).get("bytes_limit")
 
 
 class ScoringEngine:
@@ -151,6 +169,7 @@ class ScoringEngine:
         attn_impl: str | None = None,
         *,
         devices: int | Sequence[jax.Device] | None = None,
+        mesh: MeshShape | Layout | None = None,
         compile_cache_dir: str | None = None,
         pool_bytes: int | None = None,
         pool_memory_fraction: float = POOL_MEMORY_FRACTION,
@@ -162,20 +181,15 @@ class ScoringEngine:
         self.buckets = buckets or Buckets.for_context(cfg.context_length)
         self.attn_impl = dispatch.resolve(attn_impl)
         self._impl = dispatch.get(self.attn_impl)
-        if devices is None:
-            devices = jax.local_devices()
-        elif isinstance(devices, int):
-            devices = jax.local_devices()[:devices]
-        self.devices = list(devices)
-        self.mesh = Mesh(np.array(self.devices), (AXIS,))
-        self._replicated = NamedSharding(self.mesh, P())
-        self._split = NamedSharding(self.mesh, P(AXIS))
-        self.params = jax.device_put(params, self._replicated)
-        self.page_bytes = page_bytes(cfg, dtype, self.buckets.page_tokens)
-        self.pool_pages = pool_pages(cfg, dtype, self.buckets, self._pool_budget(pool_bytes, pool_memory_fraction))
+        self.layout = mesh if isinstance(mesh, Layout) else default_layout(cfg, params, devices, mesh)
+        self.devices = self.layout.devices
+        self.params = self.layout.place_weights(params)
+        self.page_bytes = page_bytes(cfg, dtype, self.buckets.page_tokens, self.layout.local_kv_heads)
+        budget = self._pool_budget(pool_bytes, pool_memory_fraction)
+        self.pool_pages = int(max(self.buckets.max_pages + 1, budget // self.page_bytes))
         zeros = jax.jit(
-            lambda: jnp.zeros(self._pool_shape(), DTYPES[dtype]), out_shardings=self._replicated
-        )  # made on the device, never shipped
+            lambda: jnp.zeros(self._pool_shape(), DTYPES[dtype]), out_shardings=self.layout.pool
+        )  # made on the devices (each its own KV heads), never shipped
         self._pool = (zeros(), zeros())
         # which pages hold which query: one book for the one pool, whoever drives the engine
         self.prefix_cache = PrefixCache(self.pool_pages, self.buckets.page_tokens, self.page_bytes)
@@ -200,17 +214,24 @@ class ScoringEngine:
         return len(self.devices)
 
     @property
+    def data_replicas(self) -> int:
+        """Item streams per call: one per replica on the data axis."""
+        return self.layout.shape.data
+
+    @property
     def segment_align(self) -> int:
         """Segment starts in a call's stream: a multiple of this (the attention's query block)."""
         return int(self._impl.SEGMENT_ALIGN)
 
     @property
     def pool_bytes(self) -> int:
+        """The pool's bytes on each device (its KV heads' share)."""
         return self.pool_pages * self.page_bytes
 
     def _pool_shape(self) -> tuple[int, ...]:
+        """The whole pool (every stored KV head; each device holds its model shard's)."""
         c = self.cfg
-        return (c.num_layers, c.num_kv_heads, self.pool_pages, self.buckets.page_tokens, c.head_dim)
+        return (c.num_layers, self.layout.kv_heads, self.pool_pages, self.buckets.page_tokens, c.head_dim)
 
     def _pool_budget(self, pool_bytes: int | None, fraction: float) -> int:
         """Explicit bytes; else a fraction of the device memory left after the weights, or (CPU)
@@ -227,7 +248,7 @@ class ScoringEngine:
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (engine/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
-        return CallBuilder(self.serving, self.n_devices, self.segment_align, self.pool_pages)
+        return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages)
 
     # ---- executables ----------------------------------------------------------
     def _executable(self, shape: CallShape) -> Any:
@@ -247,9 +268,9 @@ class ScoringEngine:
 
     def _call_specs(self, shape: CallShape) -> CallInputs:
         """ShapeDtypeStructs (with shardings) of a call's inputs: what an executable is traced on."""
-        b, d = self.buckets, self.n_devices
-        rep = lambda *s, t=jnp.int32: jax.ShapeDtypeStruct(s, t, sharding=self._replicated)  # noqa: E731
-        dev = lambda *s, t=jnp.int32: jax.ShapeDtypeStruct((d, *s), t, sharding=self._split)  # noqa: E731
+        b, d, layout = self.buckets, self.data_replicas, self.layout
+        rep = lambda *s, t=jnp.int32: jax.ShapeDtypeStruct(s, t, sharding=layout.replicated)  # noqa: E731
+        dev = lambda *s, t=jnp.int32: jax.ShapeDtypeStruct((d, *s), t, sharding=layout.items)  # noqa: E731
         tp, ti, r, lb = shape.prefill_tokens, shape.item_tokens, shape.rows, shape.labels
         return CallInputs(
             prefill=PrefillRegion(*(rep(tp) for _ in range(6))),
@@ -262,7 +283,7 @@ class ScoringEngine:
         )
 
     def _call_shardings(self) -> CallInputs:
-        rep, split = self._replicated, self._split
+        rep, split = self.layout.replicated, self.layout.items
         return CallInputs(
             prefill=_all_fields(PrefillRegion, rep),
             items=_all_fields(ItemRegion, split),
@@ -274,11 +295,11 @@ class ScoringEngine:
         )
 
     def _traced(self, shape: CallShape, platform: str) -> jax.stages.Traced:
-        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)  # noqa: E731
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
         params = jax.tree.map(spec, self.params)
         pool = spec(self._pool[0])
         partition = jax.tree.map(lambda s: s.spec, self._call_shardings())
-        rep = P()
+        weights, pool_spec, rep = self.layout.weight_specs(self.params), self.layout.pool.spec, P()
         call_fn = functools.partial(
             self._call_fn,
             static_head=platform in GPU_PLATFORMS,
@@ -286,9 +307,9 @@ class ScoringEngine:
         )
         mapped = jax.shard_map(
             call_fn,
-            mesh=self.mesh,
-            in_specs=(rep, rep, rep, partition),
-            out_specs=(rep, rep, rep),
+            mesh=self.layout.mesh,
+            in_specs=(weights, pool_spec, pool_spec, partition),
+            out_specs=(rep, pool_spec, pool_spec),
             check_vma=False,
         )
         with jax.default_matmul_precision(self._precision):
@@ -313,8 +334,9 @@ class ScoringEngine:
             head_rows=self.buckets.head_rows,
             static_head=static_head,
             mlp_tile=mlp_tile,
+            shards=self.layout.shards,
         )
-        return jax.lax.all_gather(probs, AXIS, tiled=True), pool_k, pool_v  # [devices * R, L]
+        return jax.lax.all_gather(probs, DATA, tiled=True), pool_k, pool_v  # [replicas * R, L]
 
     def hlo_texts(self) -> list[str]:
         """The compiled HLO of every executable built so far (bench --profile maps kernels to scopes)."""
@@ -423,12 +445,12 @@ class ScoringEngine:
         """The attention implementation against the reference at this model's head shapes and
         dtype, on this process's device (kernels/selfcheck.py). Returns max errors per call;
         raises selfcheck.KernelCheckFailed past the tolerance."""
-        c = self.cfg
-        return selfcheck.verify(self.attn_impl, self._impl, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype)
+        heads, kv = self.layout.local_heads, self.layout.local_kv_heads  # each device's
+        return selfcheck.verify(self.attn_impl, self._impl, heads, kv, self.cfg.head_dim, self.dtype)
 
     # ---- running a plan -----------------------------------------------------------
     def launch(self, plan: CallPlan) -> jax.Array:
-        """Run one planned call (asynchronously) -> probabilities [devices * R, L] on the device;
+        """Run one planned call (asynchronously) -> probabilities [replicas * R, L] on the device;
         plan.spans say which rows are whose. The pool's pages written by the call's prefill
         chunks are visible to every later call (calls run in launch order)."""
         exe = self._executable(plan.shape)
@@ -448,7 +470,10 @@ class ScoringEngine:
     ) -> np.ndarray:
         """Query and all items in one sequence under a block-diagonal mask (the seeds' `packed`).
 
-        A baseline: compiled on first use per length (multiples of packed_baseline.PACKED_ALIGN), not warmed up."""
+        A baseline: compiled on first use per length (multiples of packed_baseline.PACKED_ALIGN), not warmed up;
+        on one device's whole model (a model axis of 1)."""
+        if self.layout.shape.model > 1:
+            raise ValueError("the packed baseline runs the whole model on each device: use a mesh with tp-size 1")
         total = len(query_ids) + sum(len(it) for it in items)
         s = round_up(total, packed_baseline.PACKED_ALIGN)
         tokens = np.zeros(s, np.int32)

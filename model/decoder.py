@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixscore.model.config import ModelConfig
+from prefixscore.model.shards import UNSPLIT, ModelShards
 from prefixscore.model.weights import AttentionWeights, LayerWeights, MlpWeights, Weights
 
 # attend(q [b,t,heads,hd], k [b,t,kv,hd], v [b,t,kv,hd], layer [] int32, state) -> ([b,t,heads,hd], state)
@@ -66,16 +67,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def _qkv(attn: AttentionWeights, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
-    """Projections, biases, q/k norms and RoPE. x: [b, t, hidden] -> q [b,t,heads,hd], k, v [b,t,kv,hd]."""
+    """Projections, biases, q/k norms and RoPE. x: [b, t, hidden] -> q [b,t,heads,hd], k, v [b,t,kv,hd]
+    (this device's heads)."""
     b, t, _ = x.shape
     q = x @ attn.wq
     k = x @ attn.wk
     v = x @ attn.wv
     if cfg.qkv_bias:
         q, k, v = q + attn.bq, k + attn.bk, v + attn.bv
-    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    # heads from the projections' widths: under tensor parallelism a device holds only its own
+    q = q.reshape(b, t, -1, cfg.head_dim)
+    k = k.reshape(b, t, -1, cfg.head_dim)
+    v = v.reshape(b, t, -1, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, attn.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, attn.k_norm, cfg.rms_norm_eps)
@@ -109,6 +112,7 @@ def run_layers(
     attend: AttendFn,
     state: Any = None,
     mlp_tile: int | None = None,
+    shards: ModelShards = UNSPLIT,
 ) -> tuple[jax.Array, Any]:
     """All decoder layers under one scan.
 
@@ -116,22 +120,23 @@ def run_layers(
     attention output [b, t, heads, hd] and the new state: the state (e.g. the paged KV pool)
     is carried through the layers, so a layer can write into it in place before it reads.
     mlp_tile: run the MLP over this many tokens at a time (tiled_mlp; None: all at once).
+    shards: the model axis (model/shards.py): with heads and MLP columns split, the o and down
+    projections give partial sums, added up across devices (one all-reduce each per layer)
+    before the bias and the residual.
     Returns the final hidden states [b, t, hidden] and the final state.
     """
 
-    def layer(
-        carry: tuple[jax.Array, Any], xs: tuple[LayerWeights, jax.Array]
-    ) -> tuple[tuple[jax.Array, Any], None]:
+    def layer(carry: tuple[jax.Array, Any], xs: tuple[LayerWeights, jax.Array]) -> tuple[tuple[jax.Array, Any], None]:
         h, st = carry
         lw, index = xs  # this layer's slice of the stacked weights
         with jax.named_scope("attention"):
             q, k, v = _qkv(lw.attn, cfg, rms_norm(h, lw.attn_norm, cfg.rms_norm_eps), positions)
             out, st = attend(q, k, v, index, st)
             b, t = h.shape[:2]
-            attn_out = out.reshape(b, t, -1) @ lw.attn.wo
+            attn_out = shards.sum(out.reshape(b, t, -1) @ lw.attn.wo)
             h = h + (attn_out + lw.attn.bo if cfg.out_bias else attn_out)
         with jax.named_scope("mlp"):
-            h = h + tiled_mlp(lw.mlp, rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps), mlp_tile)
+            h = h + shards.sum(tiled_mlp(lw.mlp, rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps), mlp_tile))
         return (h, st), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -166,6 +171,7 @@ def label_probs(
     return jnp.exp(jnp.take(logits, label_ids, axis=-1) - lse)
 
 
-def embed(params: Weights, tokens: jax.Array) -> jax.Array:
-    """tokens: [b, t] int32 -> [b, t, hidden] in the weights' dtype."""
-    return jnp.take(params.embed, tokens, axis=0)
+def embed(params: Weights, tokens: jax.Array, shards: ModelShards = UNSPLIT) -> jax.Array:
+    """tokens: [b, t] int32 -> [b, t, hidden] in the weights' dtype (from a vocabulary split
+    by rows across the model axis: each device's rows, summed)."""
+    return shards.take_rows(params.embed, tokens)

@@ -22,6 +22,7 @@ from prefixscore.kernels.paged import PagedAttentionMeta
 from prefixscore.model.call_inputs import CallInputs
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, rms_norm, run_layers
+from prefixscore.model.shards import UNSPLIT, ModelShards
 from prefixscore.model.weights import Weights
 
 # vocabulary rows per step of the full-vocabulary log-sum-exp: a [rows, VOCAB_CHUNK]
@@ -42,6 +43,7 @@ def score_call(
     head_rows: int,
     static_head: bool = False,
     mlp_tile: int | None = None,
+    shards: ModelShards = UNSPLIT,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's share of a call. pool_k, pool_v: [layers, kv, pages, page_tokens, hd];
     call: this device's CallInputs (item region arrays with a leading axis of 1).
@@ -50,6 +52,8 @@ def score_call(
     launch would return only when the device reached the head: the host could not plan the
     next call meanwhile. The rows computed in vain cost far less there than that wait.
     mlp_tile: the MLP's tokens per step (decoder.tiled_mlp; None: all at once).
+    shards: the model axis (model/shards.py): this device's heads, MLP columns and vocabulary
+    rows; the pool holds this device's KV heads.
     Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
     n_rows and columns past a row's labels are 0) and the pool with the chunks written."""
     prefill = call.prefill
@@ -78,12 +82,12 @@ def score_call(
         out = impl.paged_attention(q[0], k[0], v[0], pk, pv, _at_layer(meta, layer))
         return out[None], (pk, pv)
 
-    x = embed(params, tokens[None])
-    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), mlp_tile)
+    x = embed(params, tokens[None], shards)
+    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), mlp_tile, shards)
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.apply_softmax)
         head = lambda h_last, sets, softmax, always_lse=False: row_label_probs(  # noqa: E731
-            params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), softmax, always_lse
+            params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), softmax, always_lse, shards
         )
         if static_head:
             probs = head(*rows, always_lse=True)
@@ -96,31 +100,34 @@ def _at_layer(meta: PagedAttentionMeta, layer: jax.Array) -> PagedAttentionMeta:
     return dataclasses.replace(meta, layer=layer)
 
 
-def vocab_logsumexp(h: jax.Array, w: jax.Array) -> jax.Array:
+def vocab_logsumexp(h: jax.Array, w: jax.Array, real_rows: jax.Array | None = None) -> jax.Array:
     """log(sum(exp(h @ w.T))) per row without materialising the logits.
 
-    h: [rows, hidden] (normalised); w: [vocab, hidden]. Returns [rows] float32.
+    h: [rows, hidden] (normalised); w: [vocab, hidden]; real_rows: only w's first real_rows
+    rows count (a vocabulary shard ending in padding); None: all. Returns [rows] float32.
     An online max/sum over VOCAB_CHUNK-row slices of w (plus one static remainder).
     """
     vocab = w.shape[0]
     chunk = min(VOCAB_CHUNK, vocab)
     full = vocab // chunk
 
-    def update(carry: tuple[jax.Array, jax.Array], wc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def update(carry: tuple[jax.Array, jax.Array], wc: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
         m, total = carry
         s = jnp.einsum("rh,vh->rv", h, wc, preferred_element_type=jnp.float32)
+        if real_rows is not None:
+            s = jnp.where(first + jnp.arange(wc.shape[0]) < real_rows, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         return m_new, total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=-1)
 
     def step(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return update(carry, jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk))
+        return update(carry, jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk), i * chunk)
 
     rows = h.shape[0]
     carry = jax.lax.fori_loop(
         0, full, step, (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
     )
     if vocab > full * chunk:
-        carry = update(carry, w[full * chunk :])
+        carry = update(carry, w[full * chunk :], jnp.int32(full * chunk))
     return carry[0] + jnp.log(carry[1])
 
 
@@ -132,6 +139,7 @@ def row_label_probs(
     row_labels: jax.Array,
     apply_softmax: jax.Array,
     always_lse: bool = False,
+    shards: ModelShards = UNSPLIT,
 ) -> jax.Array:
     """Each row's label probabilities from its last hidden state.
 
@@ -140,20 +148,27 @@ def row_label_probs(
     [rows, L] product; a row's are gathered from it. Rows without softmax get the
     full-vocabulary probability exp(logit - logsumexp over the vocabulary), computed in
     cache-sized tiles, and only when some row of the step needs it (always with
-    `always_lse`: no branch on a runtime value). Returns [rows, L] float32 (unused columns 0).
+    `always_lse`: no branch on a runtime value). With the vocabulary split across the model
+    axis (shards), the label rows are looked up in their shards and each device reduces its
+    own rows' log-sum-exp, combined across devices: the logits never leave a device.
+    Returns [rows, L] float32 (unused columns 0).
     """
     h = rms_norm(h_last, params.final_norm, cfg.rms_norm_eps)
     w = params.output
-    logits = jnp.einsum("bh,lh->bl", h, jnp.take(w, labels, axis=0), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bh,lh->bl", h, shards.take_rows(w, labels), preferred_element_type=jnp.float32)
     valid = row_labels >= 0
     logits = jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1)  # [rows, L]
     soft = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
+
+    def lse_all() -> jax.Array:
+        return shards.logsumexp(vocab_logsumexp(h, w, shards.real_rows(w.shape[0])))
+
     if always_lse:
-        lse = vocab_logsumexp(h, w)
+        lse = lse_all()
     else:
         lse = jax.lax.cond(
             jnp.any(~apply_softmax),
-            lambda: vocab_logsumexp(h, w),
+            lse_all,
             lambda: jnp.zeros(h.shape[0], jnp.float32),
         )
     full = jnp.exp(logits - lse[:, None])

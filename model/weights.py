@@ -10,6 +10,7 @@ converted weights stores (model/weights_cache.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -22,37 +23,48 @@ from flax import struct
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
 
 
+def _axes(*axes: str | None, optional: bool = False):
+    """A weight field named by its logical axes (one per dimension; the fused `*_heads` axes
+    hold heads x head_dim): engine/mesh.py maps them to mesh axes with one rule table."""
+    if optional:
+        return struct.field(default=None, metadata={"axes": axes})
+    return struct.field(metadata={"axes": axes})
+
+
 @struct.dataclass
 class AttentionWeights:
     """One projection each of q, k, v and the output, stacked over layers."""
 
-    wq: jax.Array  # [layers, hidden, heads * hd]
-    wk: jax.Array  # [layers, hidden, kv_heads * hd]
-    wv: jax.Array  # [layers, hidden, kv_heads * hd]
-    wo: jax.Array  # [layers, heads * hd, hidden]
-    bq: jax.Array | None = None  # [layers, heads * hd]: projection biases (ModelConfig.qkv_bias)
-    bk: jax.Array | None = None  # [layers, kv_heads * hd]
-    bv: jax.Array | None = None  # [layers, kv_heads * hd]
-    bo: jax.Array | None = None  # [layers, hidden]: the output projection's bias (ModelConfig.out_bias)
-    q_norm: jax.Array | None = None  # [layers, hd]: Qwen3's RMSNorm of each q and k head
-    k_norm: jax.Array | None = None  # [layers, hd]
+    wq: jax.Array = _axes("layers", "embed", "q_heads")  # [layers, hidden, heads * hd]
+    wk: jax.Array = _axes("layers", "embed", "kv_heads")  # [layers, hidden, kv_heads * hd]
+    wv: jax.Array = _axes("layers", "embed", "kv_heads")  # [layers, hidden, kv_heads * hd]
+    wo: jax.Array = _axes("layers", "q_heads", "embed")  # [layers, heads * hd, hidden]
+    # projection biases (ModelConfig.qkv_bias)
+    bq: jax.Array | None = _axes("layers", "q_heads", optional=True)  # [layers, heads * hd]
+    bk: jax.Array | None = _axes("layers", "kv_heads", optional=True)  # [layers, kv_heads * hd]
+    bv: jax.Array | None = _axes("layers", "kv_heads", optional=True)  # [layers, kv_heads * hd]
+    # the output projection's bias (ModelConfig.out_bias), added once after the heads are summed
+    bo: jax.Array | None = _axes("layers", "embed", optional=True)  # [layers, hidden]
+    # Qwen3's RMSNorm of each q and k head
+    q_norm: jax.Array | None = _axes("layers", "head_dim", optional=True)  # [layers, hd]
+    k_norm: jax.Array | None = _axes("layers", "head_dim", optional=True)  # [layers, hd]
 
 
 @struct.dataclass
 class MlpWeights:
     """The gated MLP, stacked over layers."""
 
-    w_gate: jax.Array  # [layers, hidden, inter]
-    w_up: jax.Array  # [layers, hidden, inter]
-    w_down: jax.Array  # [layers, inter, hidden]
+    w_gate: jax.Array = _axes("layers", "embed", "mlp")  # [layers, hidden, inter]
+    w_up: jax.Array = _axes("layers", "embed", "mlp")  # [layers, hidden, inter]
+    w_down: jax.Array = _axes("layers", "mlp", "embed")  # [layers, inter, hidden]
 
 
 @struct.dataclass
 class LayerWeights:
     """Every decoder layer's weights, stacked on the leading layer axis (one scan runs them)."""
 
-    attn_norm: jax.Array  # [layers, hidden]
-    mlp_norm: jax.Array  # [layers, hidden]
+    attn_norm: jax.Array = _axes("layers", "embed")  # [layers, hidden]
+    mlp_norm: jax.Array = _axes("layers", "embed")  # [layers, hidden]
     attn: AttentionWeights
     mlp: MlpWeights
 
@@ -61,15 +73,33 @@ class LayerWeights:
 class Weights:
     """The decoder's weights (model/decoder.py). Linear weights are [in, out]."""
 
-    embed: jax.Array  # [vocab, hidden]
-    final_norm: jax.Array  # [hidden]
+    embed: jax.Array = _axes("vocab", "embed")  # [vocab, hidden]
+    final_norm: jax.Array = _axes("embed")  # [hidden]
     layers: LayerWeights
-    lm_head: jax.Array | None = None  # [vocab, hidden]; None: tied to embed
+    lm_head: jax.Array | None = _axes("vocab", "embed", optional=True)  # [vocab, hidden]; None: tied to embed
 
     @property
     def output(self) -> jax.Array:
         """The vocabulary projection [vocab, hidden] (the embedding when tied)."""
         return self.embed if self.lm_head is None else self.lm_head
+
+
+def weight_axes() -> dict[str, tuple[str | None, ...]]:
+    """Every weight's logical axes by its flat name ("layers.attn.wq": ("layers", "embed", "q_heads"))."""
+
+    def walk(cls: type, prefix: str) -> dict[str, tuple[str | None, ...]]:
+        out: dict[str, tuple[str | None, ...]] = {}
+        for f in dataclasses.fields(cls):
+            if "axes" in f.metadata:
+                out[prefix + f.name] = f.metadata["axes"]
+            else:  # a nested group
+                out.update(walk(_GROUPS[f.name], f"{prefix}{f.name}."))
+        return out
+
+    return walk(Weights, "")
+
+
+_GROUPS: dict[str, type] = {"layers": LayerWeights, "attn": AttentionWeights, "mlp": MlpWeights}
 
 
 # flat layer name -> (HF name inside model.layers.{i}., transpose to [in, out])

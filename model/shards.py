@@ -1,0 +1,73 @@
+"""The model axis as the per-device code sees it (inside `shard_map`): each device holds
+1/size of the attention heads, MLP columns and vocabulary rows (engine/mesh.py places them).
+
+The decoder needs exactly three things from the split, all here: sum the partial outputs
+of a row-split projection (the attention's o and the MLP's down projection: one
+all-reduce each per layer), look a token up in a vocabulary split by rows, and reduce the
+vocabulary head's log-sum-exp across shards (each device's share of the vocabulary, then
+one max and one sum of a [rows] vector: the logits are never gathered).
+
+`UNSPLIT` (the default everywhere) is the whole model on one device: no collective is
+traced, so one device runs exactly the code it always ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShards:
+    """Static (hashable): how the weights this device holds were split on the model axis."""
+
+    axis: str | None = None  # the mesh axis name; None: the whole model here
+    size: int = 1  # devices on the axis
+    # the real vocabulary: rows of the last shard past it are padding (the vocabulary rounded
+    # up to a multiple of size), which the log-sum-exp must not count; 0: no padding
+    vocab_size: int = 0
+
+    @property
+    def split(self) -> bool:
+        return self.axis is not None and self.size > 1
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        """The sum over the model axis of each device's partial x (an all-reduce)."""
+        return jax.lax.psum(x, self.axis) if self.split else x
+
+    def max(self, x: jax.Array) -> jax.Array:
+        return jax.lax.pmax(x, self.axis) if self.split else x
+
+    def first_row(self, local_rows: int) -> jax.Array:
+        """The global index of this device's first row of a [vocab / size, ...] shard."""
+        return jax.lax.axis_index(self.axis) * local_rows if self.split else jnp.int32(0)
+
+    def real_rows(self, local_rows: int) -> jax.Array | None:
+        """Rows of this device's vocabulary shard that are real (not padding); None: all."""
+        if not self.split or not self.vocab_size or self.vocab_size == local_rows * self.size:
+            return None
+        return jnp.clip(self.vocab_size - self.first_row(local_rows), 0, local_rows)
+
+    def take_rows(self, table: jax.Array, ids: jax.Array) -> jax.Array:
+        """table[ids] for a table split by rows: each device looks up the ids in its shard
+        (zeros for the rest) and the shards are summed, which is exact (one term is nonzero).
+        table: [rows / size, width]; ids: [...] int32 -> [..., width]."""
+        if not self.split:
+            return jnp.take(table, ids, axis=0)
+        rows = table.shape[0]
+        local = ids - self.first_row(rows)
+        mine = (local >= 0) & (local < rows)
+        found = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
+        return self.sum(jnp.where(mine[..., None], found, jnp.zeros((), table.dtype)))
+
+    def logsumexp(self, local_lse: jax.Array) -> jax.Array:
+        """log(sum(exp(.))) over the whole vocabulary from each shard's own: [rows] float32."""
+        if not self.split:
+            return local_lse
+        top = self.max(local_lse)
+        return top + jnp.log(self.sum(jnp.exp(local_lse - top)))
+
+
+UNSPLIT = ModelShards()
