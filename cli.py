@@ -95,7 +95,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "--pool-bytes",
         type=int,
         default=_env("POOL_BYTES", None, int),
-        help="device bytes of the prefix pool (query KV pages, allocated once); default: "
+        help="bytes of the prefix pool on each device (query KV pages, allocated once); default: "
         "--pool-memory-fraction of the device memory left after the weights, or 1 GiB on CPU, "
         "at most 64 full contexts [$PREFIXSCORE_POOL_BYTES]",
     )
@@ -104,6 +104,19 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=_env("POOL_MEMORY_FRACTION", 0.5, float),
         help="share of the free device memory the prefix pool takes [$PREFIXSCORE_POOL_MEMORY_FRACTION, %(default)s]",
+    )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=_env("TP_SIZE", None, int),
+        help="devices on the mesh's model axis (tensor parallel: each holds 1/tp of the heads, MLP, "
+        "vocabulary and pool); default: the smallest the weights fit with room for the pool [$PREFIXSCORE_TP_SIZE]",
+    )
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=_env("DP_SIZE", None, int),
+        help="devices on the mesh's data axis (replicas); default: the devices left [$PREFIXSCORE_DP_SIZE]",
     )
     p.add_argument(
         "--compile-cache",
@@ -285,6 +298,8 @@ def run_serve(args: argparse.Namespace) -> int:
         serve_early=args.serve_early,
         buckets=_buckets(args),
         attn_impl=args.attention,
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
         batch_wait_s=args.batch_wait_ms / 1000.0,
         **{field: getattr(args, field) for _, field, _, _ in LIMIT_FLAGS if getattr(args, field) is not None},
         metrics_host=args.metrics_host,

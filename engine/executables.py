@@ -38,7 +38,7 @@ from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import packed_baseline, step
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
 from prefixscore.model.config import DTYPES, ModelConfig
-from prefixscore.model.weights import Weights
+from prefixscore.model.weights import Weights, weight_bytes
 
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -137,18 +137,25 @@ def page_bytes(cfg: ModelConfig, dtype: str, page_tokens: int, kv_heads: int) ->
 
 
 def default_layout(
-    cfg: ModelConfig, params: Weights, devices: int | Sequence[jax.Device] | None, mesh: MeshShape | None
+    cfg: ModelConfig,
+    dtype: str,
+    devices: int | Sequence[jax.Device] | None = None,
+    mesh: MeshShape | None = None,
+    *,
+    tp: int | None = None,
+    dp: int | None = None,
 ) -> Layout:
     """The layout on `devices` (all local ones by default; an int: the first that many):
-    `mesh` if given, else the smallest model axis the weights fit (engine/mesh.py)."""
+    `mesh` if given, else tp / dp as asked, the rest chosen (engine/mesh.choose_mesh: the
+    smallest model axis the weights fit with room for the pool, the rest data)."""
     if devices is None:
         devices = jax.local_devices()
     elif isinstance(devices, int):
         devices = jax.local_devices()[:devices]
     devices = list(devices)
     if mesh is None:
-        weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
-        mesh = choose_mesh(cfg, len(devices), weight_bytes=weight_bytes, device_bytes=device_memory(devices[0]))
+        need = weight_bytes(cfg, DTYPES[dtype])
+        mesh = choose_mesh(cfg, len(devices), tp, dp, weight_bytes=need, device_bytes=device_memory(devices[0]))
     return Layout(cfg, mesh, devices)
 
 
@@ -181,7 +188,7 @@ class ScoringEngine:
         self.buckets = buckets or Buckets.for_context(cfg.context_length)
         self.attn_impl = dispatch.resolve(attn_impl)
         self._impl = dispatch.get(self.attn_impl)
-        self.layout = mesh if isinstance(mesh, Layout) else default_layout(cfg, params, devices, mesh)
+        self.layout = mesh if isinstance(mesh, Layout) else default_layout(cfg, dtype, devices, mesh)
         self.devices = self.layout.devices
         self.params = self.layout.place_weights(params)
         self.page_bytes = page_bytes(cfg, dtype, self.buckets.page_tokens, self.layout.local_kv_heads)

@@ -9,7 +9,7 @@ import numpy as np
 
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
 from prefixscore.model.config_inventory import Effect, gguf_field
-from prefixscore.model.weights import Weights, check_all_used, params_from_hf_tensors
+from prefixscore.model.weights import Place, Weights, check_all_used, on_default_device, params_from_hf_tensors
 
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -126,8 +126,9 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Weights]:
-    """Read a GGUF file: F32/F16/BF16 and quantized (Q4_0, Q4_1, Q8_0, K-quants...) tensors are dequantized."""
+def load_gguf(path: str | Path, dtype: jnp.dtype, place: Place = on_default_device) -> tuple[ModelConfig, Weights]:
+    """Read a GGUF file: F32/F16/BF16 and quantized (Q4_0, Q4_1, Q8_0, K-quants...) tensors are
+    dequantized, each handed to `place` (model/weights.py) as it is assembled."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -157,6 +158,6 @@ def load_gguf(path: str | Path, dtype: jnp.dtype) -> tuple[ModelConfig, Weights]
             w = _unpermute_rope(w, cfg.num_kv_heads)
         return w
 
-    params = params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name)
+    params = params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name, place)
     check_all_used(by_hf_name, used)
     return cfg, params

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -12,7 +13,18 @@ from prefixscore.model import presets, weights_cache
 from prefixscore.model.config import DTYPES, ModelConfig, load_config
 from prefixscore.model.gguf_loader import load_gguf
 from prefixscore.model.tokenizer import TextTokenizer, has_tokenizer_files, load_tokenizer
-from prefixscore.model.weights import Weights, load_safetensors, random_params
+from prefixscore.model.weights import (
+    Place,
+    Weights,
+    load_safetensors,
+    on_default_device,
+    on_host,
+    place_all,
+    random_params,
+)
+
+# given the model's config, where each weight goes (a mesh's Layout.place); None: one device
+PlaceFor = Callable[[ModelConfig], Place]
 
 
 @dataclasses.dataclass
@@ -30,36 +42,43 @@ def _dtype(dtype: str) -> jnp.dtype:
     return DTYPES[dtype]
 
 
-def load_model(model: str, dtype: str = "float32") -> LoadedModel:
-    """Load `model`: a preset name, a local directory, a .gguf file, or a hub id (downloads only then)."""
+def load_model(model: str, dtype: str = "float32", place_for: PlaceFor | None = None) -> LoadedModel:
+    """Load `model`: a preset name, a local directory, a .gguf file, or a hub id (downloads only then).
+
+    place_for(cfg): where each weight goes once read (a mesh sends each device its slice, so
+    a model larger than one device loads); None: whole on the default device."""
     jdtype = _dtype(dtype)
+    where = place_for or (lambda cfg: on_default_device)
     if model in presets.RANDOM_PRESETS:
         cfg, tok_source = presets.RANDOM_PRESETS[model]
         tokenizer = load_tokenizer(presets.smollm2_tokenizer_dir()) if tok_source == "smollm2" else None
-        return LoadedModel(model, cfg, random_params(cfg, presets.RANDOM_SEED, jdtype), tokenizer, dtype)
+        params = random_params(cfg, presets.RANDOM_SEED, jdtype)  # test models: built whole, then placed
+        return LoadedModel(model, cfg, place_all(params, where(cfg)) if place_for else params, tokenizer, dtype)
     if model == "smollm2-135m":
         gguf = presets.smollm2_gguf_path()
-        cfg, params = weights_cache.cached(gguf, dtype, lambda: load_gguf(gguf, jdtype))
+        cfg, params = weights_cache.cached(gguf, dtype, lambda: load_gguf(gguf, jdtype, on_host))
         cfg = dataclasses.replace(cfg, name=model)
-        return LoadedModel(model, cfg, params, load_tokenizer(presets.smollm2_tokenizer_dir()), dtype)
+        tokenizer = load_tokenizer(presets.smollm2_tokenizer_dir())
+        return LoadedModel(model, cfg, place_all(params, where(cfg)), tokenizer, dtype)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"model: GGUF file {path} does not exist")
-        cfg, params = weights_cache.cached(path, dtype, lambda: load_gguf(path, jdtype))
-        return LoadedModel(path.stem, cfg, params, _gguf_tokenizer(path), dtype)
+        # converted on the host (and cached there), then placed
+        cfg, params = weights_cache.cached(path, dtype, lambda: load_gguf(path, jdtype, on_host))
+        return LoadedModel(path.stem, cfg, place_all(params, where(cfg)), _gguf_tokenizer(path), dtype)
     if path.is_dir():
-        return _load_dir(path, path.name, dtype)
+        return _load_dir(path, path.name, dtype, where)
     if "/" in model and not model.startswith((".", "/")) and model.count("/") == 1:
-        return _load_dir(_hub_snapshot(model), model, dtype)
+        return _load_dir(_hub_snapshot(model), model, dtype, where)
     raise ValueError(
         f"model {model!r} is not a preset ({', '.join(presets.PRESETS)}), a directory, a .gguf file or a hub id"
     )
 
 
-def _load_dir(path: Path, name: str, dtype: str) -> LoadedModel:
+def _load_dir(path: Path, name: str, dtype: str, place_for: PlaceFor) -> LoadedModel:
     cfg = dataclasses.replace(load_config(path), name=name)
-    params = load_safetensors(path, cfg, _dtype(dtype))
+    params = load_safetensors(path, cfg, _dtype(dtype), place_for(cfg))
     tokenizer = load_tokenizer(path) if has_tokenizer_files(path) else None
     return LoadedModel(name, cfg, params, tokenizer, dtype)
 

@@ -158,19 +158,46 @@ def flat_weights(weights: Weights) -> dict[str, jax.Array]:
     return {".".join(key.name for key in path): array for path, array in leaves}
 
 
+# where a weight goes once read: (flat name, host array in the served dtype) -> the array kept
+Place = Callable[[str, np.ndarray], jax.Array | np.ndarray]
+
+
+def on_default_device(name: str, array: np.ndarray) -> jax.Array:
+    """The whole weight on the default device (one device; a mesh places them itself)."""
+    return jnp.asarray(array)
+
+
+def on_host(name: str, array: np.ndarray) -> np.ndarray:
+    """The weight kept on the host (converted weights on their way to the on-disk cache)."""
+    return array
+
+
+def place_all(weights: Weights, place: Place) -> Weights:
+    """Every weight of a tree through `place` (by its flat name)."""
+    return weights_from_flat({name: place(name, array) for name, array in flat_weights(weights).items()})
+
+
 def params_from_hf_tensors(
-    cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype: jnp.dtype, has: Callable[[str], bool]
+    cfg: ModelConfig,
+    get: Callable[[str], np.ndarray],
+    dtype: jnp.dtype,
+    has: Callable[[str], bool],
+    place: Place = on_default_device,
 ) -> Weights:
     """Assemble the weights from HF-named tensors ([out, in] linear weights).
 
-    get(name) returns a float numpy array; has(name) says whether it exists.
-    Layers are stacked one key at a time to keep peak host memory at one tensor stack.
+    get(name) returns a float numpy array; has(name) says whether it exists. Each weight is
+    cast to `dtype` on the host and handed to `place` as soon as it is assembled (a mesh
+    sends each device only its slice), so peak host memory stays at one stacked weight.
     """
+    host_dtype = jnp.dtype(dtype)
 
-    def put(a: np.ndarray) -> jax.Array:
-        return jnp.asarray(a, dtype=dtype)
+    def put(name: str, a: np.ndarray) -> jax.Array | np.ndarray:
+        # C order: a stack of transposed layers keeps their strides, which a file writer or a
+        # device transfer would otherwise read as the wrong layout
+        return place(name, np.ascontiguousarray(np.asarray(a).astype(host_dtype)))
 
-    flat: dict[str, jax.Array] = {}
+    flat: dict[str, jax.Array | np.ndarray] = {}
     for key in layer_keys(cfg):
         name, transpose = LAYER_TENSORS[key]
         per_layer = []
@@ -179,14 +206,15 @@ def params_from_hf_tensors(
             if not has(full):
                 raise ValueError(f"model weights: tensor {full!r} is missing")
             t = np.asarray(get(full), dtype=np.float32)
-            per_layer.append(t.T if transpose else t)
-        flat[f"layers.{key}"] = put(np.stack(per_layer))
-    flat["embed"] = put(get("model.embed_tokens.weight"))
-    flat["final_norm"] = put(get("model.norm.weight"))
+            per_layer.append((t.T if transpose else t).astype(host_dtype))
+        flat[f"layers.{key}"] = put(f"layers.{key}", np.stack(per_layer))
+        del per_layer
+    flat["embed"] = put("embed", get("model.embed_tokens.weight"))
+    flat["final_norm"] = put("final_norm", get("model.norm.weight"))
     if not cfg.tie_word_embeddings:
         if not has("lm_head.weight"):
             raise ValueError("model weights: lm_head.weight is missing and tie_word_embeddings is false")
-        flat["lm_head"] = put(get("lm_head.weight"))
+        flat["lm_head"] = put("lm_head", get("lm_head.weight"))
     if flat["embed"].shape != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(
             f"model weights: embed_tokens has shape {flat['embed'].shape}, "
@@ -200,7 +228,9 @@ def params_from_hf_tensors(
 IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) -> Weights:
+def load_safetensors(
+    model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype, place: Place = on_default_device
+) -> Weights:
     """Load `model.safetensors` or a sharded `model.safetensors.index.json` checkpoint.
 
     Every tensor of the checkpoint must be read: one the config does not use (a bias the
@@ -237,7 +267,7 @@ def load_safetensors(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) 
 
     if "lm_head.weight" not in weight_map and not cfg.tie_word_embeddings:
         raise ValueError("model weights: lm_head.weight is missing and tie_word_embeddings is false")
-    params = params_from_hf_tensors(cfg, _float32(get), dtype, has)
+    params = params_from_hf_tensors(cfg, _float32(get), dtype, has, place)
     if cfg.tie_word_embeddings and "lm_head.weight" in weight_map:
         # a tied head saved anyway is harmless only when it is the embedding
         if not np.array_equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
@@ -266,6 +296,12 @@ def _float32(get: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
         return np.asarray(get(name)).astype(np.float32)
 
     return wrapped
+
+
+def weight_bytes(cfg: ModelConfig, dtype: jnp.dtype) -> int:
+    """Bytes of the whole model's weights in `dtype` (from the shapes alone, nothing built)."""
+    shapes = jax.eval_shape(lambda: random_params(cfg, 0, dtype))
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
 
 
 def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import jax
+import numpy as np
 
 from prefixscore.model import config, config_inventory, gguf_loader, weights
 from prefixscore.model.config import ModelConfig
@@ -55,7 +55,8 @@ def _key(source: Path, dtype: str) -> str:
 
 def cached(source: Path, dtype: str, convert: Callable[[], tuple[ModelConfig, Weights]]) -> tuple[ModelConfig, Weights]:
     """`convert()`'s config and parameters for `source` in `dtype`, from the cache when it has
-    them (written there after a conversion)."""
+    them (written there after a conversion). convert() keeps the weights on the host (numpy, the
+    checkpoint's layout), and so does a read: the caller places them on its device or mesh."""
     root = directory()
     if root is None:
         return convert()
@@ -66,7 +67,7 @@ def cached(source: Path, dtype: str, convert: Callable[[], tuple[ModelConfig, We
         except Exception as err:  # a damaged file: convert again and replace it
             log.warning("converted weights %s unreadable (%s); converting %s again", path, err, source)
     cfg, params = convert()
-    if sum(a.nbytes for a in jax.tree.leaves(params)) > MAX_BYTES:
+    if sum(a.nbytes for a in flat_weights(params).values()) > MAX_BYTES:
         return cfg, params
     try:
         _write(path, cfg, params)
@@ -76,7 +77,7 @@ def cached(source: Path, dtype: str, convert: Callable[[], tuple[ModelConfig, We
 
 
 def _write(path: Path, cfg: ModelConfig, params: Weights) -> None:
-    from safetensors.flax import save_file
+    from safetensors.numpy import save_file
 
     flat = flat_weights(params)  # "layers.attn.wq": array, ...
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,8 +96,8 @@ def _write(path: Path, cfg: ModelConfig, params: Weights) -> None:
 def _read(path: Path) -> tuple[ModelConfig, Weights]:
     from safetensors import safe_open
 
-    flat: dict[str, jax.Array] = {}
-    with safe_open(str(path), framework="flax") as f:
+    flat: dict[str, np.ndarray] = {}
+    with safe_open(str(path), framework="numpy") as f:
         cfg = ModelConfig.from_json(f.metadata()["config"])
         for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             flat[name] = f.get_tensor(name)

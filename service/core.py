@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import resource
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -40,11 +41,14 @@ from prefixscore.engine.device_loop import (
     WorkerStopped,
     run_on_done,
 )
-from prefixscore.engine.executables import CompileCounter, ScoringEngine, WarmupStage
+from prefixscore.engine.executables import CompileCounter, ScoringEngine, WarmupStage, default_layout
+from prefixscore.engine.mesh import Layout
 from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate
 from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, TokenizedRequest, Validator
+from prefixscore.model.config import ModelConfig
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.model.weights import Place
 from prefixscore.telemetry import request_ids
 from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import ServiceMetrics
@@ -62,6 +66,11 @@ INLINE_VALIDATION_BYTES = 32 << 10
 BACKGROUND_COMPILE_THREADS = 2
 
 
+def peak_host_memory() -> int:
+    """The process's peak resident memory in bytes (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 @dataclasses.dataclass
 class ServerConfig:
     """Everything `prefixscore serve` can set (see cli.py for the flags and environment variables)."""
@@ -75,7 +84,8 @@ class ServerConfig:
     template: str = DEFAULT_TEMPLATE  # the reranker prompt template of Rerank and /v1/rerank
     max_queue_items: int = 65_536  # admission control: items waiting for the device
     max_items: int = 10_000  # items per request or stream batch
-    # the prefix pool: bytes, or (None) a fraction of the device memory left after the weights
+    # the prefix pool on each device: bytes, or (None) a fraction of the device memory left
+    # after the weights
     pool_bytes: int | None = None
     pool_memory_fraction: float = 0.5
     compile_cache: str | None = None  # None: $PREFIXSCORE_COMPILE_CACHE_DIR or the user's cache dir; "off"
@@ -87,6 +97,10 @@ class ServerConfig:
     # None: the engine's default for the model's context; or a function of the context
     buckets: Buckets | Callable[[int], Buckets] | None = None
     attn_impl: str | None = None
+    # the device mesh (engine/mesh.py): devices on the model axis (tensor parallel) and the data
+    # axis (replicas); None: chosen (the smallest model axis the weights fit, the rest data)
+    tp_size: int | None = None
+    dp_size: int | None = None
     batch_wait_s: float = 0.0  # extra wait before an idle device's first batch, to merge more requests
     max_message_bytes: int = 64 << 20
     # ---- limits against careless or hostile clients (docs/operations.md) ----
@@ -248,12 +262,22 @@ class ScoringService:
         """On the device thread: load weights, build the engine, compile the buckets."""
         cfg = self.config
         started = time.monotonic()
-        loaded = cfg.loaded or load_model(cfg.model, cfg.dtype)
+        layouts: list[Layout] = []
+
+        def place_for(model: ModelConfig) -> Place:
+            # the mesh is chosen once the config is read, before any weight: each goes to its shards
+            layouts.append(default_layout(model, cfg.dtype, tp=cfg.tp_size, dp=cfg.dp_size))
+            return layouts[-1].place
+
+        loaded = cfg.loaded or load_model(cfg.model, cfg.dtype, place_for)
         loaded_at = time.monotonic()
         if cfg.engine is not None:
             engine = cfg.engine
         else:
             buckets = cfg.buckets(loaded.cfg.context_length) if callable(cfg.buckets) else cfg.buckets
+            layout = (
+                layouts[-1] if layouts else default_layout(loaded.cfg, loaded.dtype, tp=cfg.tp_size, dp=cfg.dp_size)
+            )
             engine = ScoringEngine(
                 loaded.cfg,
                 loaded.params,
@@ -263,6 +287,7 @@ class ScoringService:
                 compile_cache_dir=cfg.compile_cache,
                 pool_bytes=cfg.pool_bytes,
                 pool_memory_fraction=cfg.pool_memory_fraction,
+                mesh=layout,
             )
 
         self.devices = [f"{d.platform}:{d.id}" for d in engine.devices]
@@ -279,6 +304,10 @@ class ScoringService:
             context_capped_at_window=loaded.cfg.context_length != loaded.cfg.max_position_embeddings,
             sliding_window=loaded.cfg.sliding_window,
             devices=self.devices,
+            **engine.layout.describe(),
+            # the most host memory the process has held so far: loading a checkpoint stays near one
+            # stacked weight (each is sent to its shards as it is read), not the whole model
+            peak_host_memory_bytes=peak_host_memory(),
             attention=engine.attn_impl,
             seconds=round(loaded_at - started, 3),
             buckets=dataclasses.asdict(engine.buckets),
@@ -381,9 +410,19 @@ class ScoringService:
             max_request_tokens=min(cfg.max_request_tokens, cfg.max_queue_tokens),
         )
         self.validator = Validator(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits), self.template)
+        mesh = self.engine.layout.shape
         self.metrics.model_info.info(
-            dict(model=loaded.name, family=loaded.cfg.family, dtype=loaded.dtype, devices=",".join(self.devices))
+            dict(
+                model=loaded.name,
+                family=loaded.cfg.family,
+                dtype=loaded.dtype,
+                devices=",".join(self.devices),
+                tp_size=str(mesh.model),
+                dp_size=str(mesh.data),
+            )
         )
+        self.metrics.mesh_devices.labels("model").set(mesh.model)
+        self.metrics.mesh_devices.labels("data").set(mesh.data)
         self.ready = True
 
     async def wait_idle(self, timeout: float) -> bool:

@@ -180,6 +180,9 @@ class ModelCard(BaseModel):
     # the narrowest sliding attention window (None: none); max_model_len is capped at it
     sliding_window: int | None = None
     max_position_embeddings: int  # what the model's configuration declares
+    # the device mesh: devices on the model axis (tensor parallel) and the data axis (replicas)
+    tp_size: int
+    dp_size: int
     template: str | None = None
 
 
@@ -513,6 +516,8 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             max_model_len=loaded.cfg.context_length,
             sliding_window=loaded.cfg.sliding_window,
             max_position_embeddings=loaded.cfg.max_position_embeddings,
+            tp_size=service.engine.layout.shape.model,
+            dp_size=service.engine.layout.shape.data,
             template=service.template.name if service.template else None,
         )
         return ModelList(data=[card])

@@ -326,6 +326,8 @@ class GrpcServer:
             context_length=loaded.cfg.context_length,
             sliding_window=loaded.cfg.sliding_window or 0,
             max_position_embeddings=loaded.cfg.max_position_embeddings,
+            tp_size=service.engine.layout.shape.model if service.engine else 0,
+            dp_size=service.engine.layout.shape.data if service.engine else 0,
             dtype=loaded.dtype,
             devices=service.devices,
             limits=pb.Limits(
@@ -604,5 +606,3 @@ class _StreamSession:
         if self.pinned is not None:
             self.service.release(self.pinned)
             self.pinned = None
-
-

@@ -150,6 +150,12 @@ class ServiceMetrics:
             ["block_size", "num_gpu_blocks"],
             registry=r,
         )
+        self.mesh_devices = Gauge(
+            "prefixscore_mesh_devices",
+            "Devices on each axis of the device mesh: model (tensor parallel) and data (replicas).",
+            ["axis"],
+            registry=r,
+        )
         self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)
         self.compile_seconds = Counter(
             "prefixscore_compile_seconds_total", "Seconds spent in XLA compilation since start.", registry=r

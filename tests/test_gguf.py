@@ -201,9 +201,7 @@ def test_converted_weights_are_cached_and_follow_their_source(tmp_path, monkeypa
     assert len(calls) == 2
     write_gguf(make_torch_model("qwen3", seed=8), "qwen3", path, Q.Q8_0)  # the file changes
     changed = load_model(str(path))
-    assert len(calls) == 3 and not np.array_equal(
-        np.asarray(changed.params.embed), np.asarray(first.params.embed)
-    )
+    assert len(calls) == 3 and not np.array_equal(np.asarray(changed.params.embed), np.asarray(first.params.embed))
     assert len(list((tmp_path / "cache" / "weights").glob("*.safetensors"))) == 3
 
     monkeypatch.setenv(weights_cache.ENV, "off")

@@ -218,7 +218,7 @@ class Limits(_message.Message):
     def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ..., max_queue_tokens: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., max_streams: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., stream_idle_timeout_ms: _Optional[int] = ..., max_pending_batches: _Optional[int] = ..., keepalive_time_ms: _Optional[int] = ..., keepalive_timeout_ms: _Optional[int] = ..., max_connection_idle_ms: _Optional[int] = ..., max_connection_age_ms: _Optional[int] = ..., max_connection_age_grace_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings")
+    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class GetModelInfoResponse(_message.Message):
     CALL_SHAPES_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     vocab_size: int
@@ -249,7 +251,9 @@ class GetModelInfoResponse(_message.Message):
     call_shapes: int
     sliding_window: int
     max_position_embeddings: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ...) -> None: ...
+    tp_size: int
+    dp_size: int
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
     __slots__ = ("query", "documents", "instruction", "top_n", "return_documents", "max_tokens_per_doc", "truncate", "check_tokenization")
