@@ -82,7 +82,8 @@ def score_call(
         out = impl.paged_attention(q[0], k[0], v[0], pk, pv, _at_layer(meta, layer))
         return out[None], (pk, pv)
 
-    x = embed(params, tokens[None], shards)
+    with jax.named_scope("embed"):
+        x = embed(params, tokens[None], shards)
     h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), mlp_tile, shards)
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.apply_softmax)

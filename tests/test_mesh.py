@@ -1,0 +1,394 @@
+"""One model across several devices: a 2-D (data, model) mesh on 8 simulated CPU devices.
+
+Tensor parallel on the model axis (heads, MLP columns, vocabulary rows and the pool's KV
+heads split; KV heads replicated when the axis exceeds them), data parallel on the other.
+Every mesh scores like one device: the same requests laid out in other calls, partial sums
+added across devices, so scores agree to float32 rounding (1e-5), not bit for bit.
+
+`--xla_force_host_platform_device_count` must be set before jax starts, so each part runs
+this file as a script in a subprocess (the main suite triggers it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+DEVICES = 8
+MESHES = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (8, 1)]  # (dp, tp)
+TPU_KERNELS = {"_prefix_kernel", "_ragged_kernel", "_merge_kernel"}
+GPU_KERNELS = {"_prefix_kernel", "_ragged_kernel"}
+TOLERANCE = 1e-5
+
+
+def run_part(part: str, *args: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, __file__, part, *args], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_meshes_serve_like_one_device() -> None:
+    """Mixed calls with chunked prefills, the prefix cache, label softmax or not, item_first,
+    isolation and steady state, on a data-only, a 2x2 and a model-only mesh."""
+    result = run_part("engine")
+    for mesh, r in result.items():
+        for case, diff in r["max_abs_diff"].items():
+            assert diff <= TOLERANCE, (mesh, case, diff)
+        assert r["cached_round_prefill_tokens"] == 0 and r["cached_round_max_diff"] <= TOLERANCE, (mesh, r)
+        assert r["alone_vs_mixed_max_diff"] <= TOLERANCE, (mesh, r)  # isolation: neighbours change nothing
+        assert r["steady_state_compilations"] == 0, (mesh, r)
+        assert r["max_chunks_in_a_call"] >= 2 and r["calls_with_chunks"] >= 2, (mesh, r)
+        dp = int(mesh.split("x")[0])
+        assert r["max_replicas_in_a_call"] == dp, (mesh, r)  # the item region really split
+
+
+def test_head_splits_score_like_one_device() -> None:
+    """GQA at any split: KV heads 1, 2, 4, 8 under 8 and 16 query heads, on the meshes that
+    divide them and those that replicate them, against one device."""
+    result = run_part("heads")
+    assert len(result) == 2 * 4 * len(MESHES)  # every (query heads, KV heads) on every mesh
+    for case, diff in result.items():
+        assert diff <= TOLERANCE, (case, diff)
+
+
+def test_collectives_and_bytes_per_device() -> None:
+    """The compiled HLO holds exactly the collectives of the design (model/shards.py): per layer
+    two all-reduces of the token stream's hidden states on the model axis (o and down
+    projections), one for the embedding, the label rows and the vocabulary log-sum-exp's
+    [rows] max and sum, and the probabilities gathered on the data axis; none gathers a weight
+    or the pool. Each device holds 1/tp of every split weight and of the pool."""
+    result = run_part("collectives")
+    for mesh, r in result.items():
+        dp, tp = (int(x) for x in re.findall(r"\d+", mesh))
+        t, hidden, rows, labels = r["tokens"], r["hidden"], r["rows"], r["labels"]
+        model, data = "model", "data"
+        want = sorted(
+            [
+                ["attention", "all-reduce", model, [1, t, hidden]],
+                ["mlp", "all-reduce", model, [1, t, hidden]],
+                ["embed", "all-reduce", model, [1, t, hidden]],
+                ["head", "all-reduce", model, [labels, hidden]],
+                ["head", "all-reduce", model, [rows]],  # log-sum-exp: max ...
+                ["head", "all-reduce", model, [rows]],  # ... and sum
+                ["gather", "all-gather", data, [dp * rows, labels]],
+            ]
+        )
+        assert sorted(r["collectives"]) == want, (mesh, r["collectives"])
+        assert r["layer_loop_collectives"] == 2, mesh  # per layer: the o and down projections
+        assert r["split_weight_bytes_per_device"] * tp == r["split_weight_bytes"], mesh
+        assert set(r["replicated_weights"]) == set(r["expected_replicated"]), mesh
+        assert r["pool_bytes_per_device"] * tp == r["pool_bytes"], mesh
+        assert r["engine_pool_bytes"] == r["pool_bytes_per_device"], mesh  # what the engine reports
+
+
+def test_kernels_under_meshes() -> None:
+    """The Pallas TPU and GPU kernels lower for "tpu" and "cuda" inside the sharded call on
+    (2,2), (1,4) and (8,1) meshes at production head shapes (16 query heads; 8 KV heads, and 2,
+    replicated under tp=4), and run in interpret mode under (2,2) and (1,4) like one device."""
+    result = run_part("kernels")
+    assert {name.split("/")[0] for name in result["lowered"]} == {"tpu", "cuda"}
+    assert len(result["lowered"]) >= 8
+    for name, kernels in result["lowered"].items():
+        want = TPU_KERNELS if name.startswith("tpu/") else GPU_KERNELS
+        assert want <= set(kernels), (name, kernels)
+    assert set(result["interpret"]) == {
+        f"{impl}/{mesh}" for impl in ("pallas_tpu", "pallas_gpu") for mesh in ("2x2", "1x4")
+    }
+    for name, diff in result["interpret"].items():
+        assert diff <= TOLERANCE, (name, diff)
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(3, None), (16, None), (2, 8)])
+def test_a_mesh_the_model_or_devices_cannot_take_is_refused_naming_valid_sizes(tp, dp) -> None:
+    from conftest import SMALL_QWEN3
+
+    from prefixscore.engine.mesh import MeshError, choose_mesh
+
+    with pytest.raises(MeshError, match=r"tp-size|dp-size") as err:
+        choose_mesh(SMALL_QWEN3, 8, tp, dp)
+    if tp in (3, 16):
+        assert "valid tp-sizes on 8 device(s): [1, 2, 4]" in str(err.value)
+
+
+def test_the_default_mesh_is_the_smallest_model_axis_the_weights_fit() -> None:
+    from conftest import SMALL_QWEN3
+
+    from prefixscore.engine.mesh import MeshShape, choose_mesh
+
+    gib = 1 << 30
+    assert choose_mesh(SMALL_QWEN3, 8) == MeshShape(8, 1)  # no memory figure (CPU): data parallel
+    # 16 GiB of weights on 16 GiB devices (an 8B model in bfloat16 on v5e): tp=2 leaves 50% for the pool
+    assert choose_mesh(SMALL_QWEN3, 8, weight_bytes=16 * gib, device_bytes=16 * gib) == MeshShape(4, 2)
+    assert choose_mesh(SMALL_QWEN3, 8, weight_bytes=30 * gib, device_bytes=16 * gib) == MeshShape(2, 4)
+    assert choose_mesh(SMALL_QWEN3, 8, dp=2) == MeshShape(2, 4)
+
+
+# ---- the parts, run in a subprocess with 8 devices --------------------------------------------------
+
+
+def _model(**overrides):
+    import dataclasses
+
+    from conftest import SMALL_QWEN3
+
+    # biases on every projection, an untied head, and a vocabulary no model axis divides (padded)
+    base = dict(num_heads=8, num_kv_heads=2, vocab_size=509, qkv_bias=True, out_bias=True, tie_word_embeddings=False)
+    return dataclasses.replace(SMALL_QWEN3, **{**base, **overrides})
+
+
+def _requests(cfg, rng, query_tokens=(300, 700, 40)):
+    from prefixscore.engine.validation import TokenizedRequest
+
+    labels = (3, 17, cfg.vocab_size - 1)  # the last real row: next to the padding
+    tokens = lambda n: rng.integers(0, cfg.vocab_size, int(n)).tolist()  # noqa: E731
+    query, long_query, short_query = (tuple(tokens(n)) for n in query_tokens)
+    same = [tokens(20) for _ in range(60)]
+    mixed = [tokens(n) for n in rng.integers(1, 120, 60)]
+    return {
+        "uniform/softmax=False": TokenizedRequest(query, same, labels, False, False),
+        "uniform/softmax=True": TokenizedRequest(query, same[:30], labels[:2], True, False),
+        "long_query/softmax=False": TokenizedRequest(long_query, mixed, labels, False, False),
+        "short_query/softmax=True": TokenizedRequest(short_query, mixed[30:50], (9, 400), True, False),
+        "item_first": TokenizedRequest((), [it + list(query[:50]) for it in mixed[:20]], labels, True, True),
+    }
+
+
+def _diff(a, b) -> float:
+    import numpy as np
+
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def part_engine() -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.executables import CompileCounter, ScoringEngine
+    from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.model.weights import random_params
+
+    cfg = _model()
+    # 128-token prefill chunks, up to 4 in a call's prefill region; 256-token item regions
+    buckets = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=512)
+    params = random_params(cfg, 0, jnp.float32)
+    cases = _requests(cfg, np.random.default_rng(0))
+    one, _ = EngineRunner(ScoringEngine(cfg, params, "float32", buckets, devices=1)).score_requests(
+        list(cases.values())
+    )
+    out = {}
+    for dp, tp in [(8, 1), (2, 2), (1, 4)]:
+        engine = ScoringEngine(cfg, params, "float32", buckets, mesh=MeshShape(dp, tp))
+        engine.warmup()
+        plans, launch = [], engine.launch
+        engine.launch = lambda plan, launch=launch, plans=plans: plans.append(plan) or launch(plan)
+        runner = EngineRunner(engine)
+        before = CompileCounter.count()
+        mixed, _ = runner.score_requests(list(cases.values()))
+        prefilled = engine.stats["prefill_tokens"]
+        cached, _ = runner.score_requests(list(cases.values()))  # every query in the pool now
+        alone = [runner.score_requests([request])[0][0] for request in cases.values()]
+        replicas = [int((np.asarray(p.inputs.items.n_rows) > 0).sum()) for p in plans]
+        out[f"{dp}x{tp}"] = {
+            "max_abs_diff": {name: _diff([x], [y]) for name, x, y in zip(cases, mixed, one, strict=True)},
+            "cached_round_prefill_tokens": engine.stats["prefill_tokens"] - prefilled,
+            "cached_round_max_diff": _diff(cached, one),
+            "alone_vs_mixed_max_diff": _diff(alone, mixed),
+            "steady_state_compilations": CompileCounter.count() - before,
+            "max_replicas_in_a_call": max(replicas),
+            "max_chunks_in_a_call": max(p.chunks for p in plans),
+            "calls_with_chunks": sum(1 for p in plans if p.chunks),
+        }
+    return out
+
+
+def part_heads() -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.executables import ScoringEngine
+    from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.validation import TokenizedRequest
+    from prefixscore.model.weights import random_params
+
+    # two call shapes (items alone, and beside one prefill region): each engine compiles little
+    buckets = Buckets(
+        context=256,
+        tokens=(64,),
+        prefill=(0, 128),
+        labels=(4,),
+        max_batch_tokens=64,
+        prefill_chunk=64,
+        max_prefill_tokens=128,
+        page_tokens=32,
+        segments=8,
+    )
+    rng = np.random.default_rng(1)
+    combos = [(q, kv, mesh) for q in (8, 16) for kv in (1, 2, 4, 8) for mesh in MESHES]
+    out, calls = {}, 0
+    for q, kv in sorted({(q, kv) for q, kv, _ in combos}):
+        cfg = _model(num_layers=1, num_heads=q, num_kv_heads=kv, hidden_size=32, intermediate_size=64, head_dim=8)
+        params = random_params(cfg, 0, jnp.float32)
+        tokens = lambda n, cfg=cfg: rng.integers(0, cfg.vocab_size, int(n)).tolist()  # noqa: E731
+        # both queries' prefill and every item in one call: one call shape compiled per engine
+        first = [tokens(n) for n in rng.integers(1, 8, 5)]
+        second = [tokens(n) for n in rng.integers(1, 8, 3)]
+        requests = [
+            TokenizedRequest(tuple(tokens(90)), first, (3, 17, cfg.vocab_size - 1), False, False),
+            TokenizedRequest(tuple(tokens(20)), second, (3, 17), True, False),
+        ]
+        # the reference attention (the kernels' oracle) compiles in a third of the time; the
+        # kernels run under meshes in part_kernels
+        one, _ = EngineRunner(ScoringEngine(cfg, params, "float32", buckets, "reference", devices=1)).score_requests(
+            requests
+        )
+        for dp, tp in (mesh for qq, kk, mesh in combos if (qq, kk) == (q, kv)):
+            engine = ScoringEngine(cfg, params, "float32", buckets, "reference", mesh=MeshShape(dp, tp))
+            scores, _ = EngineRunner(engine).score_requests(requests)
+            out[f"q{q}/kv{kv}/dp{dp}xtp{tp}"] = _diff(scores, one)
+            calls += engine.stats["calls"]
+    assert calls == len(out), f"{calls} calls for {len(out)} engines: more than one call shape compiled each"
+    return out
+
+
+COLLECTIVE = re.compile(
+    r"= (\w+)\[([\d,]*)\][^=]* (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
+)
+
+
+def _collectives(hlo: str, mesh) -> tuple[list, int]:
+    """(scope, kind, axis, shape) of every collective in a compiled module, and how many sit in
+    the decoder layers' loop. The axis is read off the replica groups (devices of one data row:
+    the model axis; of one column: the data axis)."""
+    grid = mesh.devices
+    rows = {frozenset(int(d.id) for d in row) for row in grid}
+    cols = {frozenset(int(d.id) for d in col) for col in grid.T}
+    found, in_layers = [], 0
+    for line in hlo.splitlines():
+        match = COLLECTIVE.search(line)
+        if not match:
+            continue
+        groups = {
+            frozenset(int(x) for x in g.split(","))
+            for g in re.findall(r"\{([\d,]+)\}", line.split("replica_groups=")[1].split("}}")[0] + "}")
+        }
+        axis = "model" if groups == rows else "data" if groups == cols else f"other:{sorted(map(sorted, groups))}"
+        name = re.search(r'op_name="([^"]*)"', line).group(1)
+        scope = next((s for s in ("attention", "mlp", "embed", "head") if f"/{s}/" in name), "gather")
+        shape = [int(x) for x in match.group(2).split(",") if x]
+        found.append([scope, match.group(3), axis, shape])
+        in_layers += "/while/body/" in name and scope in ("attention", "mlp")
+    return found, in_layers
+
+
+def part_collectives() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.executables import ScoringEngine
+    from prefixscore.engine.mesh import MeshShape
+    from prefixscore.model.weights import flat_weights, random_params, weight_axes
+
+    cfg = _model()
+    buckets = Buckets(
+        context=256, tokens=(64,), prefill=(0, 128), labels=(4,), max_batch_tokens=64,
+        prefill_chunk=64, max_prefill_tokens=128, page_tokens=32, segments=8,
+    )  # fmt: skip
+    out = {}
+    for dp, tp in [(2, 2), (1, 4)]:
+        engine = ScoringEngine(cfg, random_params(cfg, 0, jnp.float32), "float32", buckets, mesh=MeshShape(dp, tp))
+        shape = max(buckets.call_shapes())  # the call with a prefill region
+        collectives, in_layers = _collectives(engine._executable(shape).as_text(), engine.layout.mesh)
+        axes = weight_axes()
+        split = {n: a for n, a in flat_weights(engine.params).items() if "model" in engine.layout.spec(axes[n])}
+        replicated = [n for n in flat_weights(engine.params) if n not in split]
+        pools = engine._pool  # keys and values
+        out[f"dp{dp}xtp{tp}"] = {
+            "collectives": collectives,
+            "layer_loop_collectives": in_layers,
+            "tokens": shape.prefill_tokens + shape.item_tokens,
+            "hidden": cfg.hidden_size,
+            "rows": shape.rows,
+            "labels": shape.labels,
+            "split_weight_bytes": sum(a.nbytes for a in split.values()),
+            "split_weight_bytes_per_device": sum(a.addressable_shards[0].data.nbytes for a in split.values()),
+            "replicated_weights": replicated,
+            "expected_replicated": [
+                "final_norm",
+                "layers.attn_norm",
+                "layers.mlp_norm",
+                "layers.attn.bo",
+                "layers.attn.q_norm",
+                "layers.attn.k_norm",
+            ],  # fmt: skip
+            "pool_bytes": sum(p.nbytes for p in pools),
+            "pool_bytes_per_device": sum(p.addressable_shards[0].data.nbytes for p in pools),
+            "engine_pool_bytes": engine.pool_bytes,
+        }
+        assert jax.device_count() == 8
+    return out
+
+
+def part_kernels() -> dict:
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.executables import ScoringEngine
+    from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.model.weights import random_params
+
+    buckets = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=512)
+    lowered = {}
+    for kv, meshes in ((8, [(2, 2), (1, 4), (8, 1)]), (2, [(1, 4)])):
+        # the production attention shapes (Qwen3-0.6B: 16 query heads, head_dim 128), one layer
+        shaped = _model(
+            hidden_size=256, num_heads=16, num_kv_heads=kv, head_dim=128, num_layers=1, intermediate_size=256
+        )
+        params = random_params(shaped, 0, jnp.bfloat16)
+        for impl, platform in (("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")):
+            for dp, tp in meshes:
+                engine = ScoringEngine(shaped, params, "bfloat16", buckets, attn_impl=impl, mesh=MeshShape(dp, tp))
+                for key in (min(engine.executable_keys()), max(engine.executable_keys())):
+                    text = engine.lower_for(key, platform).as_text()
+                    name = f"{platform}/kv{kv}/dp{dp}xtp{tp}/prefill={key.prefill_tokens}/items={key.item_tokens}"
+                    lowered[name] = sorted(set(re.findall(r'name = "(_\w+_kernel)"', text)))
+    # interpret mode: what the kernels compute, on a mesh, against one device's XLA path
+    cfg = _model(num_layers=1)
+    small = dataclasses.replace(buckets, context=512, max_prefill_tokens=256)
+    params = random_params(cfg, 0, jnp.float32)
+    requests = list(_requests(cfg, np.random.default_rng(2), (200, 150, 30)).values())[:2]
+    one, _ = EngineRunner(ScoringEngine(cfg, params, "float32", small, attn_impl="xla", devices=1)).score_requests(
+        requests
+    )
+    interpret = {}
+    for impl in ("pallas_tpu", "pallas_gpu"):
+        for dp, tp in [(2, 2), (1, 4)]:
+            engine = ScoringEngine(cfg, params, "float32", small, attn_impl=impl, mesh=MeshShape(dp, tp))
+            interpret[f"{impl}/{dp}x{tp}"] = _diff(EngineRunner(engine).score_requests(requests)[0], one)
+    return {"lowered": lowered, "interpret": interpret}
+
+
+def main() -> None:
+    import jax
+
+    assert jax.device_count() == DEVICES, jax.devices()
+    parts = {"engine": part_engine, "heads": part_heads, "collectives": part_collectives, "kernels": part_kernels}
+    print(json.dumps(parts[sys.argv[1]]()))
+
+
+if __name__ == "__main__":
+    main()
