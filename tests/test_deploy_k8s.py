@@ -15,14 +15,17 @@ import pytest
 import yaml
 from deploy_helpers import K8S, TOOLS, in_ci, metric_types, missing, run, service_exposition, tool
 
-OVERLAYS = ["tpu-v6e-1x1", "tpu-v6e-2x2", "tpu-v6e-2x4", "tpu-v5e-2x2", "gpu", "cpu", "local"]
+OVERLAYS = ["tpu-v6e-1x1", "tpu-v6e-2x2", "tpu-v6e-2x4", "tpu-v5e-2x2", "tpu-v5e-2x4", "gpu", "gpu-x8", "cpu", "local"]
 # accelerator label value, topology, chips (single-host slices)
 TPU = {
     "tpu-v6e-1x1": ("tpu-v6e-slice", "1x1", 1),
     "tpu-v6e-2x2": ("tpu-v6e-slice", "2x2", 4),
     "tpu-v6e-2x4": ("tpu-v6e-slice", "2x4", 8),
     "tpu-v5e-2x2": ("tpu-v5-lite-podslice", "2x2", 4),
+    "tpu-v5e-2x4": ("tpu-v5-lite-podslice", "2x4", 8),
 }
+# the mesh an overlay pins (tp, dp): an 8B model split over a v5e slice, a small one data parallel
+MESHES = {"tpu-v5e-2x2": ("4", "1"), "tpu-v5e-2x4": ("8", "1"), "tpu-v6e-2x2": ("1", "4")}
 # Oldest Kubernetes minor we support (GKE's oldest in standard support) and the newest schema set.
 K8S_VERSIONS = ("1.31.0", "latest")
 HEALTH_SERVICE = "prefixscore.v1.ScoreService"
@@ -482,12 +485,23 @@ def test_tpu_overlays_select_the_slice_and_request_every_chip(rendered):
         assert config(docs)["PREFIXSCORE_DTYPE"] == "bfloat16"
 
 
+def test_overlay_meshes_use_every_chip(rendered):
+    """An overlay that pins the mesh pins one that uses the whole slice (tp x dp = chips)."""
+    for name, (tp, dp) in MESHES.items():
+        env = config(rendered[name])
+        assert (env["PREFIXSCORE_TP_SIZE"], env["PREFIXSCORE_DP_SIZE"]) == (tp, dp), name
+        assert int(tp) * int(dp) == TPU[name][2], name
+    for name in set(OVERLAYS) - set(MESHES):  # the others: chosen at start-up from the model
+        assert "PREFIXSCORE_TP_SIZE" not in config(rendered[name]), name
+
+
 def test_gpu_and_cpu_overlays(rendered):
-    gpu = rendered["gpu"]
-    resources = container(gpu)["resources"]
-    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "1"
-    assert "cloud.google.com/gke-accelerator" in one(gpu, "Deployment")["spec"]["template"]["spec"]["nodeSelector"]
-    assert container(gpu)["image"].endswith(":gpu")
+    for name, gpus in (("gpu", "1"), ("gpu-x8", "8")):
+        gpu = rendered[name]
+        resources = container(gpu)["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == gpus
+        assert "cloud.google.com/gke-accelerator" in one(gpu, "Deployment")["spec"]["template"]["spec"]["nodeSelector"]
+        assert container(gpu)["image"].endswith(":gpu")
     for name in ("cpu", "local"):
         r = container(rendered[name])["resources"]
         assert not {"google.com/tpu", "nvidia.com/gpu"} & (set(r["requests"]) | set(r.get("limits", {})))
