@@ -79,6 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="[%(default)s]")
     p.add_argument("--attention", default=None, help="attention implementation (default: the backend's)")
     p.add_argument("--devices", type=int, default=None, help="devices to use in process (default: all)")
+    p.add_argument("--tp-size", type=int, default=None, help="in process: devices on the model axis (default: chosen)")
+    p.add_argument("--dp-size", type=int, default=None, help="in process: devices on the data axis (default: the rest)")
     p.add_argument(
         "--compile-cache",
         default=None,
@@ -171,6 +173,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="after the workloads, trace one cold W1 request with jax.profiler into DIR and print where "
         "its time went (in process only)",
+    )
+    p.add_argument(
+        "--collectives",
+        action="store_true",
+        help="after the workloads, print what the largest call moves between devices (from its compiled HLO) "
+        "against its FLOPs, and the predicted all-reduce share on TPU v5e/v6e and H100 (in process only)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the results (a list of records) here")
@@ -481,16 +489,22 @@ class Bench:
         self.remote: Remote | None = Remote(args.target) if args.target else None
         if self.remote is None:
             from prefixscore import Scorer
-            from prefixscore.engine.executables import ScoringEngine
+            from prefixscore.engine.executables import ScoringEngine, default_layout
             from prefixscore.model.loader import load_model
 
-            loaded = load_model(args.model, args.dtype)
+            layouts = []
+
+            def place_for(cfg):  # each weight to its shards as it is read, as the server does
+                layouts.append(default_layout(cfg, args.dtype, args.devices, tp=args.tp_size, dp=args.dp_size))
+                return layouts[-1].place
+
+            loaded = load_model(args.model, args.dtype, place_for)
             engine = ScoringEngine(
                 loaded.cfg,
                 loaded.params,
                 args.dtype,
                 attn_impl=args.attention,
-                devices=args.devices,
+                mesh=layouts[-1],
                 compile_cache_dir=args.compile_cache,
             )
             self.scorer = Scorer(loaded, engine)
@@ -543,6 +557,8 @@ class Bench:
                 "backend": jax.default_backend(),
                 "device_kind": jax.devices()[0].device_kind,
                 "devices": engine.n_devices,
+                "tp_size": engine.layout.shape.model,
+                "dp_size": engine.layout.shape.data,
                 "attention": engine.attn_impl,
                 "buckets": dataclasses.asdict(engine.buckets),
                 "target": "in-process",
@@ -894,7 +910,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the selected workloads and modes; print the table; write --json."""
     bench = Bench(args)
     records: list[dict[str, Any]] = []
-    bucket_warmup = profiled = None
+    bucket_warmup = profiled = moved = None
     try:
         in_process = bench.scorer is not None
         if in_process:
@@ -915,6 +931,8 @@ def run(args: argparse.Namespace) -> int:
             bench.peak.measure()
         if args.profile and in_process:
             profiled = bench.profile(Path(args.profile), gen)
+        if args.collectives and in_process:
+            moved = mesh_traffic(bench.scorer.engine)
     finally:
         bench.close()
     peak = bench.peak
@@ -951,9 +969,33 @@ def run(args: argparse.Namespace) -> int:
         from prefixscore.bench.profile import format_summary
 
         print(format_summary(profiled))
+    if moved:
+        print(format_traffic(moved))
+        for r in records:
+            r["collectives"] = moved
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(records, indent=2, default=str))
     return 0
+
+
+def mesh_traffic(engine: Any) -> dict[str, Any]:
+    """What the largest call (prefill region and items) moves between devices (bench/collectives.py)."""
+    from prefixscore.bench.collectives import traffic
+
+    return traffic(engine, max(engine.executable_keys()))
+
+
+def format_traffic(moved: dict[str, Any]) -> str:
+    mesh, call = moved["mesh"], moved["call"]
+    lines = [
+        f"mesh tp={mesh['tp_size']} dp={mesh['dp_size']}, call prefill={call['prefill_tokens']} "
+        f"items={call['item_tokens']}: {moved['bytes_per_token_per_layer']:.0f} B per token per layer on the "
+        f"model axis, {moved['bytes_per_call_outside_layers']:,} B per call outside the layers, "
+        f"{moved['flops_per_token_per_layer_per_device'] / 1e6:.3g} MFLOP per token per layer per device",
+        "predicted all-reduce / matmul time at peak: "
+        + ", ".join(f"{name} {ratio:.2f}" for name, ratio in moved["predicted_allreduce_over_matmul"].items()),
+    ]
+    return "\n".join(lines)
 
 
 def _ratios(records: list[dict[str, Any]]) -> None:

@@ -345,6 +345,10 @@ class ScoringEngine:
         )
         return jax.lax.all_gather(probs, DATA, tiled=True), pool_k, pool_v  # [replicas * R, L]
 
+    def compiled_text(self, shape: CallShape) -> str:
+        """The compiled HLO of one call shape (compiled now if it was not yet)."""
+        return self._executable(shape).as_text()
+
     def hlo_texts(self) -> list[str]:
         """The compiled HLO of every executable built so far (bench --profile maps kernels to scopes)."""
         with self._lock:

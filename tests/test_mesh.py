@@ -81,6 +81,9 @@ def test_collectives_and_bytes_per_device() -> None:
         )
         assert sorted(r["collectives"]) == want, (mesh, r["collectives"])
         assert r["layer_loop_collectives"] == 2, mesh  # per layer: the o and down projections
+        assert r["bytes_per_token_per_layer"] == 2 * hidden * 4, mesh  # two float32 hidden states
+        assert all(ratio > 0 for ratio in r["predicted"].values()), mesh
+        assert f"mesh tp={tp} dp={dp}" in r["printed"] and f"{2 * hidden * 4} B per token per layer" in r["printed"]
         assert r["split_weight_bytes_per_device"] * tp == r["split_weight_bytes"], mesh
         assert set(r["replicated_weights"]) == set(r["expected_replicated"]), mesh
         assert r["pool_bytes_per_device"] * tp == r["pool_bytes"], mesh
@@ -260,40 +263,12 @@ def part_heads() -> dict:
     return out
 
 
-COLLECTIVE = re.compile(
-    r"= (\w+)\[([\d,]*)\][^=]* (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
-)
-
-
-def _collectives(hlo: str, mesh) -> tuple[list, int]:
-    """(scope, kind, axis, shape) of every collective in a compiled module, and how many sit in
-    the decoder layers' loop. The axis is read off the replica groups (devices of one data row:
-    the model axis; of one column: the data axis)."""
-    grid = mesh.devices
-    rows = {frozenset(int(d.id) for d in row) for row in grid}
-    cols = {frozenset(int(d.id) for d in col) for col in grid.T}
-    found, in_layers = [], 0
-    for line in hlo.splitlines():
-        match = COLLECTIVE.search(line)
-        if not match:
-            continue
-        groups = {
-            frozenset(int(x) for x in g.split(","))
-            for g in re.findall(r"\{([\d,]+)\}", line.split("replica_groups=")[1].split("}}")[0] + "}")
-        }
-        axis = "model" if groups == rows else "data" if groups == cols else f"other:{sorted(map(sorted, groups))}"
-        name = re.search(r'op_name="([^"]*)"', line).group(1)
-        scope = next((s for s in ("attention", "mlp", "embed", "head") if f"/{s}/" in name), "gather")
-        shape = [int(x) for x in match.group(2).split(",") if x]
-        found.append([scope, match.group(3), axis, shape])
-        in_layers += "/while/body/" in name and scope in ("attention", "mlp")
-    return found, in_layers
-
-
 def part_collectives() -> dict:
     import jax
     import jax.numpy as jnp
 
+    from prefixscore.bench.collectives import traffic
+    from prefixscore.bench.run import format_traffic
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.mesh import MeshShape
@@ -308,14 +283,19 @@ def part_collectives() -> dict:
     for dp, tp in [(2, 2), (1, 4)]:
         engine = ScoringEngine(cfg, random_params(cfg, 0, jnp.float32), "float32", buckets, mesh=MeshShape(dp, tp))
         shape = max(buckets.call_shapes())  # the call with a prefill region
-        collectives, in_layers = _collectives(engine._executable(shape).as_text(), engine.layout.mesh)
+        report = traffic(engine, shape)
+        found = report["collectives"]
+        printed = format_traffic(report)  # what `prefixscore bench --collectives` prints
         axes = weight_axes()
         split = {n: a for n, a in flat_weights(engine.params).items() if "model" in engine.layout.spec(axes[n])}
         replicated = [n for n in flat_weights(engine.params) if n not in split]
         pools = engine._pool  # keys and values
         out[f"dp{dp}xtp{tp}"] = {
-            "collectives": collectives,
-            "layer_loop_collectives": in_layers,
+            "collectives": [[c["scope"], c["kind"], c["axis"], list(c["shape"])] for c in found],
+            "layer_loop_collectives": sum(c["per_layer"] for c in found),
+            "bytes_per_token_per_layer": report["bytes_per_token_per_layer"],
+            "predicted": report["predicted_allreduce_over_matmul"],
+            "printed": printed,
             "tokens": shape.prefill_tokens + shape.item_tokens,
             "hidden": cfg.hidden_size,
             "rows": shape.rows,

@@ -1,0 +1,96 @@
+"""What a compiled device call moves between devices, read from its HLO, against its FLOPs.
+
+Every collective of the compiled call is listed with the scope it runs in (the decoder's
+`jax.named_scope`s: attention, mlp, embed, head; the final gather), the mesh axis it
+spans (read off its replica groups), its shape and whether it sits in the decoder layers'
+loop (so runs once per layer). `traffic` turns that into bytes per token per layer on the
+model axis and bytes per call, and predicts, from published peak figures, how long the
+model axis's all-reduces take against the layer's matmuls on a few accelerators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from prefixscore.model import flops
+
+# name -> (dense bfloat16 matmul peak FLOP/s, collective bandwidth per chip each way, bytes/s):
+# v5e and v6e ICI per chip (1,600 and 3,584 Gbit/s), H100 SXM NVLink (900 GB/s both ways)
+HARDWARE: dict[str, tuple[float, float]] = {
+    "TPU v5e": (197e12, 200e9),
+    "TPU v6e": (918e12, 448e9),
+    "H100 SXM": (989e12, 450e9),
+}
+SCOPES = ("attention", "mlp", "embed", "head")
+_OP = re.compile(
+    r"= (?P<dtype>\w+)\[(?P<shape>[\d,]*)\][^=]* (?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute)\("
+)
+_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "pred": "bool"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled call."""
+
+    scope: str  # the decoder scope it runs in (SCOPES), or "gather" (the call's output)
+    kind: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+    axis: str  # "model", "data", or "other" (groups that are neither axis)
+    shape: tuple[int, ...]
+    dtype: str
+    per_layer: bool  # inside the decoder layers' loop: runs once per layer
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(_DTYPES.get(self.dtype, self.dtype)).itemsize
+
+
+def collectives(hlo: str, mesh: Any) -> list[Collective]:
+    """Every collective in a compiled module's text; `mesh`: the jax Mesh (data, model) it ran on."""
+    grid = mesh.devices
+    model = {frozenset(int(d.id) for d in row) for row in grid}
+    data = {frozenset(int(d.id) for d in column) for column in grid.T}
+    found = []
+    for line in hlo.splitlines():
+        match = _OP.search(line)
+        if not match:
+            continue
+        groups_text = line.split("replica_groups=")[1].split("}}")[0] + "}"  # {{0,1},{2,3}}
+        groups = {frozenset(int(x) for x in g.split(",")) for g in re.findall(r"\{([\d,]+)\}", groups_text)}
+        axis = "model" if groups == model else "data" if groups == data else "other"
+        name = re.search(r'op_name="([^"]*)"', line)
+        op_name = name.group(1) if name else ""
+        scope = next((s for s in SCOPES if f"/{s}/" in op_name), "gather")
+        shape = tuple(int(x) for x in match.group("shape").split(",") if x)
+        per_layer = "/while/body/" in op_name and scope in ("attention", "mlp")
+        found.append(Collective(scope, match.group("kind"), axis, shape, match.group("dtype"), per_layer))
+    return found
+
+
+def traffic(engine: Any, shape: Any) -> dict[str, Any]:
+    """What one call of `shape` moves: bytes per token per layer on the model axis (from the
+    compiled HLO) and per call outside the layers, the projection FLOPs per token per layer
+    on each device, and the predicted all-reduce time over matmul time per accelerator (a
+    ring all-reduce sends 2 (tp - 1) / tp of its payload from each device)."""
+    cfg, tp = engine.cfg, engine.layout.shape.model
+    found = collectives(engine.compiled_text(shape), engine.layout.mesh)
+    tokens = shape.prefill_tokens + shape.item_tokens
+    per_layer = sum(c.bytes for c in found if c.per_layer) / tokens
+    layer_flops = flops.linear_per_token(cfg) / cfg.num_layers / tp
+    ring = 2 * (tp - 1) / tp
+    return {
+        "mesh": {"tp_size": tp, "dp_size": engine.layout.shape.data},
+        "call": dataclasses.asdict(shape),
+        "collectives": [dataclasses.asdict(c) for c in found],
+        "bytes_per_token_per_layer": per_layer,
+        "bytes_per_call_outside_layers": sum(c.bytes for c in found if not c.per_layer),
+        "flops_per_token_per_layer_per_device": layer_flops,
+        "predicted_allreduce_over_matmul": {
+            name: (ring * per_layer / bandwidth) / (layer_flops / peak) for name, (peak, bandwidth) in HARDWARE.items()
+        },
+    }
