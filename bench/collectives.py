@@ -1,7 +1,7 @@
 """What a compiled device call moves between devices, read from its HLO, against its FLOPs.
 
 Every collective of the compiled call is listed with the scope it runs in (the decoder's
-`jax.named_scope`s: attention, mlp, embed, head; the final gather), the mesh axis it
+`jax.named_scope`s: pool_write, attention, mlp, embed, head; the final gather), the mesh axis it
 spans (read off its replica groups), its shape and whether it sits in the decoder layers'
 loop (so runs once per layer). `traffic` turns that into bytes per token per layer on the
 model axis and bytes per call, and predicts, from published peak figures, how long the
@@ -26,7 +26,9 @@ HARDWARE: dict[str, tuple[float, float]] = {
     "TPU v6e": (918e12, 448e9),
     "H100 SXM": (989e12, 450e9),
 }
-SCOPES = ("attention", "mlp", "embed", "head")
+# the decoder's named scopes, innermost first (the pool write runs inside the attention's)
+SCOPES = ("pool_write", "attention", "mlp", "embed", "head")
+LAYER_SCOPES = ("pool_write", "attention", "mlp")
 _OP = re.compile(
     r"= (?P<dtype>\w+)\[(?P<shape>[\d,]*)\][^=]* (?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
     r"collective-permute)\("
@@ -67,20 +69,23 @@ def collectives(hlo: str, mesh: Any) -> list[Collective]:
         op_name = name.group(1) if name else ""
         scope = next((s for s in SCOPES if f"/{s}/" in op_name), "gather")
         shape = tuple(int(x) for x in match.group("shape").split(",") if x)
-        per_layer = "/while/body/" in op_name and scope in ("attention", "mlp")
+        per_layer = "/while/body/" in op_name and scope in LAYER_SCOPES
         found.append(Collective(scope, match.group("kind"), axis, shape, match.group("dtype"), per_layer))
     return found
 
 
 def traffic(engine: Any, shape: Any) -> dict[str, Any]:
-    """What one call of `shape` moves: bytes per token per layer on the model axis (from the
-    compiled HLO) and per call outside the layers, the projection FLOPs per token per layer
-    on each device, and the predicted all-reduce time over matmul time per accelerator (a
-    ring all-reduce sends 2 (tp - 1) / tp of its payload from each device)."""
-    cfg, tp = engine.cfg, engine.layout.shape.model
+    """What one call of `shape` moves (from its compiled HLO): bytes per token per layer on the
+    model axis, per prefill token per layer on the data axis, and per call outside the layers;
+    the projection FLOPs per token per layer on each device; and the predicted all-reduce time
+    over matmul time per accelerator (a ring all-reduce sends 2 (tp - 1) / tp of its payload
+    from each device)."""
+    cfg, tp, dp = engine.cfg, engine.layout.shape.model, engine.layout.shape.data
     found = collectives(engine.compiled_text(shape), engine.layout.mesh)
     tokens = shape.prefill_tokens + shape.item_tokens
-    per_layer = sum(c.bytes for c in found if c.per_layer) / tokens
+    per_layer = sum(c.bytes for c in found if c.per_layer and c.axis == "model") / tokens
+    prefill_tokens = dp * shape.prefill_tokens  # every replica's prefill stream
+    gathered = sum(c.bytes for c in found if c.per_layer and c.axis == "data")
     layer_flops = flops.linear_per_token(cfg) / cfg.num_layers / tp
     ring = 2 * (tp - 1) / tp
     return {
@@ -88,6 +93,8 @@ def traffic(engine: Any, shape: Any) -> dict[str, Any]:
         "call": dataclasses.asdict(shape),
         "collectives": [dataclasses.asdict(c) for c in found],
         "bytes_per_token_per_layer": per_layer,
+        # the prefill K/V every replica's pool write gathers (the data axis), per prefill token
+        "bytes_per_prefill_token_per_layer_on_data_axis": gathered / prefill_tokens if prefill_tokens else 0.0,
         "bytes_per_call_outside_layers": sum(c.bytes for c in found if not c.per_layer),
         "flops_per_token_per_layer_per_device": layer_flops,
         "predicted_allreduce_over_matmul": {

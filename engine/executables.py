@@ -7,9 +7,9 @@ One kind of device call (model/step.py), one executable per CallShape, compiled 
 (`warmup`, or on first use) and kept in a table, so steady-state traffic never compiles. With
 several devices the call runs under `shard_map` over a 2-D mesh (engine/mesh.py): on the
 model axis each device holds its share of the heads, MLP columns, vocabulary rows and the
-pool's KV heads; on the data axis the replicas each run the prefill region (so every replica
-of the pool gets the same pages written, with no collective) and score their own share of
-the item region.
+pool's KV heads; on the data axis the replicas each run their own prefill chunks (gathering
+every replica's K/V for the pool write, so every replica of the pool gets every page) and
+score their own share of the item region.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from prefixscore.engine import compile_cache
 from prefixscore.engine.buckets import Buckets, round_up
-from prefixscore.engine.mesh import DATA, Layout, MeshShape, choose_mesh
+from prefixscore.engine.mesh import Layout, MeshShape, choose_mesh
 from prefixscore.engine.planner import CallBuilder, CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
 from prefixscore.kernels import dispatch, selfcheck
@@ -280,7 +280,7 @@ class ScoringEngine:
         dev = lambda *s, t=jnp.int32: jax.ShapeDtypeStruct((d, *s), t, sharding=layout.items)  # noqa: E731
         tp, ti, r, lb = shape.prefill_tokens, shape.item_tokens, shape.rows, shape.labels
         return CallInputs(
-            prefill=PrefillRegion(*(rep(tp) for _ in range(6))),
+            prefill=PrefillRegion(*(dev(tp) for _ in range(6))),
             items=ItemRegion(dev(ti), dev(ti), dev(ti), dev(ti), dev(r), dev(r), dev(r, t=jnp.bool_), dev(), dev()),
             page_table=rep(b.segments, b.max_pages),
             prefix_len=rep(b.segments),
@@ -292,7 +292,7 @@ class ScoringEngine:
     def _call_shardings(self) -> CallInputs:
         rep, split = self.layout.replicated, self.layout.items
         return CallInputs(
-            prefill=_all_fields(PrefillRegion, rep),
+            prefill=_all_fields(PrefillRegion, split),
             items=_all_fields(ItemRegion, split),
             page_table=rep,
             prefix_len=rep,
@@ -342,8 +342,9 @@ class ScoringEngine:
             static_head=static_head,
             mlp_tile=mlp_tile,
             shards=self.layout.shards,
+            replicas=self.layout.replicas,
         )
-        return jax.lax.all_gather(probs, DATA, tiled=True), pool_k, pool_v  # [replicas * R, L]
+        return self.layout.replicas.gather(probs), pool_k, pool_v  # [replicas * R, L]
 
     def compiled_text(self, shape: CallShape) -> str:
         """The compiled HLO of one call shape (compiled now if it was not yet)."""

@@ -5,7 +5,8 @@
   model/decoder.py), the embedding and the vocabulary head by row (model/shards.py). The
   prefix pool is split by KV head, so a device stores only the heads it computes.
 - **data**: each replica holds its model shard and a whole pool (every page on every
-  replica) and scores its own share of a call's items.
+  replica), runs its own share of a call's prefill chunks (their K/V gathered for every
+  replica's pool write) and scores its own share of the items.
 
 Weights name their dimensions by logical axes (model/weights.py); `RULES`, the one table
 here, maps logical axes to mesh axes. Two layouts differ from the checkpoint's, both
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from prefixscore.engine.buckets import round_up
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.shards import ModelShards
+from prefixscore.model.shards import DataReplicas, ModelShards
 from prefixscore.model.weights import Weights, flat_weights, weight_axes, weights_from_flat
 
 DATA, MODEL = "data", "model"
@@ -141,6 +142,7 @@ class Layout:
         self.kv_repeats = self.kv_heads // cfg.num_kv_heads
         self.vocab_rows = round_up(cfg.vocab_size, shape.model)
         self.shards = ModelShards(MODEL, shape.model, cfg.vocab_size)
+        self.replicas = DataReplicas(DATA, shape.data)
         self._axes = weight_axes()
         self.replicated = NamedSharding(self.mesh, P())
         self.items = NamedSharding(self.mesh, P(DATA))  # leading axis: one entry per data replica

@@ -2,11 +2,12 @@
 
 Pure host code (numpy), no device. A call (model/step.py) has two regions:
 
-- the **prefill region** [Tp], identical on every device: prefill chunks of new
-  queries back to back. Each chunk is its own segment (its query's pages, prefix =
-  where the chunk starts) and one causal item; its K/V is written into the pool
-  layer by layer, before any token of the call reads the pool, so a later chunk of
-  the same query, and the query's items, may sit in the same call.
+- the **prefill region** [devices, Tp]: prefill chunks of new queries back to back,
+  each on one data replica (the least filled when it is taken). Each chunk is its own
+  segment (its query's pages, prefix = where the chunk starts) and one causal item;
+  every replica's chunks' K/V is gathered and written into every replica's pool layer
+  by layer, before any token of the call reads the pool, so a later chunk of the same
+  query (on any replica), and the query's items, may sit in the same call.
 - the **item region** [devices, Ti]: items grouped into one contiguous segment per
   query per device (the query's pages, prefix = the query's length); whole
   sequences (item_first, the sequential baseline) in segment 0, which has no prefix.
@@ -76,7 +77,9 @@ class CallPlan:
 class _Chunk:
     pages: Sequence[int]
     tokens: Sequence[int]
-    start: int
+    start: int  # the query position of its first token
+    replica: int  # the data replica whose prefill stream holds it
+    at: int  # where it starts in that stream
 
 
 @dataclasses.dataclass
@@ -171,7 +174,7 @@ class CallBuilder:
         self.align = align
         self.pool_pages = pool_pages
         self.chunks: list[_Chunk] = []
-        self.prefill_used = 0
+        self._prefill_ends = [0] * devices  # each replica's prefill stream, used so far
         self.prefill_real = 0
         self.offers: list[_Offer] = []
         self.items = 0
@@ -191,6 +194,11 @@ class CallBuilder:
     def empty(self) -> bool:
         return not self.chunks and not self.offers
 
+    @property
+    def prefill_used(self) -> int:
+        """The longest replica's prefill stream: what the prefill bucket must hold."""
+        return max(self._prefill_ends)
+
     def _row_budget(self) -> int:
         """Page-table rows left for runs: row 0 is no prefix, one per chunk."""
         return self.b.segments - 1 - len(self.chunks)
@@ -200,11 +208,14 @@ class CallBuilder:
         already written (in an earlier call, or by an earlier chunk of this one)."""
         if self.closed or len(tokens) > self.b.prefill_chunk:
             return False
-        at = round_up(self.prefill_used, self.align)
+        # the least filled replica: each runs only its own chunks, so a call's prefill work
+        # is divided between them (its K/V is gathered for every replica's pool write)
+        replica = min(range(self.devices), key=self._prefill_ends.__getitem__)
+        at = round_up(self._prefill_ends[replica], self.align)
         if at + len(tokens) > self.b.prefill[-1] or self._layout.runs + 1 > self._row_budget():
             return False
-        self.chunks.append(_Chunk(pages, tokens, start))
-        self.prefill_used = at + len(tokens)
+        self.chunks.append(_Chunk(pages, tokens, start, replica, at))
+        self._prefill_ends[replica] = at + len(tokens)
         self.prefill_real += len(tokens)
         self._choice = None
         return True
@@ -358,33 +369,35 @@ class CallBuilder:
         )
 
     def _prefill_region(self, tp: int, table: np.ndarray, prefix_len: np.ndarray, slot: int) -> PrefillRegion:
-        pt = self.b.page_tokens
-        tokens = np.zeros(tp, np.int32)
-        positions = np.zeros(tp, np.int32)
-        segment_ids = np.zeros(tp, np.int32)
-        item_ids = -1 - np.arange(tp, dtype=np.int32)  # padding: one item per token
-        write_pages = np.full(tp, self.pool_pages, np.int32)  # out of the pool: dropped
-        write_offsets = np.zeros(tp, np.int32)
-        at = 0
+        """Each replica's prefill stream [devices, Tp]: its chunks at their places, padding elsewhere."""
+        pt, d = self.b.page_tokens, self.devices
+        tokens = np.zeros((d, tp), np.int32)
+        positions = np.zeros((d, tp), np.int32)
+        segment_ids = np.zeros((d, tp), np.int32)
+        item_ids = np.broadcast_to(-1 - np.arange(tp, dtype=np.int32), (d, tp)).copy()  # padding: one item a token
+        write_pages = np.full((d, tp), self.pool_pages, np.int32)  # out of the pool: dropped
+        write_offsets = np.zeros((d, tp), np.int32)
+        end = np.zeros(d, np.int64)  # each replica's stream end so far
         for c, chunk in enumerate(self.chunks):
-            start = round_up(at, self.align)
-            segment_ids[at:start] = segment_ids[at - 1] if at else 0  # the gap continues the last chunk
-            n = len(chunk.tokens)
+            r, start, n = chunk.replica, chunk.at, len(chunk.tokens)
+            if end[r]:  # the alignment gap continues the replica's previous chunk
+                segment_ids[r, end[r] : start] = segment_ids[r, end[r] - 1]
             where = slice(start, start + n)
             pos = chunk.start + np.arange(n, dtype=np.int32)
-            tokens[where] = chunk.tokens
-            positions[where] = pos
-            segment_ids[where] = slot + c
-            item_ids[where] = c
-            write_pages[where] = np.asarray(chunk.pages, np.int32)[pos // pt]
-            write_offsets[where] = pos % pt
+            tokens[r, where] = chunk.tokens
+            positions[r, where] = pos
+            segment_ids[r, where] = slot + c
+            item_ids[r, where] = c
+            write_pages[r, where] = np.asarray(chunk.pages, np.int32)[pos // pt]
+            write_offsets[r, where] = pos % pt
             table[slot + c, : len(chunk.pages)] = chunk.pages
             prefix_len[slot + c] = chunk.start
-            at = start + n
+            end[r] = start + n
         # the tail up to the next aligned index continues the last chunk; beyond it, no prefix
-        tail = min(round_up(at, self.align), tp)
-        if at:
-            segment_ids[at:tail] = segment_ids[at - 1]
+        for r in range(d):
+            if end[r]:
+                tail = min(round_up(int(end[r]), self.align), tp)
+                segment_ids[r, end[r] : tail] = segment_ids[r, end[r] - 1]
         return PrefillRegion(tokens, positions, segment_ids, item_ids, write_pages, write_offsets)
 
     def _item_region(

@@ -30,7 +30,7 @@ class CallShape:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefillRegion:
-    """Prefill chunks, the same on every device. All [Tp] int32."""
+    """Prefill chunks, one stream per data replica (each its own chunks). All [d, Tp] int32."""
 
     tokens: Any
     positions: Any

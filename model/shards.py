@@ -1,5 +1,6 @@
-"""The model axis as the per-device code sees it (inside `shard_map`): each device holds
-1/size of the attention heads, MLP columns and vocabulary rows (engine/mesh.py places them).
+"""The mesh's axes as the per-device code sees them (inside `shard_map`). On the model axis
+each device holds 1/size of the attention heads, MLP columns and vocabulary rows
+(engine/mesh.py places them); on the data axis each replica runs its own prefill chunks.
 
 The decoder needs exactly three things from the split, all here: sum the partial outputs
 of a row-split projection (the attention's o and the MLP's down projection: one
@@ -7,8 +8,8 @@ all-reduce each per layer), look a token up in a vocabulary split by rows, and r
 vocabulary head's log-sum-exp across shards (each device's share of the vocabulary, then
 one max and one sum of a [rows] vector: the logits are never gathered).
 
-`UNSPLIT` (the default everywhere) is the whole model on one device: no collective is
-traced, so one device runs exactly the code it always ran.
+`UNSPLIT` and `ALONE` (the defaults everywhere) are the whole model on one device: no
+collective is traced, so one device runs exactly the code it always ran.
 """
 
 from __future__ import annotations
@@ -71,3 +72,21 @@ class ModelShards:
 
 
 UNSPLIT = ModelShards()
+
+
+@dataclasses.dataclass(frozen=True)
+class DataReplicas:
+    """Static (hashable): the data axis as the per-device code sees it. Each replica runs its
+    own prefill chunks; their K/V is gathered so every replica's pool gets every page."""
+
+    axis: str | None = None  # the mesh axis name; None: one replica
+    size: int = 1
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """Every replica's x, concatenated on the leading axis in replica order (an all-gather)."""
+        if self.axis is None or self.size == 1:
+            return x
+        return jax.lax.all_gather(x, self.axis, axis=0, tiled=True)
+
+
+ALONE = DataReplicas()

@@ -22,7 +22,7 @@ from prefixscore.kernels.paged import PagedAttentionMeta
 from prefixscore.model.call_inputs import CallInputs
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, rms_norm, run_layers
-from prefixscore.model.shards import UNSPLIT, ModelShards
+from prefixscore.model.shards import ALONE, UNSPLIT, DataReplicas, ModelShards
 from prefixscore.model.weights import Weights
 
 # vocabulary rows per step of the full-vocabulary log-sum-exp: a [rows, VOCAB_CHUNK]
@@ -44,9 +44,10 @@ def score_call(
     static_head: bool = False,
     mlp_tile: int | None = None,
     shards: ModelShards = UNSPLIT,
+    replicas: DataReplicas = ALONE,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's share of a call. pool_k, pool_v: [layers, kv, pages, page_tokens, hd];
-    call: this device's CallInputs (item region arrays with a leading axis of 1).
+    call: this device's CallInputs (prefill and item region arrays with a leading axis of 1).
     static_head: the output head over every row slot, with no loop or branch on runtime
     values. On GPUs such a loop or branch reads its predicate back to the host, so the
     launch would return only when the device reached the head: the host could not plan the
@@ -54,9 +55,11 @@ def score_call(
     mlp_tile: the MLP's tokens per step (decoder.tiled_mlp; None: all at once).
     shards: the model axis (model/shards.py): this device's heads, MLP columns and vocabulary
     rows; the pool holds this device's KV heads.
+    replicas: the data axis: this device's prefill region holds its replica's chunks only; each
+    layer's pool write takes every replica's (all-gathered), so every pool gets every page.
     Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
     n_rows and columns past a row's labels are 0) and the pool with the chunks written."""
-    prefill = call.prefill
+    prefill = jax.tree.map(lambda a: a[0], call.prefill)
     items = jax.tree.map(lambda a: a[0], call.items)
     split = prefill.tokens.shape[0]
     tokens = jnp.concatenate([prefill.tokens, items.tokens])  # [Tp + Ti]
@@ -72,13 +75,17 @@ def score_call(
         split=split,
     )
 
+    if split:  # where every replica's prefill tokens go: the same for every layer
+        with jax.named_scope("pool_write"):
+            write_pages, write_offsets = replicas.gather(prefill.write_pages), replicas.gather(prefill.write_offsets)
+
     def attend(q, k, v, layer, pool):
         pk, pv = pool
-        if split:  # the prefill region's K/V into its pages first: later tokens read them
+        if split:  # every replica's prefill K/V into its pages first: later tokens read them
             with jax.named_scope("pool_write"):
-                at = (layer, slice(None), prefill.write_pages, prefill.write_offsets)
-                pk = pk.at[at].set(k[0, :split], mode="drop")  # padding's page is out of range
-                pv = pv.at[at].set(v[0, :split], mode="drop")
+                at = (layer, slice(None), write_pages, write_offsets)
+                pk = pk.at[at].set(replicas.gather(k[0, :split]), mode="drop")  # padding's page: out of range
+                pv = pv.at[at].set(replicas.gather(v[0, :split]), mode="drop")
         out = impl.paged_attention(q[0], k[0], v[0], pk, pv, _at_layer(meta, layer))
         return out[None], (pk, pv)
 

@@ -43,8 +43,10 @@ def test_meshes_serve_like_one_device() -> None:
         assert r["cached_round_prefill_tokens"] == 0 and r["cached_round_max_diff"] <= TOLERANCE, (mesh, r)
         assert r["alone_vs_mixed_max_diff"] <= TOLERANCE, (mesh, r)  # isolation: neighbours change nothing
         assert r["steady_state_compilations"] == 0, (mesh, r)
-        assert r["max_chunks_in_a_call"] >= 2 and r["calls_with_chunks"] >= 2, (mesh, r)
         dp = int(mesh.split("x")[0])
+        assert r["max_chunks_in_a_call"] >= 2, (mesh, r)  # chunks of a query in one call, in order
+        # the prefill divided: a call's chunks on as many replicas as it has chunks, up to all
+        assert r["max_prefill_replicas"] == min(dp, r["max_chunks_in_a_call"]), (mesh, r)
         assert r["max_replicas_in_a_call"] == dp, (mesh, r)  # the item region really split
 
 
@@ -68,19 +70,27 @@ def test_collectives_and_bytes_per_device() -> None:
         dp, tp = (int(x) for x in re.findall(r"\d+", mesh))
         t, hidden, rows, labels = r["tokens"], r["hidden"], r["rows"], r["labels"]
         model, data = "model", "data"
+        # with several replicas each runs its own prefill chunks: per layer their K and V are
+        # gathered for the pool write, and once a call the pages and slots they go to
+        prefill, kv, hd = dp * r["prefill_tokens"], r["kv_heads_per_device"], r["head_dim"]
+        split_prefill = [["pool_write", "all-gather", data, [prefill, kv, hd]]] * 2 if dp > 1 else []
+        split_prefill += [["pool_write", "all-gather", data, [prefill]]] * 2 if dp > 1 else []
         want = sorted(
-            [
+            split_prefill
+            + [
                 ["attention", "all-reduce", model, [1, t, hidden]],
                 ["mlp", "all-reduce", model, [1, t, hidden]],
                 ["embed", "all-reduce", model, [1, t, hidden]],
                 ["head", "all-reduce", model, [labels, hidden]],
                 ["head", "all-reduce", model, [rows]],  # log-sum-exp: max ...
                 ["head", "all-reduce", model, [rows]],  # ... and sum
-                ["gather", "all-gather", data, [dp * rows, labels]],
             ]
+            # the probabilities of every replica (none to gather from one)
+            + ([["gather", "all-gather", data, [dp * rows, labels]]] if dp > 1 else [])
         )
         assert sorted(r["collectives"]) == want, (mesh, r["collectives"])
-        assert r["layer_loop_collectives"] == 2, mesh  # per layer: the o and down projections
+        # per layer: the o and down projections (and the prefill K/V with several replicas)
+        assert r["layer_loop_collectives"] == (4 if dp > 1 else 2), mesh
         assert r["bytes_per_token_per_layer"] == 2 * hidden * 4, mesh  # two float32 hidden states
         assert all(ratio > 0 for ratio in r["predicted"].values()), mesh
         assert f"mesh tp={tp} dp={dp}" in r["printed"] and f"{2 * hidden * 4} B per token per layer" in r["printed"]
@@ -207,7 +217,9 @@ def part_engine() -> dict:
             "steady_state_compilations": CompileCounter.count() - before,
             "max_replicas_in_a_call": max(replicas),
             "max_chunks_in_a_call": max(p.chunks for p in plans),
-            "calls_with_chunks": sum(1 for p in plans if p.chunks),
+            "max_prefill_replicas": max(
+                int((np.asarray(p.inputs.prefill.write_pages) < engine.pool_pages).any(axis=1).sum()) for p in plans
+            ),
         }
     return out
 
@@ -297,6 +309,9 @@ def part_collectives() -> dict:
             "predicted": report["predicted_allreduce_over_matmul"],
             "printed": printed,
             "tokens": shape.prefill_tokens + shape.item_tokens,
+            "prefill_tokens": shape.prefill_tokens,
+            "kv_heads_per_device": engine.layout.local_kv_heads,
+            "head_dim": cfg.head_dim,
             "hidden": cfg.hidden_size,
             "rows": shape.rows,
             "labels": shape.labels,

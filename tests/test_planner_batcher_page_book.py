@@ -3,6 +3,7 @@ the layout the engine ships (segments, alignment, rows, label sets, page writes)
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -74,8 +75,8 @@ def test_chunks_before_items_and_a_long_query_spans_calls():
     assert second.plan.chunks == 2 and not units_of(second) and long_one.entry.written == 384
     third = b.next_call()
     assert third.plan.chunks == 2 and long_one.entry.written == 600 and units_of(third) == [long_one]
-    positions = third.plan.inputs.prefill.positions
-    assert positions[: third.plan.inputs.prefill.tokens.shape[0]].max() == 599
+    positions = third.plan.inputs.prefill.positions[0]  # one device: one prefill stream
+    assert positions.max() == 599
 
 
 def test_prefill_chunk_layout_writes_its_pages():
@@ -83,7 +84,7 @@ def test_prefill_chunk_layout_writes_its_pages():
     u = unit(cache, prefix=range(200), lengths=(3, 5))
     b.add(u)
     call = b.next_call()
-    pre = call.plan.inputs.prefill
+    pre = jax.tree.map(lambda a: a[0], call.plan.inputs.prefill)  # one device: one prefill stream
     pages = u.entry.pages
     real = pre.write_pages < POOL_PAGES
     assert real.sum() == 200  # every query token written once, padding dropped
@@ -312,9 +313,23 @@ def test_an_earlier_segment_growing_is_appended_not_laid_out_again():
     assert table[runs[0]].tolist() == table[runs[2]].tolist() and prefix_len[runs[0]] == prefix_len[runs[2]] == 30
     assert items.positions[0, :9].tolist() == [30, 31, 32, 33, 30, 31, 32, 33, 34]
     assert items.positions[0, 12:18].tolist() == list(range(30, 36))
-    tp = plan.inputs.prefill.tokens.shape[0]
+    tp = plan.inputs.prefill.tokens.shape[1]
     assert items.read_at[0, :4].tolist() == [tp + 3, tp + 8, tp + 11, tp + 17]
     assert items.item_ids[0, :18].tolist() == [0] * 4 + [1] * 5 + [2] * 3 + [3] * 6
+
+
+def test_prefill_chunks_are_divided_between_data_replicas():
+    """With two replicas a call's chunks go to the least filled one: each replica's stream holds
+    half of them, and together they write every query token once (every replica's pool gets all
+    of them: the device call gathers the replicas' K/V before each layer's write)."""
+    b, cache = setup(devices=2, align=64)
+    u = unit(cache, prefix=range(500), lengths=(3, 5))
+    b.add(u)
+    pre = b.next_call().plan.inputs.prefill
+    real = pre.write_pages < POOL_PAGES
+    assert pre.tokens.shape[0] == 2 and real[0].any() and real[1].any()
+    assert real.sum() == 500 and sorted(pre.positions[real].tolist()) == list(range(500))
+    assert abs(int(real[0].sum()) - int(real[1].sum())) <= 128  # balanced to a chunk
 
 
 def test_a_small_request_is_not_split_by_its_fair_share():
@@ -338,7 +353,7 @@ def test_spans_cover_every_item_once_across_devices():
             dev, row = divmod(span.row, call.plan.shape.rows)
             for k in range(span.count):  # each row's last token is its item's last token
                 n = len(span.ref.items[span.first + k])
-                at = items.read_at[dev, row + k] - call.plan.inputs.prefill.tokens.shape[0]
+                at = items.read_at[dev, row + k] - call.plan.inputs.prefill.tokens.shape[1]
                 assert items.item_ids[dev, at] == row + k and items.positions[dev, at] == 10 + n - 1
     assert all(sorted(v) == list(range(12)) for v in seen.values())
 
