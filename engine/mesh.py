@@ -164,23 +164,26 @@ class Layout:
     def spec(axes: Sequence[str | None]) -> P:
         return P(*(RULES.get(axis) if axis else None for axis in axes))
 
+    def weight_spec(self, name: str) -> P:
+        """One weight's PartitionSpec, by its flat name ("layers.attn.wq")."""
+        return self.spec(self._axes[name])
+
     def weight_specs(self, weights: Weights) -> Weights:
         """A PartitionSpec per weight (the tree `weights` has): shard_map's in_specs."""
-        return weights_from_flat({name: self.spec(self._axes[name]) for name in flat_weights(weights)})
+        return weights_from_flat({name: self.weight_spec(name) for name in flat_weights(weights)})
 
     def place(self, name: str, array: np.ndarray | jax.Array) -> jax.Array:
         """One weight (flat name, checkpoint layout) onto its shards: KV heads replicated and
         the vocabulary padded as the mesh needs, then each device sent only its slice."""
-        axes = self._axes[name]
-        array = self._mesh_layout(array, axes)
-        return jax.device_put(array, NamedSharding(self.mesh, self.spec(axes)))
+        array = self._mesh_layout(array, self._axes[name])
+        return jax.device_put(array, NamedSharding(self.mesh, self.weight_spec(name)))
 
     def place_weights(self, weights: Weights) -> Weights:
         """Every weight onto its shards (those already placed are kept as they are)."""
         flat = flat_weights(weights)
         placed = {}
         for name, array in flat.items():
-            target = NamedSharding(self.mesh, self.spec(self._axes[name]))
+            target = NamedSharding(self.mesh, self.weight_spec(name))
             if isinstance(array, jax.Array) and array.sharding.is_equivalent_to(target, array.ndim):
                 if array.shape == self._mesh_shape(array.shape, self._axes[name]):
                     placed[name] = array

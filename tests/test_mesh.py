@@ -35,8 +35,10 @@ def run_part(part: str, *args: str) -> dict:
 
 def test_meshes_serve_like_one_device() -> None:
     """Mixed calls with chunked prefills, the prefix cache, label softmax or not, item_first,
-    isolation and steady state, on a data-only, a 2x2 and a model-only mesh."""
+    isolation and steady state, on a data-only, a 2x2 and a model-only mesh; a restart on
+    a mesh compiles nothing (the persistent cache)."""
     result = run_part("engine")
+    assert "restart_compilations" in result["2x2"]
     for mesh, r in result.items():
         for case, diff in r["max_abs_diff"].items():
             assert diff <= TOLERANCE, (mesh, case, diff)
@@ -44,7 +46,8 @@ def test_meshes_serve_like_one_device() -> None:
         assert r["alone_vs_mixed_max_diff"] <= TOLERANCE, (mesh, r)  # isolation: neighbours change nothing
         assert r["steady_state_compilations"] == 0, (mesh, r)
         dp = int(mesh.split("x")[0])
-        assert r["max_chunks_in_a_call"] >= 2, (mesh, r)  # chunks of a query in one call, in order
+        assert r["max_chunks_in_a_call"] >= 2, (mesh, r)
+        assert r.get("restart_compilations", 0) == 0, (mesh, r)  # chunks of a query in one call, in order
         # the prefill divided: a call's chunks on as many replicas as it has chunks, up to all
         assert r["max_prefill_replicas"] == min(dp, r["max_chunks_in_a_call"]), (mesh, r)
         assert r["max_replicas_in_a_call"] == dp, (mesh, r)  # the item region really split
@@ -115,6 +118,17 @@ def test_kernels_under_meshes() -> None:
     }
     for name, diff in result["interpret"].items():
         assert diff <= TOLERANCE, (name, diff)
+
+
+def test_checkpoints_load_onto_their_shards_and_score_like_transformers() -> None:
+    """A safetensors checkpoint (Llama with q/k/v/o biases, 2 KV heads under tp=4: replicated)
+    and its GGUF file (Qwen2) load straight onto a mesh: every weight through the layout's
+    placement, each device holding only its slice; the mesh's scores equal transformers'."""
+    result = run_part("load")
+    for name, r in result.items():
+        assert r["placed"] == r["weights"], name  # every weight went to its shards as it was read
+        assert r["split_shard_fraction"] == 1 / r["tp"], name
+        assert r["max_abs_diff_vs_transformers"] <= TOLERANCE, (name, r)
 
 
 @pytest.mark.parametrize(("tp", "dp"), [(3, None), (16, None), (2, 8)])
@@ -221,6 +235,9 @@ def part_engine() -> dict:
                 int((np.asarray(p.inputs.prefill.write_pages) < engine.pool_pages).any(axis=1).sum()) for p in plans
             ),
         }
+    # a restart on a mesh compiles nothing: its executables come from the persistent cache
+    again = ScoringEngine(cfg, params, "float32", buckets, mesh=MeshShape(2, 2))
+    out["2x2"]["restart_compilations"] = again.warmup()["compilations"]
     return out
 
 
@@ -284,7 +301,7 @@ def part_collectives() -> dict:
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.mesh import MeshShape
-    from prefixscore.model.weights import flat_weights, random_params, weight_axes
+    from prefixscore.model.weights import flat_weights, random_params
 
     cfg = _model()
     buckets = Buckets(
@@ -298,8 +315,7 @@ def part_collectives() -> dict:
         report = traffic(engine, shape)
         found = report["collectives"]
         printed = format_traffic(report)  # what `prefixscore bench --collectives` prints
-        axes = weight_axes()
-        split = {n: a for n, a in flat_weights(engine.params).items() if "model" in engine.layout.spec(axes[n])}
+        split = {n: a for n, a in flat_weights(engine.params).items() if "model" in engine.layout.weight_spec(n)}
         replicated = [n for n in flat_weights(engine.params) if n not in split]
         pools = engine._pool  # keys and values
         out[f"dp{dp}xtp{tp}"] = {
@@ -377,11 +393,83 @@ def part_kernels() -> dict:
     return {"lowered": lowered, "interpret": interpret}
 
 
+def part_load() -> dict:
+    import tempfile
+    from pathlib import Path
+
+    import jax
+    import numpy as np
+    from conftest import make_torch_model, torch_label_probs
+    from test_gguf import Q, write_gguf
+
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.executables import ScoringEngine
+    from prefixscore.engine.mesh import Layout, MeshShape
+    from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.validation import TokenizedRequest
+    from prefixscore.model.loader import load_model
+    from prefixscore.model.weights import flat_weights
+
+    buckets = Buckets(context=512, max_batch_tokens=128, prefill_chunk=128, max_prefill_tokens=256)
+    rng = np.random.default_rng(3)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = {
+            "safetensors/llama": ("llama", dict(attention_bias=True), (1, 4)),
+            "gguf/qwen2": ("qwen2", dict(vocab_size=321), (2, 2)),  # an odd vocabulary: padded for tp=2
+        }
+        for name, (family, overrides, (dp, tp)) in cases.items():
+            torch_model = make_torch_model(family, seed=5, **overrides)
+            if name.startswith("gguf"):
+                path = Path(tmp) / f"{family}.gguf"
+                write_gguf(torch_model, family, path, Q.F32)
+            else:
+                path = Path(tmp) / family
+                torch_model.save_pretrained(path)
+            placed, layouts = [], []
+
+            def place_for(cfg, dp=dp, tp=tp, placed=placed, layouts=layouts):
+                layouts.append(Layout(cfg, MeshShape(dp, tp), jax.devices()))
+
+                def place(weight, array, layout=layouts[-1]):
+                    placed.append(weight)
+                    return layout.place(weight, array)
+
+                return place
+
+            loaded = load_model(str(path), "float32", place_for)
+            weights = flat_weights(loaded.params)
+            split = [a for n, a in weights.items() if "model" in layouts[-1].weight_spec(n)]
+            engine = ScoringEngine(loaded.cfg, loaded.params, "float32", buckets, mesh=layouts[-1])
+            vocab = loaded.cfg.vocab_size
+            query = rng.integers(0, vocab, 150).tolist()
+            items = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(1, 30, 12)]
+            labels = (3, 17, vocab - 1)
+            scores, _ = EngineRunner(engine).score_requests(
+                [TokenizedRequest(tuple(query), items, labels, False, False)]
+            )
+            want = torch_label_probs(torch_model, [query + item for item in items], labels, False)
+            out[name] = {
+                "tp": tp,
+                "weights": sorted(weights),
+                "placed": sorted(placed),
+                "split_shard_fraction": min(a.addressable_shards[0].data.size / a.size for a in split),
+                "max_abs_diff_vs_transformers": float(np.abs(scores[0] - want).max()),
+            }
+    return out
+
+
 def main() -> None:
     import jax
 
     assert jax.device_count() == DEVICES, jax.devices()
-    parts = {"engine": part_engine, "heads": part_heads, "collectives": part_collectives, "kernels": part_kernels}
+    parts = {
+        "engine": part_engine,
+        "heads": part_heads,
+        "collectives": part_collectives,
+        "kernels": part_kernels,
+        "load": part_load,
+    }
     print(json.dumps(parts[sys.argv[1]]()))
 
 
