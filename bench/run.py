@@ -489,22 +489,18 @@ class Bench:
         self.remote: Remote | None = Remote(args.target) if args.target else None
         if self.remote is None:
             from prefixscore import Scorer
-            from prefixscore.engine.executables import ScoringEngine, default_layout
+            from prefixscore.engine.executables import MeshPlacement, ScoringEngine
             from prefixscore.model.loader import load_model
 
-            layouts = []
-
-            def place_for(cfg):  # each weight to its shards as it is read, as the server does
-                layouts.append(default_layout(cfg, args.dtype, args.devices, tp=args.tp_size, dp=args.dp_size))
-                return layouts[-1].place
-
-            loaded = load_model(args.model, args.dtype, place_for)
+            # each weight to its shards as it is read, as the server does
+            placement = MeshPlacement(args.dtype, args.devices, args.tp_size, args.dp_size)
+            loaded = load_model(args.model, args.dtype, placement)
             engine = ScoringEngine(
                 loaded.cfg,
                 loaded.params,
                 args.dtype,
                 attn_impl=args.attention,
-                mesh=layouts[-1],
+                mesh=placement.for_model(loaded.cfg),
                 compile_cache_dir=args.compile_cache,
             )
             self.scorer = Scorer(loaded, engine)

@@ -159,6 +159,30 @@ def default_layout(
     return Layout(cfg, mesh, devices)
 
 
+class MeshPlacement:
+    """`load_model`'s place_for: once the model's config is read, the layout is chosen
+    (default_layout: tp / dp as asked, the rest chosen) and each weight goes to its shards as
+    it is read; `layout` is then the one to build the engine on."""
+
+    def __init__(
+        self,
+        dtype: str,
+        devices: int | Sequence[jax.Device] | None = None,
+        tp: int | None = None,
+        dp: int | None = None,
+    ) -> None:
+        self.dtype, self.devices, self.tp, self.dp = dtype, devices, tp, dp
+        self.layout: Layout | None = None
+
+    def __call__(self, cfg: ModelConfig) -> Callable[[str, np.ndarray], jax.Array]:
+        self.layout = default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp)
+        return self.layout.place
+
+    def for_model(self, cfg: ModelConfig) -> Layout:
+        """The layout the weights were placed on (or, for weights loaded elsewhere, a new one)."""
+        return self.layout or default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp)
+
+
 def device_memory(device: jax.Device) -> int | None:
     """A device's memory in bytes, where the backend reports it (not on CPUs)."""
     return (device.memory_stats() or {}).get("bytes_limit")

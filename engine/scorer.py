@@ -13,7 +13,7 @@ import numpy as np
 from prefixscore.engine.batcher import Batcher, WorkUnit
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.device_loop import DeviceWorker
-from prefixscore.engine.executables import ScoringEngine
+from prefixscore.engine.executables import MeshPlacement, ScoringEngine
 from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
 from prefixscore.model.loader import LoadedModel, load_model
@@ -72,11 +72,17 @@ class Scorer:
         attn_impl: str | None = None,
         pool_bytes: int | None = None,
         template: str = DEFAULT_TEMPLATE,
+        tp_size: int | None = None,
+        dp_size: int | None = None,
     ) -> Scorer:
         """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py).
-        template: the reranker prompt of `rerank` (see engine/templates.py)."""
-        loaded = load_model(model, dtype)
-        engine = ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl, pool_bytes=pool_bytes)
+        template: the reranker prompt of `rerank` (see engine/templates.py).
+        tp_size, dp_size: the device mesh (engine/mesh.py; default: the smallest model axis
+        the weights fit, the rest data)."""
+        placement = MeshPlacement(dtype, tp=tp_size, dp=dp_size)
+        loaded = load_model(model, dtype, placement)
+        mesh = placement.for_model(loaded.cfg)
+        engine = ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl, mesh=mesh, pool_bytes=pool_bytes)
         return cls(loaded, engine, template=template)
 
     @property

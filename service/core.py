@@ -41,14 +41,11 @@ from prefixscore.engine.device_loop import (
     WorkerStopped,
     run_on_done,
 )
-from prefixscore.engine.executables import CompileCounter, ScoringEngine, WarmupStage, default_layout
-from prefixscore.engine.mesh import Layout
+from prefixscore.engine.executables import CompileCounter, MeshPlacement, ScoringEngine, WarmupStage
 from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate
 from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, TokenizedRequest, Validator
-from prefixscore.model.config import ModelConfig
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.model.weights import Place
 from prefixscore.telemetry import request_ids
 from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import ServiceMetrics
@@ -262,22 +259,14 @@ class ScoringService:
         """On the device thread: load weights, build the engine, compile the buckets."""
         cfg = self.config
         started = time.monotonic()
-        layouts: list[Layout] = []
-
-        def place_for(model: ModelConfig) -> Place:
-            # the mesh is chosen once the config is read, before any weight: each goes to its shards
-            layouts.append(default_layout(model, cfg.dtype, tp=cfg.tp_size, dp=cfg.dp_size))
-            return layouts[-1].place
-
-        loaded = cfg.loaded or load_model(cfg.model, cfg.dtype, place_for)
+        # the mesh is chosen once the config is read, before any weight: each goes to its shards
+        placement = MeshPlacement(cfg.dtype, tp=cfg.tp_size, dp=cfg.dp_size)
+        loaded = cfg.loaded or load_model(cfg.model, cfg.dtype, placement)
         loaded_at = time.monotonic()
         if cfg.engine is not None:
             engine = cfg.engine
         else:
             buckets = cfg.buckets(loaded.cfg.context_length) if callable(cfg.buckets) else cfg.buckets
-            layout = (
-                layouts[-1] if layouts else default_layout(loaded.cfg, loaded.dtype, tp=cfg.tp_size, dp=cfg.dp_size)
-            )
             engine = ScoringEngine(
                 loaded.cfg,
                 loaded.params,
@@ -287,7 +276,7 @@ class ScoringService:
                 compile_cache_dir=cfg.compile_cache,
                 pool_bytes=cfg.pool_bytes,
                 pool_memory_fraction=cfg.pool_memory_fraction,
-                mesh=layout,
+                mesh=placement.for_model(loaded.cfg),
             )
 
         self.devices = [f"{d.platform}:{d.id}" for d in engine.devices]
