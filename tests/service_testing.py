@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -32,3 +37,26 @@ def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def serve_process(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[dict]]:
+    """`prefixscore serve ARGS --log-format json` as a subprocess, and its log events as they
+    come (a thread reads stderr; a line that is not JSON becomes {"event": "raw", "line": ...})."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixscore.cli", "serve", *args, "--log-format", "json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+    )
+    events: list[dict] = []
+
+    def read_logs() -> None:
+        for line in proc.stderr:
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                events.append({"event": "raw", "line": line})
+
+    threading.Thread(target=read_logs, daemon=True).start()
+    return proc, events

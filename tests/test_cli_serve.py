@@ -3,7 +3,6 @@ and a graceful SIGTERM drain (health NOT_SERVING, new RPCs refused, the open str
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -11,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -19,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_testing import LABELS, scrape, wait_for
+from service_testing import LABELS, scrape, serve_process, wait_for
 
 from prefixscore import cli
 from prefixscore.client import ScoreClient
@@ -28,7 +26,6 @@ from prefixscore.service.server import SERVICE
 QUERY = "Is this sentence about rivers?"
 ITEMS = ["The Seine flows through Paris.", "Cats sleep a lot."]
 SERVE = [
-    "serve",
     "--model",
     "tiny-qwen3",
     "--host",
@@ -49,8 +46,6 @@ SERVE = [
     "256",
     "--drain-seconds",
     "60",
-    "--log-format",
-    "json",
 ]
 
 
@@ -68,24 +63,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served():
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixscore.cli", *SERVE],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    served = Served(proc, [])
-
-    def read_logs() -> None:
-        for line in proc.stderr:
-            try:
-                served.events.append(json.loads(line))
-            except json.JSONDecodeError:
-                served.events.append({"event": "raw", "line": line})
-
-    threading.Thread(target=read_logs, daemon=True).start()
+    proc, events = serve_process(SERVE)
+    served = Served(proc, events)
     try:
         listening = wait_for(lambda: served.event("listening") or proc.poll() is not None, 120, "listening")
         assert proc.poll() is None, f"serve exited: {served.events}"
@@ -269,28 +248,10 @@ def test_sigterm_during_a_background_compile_exits_within_a_second(tmp_path):
     """Served early, the rest of the shapes compiling in the background (bench-cpu has dozens):
     SIGTERM with nothing in flight drains at once, and the process must exit within 1 s of it,
     not when the compile in progress ends (the interpreter would join the compiling threads)."""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        # a compile cache of its own: cached shapes would finish the warm-up before the signal
-        "PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp_path / "compile-cache"),
-    }
-    args = ["serve", "--model", "bench-cpu", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "off"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixscore.cli", *args, "--log-format", "json"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    events: list[dict] = []
-
-    def read_logs() -> None:
-        for line in proc.stderr:
-            with contextlib.suppress(json.JSONDecodeError):
-                events.append(json.loads(line))
-
-    threading.Thread(target=read_logs, daemon=True).start()
+    # a compile cache of its own: cached shapes would finish the warm-up before the signal
+    env = {"PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp_path / "compile-cache")}
+    args = ["--model", "bench-cpu", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "off"]
+    proc, events = serve_process(args, env)
     try:
         seen = lambda name: any(e.get("event") == name for e in list(events))  # noqa: E731
         wait_for(lambda: seen("serving_early") or proc.poll() is not None, 300, "serving early")

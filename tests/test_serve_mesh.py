@@ -6,15 +6,12 @@ valid sizes."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import threading
 import urllib.request
 
 import numpy as np
 import pytest
-from service_testing import LABELS, scrape, wait_for
+from service_testing import LABELS, scrape, serve_process, wait_for
 
 from prefixscore.client import ScoreClient
 
@@ -22,37 +19,14 @@ DEVICES = 4
 QUERY = "Is this sentence about rivers?"
 ITEMS = ["The Seine flows through Paris.", "Cats sleep a lot.", "The Rhine rises in the Alps."]
 SERVE = [
-    "serve", "--model", "tiny-qwen3", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+    "--model", "tiny-qwen3", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
     "--http-port", "0", "--template", "none", "--warmup", "false", "--max-prefill-tokens", "256",
-    "--max-batch-tokens", "256", "--log-format", "json",
+    "--max-batch-tokens", "256",
 ]  # fmt: skip
 
 
 def _start(*flags: str) -> tuple[subprocess.Popen, list[dict]]:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
-        "JAX_PLATFORMS": "cpu",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixscore.cli", *SERVE, *flags],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    events: list[dict] = []
-
-    def read_logs() -> None:
-        for line in proc.stderr:
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                events.append({"event": "raw", "line": line})
-
-    threading.Thread(target=read_logs, daemon=True).start()
-    return proc, events
+    return serve_process([*SERVE, *flags], {"XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"})
 
 
 def _event(events: list[dict], name: str) -> dict | None:
