@@ -461,8 +461,9 @@ def test_metrics_after_traffic(server, client, tiny_scorer):
     # (steady state compiling nothing is proven in tests/test_compile.py); seconds follow the count
     compiled = after["prefixscore_compilations_total"]
     assert compiled >= 0 and (after["prefixscore_compile_seconds_total"] > 0) == (compiled > 0)
-    info = "prefixscore_model_info{devices=cpu:0,dtype=float32,family=qwen3,model=tiny-qwen3}"
+    info = "prefixscore_model_info{devices=cpu:0,dp_size=1,dtype=float32,family=qwen3,model=tiny-qwen3,tp_size=1}"
     assert after[info] == 1
+    assert after["prefixscore_mesh_devices{axis=model}"] == after["prefixscore_mesh_devices{axis=data}"] == 1
 
 
 def test_prefix_pool_is_never_exceeded(tiny_scorer):
