@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -125,6 +126,16 @@ def check_model_size(cfg: ModelConfig, tp: int, devices: int) -> None:
         )
 
 
+def device_grid(shape: MeshShape, devices: list[jax.Device]) -> np.ndarray:
+    """The devices as a [data, model] grid. On a TPU slice jax's mesh_utils orders them so the
+    model axis, which carries an all-reduce per layer, runs over neighbouring chips' ICI links;
+    elsewhere (CPU, GPU) and for a subset it cannot place, in the order given."""
+    try:
+        return mesh_utils.create_device_mesh((shape.data, shape.model), devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError):
+        return np.array(devices).reshape(shape.data, shape.model)
+
+
 class Layout:
     """A model's arrays on a (data, model) mesh: the shardings, the per-device shapes, and the
     placement of weights (checkpoint layout in, mesh layout out)."""
@@ -135,8 +146,7 @@ class Layout:
         check_model_size(cfg, shape.model, len(devices))
         self.cfg = cfg
         self.shape = shape
-        grid = np.array(list(devices)[: shape.devices]).reshape(shape.data, shape.model)
-        self.mesh = Mesh(grid, (DATA, MODEL))
+        self.mesh = Mesh(device_grid(shape, list(devices)[: shape.devices]), (DATA, MODEL))
         # KV heads as stored: replicated up to the model axis when it has more devices than heads
         self.kv_heads = max(cfg.num_kv_heads, shape.model)
         self.kv_repeats = self.kv_heads // cfg.num_kv_heads
