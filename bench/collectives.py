@@ -101,3 +101,17 @@ def traffic(engine: Any, shape: Any) -> dict[str, Any]:
             name: (ring * per_layer / bandwidth) / (layer_flops / peak) for name, (peak, bandwidth) in HARDWARE.items()
         },
     }
+
+
+def format_traffic(moved: dict[str, Any]) -> str:
+    """`traffic`'s report as `prefixscore bench --collectives` prints it."""
+    mesh, call = moved["mesh"], moved["call"]
+    lines = [
+        f"mesh tp={mesh['tp_size']} dp={mesh['dp_size']}, call prefill={call['prefill_tokens']} "
+        f"items={call['item_tokens']}: {moved['bytes_per_token_per_layer']:.0f} B per token per layer on the "
+        f"model axis, {moved['bytes_per_call_outside_layers']:,} B per call outside the layers, "
+        f"{moved['flops_per_token_per_layer_per_device'] / 1e6:.3g} MFLOP per token per layer per device",
+        "predicted all-reduce / matmul time at peak: "
+        + ", ".join(f"{name} {ratio:.2f}" for name, ratio in moved["predicted_allreduce_over_matmul"].items()),
+    ]
+    return "\n".join(lines)

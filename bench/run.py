@@ -928,7 +928,10 @@ def run(args: argparse.Namespace) -> int:
         if args.profile and in_process:
             profiled = bench.profile(Path(args.profile), gen)
         if args.collectives and in_process:
-            moved = mesh_traffic(bench.scorer.engine)
+            from prefixscore.bench.collectives import traffic
+
+            engine = bench.scorer.engine
+            moved = traffic(engine, max(engine.executable_keys()))  # the largest call
     finally:
         bench.close()
     peak = bench.peak
@@ -966,32 +969,14 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_summary(profiled))
     if moved:
+        from prefixscore.bench.collectives import format_traffic
+
         print(format_traffic(moved))
         for r in records:
             r["collectives"] = moved
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(records, indent=2, default=str))
     return 0
-
-
-def mesh_traffic(engine: Any) -> dict[str, Any]:
-    """What the largest call (prefill region and items) moves between devices (bench/collectives.py)."""
-    from prefixscore.bench.collectives import traffic
-
-    return traffic(engine, max(engine.executable_keys()))
-
-
-def format_traffic(moved: dict[str, Any]) -> str:
-    mesh, call = moved["mesh"], moved["call"]
-    lines = [
-        f"mesh tp={mesh['tp_size']} dp={mesh['dp_size']}, call prefill={call['prefill_tokens']} "
-        f"items={call['item_tokens']}: {moved['bytes_per_token_per_layer']:.0f} B per token per layer on the "
-        f"model axis, {moved['bytes_per_call_outside_layers']:,} B per call outside the layers, "
-        f"{moved['flops_per_token_per_layer_per_device'] / 1e6:.3g} MFLOP per token per layer per device",
-        "predicted all-reduce / matmul time at peak: "
-        + ", ".join(f"{name} {ratio:.2f}" for name, ratio in moved["predicted_allreduce_over_matmul"].items()),
-    ]
-    return "\n".join(lines)
 
 
 def _ratios(records: list[dict[str, Any]]) -> None:

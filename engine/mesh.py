@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from prefixscore.engine.buckets import round_up
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.shards import DataReplicas, ModelShards
-from prefixscore.model.weights import Weights, flat_weights, weight_axes, weights_from_flat
+from prefixscore.model.weights import Weights, flat_weights, place_all, weight_axes, weights_from_flat
 
 DATA, MODEL = "data", "model"
 # logical axis -> mesh axis; a logical axis not named here is replicated
@@ -189,29 +189,12 @@ class Layout:
         return jax.device_put(array, NamedSharding(self.mesh, self.weight_spec(name)))
 
     def place_weights(self, weights: Weights) -> Weights:
-        """Every weight onto its shards (those already placed are kept as they are)."""
-        flat = flat_weights(weights)
-        placed = {}
-        for name, array in flat.items():
-            target = NamedSharding(self.mesh, self.weight_spec(name))
-            if isinstance(array, jax.Array) and array.sharding.is_equivalent_to(target, array.ndim):
-                if array.shape == self._mesh_shape(array.shape, self._axes[name]):
-                    placed[name] = array
-                    continue
-            placed[name] = self.place(name, array)
-        return weights_from_flat(placed)
-
-    def _mesh_shape(self, shape: tuple[int, ...], axes: Sequence[str | None]) -> tuple[int, ...]:
-        out = list(shape)
-        for dim, axis in enumerate(axes):
-            if axis == "kv_heads" and shape[dim] == self.cfg.num_kv_heads * self.cfg.head_dim:
-                out[dim] = self.kv_heads * self.cfg.head_dim
-            elif axis == "vocab" and shape[dim] == self.cfg.vocab_size:
-                out[dim] = self.vocab_rows
-        return tuple(out)
+        """Every weight onto its shards (`place` leaves one already there as it is)."""
+        return place_all(weights, self.place)
 
     def _mesh_layout(self, array: np.ndarray | jax.Array, axes: Sequence[str | None]) -> np.ndarray | jax.Array:
-        """Checkpoint layout -> mesh layout (a no-op for an array already in it)."""
+        """Checkpoint layout -> mesh layout (a no-op for an array already in it: its sizes are
+        no longer the checkpoint's)."""
         xp = np if isinstance(array, np.ndarray) else jnp
         hd = self.cfg.head_dim
         for dim, axis in enumerate(axes):

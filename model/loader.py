@@ -53,7 +53,7 @@ def load_model(model: str, dtype: str = "float32", place_for: PlaceFor | None = 
         cfg, tok_source = presets.RANDOM_PRESETS[model]
         tokenizer = load_tokenizer(presets.smollm2_tokenizer_dir()) if tok_source == "smollm2" else None
         params = random_params(cfg, presets.RANDOM_SEED, jdtype)  # test models: built whole, then placed
-        return LoadedModel(model, cfg, place_all(params, where(cfg)) if place_for else params, tokenizer, dtype)
+        return LoadedModel(model, cfg, place_all(params, where(cfg)), tokenizer, dtype)
     if model == "smollm2-135m":
         gguf = presets.smollm2_gguf_path()
         cfg, params = weights_cache.cached(gguf, dtype, lambda: load_gguf(gguf, jdtype, on_host))

@@ -296,8 +296,7 @@ def part_collectives() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from prefixscore.bench.collectives import traffic
-    from prefixscore.bench.run import format_traffic
+    from prefixscore.bench.collectives import format_traffic, traffic
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.mesh import MeshShape
