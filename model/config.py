@@ -1,4 +1,4 @@
-"""Model configuration from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3 families).
+"""Model configuration from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3).
 
 transformers' own config class for the model type parses the file (its defaults, legacy
 spellings and derived fields are the oracle's), and every field is walked through the
@@ -29,11 +29,18 @@ class UnsupportedModelError(ValueError):
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+# the MLP activations computed (config hidden_act / hidden_activation -> model/decoder.py)
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+# RoPE types computed exactly (model/rope.py); dynamic and longrope are refused: their
+# frequencies depend on the sequence's length, so a query's cached K/V would differ per item
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of one decoder. Immutable and hashable: it is a static jit argument."""
 
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,15 +54,29 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2; Llama/Qwen3 attention_bias)
     out_bias: bool = False  # a bias on the attention output projection (Llama/Qwen3 attention_bias)
-    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
-    # llama3 RoPE frequency scaling as (key, value) pairs (factor, low/high_freq_factor,
-    # original_max_position_embeddings); () means plain RoPE
-    rope_scaling: tuple[tuple[str, float], ...] = ()
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3, Gemma 3)
+    # RoPE frequency scaling as (key, value) pairs: ("rope_type", "linear" | "llama3" | "yarn")
+    # and that type's parameters (model/rope.py); () means plain RoPE
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
     # per-frequency divisors [head_dim // 2] (a GGUF file's rope_freqs tensor); () means none
     rope_freq_factors: tuple[float, ...] = ()
-    # the narrowest sliding attention window of any layer (None: every layer attends fully);
-    # served by capping the context at it, inside which a window changes nothing
+    # the window of the layers that slide (None: every layer attends fully): a token at position
+    # p sees keys at positions p - sliding_window < j <= p
     sliding_window: int | None = None
+    # per layer, whether it slides; () with a window: every layer does (Mistral)
+    sliding_layers: tuple[bool, ...] = ()
+    # Gemma 3: the sliding layers' RoPE base (plain RoPE); full layers use rope_theta and rope_scaling
+    rope_local_theta: float | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    # Gemma: every RMSNorm scales by (1 + weight), multiplied in float32 before the cast
+    norm_plus_one: bool = False
+    # Gemma 2/3: a norm on the attention output and on the MLP output, before each residual add
+    post_norms: bool = False
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the weights' dtype
+    # the attention softmax's scale (Gemma 2/3: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    attn_scale: float | None = None
+    attn_softcap: float | None = None  # Gemma 2: attention logits become cap * tanh(logit / cap)
+    final_softcap: float | None = None  # Gemma 2: vocabulary logits likewise
     # the name is not math: configs that differ only by name share compiled executables
     name: str = dataclasses.field(default="", compare=False)
 
@@ -66,6 +87,12 @@ class ModelConfig:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: the layer attends to every earlier position)."""
+        slides = self.sliding_layers or (True,) * self.num_layers
+        return tuple(self.sliding_window if s and self.sliding_window else None for s in slides)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
@@ -74,6 +101,7 @@ class ModelConfig:
         fields = json.loads(text)
         fields["rope_scaling"] = tuple(tuple(pair) for pair in fields["rope_scaling"])  # JSON made lists
         fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+        fields["sliding_layers"] = tuple(fields["sliding_layers"])
         return cls(**fields)
 
 
@@ -103,6 +131,16 @@ def _transformers_config(model_type: str, raw: dict[str, Any]) -> Any:
         raise UnsupportedModelError(f"config.json is not a valid {cls.__name__}: {err}") from err
 
 
+def _rope_values(rope: dict[str, Any]) -> dict[str, Any]:
+    """rope_parameters' keys as inventory names; a dict per layer type (Gemma 3) one level down."""
+    values: dict[str, Any] = {}
+    for key, value in rope.items():
+        values[f"rope_parameters.{key}"] = value
+        if isinstance(value, dict):
+            values.update({f"rope_parameters.{key}.{k}": v for k, v in value.items()})
+    return values
+
+
 def _checked_values(model_type: str, raw: dict[str, Any], hf: Any) -> dict[str, Any]:
     """Every inventoried value of the config, each checked (refused naming the field)."""
     inventory = config_inventory.family_fields(model_type)
@@ -115,8 +153,7 @@ def _checked_values(model_type: str, raw: dict[str, Any], hf: Any) -> dict[str, 
         )
     values = {name: getattr(hf, name) for name in class_fields}
     values.update({key: getattr(hf, key, raw[key]) for key in raw if key in inventory and key not in values})
-    for key, value in (hf.rope_parameters or {}).items():
-        values[f"rope_parameters.{key}"] = value
+    values.update(_rope_values(hf.rope_parameters or {}))
     for name, value in values.items():
         field = inventory.get(name)
         if field is None:  # only rope_parameters keys get here: class fields were checked above
@@ -127,14 +164,47 @@ def _checked_values(model_type: str, raw: dict[str, Any], hf: Any) -> dict[str, 
     return values
 
 
-def _sliding_window(model_type: str, hf: Any) -> int | None:
-    """The window of the layers that slide (None: none does), as transformers' modelling reads it."""
-    if model_type == "llama":  # transformers' Llama has no window (a sliding_window key is read past)
-        return None
+def _windows(model_type: str, hf: Any) -> tuple[int | None, tuple[bool, ...]]:
+    """The sliding window and which layers slide, as transformers' modelling reads them."""
+    if model_type in ("llama", "gemma"):  # no window in their modelling (a sliding_window key is read past)
+        return None, ()
     window = hf.sliding_window
     if model_type == "mistral" or window is None:  # Mistral: every layer, whenever a window is set
-        return window
-    return window if "sliding_attention" in hf.layer_types else None
+        return window, ()
+    slides = tuple(kind == "sliding_attention" for kind in hf.layer_types)
+    return (window, slides) if any(slides) else (None, ())
+
+
+# rope_parameters keys each RoPE type reads (model/rope.py), beside rope_type and rope_theta
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+
+
+def _rope(hf: Any) -> tuple[float, tuple[tuple[str, Any], ...], float | None]:
+    """RoPE base, scaling pairs and the sliding layers' own base (Gemma 3's per-type dicts)."""
+    rope = hf.rope_parameters
+    local = None
+    if "full_attention" in rope:  # one dict per layer type; the sliding one is plain RoPE (inventory)
+        local = float(rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
+    kind = rope.get("rope_type", "default")
+    scaling = tuple((key, rope[key]) for key in _ROPE_KEYS.get(kind, ()) if rope.get(key) is not None)
+    if kind == "yarn" and "truncate" not in rope:
+        # transformers reads truncate from the top-level dict (True when absent)
+        scaling += (("truncate", hf.rope_parameters.get("truncate", True)),)
+    return float(rope["rope_theta"]), ((("rope_type", kind), *scaling) if kind != "default" else ()), local
 
 
 def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
@@ -142,16 +212,21 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     model_type = _model_type(raw)
     hf = _transformers_config(model_type, raw)
     values = _checked_values(model_type, raw, hf)
-    rope = hf.rope_parameters
-    rope_scaling: tuple[tuple[str, float], ...] = ()
-    if rope["rope_type"] == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        rope_scaling = tuple((k, float(rope[k])) for k in keys)
-    # Llama and Qwen3: attention_bias on q, k, v and o; Qwen2: on q, k, v always; Mistral: none
+    family = config_inventory.FAMILIES[model_type].decoder
+    gemma = family in ("gemma", "gemma2", "gemma3")
+    late_gemma = family in ("gemma2", "gemma3")  # Gemma 2 and 3: scaled queries, post-norms, soft caps
+    rope_theta, rope_scaling, rope_local_theta = _rope(hf)
+    window, sliding_layers = _windows(model_type, hf)
+    # Llama, Qwen3 and Gemma: attention_bias on q, k, v and o; Qwen2: on q, k, v always; Mistral: none
     attention_bias = bool(values.get("attention_bias", False))
     num_heads = int(hf.num_attention_heads)
+
+    def optional_float(key: str) -> float | None:
+        value = values.get(key)
+        return None if value is None else float(value)
+
     return ModelConfig(
-        family=config_inventory.FAMILIES[model_type].decoder,
+        family=family,
         vocab_size=int(hf.vocab_size),
         hidden_size=int(hf.hidden_size),
         intermediate_size=int(hf.intermediate_size),
@@ -159,15 +234,24 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=int(hf.num_key_value_heads or num_heads),
         head_dim=int(values.get("head_dim") or hf.hidden_size // num_heads),
-        rope_theta=float(rope["rope_theta"]),
+        rope_theta=rope_theta,
         rms_norm_eps=float(hf.rms_norm_eps),
         tie_word_embeddings=bool(hf.tie_word_embeddings),
         max_position_embeddings=int(hf.max_position_embeddings),
         qkv_bias=model_type == "qwen2" or attention_bias,
         out_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         rope_scaling=rope_scaling,
-        sliding_window=_sliding_window(model_type, hf),
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        rope_local_theta=rope_local_theta,
+        hidden_act=str(values.get("hidden_activation") or values["hidden_act"]),
+        norm_plus_one=gemma,
+        post_norms=late_gemma,
+        scale_embeddings=gemma,
+        attn_scale=float(values["query_pre_attn_scalar"]) ** -0.5 if late_gemma else None,
+        attn_softcap=optional_float("attn_logit_softcapping"),
+        final_softcap=optional_float("final_logit_softcapping"),
         name=name,
     )
 

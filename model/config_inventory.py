@@ -65,6 +65,13 @@ class Field:
 
 
 COMPUTED, LIMITED, CAPPED, INERT = Effect.COMPUTED, Effect.LIMITED, Effect.CAPPED, Effect.INERT
+# what a sliding window is: served capped until every kernel family computes windows
+WINDOW = CAPPED
+
+
+def _equals(expected: Any) -> Callable[[Any, Any], bool]:
+    return lambda v, cfg: v == expected
+
 
 # transformers' PretrainedConfig fields, shared by every family
 _BASE = (
@@ -94,6 +101,20 @@ def _rope(**params: Any) -> dict[str, Any]:
     return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **params}}
 
 
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # as model/config.py and model/decoder.py compute them
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _activation(name: str, trials: tuple[Mapping[str, Any], ...] = ()) -> Field:
+    return Field(
+        name,
+        LIMITED,
+        f"the MLP's activation; {', '.join(ACTIVATIONS)} are computed",
+        accepts=lambda v, cfg: v in ACTIVATIONS,
+        trials=trials,
+    )
+
+
 _SHAPES = (
     Field("vocab_size", COMPUTED, "the embedding's and the vocabulary head's rows"),
     Field("hidden_size", COMPUTED, "the residual stream's width"),
@@ -101,13 +122,6 @@ _SHAPES = (
     Field("num_hidden_layers", COMPUTED, "the number of decoder layers"),
     Field("num_attention_heads", COMPUTED, "query heads"),
     Field("num_key_value_heads", COMPUTED, "key/value heads (grouped-query attention)"),
-    Field(
-        "hidden_act",
-        LIMITED,
-        "the MLP's activation; only silu is computed",
-        accepts=lambda v, cfg: v == "silu",
-        trials=({"hidden_act": "gelu"}, {"hidden_act": "relu"}),
-    ),
     Field(
         "max_position_embeddings",
         COMPUTED,
@@ -122,44 +136,80 @@ _SHAPES = (
         trials=({"tie_word_embeddings": True}, {"tie_word_embeddings": False}),
     ),
     Field("rope_parameters", COMPUTED, "a dict; each key is listed as rope_parameters.<key>"),
-    Field(
-        "rope_parameters.rope_type",
-        LIMITED,
-        "RoPE frequencies: default and llama3 are computed; linear, dynamic, yarn, longrope are not",
-        accepts=lambda v, cfg: v in ("default", "llama3"),
-        trials=(
-            {"rope_parameters": _LLAMA3},
-            _rope(rope_type="linear", factor=2.0),
-            _rope(rope_type="dynamic", factor=2.0),
-            _rope(rope_type="yarn", factor=2.0, original_max_position_embeddings=64),
+)
+_LLAMA_ACT = _activation("hidden_act", trials=({"hidden_act": "gelu"}, {"hidden_act": "relu"}))
+
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _rope_fields(prefix: str = "rope_parameters", tried: bool = True) -> tuple[Field, ...]:
+    """The keys of one RoPE parameter dict (a nested one per layer type for Gemma 3)."""
+
+    def trials(*t: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+        return t if tried else ()
+
+    return (
+        Field(
+            f"{prefix}.rope_type",
+            LIMITED,
+            f"RoPE frequencies: {', '.join(ROPE_TYPES)} are computed; dynamic and longrope are not "
+            "(their frequencies follow each sequence's length, so a query's cached keys would differ per item)",
+            accepts=lambda v, cfg: v in ROPE_TYPES,
+            trials=trials(
+                {"rope_parameters": _LLAMA3},
+                _rope(rope_type="linear", factor=2.0),
+                _rope(rope_type="dynamic", factor=2.0),
+                _rope(**_YARN),
+                _rope(
+                    rope_type="longrope",
+                    short_factor=[1.0] * 8,
+                    long_factor=[2.0] * 8,
+                    factor=2.0,
+                    original_max_position_embeddings=64,
+                ),
+            ),
         ),
-    ),
-    Field("rope_parameters.rope_theta", COMPUTED, "the RoPE base", trials=(_rope(rope_theta=100.0),)),
-    Field(
-        "rope_parameters.partial_rotary_factor",
-        LIMITED,
-        "RoPE on part of each head is not computed (only 1.0)",
-        accepts=lambda v, cfg: v == 1.0,
-        trials=(_rope(partial_rotary_factor=0.5),),
-    ),
-    *(
-        Field(f"rope_parameters.{key}", COMPUTED, "llama3 RoPE scaling", trials=({"rope_parameters": _LLAMA3},))
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    ),
-    Field("rope_parameters.type", INERT, "the legacy name of rope_type, which transformers reads instead"),
-    *(
-        Field(f"rope_parameters.{key}", INERT, "read only by the RoPE types refused above")
-        for key in (
-            "attention_factor",
-            "beta_fast",
-            "beta_slow",
-            "mscale",
-            "mscale_all_dim",
-            "short_factor",
-            "long_factor",
-            "truncate",
-        )
-    ),
+        Field(f"{prefix}.rope_theta", COMPUTED, "the RoPE base", trials=trials(_rope(rope_theta=100.0))),
+        Field(
+            f"{prefix}.partial_rotary_factor",
+            LIMITED,
+            "RoPE on part of each head is not computed (only 1.0)",
+            accepts=lambda v, cfg: v == 1.0,
+            trials=trials(_rope(partial_rotary_factor=0.5)),
+        ),
+        Field(f"{prefix}.factor", COMPUTED, "the scaling factor of linear, llama3 and yarn RoPE"),
+        *(Field(f"{prefix}.{key}", COMPUTED, "llama3 RoPE scaling") for key in ("low_freq_factor", "high_freq_factor")),
+        Field(f"{prefix}.original_max_position_embeddings", COMPUTED, "the pretraining length (llama3, yarn)"),
+        *(
+            Field(
+                f"{prefix}.{key}",
+                COMPUTED,
+                "YaRN's ramp and attention factor",
+                trials=trials(_rope(**_YARN, **{key: value})),
+            )
+            for key, value in (
+                ("attention_factor", 0.8),
+                ("beta_fast", 16.0),
+                ("beta_slow", 2.0),
+                ("mscale", 2.0),
+                ("truncate", False),
+            )
+        ),
+        Field(
+            f"{prefix}.mscale_all_dim",
+            COMPUTED,
+            "YaRN's attention factor (with mscale)",
+            trials=trials(_rope(**_YARN, mscale=2.0, mscale_all_dim=1.0)),
+        ),
+        Field(f"{prefix}.type", INERT, "the legacy name of rope_type, which transformers reads instead"),
+        *(
+            Field(f"{prefix}.{key}", INERT, "read only by longrope, refused above")
+            for key in ("short_factor", "long_factor")
+        ),
+    )
+
+
+_COMMON = (
     Field("initializer_range", INERT, "random initialisation only; weights are loaded"),
     Field("use_cache", INERT, "generation's KV cache; scoring keeps its own"),
     Field("pad_token_id", INERT, "the embedding's padding row only matters in training"),
@@ -167,6 +217,9 @@ _SHAPES = (
     Field("eos_token_id", INERT, "a token id for generation"),
     Field("attention_dropout", INERT, "dropout is off in inference", trials=({"attention_dropout": 0.5},)),
 )
+
+_DECODER = (*_BASE, *_SHAPES, *_COMMON)
+_ROPE = _rope_fields()
 
 _HEAD_DIM = Field("head_dim", COMPUTED, "each head's width (not always hidden / heads)", trials=({"head_dim": 32},))
 
@@ -179,30 +232,57 @@ _QWEN_WINDOW = {"use_sliding_window": True, "sliding_window": 48}
 _QWEN_WINDOWS = (
     Field(
         "use_sliding_window",
-        CAPPED,
+        WINDOW,
         "sliding-window attention on layers from max_window_layers on",
         trials=({**_QWEN_WINDOW, "max_window_layers": 1}, {"use_sliding_window": False, "sliding_window": 48}),
     ),
     Field(
         "sliding_window",
-        CAPPED,
+        WINDOW,
         "the window of the sliding layers",
         trials=({**_QWEN_WINDOW, "max_window_layers": 0},),
     ),
     Field(
         "max_window_layers",
-        CAPPED,
+        WINDOW,
         "layers below it attend fully; none windowed needs no cap",
         trials=({**_QWEN_WINDOW, "max_window_layers": 2},),
     ),
     Field(
         "layer_types",
-        CAPPED,
+        WINDOW,
         "each layer's attention: full_attention or sliding_attention",
         accepts=lambda v, cfg: set(v) <= {"full_attention", "sliding_attention"},
         trials=({**_QWEN_WINDOW, "layer_types": ["full_attention", "sliding_attention"]},),
     ),
 )
+
+
+# Gemma's own fields (every Gemma has these); 2 and 3 add _GEMMA2
+_GEMMA = (
+    *(dataclasses.replace(f, trials=()) for f in _DECODER),
+    dataclasses.replace(_HEAD_DIM, trials=()),
+    _attention_bias("biases on the q, k, v and o projections"),
+    Field(
+        "use_bidirectional_attention",
+        LIMITED,
+        "bidirectional attention (embedding models) is not computed",
+        accepts=lambda v, cfg: not v,
+    ),
+)
+_GEMMA2 = (
+    Field("query_pre_attn_scalar", COMPUTED, "the attention softmax's scale is its inverse square root"),
+    Field("attn_logit_softcapping", COMPUTED, "attention logits soft-capped at cap * tanh(logit / cap)"),
+    Field("final_logit_softcapping", COMPUTED, "vocabulary logits soft-capped likewise"),
+    Field("sliding_window", WINDOW, "the window of the sliding layers"),
+    Field(
+        "layer_types",
+        WINDOW,
+        "each layer's attention: full_attention or sliding_attention",
+        accepts=lambda v, cfg: set(v) <= {"full_attention", "sliding_attention"},
+    ),
+)
+_ROPE_UNTRIED = _rope_fields(tried=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +301,9 @@ FAMILIES: dict[str, Family] = {  # by model_type
         "LlamaConfig",
         "llama",
         (
-            *_BASE,
-            *_SHAPES,
+            *_DECODER,
+            _LLAMA_ACT,
+            *_ROPE,
             _HEAD_DIM,
             _attention_bias("biases on the q, k, v and o projections"),
             Field(
@@ -240,23 +321,63 @@ FAMILIES: dict[str, Family] = {  # by model_type
         "MistralConfig",
         "llama",
         (
-            *_BASE,
-            *_SHAPES,
+            *_DECODER,
+            _LLAMA_ACT,
+            *_ROPE,
             _HEAD_DIM,
             Field(
                 "sliding_window",
-                CAPPED,
+                WINDOW,
                 "sliding-window attention on every layer (transformers' default: 4,096)",
                 trials=({"sliding_window": 48}, {"sliding_window": None}),
             ),
         ),
     ),
-    "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config", "qwen2", (*_BASE, *_SHAPES, _HEAD_DIM, *_QWEN_WINDOWS)),
+    "qwen2": Family(
+        "Qwen2ForCausalLM", "Qwen2Config", "qwen2", (*_DECODER, _LLAMA_ACT, *_ROPE, _HEAD_DIM, *_QWEN_WINDOWS)
+    ),
     "qwen3": Family(
         "Qwen3ForCausalLM",
         "Qwen3Config",
         "qwen3",
-        (*_BASE, *_SHAPES, _HEAD_DIM, _attention_bias("biases on the q, k, v and o projections"), *_QWEN_WINDOWS),
+        (
+            *_DECODER,
+            _LLAMA_ACT,
+            *_ROPE,
+            _HEAD_DIM,
+            _attention_bias("biases on the q, k, v and o projections"),
+            *_QWEN_WINDOWS,
+        ),
+    ),
+    # Gemma: the tests' tiny checkpoints set every computed field to a non-default value
+    # (tests/conftest.py), so these families add few trials of their own
+    "gemma": Family("GemmaForCausalLM", "GemmaConfig", "gemma", (*_GEMMA, _activation("hidden_act"), *_ROPE_UNTRIED)),
+    "gemma2": Family(
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        "gemma2",
+        (*_GEMMA, *_GEMMA2, _activation("hidden_activation"), *_ROPE_UNTRIED),
+    ),
+    "gemma3_text": Family(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        "gemma3",
+        (
+            *_GEMMA,
+            *_GEMMA2,
+            _activation("hidden_activation"),
+            Field("rope_parameters.full_attention", COMPUTED, "full layers' RoPE; each key listed below"),
+            Field("rope_parameters.sliding_attention", COMPUTED, "sliding layers' RoPE; each key listed below"),
+            *_rope_fields("rope_parameters.full_attention", tried=False),
+            *(
+                dataclasses.replace(
+                    f, effect=LIMITED, why="sliding layers' RoPE: plain RoPE only", accepts=_equals("default")
+                )
+                if f.name.endswith(".rope_type")
+                else f
+                for f in _rope_fields("rope_parameters.sliding_attention", tried=False)
+            ),
+        ),
     ),
 }
 
@@ -280,10 +401,6 @@ class GgufTrial:
 
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     hf: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def _equals(expected: Any) -> Callable[[Any, Any], bool]:
-    return lambda v, cfg: v == expected
 
 
 def _head_dim(value: Any, cfg: Any) -> bool:
@@ -360,7 +477,7 @@ GGUF_KEYS: tuple[Field, ...] = (
     ),
     Field(
         "{arch}.attention.sliding_window",
-        CAPPED,
+        WINDOW,
         "sliding-window attention",
         # the oracle slides too (Mistral's class stands in for a llama file)
         trials=(

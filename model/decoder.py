@@ -1,4 +1,4 @@
-"""The decoder (Llama / Qwen2 / Qwen3 families) as free functions over typed weights.
+"""The decoder (Llama / Qwen2 / Qwen3 / Gemma families) as free functions over typed weights.
 
 The weights (model/weights.py: `Weights`, `LayerWeights`, `AttentionWeights`,
 `MlpWeights`, each field with its shape) stack every layer's tensors on a leading layer
@@ -16,9 +16,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import struct
 
 from prefixscore.model.config import ModelConfig
+from prefixscore.model.rope import rope_tables
 from prefixscore.model.shards import UNSPLIT, ModelShards
 from prefixscore.model.weights import AttentionWeights, LayerWeights, MlpWeights, Weights
 
@@ -26,47 +27,46 @@ from prefixscore.model.weights import AttentionWeights, LayerWeights, MlpWeights
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF RMSNorm: normalise in float32, cast back, then scale. x: [..., dim]."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """HF RMSNorm: normalise in float32. x: [..., dim].
+
+    Llama's casts back, then scales by the weight; Gemma's (plus_one) scales by 1 + weight in
+    float32, then casts (they differ in the last bit of a bfloat16)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] in float32, with llama3 scaling or a GGUF file's
-    frequency factors if configured."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    inv = inv.astype(np.float32)
-    if cfg.rope_scaling:
-        s = dict(cfg.rope_scaling)
-        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_ctx = s["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * np.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv = np.where(medium, smoothed, scaled).astype(np.float32)
-    if cfg.rope_freq_factors:  # llama.cpp divides each frequency by its factor
-        inv = (inv / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
-    return inv
+def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The model's RMSNorm (its epsilon and weight convention)."""
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_plus_one)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE. x: [b, t, heads, hd]; positions: [b, t] or [t] int32."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., t, hd/2]
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: jax.Array | float = 1.0) -> jax.Array:
+    """Rotate-half RoPE. x: [b, t, heads, hd]; positions: [b, t] or [t] int32; inv_freq [hd/2]
+    float32; scale: cos and sin are multiplied by it in float32 (YaRN's attention factor)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., t, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos = jnp.cos(emb).astype(x.dtype)[..., None, :]
-    sin = jnp.sin(emb).astype(x.dtype)[..., None, :]
+    cos = (jnp.cos(emb) * scale).astype(x.dtype)[..., None, :]
+    sin = (jnp.sin(emb) * scale).astype(x.dtype)[..., None, :]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
 
-def _qkv(attn: AttentionWeights, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+@struct.dataclass
+class LayerRope:
+    """One layer's RoPE (a row of rope.rope_tables), carried through the layer scan."""
+
+    inv_freq: jax.Array  # [hd / 2] float32
+    scale: jax.Array  # [] float32: cos/sin multiplier
+
+
+def _qkv(
+    attn: AttentionWeights, cfg: ModelConfig, x: jax.Array, positions: jax.Array, rope: LayerRope
+) -> tuple[jax.Array, ...]:
     """Projections, biases, q/k norms and RoPE. x: [b, t, hidden] -> q [b,t,heads,hd], k, v [b,t,kv,hd]
     (this device's heads)."""
     b, t, _ = x.shape
@@ -80,18 +80,25 @@ def _qkv(attn: AttentionWeights, cfg: ModelConfig, x: jax.Array, positions: jax.
     k = k.reshape(b, t, -1, cfg.head_dim)
     v = v.reshape(b, t, -1, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, attn.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, attn.k_norm, cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        q = norm(cfg, q, attn.q_norm)
+        k = norm(cfg, k, attn.k_norm)
+    return apply_rope(q, positions, rope.inv_freq, rope.scale), apply_rope(k, positions, rope.inv_freq, rope.scale), v
 
 
-def mlp(w: MlpWeights, y: jax.Array) -> jax.Array:
+# the gated MLP's activations by config name (hidden_act / hidden_activation)
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def mlp(w: MlpWeights, y: jax.Array, act: str = "silu") -> jax.Array:
     """The gated MLP. y: [..., hidden] (normalised) -> [..., hidden]."""
-    return (jax.nn.silu(y @ w.w_gate) * (y @ w.w_up)) @ w.w_down
+    return (_ACTIVATIONS[act](y @ w.w_gate) * (y @ w.w_up)) @ w.w_down
 
 
-def tiled_mlp(w: MlpWeights, y: jax.Array, tile: int | None) -> jax.Array:
+def tiled_mlp(w: MlpWeights, y: jax.Array, tile: int | None, act: str = "silu") -> jax.Array:
     """mlp() over `tile` tokens at a time (a loop), when tile divides the tokens.
 
     y: [b, t, hidden]. On a CPU the [tokens, intermediate] activations of a whole call (30 MB
@@ -100,8 +107,8 @@ def tiled_mlp(w: MlpWeights, y: jax.Array, tile: int | None) -> jax.Array:
     W4 5%. Accelerators want the whole product (tile None)."""
     b, t, hidden = y.shape
     if tile is None or t <= tile or (b * t) % tile:
-        return mlp(w, y)
-    return jax.lax.map(lambda part: mlp(w, part), y.reshape(b * t // tile, tile, hidden)).reshape(b, t, hidden)
+        return mlp(w, y, act)
+    return jax.lax.map(lambda part: mlp(w, part, act), y.reshape(b * t // tile, tile, hidden)).reshape(b, t, hidden)
 
 
 def run_layers(
@@ -126,22 +133,34 @@ def run_layers(
     Returns the final hidden states [b, t, hidden] and the final state.
     """
 
-    def layer(carry: tuple[jax.Array, Any], xs: tuple[LayerWeights, jax.Array]) -> tuple[tuple[jax.Array, Any], None]:
+    def layer(
+        carry: tuple[jax.Array, Any], xs: tuple[LayerWeights, jax.Array, LayerRope]
+    ) -> tuple[tuple[jax.Array, Any], None]:
         h, st = carry
-        lw, index = xs  # this layer's slice of the stacked weights
+        lw, index, rope = xs  # this layer's slice of the stacked weights, its index and RoPE
         with jax.named_scope("attention"):
-            q, k, v = _qkv(lw.attn, cfg, rms_norm(h, lw.attn_norm, cfg.rms_norm_eps), positions)
+            q, k, v = _qkv(lw.attn, cfg, norm(cfg, h, lw.attn_norm), positions, rope)
             out, st = attend(q, k, v, index, st)
             b, t = h.shape[:2]
             attn_out = shards.sum(out.reshape(b, t, -1) @ lw.attn.wo)
-            h = h + (attn_out + lw.attn.bo if cfg.out_bias else attn_out)
+            if cfg.out_bias:
+                attn_out = attn_out + lw.attn.bo
+            h = h + (norm(cfg, attn_out, lw.attn_post_norm) if cfg.post_norms else attn_out)
         with jax.named_scope("mlp"):
-            h = h + shards.sum(tiled_mlp(lw.mlp, rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps), mlp_tile))
+            mlp_out = shards.sum(tiled_mlp(lw.mlp, norm(cfg, h, lw.mlp_norm), mlp_tile, cfg.hidden_act))
+            h = h + (norm(cfg, mlp_out, lw.mlp_post_norm) if cfg.post_norms else mlp_out)
         return (h, st), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, state), _ = jax.lax.scan(layer, (x, state), (params.layers, layers))
+    inv_freq, scale = rope_tables(cfg)
+    ropes = LayerRope(inv_freq=jnp.asarray(inv_freq), scale=jnp.asarray(scale))
+    (h, state), _ = jax.lax.scan(layer, (x, state), (params.layers, layers, ropes))
     return h, state
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """Gemma 2's soft cap: cap * tanh(logits / cap) (None: unchanged)."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def label_probs(
@@ -160,18 +179,24 @@ def label_probs(
     apply_softmax=True: softmax over the valid label logits only, so only the
     label rows of the projection are computed. Returns [b, labels] float32.
     """
-    h = rms_norm(h_last, params.final_norm, cfg.rms_norm_eps)
+    h = norm(cfg, h_last, params.final_norm)
     w = params.output
     if apply_softmax:
-        logits = jnp.einsum("bh,lh->bl", h, w[label_ids], preferred_element_type=jnp.float32)
+        logits = softcap(
+            jnp.einsum("bh,lh->bl", h, w[label_ids], preferred_element_type=jnp.float32), cfg.final_softcap
+        )
         logits = jnp.where(label_valid, logits, -jnp.inf)
         return jax.nn.softmax(logits, axis=-1)
-    logits = jnp.einsum("bh,vh->bv", h, w, preferred_element_type=jnp.float32)
+    logits = softcap(jnp.einsum("bh,vh->bv", h, w, preferred_element_type=jnp.float32), cfg.final_softcap)
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     return jnp.exp(jnp.take(logits, label_ids, axis=-1) - lse)
 
 
-def embed(params: Weights, tokens: jax.Array, shards: ModelShards = UNSPLIT) -> jax.Array:
+def embed(params: Weights, cfg: ModelConfig, tokens: jax.Array, shards: ModelShards = UNSPLIT) -> jax.Array:
     """tokens: [b, t] int32 -> [b, t, hidden] in the weights' dtype (from a vocabulary split
-    by rows across the model axis: each device's rows, summed)."""
-    return shards.take_rows(params.embed, tokens)
+    by rows across the model axis: each device's rows, summed). Gemma scales them by
+    sqrt(hidden), rounded to the weights' dtype first, as transformers does."""
+    x = shards.take_rows(params.embed, tokens)
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    return x

@@ -57,6 +57,6 @@ def score_packed(
     (the O(N^2) cost the seeds measured); the mask is built on the device from the
     segment ids rather than shipped, which only flatters the baseline.
     """
-    x = embed(params, tokens[None])
+    x = embed(params, cfg, tokens[None])
     h, _ = run_layers(params, cfg, x, positions, lambda q, k, v, _, st: (packed_attention(q, k, v, segments), st))
     return label_probs(params, cfg, h[0, read_at], label_ids, label_valid, apply_softmax)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from prefixscore.kernels.paged import PagedAttentionMeta
 from prefixscore.model.call_inputs import CallInputs
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.decoder import embed, rms_norm, run_layers
+from prefixscore.model.decoder import embed, norm, run_layers, softcap
 from prefixscore.model.shards import ALONE, UNSPLIT, DataReplicas, ModelShards
 from prefixscore.model.weights import Weights
 
@@ -90,7 +90,7 @@ def score_call(
         return out[None], (pk, pv)
 
     with jax.named_scope("embed"):
-        x = embed(params, tokens[None], shards)
+        x = embed(params, cfg, tokens[None], shards)
     h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), mlp_tile, shards)
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.apply_softmax)
@@ -108,11 +108,14 @@ def _at_layer(meta: PagedAttentionMeta, layer: jax.Array) -> PagedAttentionMeta:
     return dataclasses.replace(meta, layer=layer)
 
 
-def vocab_logsumexp(h: jax.Array, w: jax.Array, real_rows: jax.Array | None = None) -> jax.Array:
-    """log(sum(exp(h @ w.T))) per row without materialising the logits.
+def vocab_logsumexp(
+    h: jax.Array, w: jax.Array, real_rows: jax.Array | None = None, cap: float | None = None
+) -> jax.Array:
+    """log(sum(exp(softcap(h @ w.T)))) per row without materialising the logits.
 
     h: [rows, hidden] (normalised); w: [vocab, hidden]; real_rows: only w's first real_rows
-    rows count (a vocabulary shard ending in padding); None: all. Returns [rows] float32.
+    rows count (a vocabulary shard ending in padding); None: all; cap: the logits' soft cap
+    (decoder.softcap; None: none). Returns [rows] float32.
     An online max/sum over VOCAB_CHUNK-row slices of w (plus one static remainder).
     """
     vocab = w.shape[0]
@@ -121,7 +124,7 @@ def vocab_logsumexp(h: jax.Array, w: jax.Array, real_rows: jax.Array | None = No
 
     def update(carry: tuple[jax.Array, jax.Array], wc: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
         m, total = carry
-        s = jnp.einsum("rh,vh->rv", h, wc, preferred_element_type=jnp.float32)
+        s = softcap(jnp.einsum("rh,vh->rv", h, wc, preferred_element_type=jnp.float32), cap)
         if real_rows is not None:
             s = jnp.where(first + jnp.arange(wc.shape[0]) < real_rows, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -161,15 +164,16 @@ def row_label_probs(
     own rows' log-sum-exp, combined across devices: the logits never leave a device.
     Returns [rows, L] float32 (unused columns 0).
     """
-    h = rms_norm(h_last, params.final_norm, cfg.rms_norm_eps)
+    h = norm(cfg, h_last, params.final_norm)
     w = params.output
     logits = jnp.einsum("bh,lh->bl", h, shards.take_rows(w, labels), preferred_element_type=jnp.float32)
+    logits = softcap(logits, cfg.final_softcap)
     valid = row_labels >= 0
     logits = jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1)  # [rows, L]
     soft = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
 
     def lse_all() -> jax.Array:
-        return shards.logsumexp(vocab_logsumexp(h, w, shards.real_rows(w.shape[0])))
+        return shards.logsumexp(vocab_logsumexp(h, w, shards.real_rows(w.shape[0]), cfg.final_softcap))
 
     if always_lse:
         lse = lse_all()

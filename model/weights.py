@@ -67,6 +67,9 @@ class LayerWeights:
     mlp_norm: jax.Array = _axes("layers", "embed")  # [layers, hidden]
     attn: AttentionWeights
     mlp: MlpWeights
+    # Gemma 2/3 (ModelConfig.post_norms): norms of the attention and MLP outputs
+    attn_post_norm: jax.Array | None = _axes("layers", "embed", optional=True)  # [layers, hidden]
+    mlp_post_norm: jax.Array | None = _axes("layers", "embed", optional=True)  # [layers, hidden]
 
 
 @struct.dataclass
@@ -120,6 +123,19 @@ LAYER_TENSORS: dict[str, tuple[str, bool]] = {
     "mlp.w_up": ("mlp.up_proj.weight", True),
     "mlp.w_down": ("mlp.down_proj.weight", True),
 }
+# Gemma 2/3 name their norms by place: post_attention_layernorm is the attention output's norm
+# there (Llama's pre-MLP norm elsewhere); the pre-MLP norm is pre_feedforward_layernorm
+POST_NORM_TENSORS: dict[str, tuple[str, bool]] = {
+    "mlp_norm": ("pre_feedforward_layernorm.weight", False),
+    "attn_post_norm": ("post_attention_layernorm.weight", False),
+    "mlp_post_norm": ("post_feedforward_layernorm.weight", False),
+}
+
+
+def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """The per-layer weights this configuration has: flat name -> (HF name, transpose)."""
+    names = {**LAYER_TENSORS, **POST_NORM_TENSORS} if cfg.post_norms else LAYER_TENSORS
+    return {key: names[key] for key in layer_keys(cfg)}
 
 
 def layer_keys(cfg: ModelConfig) -> list[str]:
@@ -131,6 +147,8 @@ def layer_keys(cfg: ModelConfig) -> list[str]:
         keys += ["attn.bo"]
     if cfg.qk_norm:
         keys += ["attn.q_norm", "attn.k_norm"]
+    if cfg.post_norms:
+        keys += ["attn_post_norm", "mlp_post_norm"]
     return keys
 
 
@@ -198,8 +216,7 @@ def params_from_hf_tensors(
         return place(name, np.ascontiguousarray(np.asarray(a).astype(host_dtype)))
 
     flat: dict[str, jax.Array | np.ndarray] = {}
-    for key in layer_keys(cfg):
-        name, transpose = LAYER_TENSORS[key]
+    for key, (name, transpose) in layer_tensors(cfg).items():
         per_layer = []
         for i in range(cfg.num_layers):
             full = f"model.layers.{i}.{name}"
@@ -313,6 +330,8 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:
     shapes = {
         "attn_norm": (L, h),
         "mlp_norm": (L, h),
+        "attn_post_norm": (L, h),
+        "mlp_post_norm": (L, h),
         "attn.wq": (L, h, cfg.num_heads * hd),
         "attn.wk": (L, h, cfg.num_kv_heads * hd),
         "attn.wv": (L, h, cfg.num_kv_heads * hd),

@@ -52,6 +52,31 @@ FAMILY_OPTIONS = {
     "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0),
     "qwen2": dict(tie_word_embeddings=False, rope_theta=1_000_000.0),
     "qwen3": dict(tie_word_embeddings=True, rope_theta=1_000_000.0, head_dim=16),
+    # Gemma: every computed field off its default (the inventory adds few trials for these families)
+    "gemma": dict(tie_word_embeddings=False, rms_norm_eps=1e-5, head_dim=16, hidden_act="gelu_pytorch_tanh"),
+    "gemma2": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        sliding_window=48,
+    ),
+    "gemma3_text": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        sliding_window=48,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0},
+        },
+    ),
 }
 
 
@@ -66,6 +91,9 @@ def make_torch_model(family: str, seed: int = 0, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[family]
     torch.manual_seed(seed)
     config = config_cls(**{**TINY_SHAPES, **FAMILY_OPTIONS[family], **overrides})
