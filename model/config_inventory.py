@@ -412,7 +412,7 @@ _NO_ROPE_SCALING = "RoPE scaling in GGUF metadata is not computed (llama3 factor
 # GGUF metadata keys ("{arch}." the architecture's prefix) and tensors; a key under "{arch}."
 # or outside general.*, tokenizer.*, GGUF.* that is not listed refuses the load
 GGUF_KEYS: tuple[Field, ...] = (
-    Field("general.architecture", COMPUTED, "the family: llama, qwen2 or qwen3"),
+    Field("general.architecture", COMPUTED, "the family: llama, qwen2, qwen3, gemma, gemma2 or gemma3"),
     Field("general.*", INERT, "names, license, file type: each tensor's own type is read and dequantized"),
     Field("GGUF.*", INERT, "the file's structure"),
     Field("tokenizer.*", INERT, "the tokenizer's; scores of token ids do not depend on them"),
@@ -474,6 +474,10 @@ GGUF_KEYS: tuple[Field, ...] = (
     *(
         Field(key, INERT, "read only under a rope.scaling.type, which is refused")
         for key in ("{arch}.rope.scaling.original_context_length", "{arch}.rope.scaling.finetuned")
+    ),
+    *(
+        Field(f"{{arch}}.{kind}_logit_softcapping", COMPUTED, f"Gemma 2/3's soft cap of {what} logits")
+        for kind, what in (("attn", "attention"), ("final", "vocabulary"))
     ),
     Field(
         "{arch}.attention.sliding_window",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -11,7 +12,35 @@ from prefixscore.model.config import ModelConfig, UnsupportedModelError
 from prefixscore.model.config_inventory import Effect, gguf_field
 from prefixscore.model.weights import Place, Weights, check_all_used, on_default_device, params_from_hf_tensors
 
-GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaRules:
+    """What llama.cpp fixes by architecture for a Gemma file rather than storing it."""
+
+    post_norms: bool  # Gemma 2/3: post-norms; ffn_norm is the pre-MLP norm
+    swa_pattern: int  # every swa_pattern-th layer attends fully, the others slide (0: none slides)
+    local_rope_theta: float | None  # the sliding layers' RoPE base (Gemma 3)
+    scaled_queries: bool  # the 27B models' query scale is 1/sqrt(hidden / heads), not 1/sqrt(head width)
+
+
+# llama.cpp (llama-model.cpp): Gemma 2 slides on every other layer, Gemma 3 on five of six with
+# a local base of 10,000; both scale queries by 1/sqrt(hidden / heads) in their 27B shapes only
+GEMMA_RULES = {
+    "gemma": GemmaRules(post_norms=False, swa_pattern=0, local_rope_theta=None, scaled_queries=False),
+    "gemma2": GemmaRules(post_norms=True, swa_pattern=2, local_rope_theta=None, scaled_queries=True),
+    "gemma3": GemmaRules(post_norms=True, swa_pattern=6, local_rope_theta=10000.0, scaled_queries=True),
+}
+# the 27B shapes' layer counts, where llama.cpp switches the query scale
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # GGUF tensor name (inside blk.{i}.) -> HF name (inside model.layers.{i}.)
 GGUF_LAYER_NAMES = {
@@ -29,6 +58,12 @@ GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 2/3 (post-norms): ffn_norm is the pre-MLP norm, and two more norms per layer
+GGUF_POST_NORM_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -85,34 +120,58 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
     vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     tied = "output.weight" not in {t.name for t in reader.tensors}
     window = _field(reader, f"{arch}.attention.sliding_window")
+    layers = int(_field(reader, f"{arch}.block_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    gemma = GEMMA_RULES.get(arch)
     cfg = ModelConfig(
         family=family,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings=tied,
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         rope_freq_factors=_rope_freq_factors(reader),
         sliding_window=int(window) if window else None,
+        **(_gemma_options(reader, arch, gemma, layers, hidden // heads, head_dim) if gemma else {}),
         name=name,
     )
     _check_metadata(reader, arch, cfg)
     return cfg
 
 
-def _layer_name(gguf_name: str) -> str | None:
+def _gemma_options(reader, arch: str, rules: GemmaRules, layers: int, width: int, head_dim: int) -> dict:
+    """The ModelConfig options of a Gemma file: the stored soft caps and llama.cpp's fixed rules."""
+    late = rules.post_norms
+    big = rules.scaled_queries and layers == GEMMA_27B_LAYERS[arch]
+    caps = {key: _field(reader, f"{arch}.{key}_logit_softcapping") for key in ("attn", "final")}
+    slides = tuple(bool(rules.swa_pattern) and (i + 1) % rules.swa_pattern != 0 for i in range(layers))
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        norm_plus_one=True,
+        post_norms=late,
+        scale_embeddings=True,
+        attn_scale=(width if big else head_dim) ** -0.5 if late else None,
+        attn_softcap=float(caps["attn"]) if caps["attn"] else None,
+        final_softcap=float(caps["final"]) if caps["final"] else None,
+        sliding_layers=slides if any(slides) else (),
+        rope_local_theta=rules.local_rope_theta,
+    )
+
+
+def _layer_name(gguf_name: str, post_norms: bool) -> str | None:
     """The HF name of a per-layer GGUF tensor ("blk.3.attn_q.weight"), None for any other."""
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}"
+    names = {**GGUF_LAYER_NAMES, **GGUF_POST_NORM_NAMES} if post_norms else GGUF_LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -140,7 +199,7 @@ def load_gguf(path: str | Path, dtype: jnp.dtype, place: Place = on_default_devi
     for t in reader.tensors:
         if t.name in GGUF_GLOBAL_NAMES:
             by_hf_name[GGUF_GLOBAL_NAMES[t.name]] = t
-        elif (hf_name := _layer_name(t.name)) is not None:
+        elif (hf_name := _layer_name(t.name, cfg.post_norms)) is not None:
             by_hf_name[hf_name] = t
         elif t.name != ROPE_FREQS:
             unknown.append(t.name)
@@ -156,6 +215,8 @@ def load_gguf(path: str | Path, dtype: jnp.dtype, place: Place = on_default_devi
             w = _unpermute_rope(w, cfg.num_heads)
         elif cfg.family == "llama" and name.endswith("k_proj.weight"):
             w = _unpermute_rope(w, cfg.num_kv_heads)
+        elif cfg.norm_plus_one and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
         return w
 
     params = params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name, place)

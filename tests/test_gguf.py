@@ -32,6 +32,15 @@ HF_TO_GGUF_LAYER = {
 }
 
 
+# Gemma 2/3 (post-norms): llama.cpp names the norms by place
+HF_TO_GGUF_POST_NORMS = {
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+GEMMA = ("gemma", "gemma2", "gemma3")
+
+
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows (rotate-half -> interleaved)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -68,6 +77,8 @@ def write_gguf(model, family: str, path, qtype: Q, metadata: dict | None = None)
     arch = family
     w = GGUFWriter(str(path), arch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the full layers'
+    to_gguf = {**HF_TO_GGUF_LAYER, **HF_TO_GGUF_POST_NORMS} if family in GEMMA[1:] else HF_TO_GGUF_LAYER
     keys = {
         "{arch}.block_count": cfg.num_hidden_layers,
         "{arch}.context_length": cfg.max_position_embeddings,
@@ -75,24 +86,25 @@ def write_gguf(model, family: str, path, qtype: Q, metadata: dict | None = None)
         "{arch}.feed_forward_length": cfg.intermediate_size,
         "{arch}.attention.head_count": cfg.num_attention_heads,
         "{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-        "{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        "{arch}.rope.freq_base": float(rope["rope_theta"]),
         "{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
         "{arch}.vocab_size": cfg.vocab_size,
         "{arch}.attention.key_length": head_dim,
         "{arch}.attention.value_length": head_dim,
         "{arch}.rope.dimension_count": head_dim,
+        **_gemma_metadata(cfg, family),
         **(metadata or {}),
     }
     for key, value in keys.items():
         _add_metadata(w, key.replace("{arch}", arch), value)
-    if cfg.rope_parameters["rope_type"] == "llama3":
-        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg.rope_parameters, head_dim))
+    if rope["rope_type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     state = {}
     for name, tensor in model.state_dict().items():
         t = tensor.numpy().astype(np.float32)
         if name.startswith("model.layers."):
             i, rest = name[len("model.layers.") :].split(".", 1)
-            gname = f"blk.{i}.{HF_TO_GGUF_LAYER[rest]}"
+            gname = f"blk.{i}.{to_gguf[rest]}"
         else:
             gname = {
                 "model.embed_tokens.weight": "token_embd.weight",
@@ -103,7 +115,10 @@ def write_gguf(model, family: str, path, qtype: Q, metadata: dict | None = None)
             t = llama_cpp_permute(t, cfg.num_attention_heads)
         elif family == "llama" and name.endswith("k_proj.weight"):
             t = llama_cpp_permute(t, cfg.num_key_value_heads)
-        if t.ndim == 2 and qtype != Q.F32:
+        if family in GEMMA and name.endswith("norm.weight"):  # llama.cpp stores Gemma's as 1 + weight
+            w.add_tensor(gname, t + 1.0)
+            back = t
+        elif t.ndim == 2 and qtype != Q.F32:
             data = quantize(t, qtype)
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
             back = dequantize(data, qtype).reshape(t.shape)
@@ -122,6 +137,18 @@ def write_gguf(model, family: str, path, qtype: Q, metadata: dict | None = None)
     w.write_tensors_to_file()
     w.close()
     model.load_state_dict(state, strict=False)
+
+
+def _gemma_metadata(cfg, family: str) -> dict:
+    """The keys llama.cpp's converter writes for Gemma 2/3: the soft caps and the window."""
+    if family not in GEMMA[1:]:
+        return {}
+    caps = {
+        f"{{arch}}.{kind}_logit_softcapping": float(getattr(cfg, f"{kind}_logit_softcapping"))
+        for kind in ("attn", "final")
+        if getattr(cfg, f"{kind}_logit_softcapping")
+    }
+    return {**caps, "{arch}.attention.sliding_window": cfg.sliding_window}
 
 
 def llama_cpp_permute_inverse(w: np.ndarray, n_heads: int) -> np.ndarray:
