@@ -140,6 +140,8 @@ _SHAPES = (
 _LLAMA_ACT = _activation("hidden_act", trials=({"hidden_act": "gelu"}, {"hidden_act": "relu"}))
 
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+_YARN_RAMP = _rope(**_YARN, attention_factor=0.8, beta_fast=16.0, beta_slow=2.0, truncate=False)
+_YARN_MSCALE = _rope(**_YARN, mscale=2.0, mscale_all_dim=1.0)
 
 
 def _rope_fields(prefix: str = "rope_parameters", tried: bool = True) -> tuple[Field, ...]:
@@ -181,25 +183,12 @@ def _rope_fields(prefix: str = "rope_parameters", tried: bool = True) -> tuple[F
         *(Field(f"{prefix}.{key}", COMPUTED, "llama3 RoPE scaling") for key in ("low_freq_factor", "high_freq_factor")),
         Field(f"{prefix}.original_max_position_embeddings", COMPUTED, "the pretraining length (llama3, yarn)"),
         *(
-            Field(
-                f"{prefix}.{key}",
-                COMPUTED,
-                "YaRN's ramp and attention factor",
-                trials=trials(_rope(**_YARN, **{key: value})),
-            )
-            for key, value in (
-                ("attention_factor", 0.8),
-                ("beta_fast", 16.0),
-                ("beta_slow", 2.0),
-                ("mscale", 2.0),
-                ("truncate", False),
-            )
+            Field(f"{prefix}.{key}", COMPUTED, "YaRN's ramp and attention factor", trials=trials(_YARN_RAMP))
+            for key in ("attention_factor", "beta_fast", "beta_slow", "truncate")
         ),
-        Field(
-            f"{prefix}.mscale_all_dim",
-            COMPUTED,
-            "YaRN's attention factor (with mscale)",
-            trials=trials(_rope(**_YARN, mscale=2.0, mscale_all_dim=1.0)),
+        *(
+            Field(f"{prefix}.{key}", COMPUTED, "YaRN's attention factor", trials=trials(_YARN_MSCALE))
+            for key in ("mscale", "mscale_all_dim")
         ),
         Field(f"{prefix}.type", INERT, "the legacy name of rope_type, which transformers reads instead"),
         *(
@@ -219,7 +208,9 @@ _COMMON = (
 )
 
 _DECODER = (*_BASE, *_SHAPES, *_COMMON)
-_ROPE = _rope_fields()
+# RoPE is one computation for every family: Llama's inventory tries its options, the others'
+# take them as computed (their tiny checkpoints still run default RoPE at their own bases)
+_ROPE = _rope_fields(tried=False)
 
 _HEAD_DIM = Field("head_dim", COMPUTED, "each head's width (not always hidden / heads)", trials=({"head_dim": 32},))
 
@@ -282,7 +273,6 @@ _GEMMA2 = (
         accepts=lambda v, cfg: set(v) <= {"full_attention", "sliding_attention"},
     ),
 )
-_ROPE_UNTRIED = _rope_fields(tried=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +293,7 @@ FAMILIES: dict[str, Family] = {  # by model_type
         (
             *_DECODER,
             _LLAMA_ACT,
-            *_ROPE,
+            *_rope_fields(),
             _HEAD_DIM,
             _attention_bias("biases on the q, k, v and o projections"),
             Field(
@@ -351,12 +341,12 @@ FAMILIES: dict[str, Family] = {  # by model_type
     ),
     # Gemma: the tests' tiny checkpoints set every computed field to a non-default value
     # (tests/conftest.py), so these families add few trials of their own
-    "gemma": Family("GemmaForCausalLM", "GemmaConfig", "gemma", (*_GEMMA, _activation("hidden_act"), *_ROPE_UNTRIED)),
+    "gemma": Family("GemmaForCausalLM", "GemmaConfig", "gemma", (*_GEMMA, _activation("hidden_act"), *_ROPE)),
     "gemma2": Family(
         "Gemma2ForCausalLM",
         "Gemma2Config",
         "gemma2",
-        (*_GEMMA, *_GEMMA2, _activation("hidden_activation"), *_ROPE_UNTRIED),
+        (*_GEMMA, *_GEMMA2, _activation("hidden_activation"), *_ROPE),
     ),
     "gemma3_text": Family(
         "Gemma3ForCausalLM",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -168,7 +170,15 @@ LABELS = [1, 2, 300]
 
 @pytest.mark.parametrize(
     "family,qtype",
-    [("llama", Q.Q4_0), ("llama", Q.Q4_1), ("llama", Q.Q8_0), ("qwen2", Q.F16), ("qwen3", Q.F32), ("qwen3", Q.Q8_0)],
+    [
+        ("llama", Q.Q4_0),
+        ("llama", Q.Q4_1),
+        ("llama", Q.Q8_0),
+        ("qwen2", Q.F16),
+        ("qwen3", Q.F32),
+        ("qwen3", Q.Q8_0),
+        ("gemma", Q.Q8_0),
+    ],
 )
 def test_gguf_matches_dequantized_transformers(tmp_path, family, qtype):
     model = make_torch_model(family, seed=7)
@@ -182,6 +192,44 @@ def test_gguf_matches_dequantized_transformers(tmp_path, family, qtype):
     assert np.abs(got - want).max() <= 1e-4
     with pytest.raises(ValueError, match="query.*tokenizer"):
         scorer.score("some text", ["an item"], LABELS)
+
+
+# what llama.cpp fixes for these architectures rather than storing it: queries scaled by the head
+# width, Gemma 3's local RoPE base of 10,000 and five sliding layers of six (the sixth full)
+GGUF_GEMMA = {
+    "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            query_pre_attn_scalar=16,
+            num_hidden_layers=6,
+            layer_types=None,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            },
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", GGUF_GEMMA)
+def test_gemma_gguf_scores_as_its_safetensors_twin(tmp_path, arch):
+    """A Gemma 2 / Gemma 3 file as llama.cpp writes it (norms stored as 1 + weight, the pre-MLP
+    norm as ffn_norm, soft caps and window in metadata) scores as the checkpoint it came from,
+    with a query longer than the window."""
+    model_type, overrides = GGUF_GEMMA[arch]
+    model = make_torch_model(model_type, seed=7, **overrides)
+    model.save_pretrained(tmp_path / "hf")
+    write_gguf(model, arch, tmp_path / "twin.gguf", Q.F32)
+    query = list(range(3, 63))  # 60 tokens: past the 48-token window
+    from_gguf = Scorer.load(str(tmp_path / "twin.gguf"), buckets=SMALL_BUCKETS)
+    from_hf = Scorer.load(str(tmp_path / "hf"), buckets=SMALL_BUCKETS)
+    assert dataclasses.replace(from_gguf.cfg, rms_norm_eps=0) == dataclasses.replace(from_hf.cfg, rms_norm_eps=0)
+    got = np.array(from_gguf.score(query, ITEMS, LABELS))
+    np.testing.assert_allclose(got, np.array(from_hf.score(query, ITEMS, LABELS)), atol=1e-6)
+    want = torch_label_probs(model, [query + it for it in ITEMS], LABELS, False)
+    assert np.abs(got - want).max() <= 1e-5
 
 
 def test_gguf_unsupported_architecture(tmp_path):

@@ -17,11 +17,12 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"])
 def test_matches_transformers(hf_checkpoints, family, dtype):
     path, torch_model = hf_checkpoints[family]
     scorer = Scorer.load(str(path), dtype=dtype, buckets=SMALL_BUCKETS)
-    assert scorer.cfg.family == {"mistral": "llama"}.get(family, family)  # Mistral runs Llama's decoder
+    # Mistral runs Llama's decoder
+    assert scorer.cfg.family == {"mistral": "llama", "gemma3_text": "gemma3"}.get(family, family)
     for apply_softmax in (False, True):
         for item_first in (False, True):
             got = np.array(scorer.score(QUERY, ITEMS, LABELS, apply_softmax=apply_softmax, item_first=item_first))
