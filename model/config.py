@@ -3,7 +3,7 @@
 transformers' own config class for the model type parses the file (its defaults, legacy
 spellings and derived fields are the oracle's), and every field is walked through the
 inventory (model/config_inventory.py): computed exactly, refused naming the field and its
-value, served with the context capped at a sliding window, or inert.
+value, or inert.
 """
 
 from __future__ import annotations
@@ -82,10 +82,8 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The longest sequence served: the model's positions, capped at a sliding window."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """The longest sequence served: the model's positions (a sliding window is computed)."""
+        return self.max_position_embeddings
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

@@ -9,8 +9,6 @@ ModelConfig exists. Each field is one of:
 - COMPUTED: read into ModelConfig and computed exactly, at any value;
 - LIMITED: computed exactly at the values `accepts` admits; any other value refuses the load
   with a message naming the field and its value;
-- CAPPED: a sliding attention window, served with the context capped at the window, so
-  every sequence the server accepts lies inside it and is exact (ModelConfig.context_length);
 - INERT: cannot change a score (`why` says why).
 
 A field of transformers' class that is missing here refuses the load: a new family or a
@@ -32,7 +30,6 @@ from typing import Any
 class Effect(enum.Enum):
     COMPUTED = "computed"
     LIMITED = "limited"
-    CAPPED = "capped"
     INERT = "inert"
 
 
@@ -64,9 +61,7 @@ class Field:
         return None
 
 
-COMPUTED, LIMITED, CAPPED, INERT = Effect.COMPUTED, Effect.LIMITED, Effect.CAPPED, Effect.INERT
-# what a sliding window is: served capped until every kernel family computes windows
-WINDOW = CAPPED
+COMPUTED, LIMITED, INERT = Effect.COMPUTED, Effect.LIMITED, Effect.INERT
 
 
 def _equals(expected: Any) -> Callable[[Any, Any], bool]:
@@ -223,25 +218,25 @@ _QWEN_WINDOW = {"use_sliding_window": True, "sliding_window": 48}
 _QWEN_WINDOWS = (
     Field(
         "use_sliding_window",
-        WINDOW,
+        COMPUTED,
         "sliding-window attention on layers from max_window_layers on",
         trials=({**_QWEN_WINDOW, "max_window_layers": 1}, {"use_sliding_window": False, "sliding_window": 48}),
     ),
     Field(
         "sliding_window",
-        WINDOW,
+        COMPUTED,
         "the window of the sliding layers",
         trials=({**_QWEN_WINDOW, "max_window_layers": 0},),
     ),
     Field(
         "max_window_layers",
-        WINDOW,
+        COMPUTED,
         "layers below it attend fully; none windowed needs no cap",
         trials=({**_QWEN_WINDOW, "max_window_layers": 2},),
     ),
     Field(
         "layer_types",
-        WINDOW,
+        COMPUTED,
         "each layer's attention: full_attention or sliding_attention",
         accepts=lambda v, cfg: set(v) <= {"full_attention", "sliding_attention"},
         trials=({**_QWEN_WINDOW, "layer_types": ["full_attention", "sliding_attention"]},),
@@ -265,10 +260,10 @@ _GEMMA2 = (
     Field("query_pre_attn_scalar", COMPUTED, "the attention softmax's scale is its inverse square root"),
     Field("attn_logit_softcapping", COMPUTED, "attention logits soft-capped at cap * tanh(logit / cap)"),
     Field("final_logit_softcapping", COMPUTED, "vocabulary logits soft-capped likewise"),
-    Field("sliding_window", WINDOW, "the window of the sliding layers"),
+    Field("sliding_window", COMPUTED, "the window of the sliding layers"),
     Field(
         "layer_types",
-        WINDOW,
+        COMPUTED,
         "each layer's attention: full_attention or sliding_attention",
         accepts=lambda v, cfg: set(v) <= {"full_attention", "sliding_attention"},
     ),
@@ -317,7 +312,7 @@ FAMILIES: dict[str, Family] = {  # by model_type
             _HEAD_DIM,
             Field(
                 "sliding_window",
-                WINDOW,
+                COMPUTED,
                 "sliding-window attention on every layer (transformers' default: 4,096)",
                 trials=({"sliding_window": 48}, {"sliding_window": None}),
             ),
@@ -471,7 +466,7 @@ GGUF_KEYS: tuple[Field, ...] = (
     ),
     Field(
         "{arch}.attention.sliding_window",
-        WINDOW,
+        COMPUTED,
         "sliding-window attention",
         # the oracle slides too (Mistral's class stands in for a llama file)
         trials=(

@@ -290,7 +290,6 @@ class ScoringService:
             dtype=loaded.dtype,
             context_length=loaded.cfg.context_length,
             # a sliding-window model is served only inside its window, where it is exact
-            context_capped_at_window=loaded.cfg.context_length != loaded.cfg.max_position_embeddings,
             sliding_window=loaded.cfg.sliding_window,
             devices=self.devices,
             **engine.layout.describe(),

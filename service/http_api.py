@@ -176,8 +176,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "prefixscore"
-    max_model_len: int  # the longest query + item served (capped at a sliding window)
-    # the narrowest sliding attention window (None: none); max_model_len is capped at it
+    max_model_len: int  # the longest query + item served
+    # the sliding layers' attention window (None: no layer slides)
     sliding_window: int | None = None
     max_position_embeddings: int  # what the model's configuration declares
     # the device mesh: devices on the model axis (tensor parallel) and the data axis (replicas)

@@ -139,7 +139,7 @@ def test_the_inventory_covers_transformers_config_class(model_type):
     assert class_fields <= inventory.keys(), sorted(class_fields - inventory.keys())
     default, tiny = cls(), cls(**{**TINY_SHAPES, **FAMILY_OPTIONS[model_type]})
     for field in inventory.values():
-        if field.effect in (Effect.COMPUTED, Effect.CAPPED) and not field.trials:
+        if field.effect is Effect.COMPUTED and not field.trials:
             if field.name in class_fields and field.name not in ("architectures", "rope_parameters"):
                 assert getattr(tiny, field.name) != getattr(default, field.name), field.name
 
@@ -183,30 +183,28 @@ def test_a_checkpoint_tensor_the_config_does_not_use_refuses_the_load(tmp_path):
         Scorer.load(str(tmp_path), buckets=BUCKETS)
 
 
-def test_the_window_cap_is_served_and_reported(tmp_path):
-    """Mistral v0.1's shape: a window under the positions serves at the window, says so over
-    gRPC and HTTP, and refuses a longer sequence with the usual context error."""
-    import grpc
+def test_a_window_is_computed_and_reported(tmp_path):
+    """Mistral v0.1's shape: a window under the positions is computed, so the whole context is
+    served; gRPC and HTTP report the window beside it, and a query longer than the window
+    scores as transformers does over both."""
     import httpx
     from service_testing import server_config
 
     from prefixscore.client import ScoreClient
     from prefixscore.service.process import ServerThread
 
-    make_torch_model("mistral", seed=5, sliding_window=48).save_pretrained(tmp_path)
+    torch_model = make_torch_model("mistral", seed=5, sliding_window=48)
+    torch_model.save_pretrained(tmp_path)
     scorer = Scorer.load(str(tmp_path), buckets=BUCKETS)
     cfg = scorer.cfg
-    assert (cfg.sliding_window, cfg.max_position_embeddings, cfg.context_length) == (48, 512, 48)
+    assert (cfg.sliding_window, cfg.max_position_embeddings, cfg.context_length) == (48, 512, 512)
+    long_query = QUERIES[1] + QUERIES[1]  # 120 tokens: every item sees past the window's start
+    want = torch_label_probs(torch_model, [long_query + item for item in ITEMS], LABELS, False)
     with ServerThread(server_config(scorer, http_port=0)) as srv, ScoreClient(srv.target) as client:
         info = client.model_info(timeout=30)
-        assert (info.context_length, info.sliding_window, info.max_position_embeddings) == (48, 48, 512)
-        assert info.limits.max_sequence_tokens == 48
-        with pytest.raises(grpc.RpcError) as err:
-            client.score(QUERIES[1], [ITEMS[0]], LABELS)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "48" in err.value.details()
+        assert (info.context_length, info.sliding_window, info.max_position_embeddings) == (512, 48, 512)
+        got = np.array(client.score(long_query, ITEMS, LABELS).scores)
+        assert np.abs(got - want).max() <= TOLERANCE
         with httpx.Client(base_url=f"http://127.0.0.1:{srv.server.http_port}", timeout=60) as http:
             card = http.get("/v1/models").json()["data"][0]
-            assert (card["max_model_len"], card["sliding_window"], card["max_position_embeddings"]) == (48, 48, 512)
-            long = {"query": QUERIES[0], "items": [ITEMS[-1] + ITEMS[-1]], "label_token_ids": LABELS}
-            refused = http.post("/v1/score", json=long)
-            assert refused.status_code == 400 and "items[0]" in refused.json()["message"]
+            assert (card["max_model_len"], card["sliding_window"], card["max_position_embeddings"]) == (512, 48, 512)
