@@ -19,7 +19,7 @@ import numpy as np
 
 from prefixscore.kernels import pallas_gpu as gpu
 from prefixscore.kernels import reference
-from prefixscore.kernels.paged import PagedAttentionMeta
+from prefixscore.kernels.paged import NO_WINDOW, PagedAttentionMeta
 
 T, HEADS, KV, D, LAYERS, PAGE, PREFIX, ITEM = 10240, 16, 8, 128, 28, 128, 2000, 20
 SEGMENTS, MAX_PAGES, POOL_PAGES = 4, 32, 64
@@ -43,6 +43,8 @@ def inputs():
         max_chunk_len=jnp.int32(0),
         max_item_len=jnp.int32(ITEM),
         layer=jnp.int32(5),
+        positions=jnp.asarray(PREFIX + np.arange(T) % ITEM, jnp.int32),  # after the prefix, per item
+        window=jnp.int32(NO_WINDOW),
         split=0,
     )
     return q, k, v, pool_k, pool_v, meta

@@ -4,9 +4,12 @@ Every implementation exposes the reference's functions and signatures
 (kernels/reference.py; the stream and pool they read: kernels/paged.py):
   SEGMENT_ALIGN                                  segment starts the planner must align to
   paged_prefix_attention(q [T,h,d], pool_k, pool_v, meta) -> out, lse (float32)
-  ragged_item_attention(q [n,h,d], k, v, item_ids, max_item_len) -> out, lse
+  ragged_item_attention(q [n,h,d], k, v, item_ids, max_item_len,
+                        window=NO_WINDOW, logits=DEFAULT_LOGITS) -> out, lse
   merge_attention(out_a, lse_a, out_b, lse_b) -> out
   paged_attention(q [T,h,d], k, v, pool_k, pool_v, meta) -> [T, h, d]   (what the decoder calls)
+The meta carries each layer's sliding window and the model's AttentionLogits (softmax scale,
+soft cap); ragged_item_attention takes them as arguments (kernels/paged.py).
 
 Names: reference (the oracle, dense), xla (tiled XLA, the CPU path), pallas_tpu
 (Mosaic TPU kernels), pallas_gpu (Pallas Triton kernels). Pick with the

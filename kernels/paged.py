@@ -22,6 +22,19 @@ K/V is written into the pool before any token reads it, layer by layer), the res
 items. They differ only in how long their items are, so the causal part runs per
 region: short items never pay for the long chunks' blocks.
 
+Windows and logits. A token's position (`positions`, its RoPE position in `query + item`)
+is the index of its own key within its segment's pages: prefix key c sits at position c,
+and positions are contiguous within an item. On a layer with a sliding window `w`
+(`window`, traced: set per layer inside the layer scan) a token at position p sees only
+keys at positions in (p - w, p] (transformers' `sliding_window`): prefix keys c >= p - w + 1,
+and the earlier tokens of its own item at most w - 1 stream indices back. A token may so see
+no prefix key at all: its prefix part is then empty (out 0, LSE MASK_VALUE), like a segment
+without a prefix. NO_WINDOW (a value past any position) is a layer without a window.
+Implementations mask the keys a window hides inside their tiles, and skip the pages and key
+blocks that no token of a query block (or run) can see. `logits` (static, per model) is
+how raw q.k scores become logits: times `scale` (head_dim ** -0.5 by default), then, with a
+`softcap`, cap * tanh(s / cap) (Gemma 2), before masking and softmax.
+
 Pool layout: [layers, kv_heads, pages, page_tokens, head_dim]. One kv head's page is
 a contiguous [page_tokens, head_dim] tile, which is what a kernel fetches per step
 (a TPU DMA, a GPU block load) and what the CPU path gathers without a transpose.
@@ -35,11 +48,37 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+# a layer's window that hides nothing: past any position (and 2 * NO_WINDOW fits int32)
+NO_WINDOW = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLogits:
+    """How raw scores q.k become attention logits (static per model, hashable): times `scale`
+    (None: head_dim ** -0.5), then `softcap * tanh(s / softcap)` with a softcap (None: none)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    def scale_for(self, head_dim: int) -> float:
+        return head_dim**-0.5 if self.scale is None else self.scale
+
+    def cap(self, s: jax.Array) -> jax.Array:
+        """Scaled scores -> logits (the soft cap, if any)."""
+        return s if self.softcap is None else self.softcap * jnp.tanh(s / self.softcap)
+
+    def apply(self, raw: jax.Array, head_dim: int) -> jax.Array:
+        """Raw scores q.k (float32) -> logits, to be masked and soft-maxed."""
+        return self.cap(raw * self.scale_for(head_dim))
+
+
+DEFAULT_LOGITS = AttentionLogits()
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionMeta:
-    """Per-call attention metadata (a pytree: arrays are leaves, `split` is static)."""
+    """Per-call attention metadata (a pytree: arrays are leaves, `split` and `logits` are static)."""
 
     segment_ids: jax.Array  # [T] int32: the segment (page-table row) each token reads its prefix from
     item_ids: jax.Array  # [T] int32: equal (contiguous) ids form one causal item
@@ -48,7 +87,22 @@ class PagedAttentionMeta:
     max_chunk_len: jax.Array  # [] int32: an upper bound on a prefill chunk's length (the prefill region)
     max_item_len: jax.Array  # [] int32: an upper bound on an item's length (the item region)
     layer: jax.Array  # [] int32: the layer whose pages are read
+    positions: jax.Array  # [T] int32: each token's position (its key's index within its segment's pages)
+    window: jax.Array  # [] int32: the layer's sliding window (keys at positions > p - window); NO_WINDOW: none
     split: int = dataclasses.field(default=0, metadata=dict(static=True))  # tokens of the prefill region
+    logits: AttentionLogits = dataclasses.field(default=DEFAULT_LOGITS, metadata=dict(static=True))
+
+
+def first_visible(positions: jax.Array, window: jax.Array | int) -> jax.Array:
+    """[n] int32 -> the first key position each token sees: keys in (p - window, p]."""
+    return jnp.maximum(positions - window + 1, 0)
+
+
+def first_keys(meta: PagedAttentionMeta) -> jax.Array:
+    """[T] int32: the first key each token of the stream needs from its segment's pages, for the
+    kernels' masks and skipping. A padding token (never read) needs none (NO_WINDOW): alignment
+    padding at position 0 must not make its block read a whole windowed prefix."""
+    return jnp.where(meta.item_ids >= 0, first_visible(meta.positions, meta.window), NO_WINDOW)
 
 
 def segment_runs(segment_ids: jax.Array, max_runs: int, split: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -88,10 +142,13 @@ def causal_by_region(
     concatenated: the items' short blocks never pay for the prefill chunks' long ones.
     q: [T, heads, d]; k, v: [T, kv, d]. Returns out [T, heads, d], lse [T, heads] float32."""
     s = meta.split
+    ragged = lambda sl, bound: ragged_item_attention(  # noqa: E731
+        q[sl], k[sl], v[sl], meta.item_ids[sl], bound, meta.window, meta.logits
+    )
     if s == 0:
-        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len)
+        return ragged(slice(None), meta.max_item_len)
     if s == q.shape[0]:
-        return ragged_item_attention(q, k, v, meta.item_ids, meta.max_chunk_len)
-    a = ragged_item_attention(q[:s], k[:s], v[:s], meta.item_ids[:s], meta.max_chunk_len)
-    b = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len)
+        return ragged(slice(None), meta.max_chunk_len)
+    a = ragged(slice(None, s), meta.max_chunk_len)
+    b = ragged(slice(s, None), meta.max_item_len)
     return jnp.concatenate([a[0], b[0]]), jnp.concatenate([a[1], b[1]])

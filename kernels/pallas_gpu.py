@@ -17,10 +17,12 @@ K/V through the cache, never through a copy.
 - prefix: the engine starts every segment at a multiple of SEGMENT_ALIGN, so a
   query block belongs to one segment; its program reads that segment's prefix
   length and page-table row and walks key blocks 0 .. ceil(prefix_len / BLOCK_K)
-  through the pages (pages past the prefix are never read);
+  through the pages (pages past the prefix are never read); on a windowed layer from
+  the key block of the first key any of its rows sees, keys before a row's window masked;
 - ragged items (per region of the stream, kernels/paged.py): key blocks from the
-  block where the query block's first item starts to the diagonal (the stream's
-  item starts, read in the kernel);
+  block where the query block's first item starts (or, later, where its first row's
+  window starts) to the diagonal (the stream's item starts, read in the kernel),
+  keys a window hides masked;
 - merge: an elementwise XLA fusion (nothing to gain from a kernel).
 Shapes Triton cannot tile (head_dim not a power of two or under 16, token counts
 not multiples of the blocks, pages not a multiple of BLOCK_K) fall back to kernels/xla.py.
@@ -37,7 +39,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from prefixscore.kernels import dispatch, xla
-from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region, segment_starts
+from prefixscore.kernels.paged import (
+    DEFAULT_LOGITS,
+    NO_WINDOW,
+    AttentionLogits,
+    PagedAttentionMeta,
+    causal_by_region,
+    first_keys,
+    segment_starts,
+)
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = [
@@ -77,6 +87,13 @@ def _tileable_dim(d: int) -> bool:
     return d >= 16 and d & (d - 1) == 0
 
 
+def _scores(raw: jax.Array, logits: AttentionLogits, d: int) -> jax.Array:
+    """Raw q.k [bq, bk] float32 -> logits in base 2 (without a soft cap, one multiply)."""
+    if logits.softcap is None:
+        return raw * (logits.scale_for(d) * LOG2E)
+    return logits.apply(raw, d) * LOG2E
+
+
 def _online(carry, s, v):
     """One online-softmax step in base 2. s: [bq, bk] float32 scores * log2(e) (masked: MASK_VALUE)."""
     m_prev, l_prev, acc = carry
@@ -97,10 +114,13 @@ def _finish(m, total, acc):
 
 
 # ---- prefix part (paged) ------------------------------------------------------------------
-def _prefix_kernel(layer_ref, seg_ref, len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, table_width):
+def _prefix_kernel(
+    layer_ref, seg_ref, low_ref, len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, logits, table_width
+):
     """One query block x one query head against its segment's prefix pages.
 
-    layer_ref [1], seg_ref [T], len_ref [S], table_ref [S * P] int32; q_ref [BLOCK_Q, d];
+    layer_ref [1], seg_ref [T], low_ref [T] (the first key each token sees: first_keys),
+    len_ref [S], table_ref [S * P] int32; q_ref [BLOCK_Q, d];
     k_ref, v_ref [layers, pages, page_tokens, d] (this program's kv head).
     """
     i = pl.program_id(0)
@@ -112,6 +132,7 @@ def _prefix_kernel(layer_ref, seg_ref, len_ref, table_ref, q_ref, k_ref, v_ref, 
     seg = seg_ref[pl.ds(i * BLOCK_Q, 1)][0]  # the whole block's segment (SEGMENT_ALIGN)
     length = len_ref[pl.ds(seg, 1)][0]
     row = seg * table_width  # this segment's page-table row in the flat table
+    low = low_ref[pl.ds(i * BLOCK_Q, BLOCK_Q)]  # [BLOCK_Q]
 
     def step(j, carry):
         # j >= 0, so truncating lax.div/rem equal floor // and %; jnp's floor versions add sign
@@ -121,13 +142,17 @@ def _prefix_kernel(layer_ref, seg_ref, len_ref, table_ref, q_ref, k_ref, v_ref, 
         off = (j - slot * per_page) * BLOCK_K
         k = k_ref[layer, page, pl.ds(off, BLOCK_K), :]  # [BLOCK_K, d]
         v = v_ref[layer, page, pl.ds(off, BLOCK_K), :]
-        s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * (scale * LOG2E)
+        s = _scores(plgpu.dot(q, k, trans_b=True, allow_tf32=False), logits, d)
         col = j * BLOCK_K + jnp.arange(BLOCK_K)
-        return _online(carry, jnp.where(col[None, :] < length, s, MASK_VALUE), v)
+        visible = (col[None, :] < length) & (col[None, :] >= low[:, None])
+        return _online(carry, jnp.where(visible, s, MASK_VALUE), v)
 
     init = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-    # a segment with prefix_len 0 runs no step: _finish gives out 0, LSE MASK_VALUE
-    out, lse = _finish(*jax.lax.fori_loop(0, (length + BLOCK_K - 1) // BLOCK_K, step, init))
+    # from the key block of the first key a row sees (0 without a window). A segment with
+    # prefix_len 0 (or a block whose windows all start after it) runs no step: _finish gives
+    # out 0, LSE MASK_VALUE
+    first = jax.lax.div(jnp.min(low), BLOCK_K)
+    out, lse = _finish(*jax.lax.fori_loop(first, (length + BLOCK_K - 1) // BLOCK_K, step, init))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
@@ -155,10 +180,11 @@ def paged_prefix_attention(
     # 64-bit on its own once the pool passes 4 GiB.
     pool_spec = pl.BlockSpec((layers, None, pages, page_tokens, d), lambda i, h: (0, h // g, 0, 0, 0))
     out, lse = pl.pallas_call(
-        functools.partial(_prefix_kernel, scale=d**-0.5, table_width=table_width),
+        functools.partial(_prefix_kernel, logits=meta.logits, table_width=table_width),
         grid=(n // BLOCK_Q, heads),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h: (0,)),
+            pl.BlockSpec((n,), lambda i, h: (0,)),
             pl.BlockSpec((n,), lambda i, h: (0,)),
             pl.BlockSpec(meta.prefix_len.shape, lambda i, h: (0,)),
             pl.BlockSpec((meta.page_table.size,), lambda i, h: (0,)),
@@ -179,6 +205,7 @@ def paged_prefix_attention(
     )(
         jnp.reshape(meta.layer, (1,)).astype(jnp.int32),
         meta.segment_ids.astype(jnp.int32),
+        first_keys(meta).astype(jnp.int32),
         meta.prefix_len.astype(jnp.int32),
         meta.page_table.reshape(-1).astype(jnp.int32),  # [S * P]: one row per segment
         q,
@@ -189,20 +216,23 @@ def paged_prefix_attention(
 
 
 # ---- ragged item part ----------------------------------------------------------------------
-def _ragged_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale):
+def _ragged_kernel(window_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, logits):
     i = pl.program_id(0)
     q = q_ref[...]  # [ITEM_BLOCK, d]
     bq, d = q.shape
+    window = window_ref[0]
     q_start = start_ref[pl.ds(i * ITEM_BLOCK, ITEM_BLOCK)]  # first stream index of each row's item
     q_pos = i * ITEM_BLOCK + jnp.arange(ITEM_BLOCK)
-    first = start_ref[pl.ds(i * ITEM_BLOCK, 1)][0] // ITEM_BLOCK  # the block's first item starts here
+    # the block's first item starts here, or (later) its first row's window (both >= 0: lax.div)
+    first = jax.lax.div(jnp.maximum(start_ref[pl.ds(i * ITEM_BLOCK, 1)][0], i * ITEM_BLOCK - window + 1), ITEM_BLOCK)
 
     def step(j, carry):
         k = k_ref[pl.ds(j * ITEM_BLOCK, ITEM_BLOCK), :]
         v = v_ref[pl.ds(j * ITEM_BLOCK, ITEM_BLOCK), :]
-        s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * (scale * LOG2E)
+        s = _scores(plgpu.dot(q, k, trans_b=True, allow_tf32=False), logits, d)
         k_pos = j * ITEM_BLOCK + jnp.arange(ITEM_BLOCK)
-        mask = (k_pos[None, :] >= q_start[:, None]) & (k_pos[None, :] <= q_pos[:, None])
+        back = q_pos[:, None] - k_pos[None, :]  # how far the key lies before the query
+        mask = (k_pos[None, :] >= q_start[:, None]) & (back >= 0) & (back < window)
         return _online(carry, jnp.where(mask, s, MASK_VALUE), v)
 
     init = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
@@ -212,20 +242,27 @@ def _ragged_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale):
 
 
 def ragged_item_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int,
+    window: jax.Array | int = NO_WINDOW,
+    logits: AttentionLogits = DEFAULT_LOGITS,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal attention of packed items. q: [n, heads, d]; k, v: [n, kv, d]; segment_ids: [n]
-    (equal for one item's tokens). Returns out [n, heads, d], lse [n, heads] float32
-    (max_item_len unused: the kernel reads where each block's first item starts)."""
+    (equal for one item's tokens); window: [] int32 (kernels/paged.py). Returns out [n, heads, d],
+    lse [n, heads] float32 (max_item_len unused: the kernel reads where each block's first item starts)."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     if not _tileable_dim(d) or n % ITEM_BLOCK:
-        return xla.ragged_item_attention(q, k, v, segment_ids, max_item_len)
+        return xla.ragged_item_attention(q, k, v, segment_ids, max_item_len, window, logits)
     g = heads // kv_heads
     out, lse = pl.pallas_call(
-        functools.partial(_ragged_kernel, scale=d**-0.5),
+        functools.partial(_ragged_kernel, logits=logits),
         grid=(n // ITEM_BLOCK, heads),
         in_specs=[
+            pl.BlockSpec((1,), lambda i, h: (0,)),
             pl.BlockSpec((n,), lambda i, h: (0,)),
             pl.BlockSpec((ITEM_BLOCK, None, d), lambda i, h: (i, h, 0)),
             pl.BlockSpec((n, None, d), lambda i, h: (0, h // g, 0)),
@@ -238,7 +275,7 @@ def ragged_item_attention(
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((heads, n), jnp.float32)],
         compiler_params=_params(ITEM_STAGES),
         interpret=_interpret(),
-    )(segment_starts(segment_ids), q, k, v)
+    )(jnp.reshape(window, (1,)).astype(jnp.int32), segment_starts(segment_ids), q, k, v)
     return out, lse.T
 
 

@@ -22,11 +22,16 @@ Kernels:
   [page_tokens, d] tile of the pool straight from the block's segment's page
   (the index map reads the page table). Slots at or beyond the segment's
   `prefix_len` are neither fetched (the index map repeats the last valid page, so
-  no DMA is issued) nor computed.
+  no DMA is issued) nor computed; on a windowed layer neither are the slots before
+  the page of the first key any token of the block sees (scalar-prefetch
+  `first_page`; the index map holds that page until then), and keys before a row's
+  window are masked.
 - `_ragged_kernel`: grid (kv head, query block); the stream's K/V of one kv head
   stay in VMEM and an in-kernel loop visits only the key blocks from the block
   where the block's first item starts (scalar-prefetch `first_block`) to the
-  diagonal. Both regions in one call: an item never starts before `split`.
+  diagonal (on a windowed layer, from the block of the first key the block's first
+  row's window shows, if later; keys a window hides are masked). Both regions in one
+  call: an item never starts before `split`.
 - `_merge_kernel`: the exact LSE merge of the two parts.
 Shapes a kernel cannot tile (token counts or pages not multiples of 128, head_dim not
 a multiple of 64, streams too large for VMEM) fall back to kernels/xla.py.
@@ -43,7 +48,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from prefixscore.kernels import dispatch, xla
-from prefixscore.kernels.paged import PagedAttentionMeta, segment_starts
+from prefixscore.kernels.paged import (
+    DEFAULT_LOGITS,
+    NO_WINDOW,
+    AttentionLogits,
+    PagedAttentionMeta,
+    first_keys,
+    segment_starts,
+)
 from prefixscore.kernels.reference import MASK_VALUE
 
 __all__ = [
@@ -115,7 +127,24 @@ def lse_from_rows(lse: jax.Array, heads: int) -> jax.Array:
 
 # ---- prefix part (paged) -------------------------------------------------------------
 def _prefix_kernel(
-    seg_ref, table_ref, len_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, scale, steps
+    seg_ref,
+    table_ref,
+    len_ref,
+    layer_ref,
+    first_ref,
+    q_ref,
+    low_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    m_sc,
+    l_sc,
+    acc_sc,
+    *,
+    logits,
+    group,
+    steps,
 ):
     del table_ref, layer_ref  # only the index maps read the page table and the layer
     i, j = pl.program_id(1), pl.program_id(2)
@@ -128,13 +157,16 @@ def _prefix_kernel(
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(j * page_tokens < length)
+    @pl.when((j * page_tokens < length) & (j >= first_ref[i]))
     def _step():
         q, k, v = q_ref[...], k_ref[...], v_ref[...]  # [R, d], [page_tokens, d], [page_tokens, d]
-        s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale  # [R, page_tokens]
-        # only the segment's last page is partly filled; earlier pages pass the test whole
+        raw = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32)  # [R, page_tokens]
+        s = logits.apply(raw, q.shape[1])
+        # only the segment's last page is partly filled, and only pages at the block's windows'
+        # start are partly before them; other pages pass the tests whole
         col = j * page_tokens + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(col < length, s, MASK_VALUE)
+        low = jnp.tile(low_ref[...], (group, page_tokens // LANES))  # [R, page_tokens]: row r's token r & 127
+        s = jnp.where((col < length) & (col >= low), s, MASK_VALUE)
         m_prev = m_sc[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 128]
         p = jnp.exp(s - jnp.tile(m_next, (1, page_tokens // LANES)))
@@ -147,7 +179,8 @@ def _prefix_kernel(
     @pl.when(j == steps - 1)
     def _finish():
         total, m = l_sc[...], m_sc[...]
-        # no step ran (prefix_len 0): out 0 and an LSE the merge weighs exp(-huge) = 0
+        # no step ran (prefix_len 0, or all before the windows): out 0 and an LSE the merge weighs
+        # exp(-huge) = 0 (a row whose steps all were before its window: about MASK_VALUE too)
         empty = total == 0.0
         safe = jnp.where(empty, 1.0, total)
         o_ref[...] = (acc_sc[...] / _widen(safe, acc_sc.shape[1])).astype(o_ref.dtype)
@@ -162,24 +195,28 @@ def paged_prefix_rows(q_rows: jax.Array, pool_k: jax.Array, pool_v: jax.Array, m
     page_tokens = pool_k.shape[3]
     slots = meta.page_table.shape[1]  # P: pages per segment, one grid step each
     r = group * ITEM_BLOCK
+    low = first_keys(meta)  # [T]: the first key each token sees
+    first_page = jax.lax.div(jnp.min(low.reshape(-1, ITEM_BLOCK), axis=1), page_tokens)  # [T / 128]
 
-    def kv_map(h, i, j, seg_ref, table_ref, len_ref, layer_ref):
+    def kv_map(h, i, j, seg_ref, table_ref, len_ref, layer_ref, first_ref):
         seg = seg_ref[i]
-        # past the prefix, repeat the last real page: Pallas skips the copy of an unchanged block.
+        # past the prefix, repeat the last real page, and before the block's first visible page
+        # fetch that one: Pallas skips the copy of an unchanged block.
         # lax.div: lengths are non-negative, and `//` lowers through sign(), which Mosaic
         # resolves against the chip it runs on
         last = jnp.maximum(jax.lax.div(len_ref[seg] + page_tokens - 1, page_tokens) - 1, 0)
-        return (layer_ref[0], h, table_ref[seg * slots + jnp.minimum(j, last)], 0, 0)
+        return (layer_ref[0], h, table_ref[seg * slots + jnp.minimum(jnp.maximum(j, first_ref[i]), last)], 0, 0)
 
     row_map = lambda h, i, j, *_: (h, i, 0)
-    kernel = functools.partial(_prefix_kernel, scale=d**-0.5, steps=slots)
+    kernel = functools.partial(_prefix_kernel, logits=meta.logits, group=group, steps=slots)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(kv_heads, rows // r, slots),
             in_specs=[
                 pl.BlockSpec((None, r, d), row_map),
+                pl.BlockSpec((ITEM_BLOCK, LANES), lambda h, i, j, *_: (i, 0)),
                 pl.BlockSpec((None, None, None, page_tokens, d), kv_map),
                 pl.BlockSpec((None, None, None, page_tokens, d), kv_map),
             ],
@@ -204,7 +241,9 @@ def paged_prefix_rows(q_rows: jax.Array, pool_k: jax.Array, pool_v: jax.Array, m
         meta.page_table.reshape(-1).astype(jnp.int32),  # [S * P]: SMEM holds 1-D arrays compactly
         meta.prefix_len.astype(jnp.int32),  # [S]
         jnp.reshape(meta.layer, (1,)).astype(jnp.int32),  # [1]
+        first_page.astype(jnp.int32),  # [T / 128]: the first page slot a block's windows show
         q_rows,
+        jnp.broadcast_to(low[:, None], (low.shape[0], LANES)),  # [T, 128]
         pool_k,
         pool_v,
     )
@@ -225,11 +264,12 @@ def paged_prefix_attention(
 
 
 # ---- ragged item part ----------------------------------------------------------------
-def _ragged_kernel(first_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, *, group, scale):
+def _ragged_kernel(first_ref, window_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, *, group, logits):
     i = pl.program_id(1)
     q = q_ref[...]  # [R, d], R = group * ITEM_BLOCK
     rows, d = q.shape
-    q_start = jnp.tile(start_ref[...], (group, 1))  # [R, 128]: first stream index of the row's item
+    # [R, 128]: the first stream index the row sees: its item's start, or its window's
+    q_start = jnp.tile(start_ref[...], (group, 1))
     row = jax.lax.broadcasted_iota(jnp.int32, (rows, ITEM_BLOCK), 0)
     q_pos = i * ITEM_BLOCK + (row & (ITEM_BLOCK - 1))
 
@@ -238,9 +278,10 @@ def _ragged_kernel(first_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, *,
         at = pl.multiple_of(j * ITEM_BLOCK, ITEM_BLOCK)
         k = k_ref[pl.ds(at, ITEM_BLOCK), :]
         v = v_ref[pl.ds(at, ITEM_BLOCK), :]
-        s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale  # [R, 128]
+        s = logits.apply(jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32), d)  # [R, 128]
         k_pos = at + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where((k_pos >= q_start) & (k_pos <= q_pos), s, MASK_VALUE)
+        visible = (k_pos >= q_start) & (k_pos <= q_pos) & (q_pos - k_pos < window_ref[0])
+        s = jnp.where(visible, s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_next)
         alpha = jnp.exp(m_prev - m_next)
@@ -258,32 +299,43 @@ def _ragged_kernel(first_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, *,
     lse_ref[...] = m + jnp.log(total)
 
 
-def ragged_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, group: int):
+def ragged_rows(
+    q_rows: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    starts: jax.Array,
+    group: int,
+    window: jax.Array | int = NO_WINDOW,
+    logits: AttentionLogits = DEFAULT_LOGITS,
+):
     """The item part on row layout. q_rows: [kv, n * g, d]; k, v: [n, kv, d]; starts: [n], the
-    stream index where each token's item starts. Returns out [kv, n * g, d] and lse
-    [kv, n * g, 128] float32."""
+    stream index where each token's item starts; window: [] int32 (kernels/paged.py).
+    Returns out [kv, n * g, d] and lse [kv, n * g, 128] float32."""
     kv_heads, rows, d = q_rows.shape
     n = k.shape[0]
     r = group * ITEM_BLOCK
-    first = starts[::ITEM_BLOCK] // ITEM_BLOCK  # [n / 128]: first key block each query block needs
+    window = jnp.reshape(window, (1,)).astype(jnp.int32)
+    # [n / 128]: the first key block each query block needs: where its first item starts, or
+    # (later, on a windowed layer) the first key its first row's window shows
+    first = jnp.maximum(starts[::ITEM_BLOCK], jnp.arange(0, n, ITEM_BLOCK, dtype=jnp.int32) - window + 1)
     start_lanes = jnp.broadcast_to(starts[:, None], (n, LANES))  # [n, 128]
     kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [kv, n, d]
-    kernel = functools.partial(_ragged_kernel, group=group, scale=d**-0.5)
+    kernel = functools.partial(_ragged_kernel, group=group, logits=logits)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(kv_heads, n // ITEM_BLOCK),
             in_specs=[
-                pl.BlockSpec((None, r, d), lambda h, i, _: (h, i, 0)),
-                pl.BlockSpec((ITEM_BLOCK, LANES), lambda h, i, _: (i, 0)),
+                pl.BlockSpec((None, r, d), lambda h, i, *_: (h, i, 0)),
+                pl.BlockSpec((ITEM_BLOCK, LANES), lambda h, i, *_: (i, 0)),
                 # the whole stream of one kv head: fetched once per head, sliced in the kernel
-                pl.BlockSpec((None, n, d), lambda h, i, _: (h, 0, 0)),
-                pl.BlockSpec((None, n, d), lambda h, i, _: (h, 0, 0)),
+                pl.BlockSpec((None, n, d), lambda h, i, *_: (h, 0, 0)),
+                pl.BlockSpec((None, n, d), lambda h, i, *_: (h, 0, 0)),
             ],
             out_specs=[
-                pl.BlockSpec((None, r, d), lambda h, i, _: (h, i, 0)),
-                pl.BlockSpec((None, r, LANES), lambda h, i, _: (h, i, 0)),
+                pl.BlockSpec((None, r, d), lambda h, i, *_: (h, i, 0)),
+                pl.BlockSpec((None, r, LANES), lambda h, i, *_: (h, i, 0)),
             ],
         ),
         out_shape=[
@@ -294,20 +346,27 @@ def ragged_rows(q_rows: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=2 * VMEM_STREAM_BYTES
         ),
         interpret=_interpret(),
-    )(first.astype(jnp.int32), q_rows, start_lanes, kt, vt)
+    )(jax.lax.div(first, ITEM_BLOCK), window, q_rows, start_lanes, kt, vt)
 
 
 def ragged_item_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int,
+    window: jax.Array | int = NO_WINDOW,
+    logits: AttentionLogits = DEFAULT_LOGITS,
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal attention of packed items. q: [n, heads, d]; k, v: [n, kv, d]; segment_ids: [n].
-    Returns out [n, heads, d], lse [n, heads] float32. max_item_len is not needed: the
-    kernel finds each block's first item from the segment ids."""
+    """Causal attention of packed items. q: [n, heads, d]; k, v: [n, kv, d]; segment_ids: [n];
+    window: [] int32 (kernels/paged.py). Returns out [n, heads, d], lse [n, heads] float32.
+    max_item_len is not needed: the kernel finds each block's first item from the segment ids."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     if not (_supported(n, d) and _fits_vmem(n, d, k.dtype)):
-        return xla.ragged_item_attention(q, k, v, segment_ids, max_item_len)
-    out, lse = ragged_rows(to_rows(q, kv_heads), k, v, segment_starts(segment_ids), heads // kv_heads)
+        return xla.ragged_item_attention(q, k, v, segment_ids, max_item_len, window, logits)
+    starts = segment_starts(segment_ids)
+    out, lse = ragged_rows(to_rows(q, kv_heads), k, v, starts, heads // kv_heads, window, logits)
     return from_rows(out, heads), lse_from_rows(lse, heads)
 
 
@@ -370,6 +429,7 @@ def paged_attention(
     # never reaches back into the prefill chunks, so short items already skip their blocks,
     # and no row slices of the regions are copied out and concatenated back.
     with jax.named_scope("item_part"):
-        out_i, lse_i = ragged_rows(q_rows, k, v, segment_starts(meta.item_ids, meta.split), group)
+        starts = segment_starts(meta.item_ids, meta.split)
+        out_i, lse_i = ragged_rows(q_rows, k, v, starts, group, meta.window, meta.logits)
     with jax.named_scope("merge"):
         return from_rows(merge_rows(out_p, lse_p, out_i, lse_i, group * ITEM_BLOCK), heads)

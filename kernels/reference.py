@@ -16,7 +16,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region
+from prefixscore.kernels.paged import (
+    DEFAULT_LOGITS,
+    NO_WINDOW,
+    AttentionLogits,
+    PagedAttentionMeta,
+    causal_by_region,
+    first_visible,
+)
 
 # the oracle takes a segment starting at any token
 SEGMENT_ALIGN = 1
@@ -26,15 +33,16 @@ SEGMENT_ALIGN = 1
 MASK_VALUE = -1e30
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, logits: AttentionLogits
+) -> tuple[jax.Array, jax.Array]:
     """Masked softmax attention returning the output and its float32 LSE.
 
     q: [..., n, k, g, d]; k, v: [..., s, k, d]; mask: broadcastable to [..., k, g, n, s].
     Returns out [..., n, k, g, d] (q.dtype) and lse [..., n, k, g] (float32).
     """
-    scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("...nkgd,...skd->...kgns", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask, scores, MASK_VALUE)
+    scores = jnp.einsum("...nkgd,...skd->...kgns", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, logits.apply(scores, q.shape[-1]), MASK_VALUE)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     probs = jnp.exp(scores - row_max)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
@@ -44,19 +52,27 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[
 
 
 def prefix_attention(
-    q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_len: jax.Array
+    q: jax.Array,
+    prefix_k: jax.Array,
+    prefix_v: jax.Array,
+    prefix_len: jax.Array,
+    positions: jax.Array,
+    window: jax.Array | int = NO_WINDOW,
+    logits: AttentionLogits = DEFAULT_LOGITS,
 ) -> tuple[jax.Array, jax.Array]:
     """Queries against one dense prefix, no causal mask.
 
     q: [n, heads, d]; prefix_k, prefix_v: [s, kv_heads, d]; prefix_len: scalar int,
-    keys at positions >= prefix_len are masked.
+    keys at positions >= prefix_len are masked, and the keys before each query's
+    first_visible(positions [n], window).
     Returns out [n, heads, d] and lse [n, heads] float32.
     """
     n, heads, d = q.shape
     kv_heads = prefix_k.shape[1]
     qg = q.reshape(n, kv_heads, heads // kv_heads, d)
-    valid = jnp.arange(prefix_k.shape[0]) < prefix_len  # [s]
-    out, lse = _attend(qg, prefix_k, prefix_v, valid[None, None, None, :])
+    key = jnp.arange(prefix_k.shape[0])[None, :]
+    valid = (key < prefix_len) & (key >= first_visible(positions, window)[:, None])  # [n, s]
+    out, lse = _attend(qg, prefix_k, prefix_v, valid[None, None], logits)
     return out.reshape(n, heads, d), lse.reshape(n, heads)
 
 
@@ -74,31 +90,38 @@ def paged_prefix_attention(
 
     q: [T, heads, d]; pool_k, pool_v: [layers, kv, pages, page_tokens, d]. The oracle: each
     segment's pages gathered dense, all tokens attended, rows of that segment kept.
-    Returns out [T, heads, d] and lse [T, heads] float32 (MASK_VALUE where prefix_len is 0).
+    Returns out [T, heads, d] and lse [T, heads] float32 (0 and MASK_VALUE where a token sees no
+    prefix key: prefix_len 0, or all of it before the token's window).
     """
     n, heads, _ = q.shape
 
     def segment(s: jax.Array, acc: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        out, lse = prefix_attention(
-            q, segment_prefix(pool_k, meta, s), segment_prefix(pool_v, meta, s), meta.prefix_len[s]
-        )
+        k_s, v_s = segment_prefix(pool_k, meta, s), segment_prefix(pool_v, meta, s)
+        out, lse = prefix_attention(q, k_s, v_s, meta.prefix_len[s], meta.positions, meta.window, meta.logits)
         mine = (meta.segment_ids == s)[:, None]
         return jnp.where(mine[..., None], out, acc[0]), jnp.where(mine, lse, acc[1])
 
     init = (jnp.zeros(q.shape, q.dtype), jnp.full((n, heads), MASK_VALUE, jnp.float32))
     out, lse = jax.lax.fori_loop(0, meta.page_table.shape[0], segment, init)
-    # a segment with no prefix saw only masked keys: weigh it 0 in the merge
-    empty = (jnp.take(meta.prefix_len, meta.segment_ids) == 0)[:, None]
+    # a token that sees no prefix key saw only masked ones: weigh it 0 in the merge
+    empty = (first_visible(meta.positions, meta.window) >= jnp.take(meta.prefix_len, meta.segment_ids))[:, None]
     return jnp.where(empty[..., None], 0, out).astype(q.dtype), jnp.where(empty, MASK_VALUE, lse)
 
 
 def ragged_item_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_item_len: jax.Array | int | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    max_item_len: jax.Array | int | None = None,
+    window: jax.Array | int = NO_WINDOW,
+    logits: AttentionLogits = DEFAULT_LOGITS,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal attention of items packed back to back in one token stream (no padding between them).
 
     q: [n, heads, d]; k, v: [n, kv_heads, d]; segment_ids: [n] int32, equal for the
-    (contiguous) tokens of one item. Token i sees token j <= i of its own item.
+    (contiguous) tokens of one item. Token i sees token j <= i of its own item, and with a
+    window only i - j < window (positions are contiguous within an item: kernels/paged.py).
     max_item_len is a hint for the fast paths (an upper bound on any item's length);
     the oracle builds the dense [n, n] mask and ignores it.
     Returns out [n, heads, d] and lse [n, heads] float32.
@@ -107,8 +130,9 @@ def ragged_item_attention(
     kv_heads = k.shape[1]
     qg = q.reshape(n, kv_heads, heads // kv_heads, d)
     idx = jnp.arange(n)
-    mask = (segment_ids[:, None] == segment_ids[None, :]) & (idx[None, :] <= idx[:, None])
-    out, lse = _attend(qg, k, v, mask[None, None])
+    back = idx[:, None] - idx[None, :]  # [n, n]: how far key j lies before query i
+    mask = (segment_ids[:, None] == segment_ids[None, :]) & (back >= 0) & (back < window)
+    out, lse = _attend(qg, k, v, mask[None, None], logits)
     return out.reshape(n, heads, d), lse.reshape(n, heads)
 
 

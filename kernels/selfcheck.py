@@ -4,7 +4,8 @@ The fast paths are tested on CPU (interpret mode, and lowered for their backends
 a backend compiler can still miscompile a kernel on the hardware it meets. The server
 runs this once before it reports SERVING: the attention the decoder runs per layer (a
 call's stream over the paged pool: a prefill chunk, items of several queries, whole
-sequences over no prefix) at the model's head shapes and dtype, compared with
+sequences over no prefix), on a layer without a window and on one with a sliding window,
+a soft cap and a softmax scale of its own, at the model's head shapes and dtype, compared with
 kernels/reference.py computed on the same device at full precision. A mismatch stops
 start-up with a message naming the function, instead of serving wrong scores.
 
@@ -14,6 +15,7 @@ implementation must get right.
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 import jax
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixscore.kernels import reference
-from prefixscore.kernels.paged import PagedAttentionMeta
+from prefixscore.kernels.paged import DEFAULT_LOGITS, NO_WINDOW, AttentionLogits, PagedAttentionMeta
 
 # max |fast - reference| allowed, by dtype (the kernel tests' budgets)
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
@@ -31,13 +33,25 @@ PAGES_PER_SEGMENT = 8
 ALIGN = 128  # segment starts: a multiple of every implementation's SEGMENT_ALIGN
 SPLIT = 256  # the prefill region
 STREAM_TOKENS = 1024
+# the windowed layer: shorter than every prefix but query C's, than the chunk and than the long
+# items (so windows cut prefixes, chunks and items), with a soft cap that bends the logits
+WINDOW = 48
+LOGITS = AttentionLogits(scale=0.1, softcap=2.0)
 
 
 class KernelCheckFailed(RuntimeError):
     """The attention implementation disagrees with the reference on this device."""
 
 
-def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed: int = 0) -> dict:
+def case(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype | str,
+    seed: int = 0,
+    window: int | None = None,
+    logits: AttentionLogits = DEFAULT_LOGITS,
+) -> dict:
     """One call's stream over a paged pool, with every kind of segment:
 
     prefill region (256 tokens): a 200-token chunk of query A at 300 (its first 300 tokens
@@ -45,6 +59,8 @@ def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed:
     item region: items of query A (prefix 500, pages out of order) across the 128-token
     blocks, items of query B (prefix 128: one whole page), whole sequences over no prefix,
     items of query C (prefix 1: one key), then padding (no prefix).
+    Positions as the planner gives them: prefix_len + index within the item, 0 for padding.
+    window (None: none) and logits: the layer's (kernels/paged.py).
     Returns q, k, v [T, ...], pool_k, pool_v [2, kv, pages, 128, d] and meta (layer 1).
     """
     rng = np.random.default_rng(seed)
@@ -59,6 +75,7 @@ def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed:
     prefix_len = np.array([0, 500, 128, 1, 300, 0], np.int32)
     segment_ids = np.zeros(STREAM_TOKENS, np.int32)
     item_ids = np.zeros(STREAM_TOKENS, np.int32)
+    positions = np.zeros(STREAM_TOKENS, np.int32)
     # (start, segment, item lengths); the region and segment starts are multiples of ALIGN
     layout = [
         (0, 4, [200]),
@@ -74,6 +91,7 @@ def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed:
         for n in lengths:
             segment_ids[at : at + n] = seg
             item_ids[at : at + n] = item
+            positions[at : at + n] = prefix_len[seg] + np.arange(n)
             item += 1
             at += n
         end = (-(-at // ALIGN)) * ALIGN
@@ -87,7 +105,10 @@ def case(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype | str, seed:
         max_chunk_len=jnp.int32(200),
         max_item_len=jnp.int32(100),
         layer=jnp.int32(1),
+        positions=jnp.asarray(positions),
+        window=jnp.int32(NO_WINDOW if window is None else window),
         split=SPLIT,
+        logits=logits,
     )
     pool = (2, kv_heads, POOL_PAGES, PAGE_TOKENS, head_dim)
     k, v = normal(STREAM_TOKENS, kv_heads, head_dim), normal(STREAM_TOKENS, kv_heads, head_dim)
@@ -111,8 +132,13 @@ def read_rows(meta: PagedAttentionMeta) -> np.ndarray:
 
 
 def _calls(impl: ModuleType, x: dict) -> dict[str, jax.Array]:
-    """The attention the decoder runs, through `impl`."""
-    return {"paged_attention": impl.paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])}
+    """The attention the decoder runs, through `impl`: on a plain layer and on a windowed one."""
+    arrays = (x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"])
+    windowed = dataclasses.replace(x["meta"], window=jnp.int32(WINDOW), logits=LOGITS)
+    return {
+        "paged_attention": impl.paged_attention(*arrays, x["meta"]),
+        "paged_attention_windowed": impl.paged_attention(*arrays, windowed),
+    }
 
 
 def check(impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str, *, seed: int = 0) -> dict[str, float]:

@@ -19,6 +19,13 @@ trip count is a runtime value skip the padding of a bucket entirely:
   softmax over two 32-token blocks; longer ones per 64-token query block over the
   key blocks from where its first item starts to the diagonal (a runtime trip count);
 - the merge: one fused elementwise pass.
+Sliding windows (kernels/paged.py): a prefix block whose rows all see from key 0 takes the
+steps above; one some row of which sees less starts its steps at the page of the first key
+any of its rows needs and masks every step (the block's rows span few positions, the window
+many: little is computed in vain). The item part keeps its paths while the window is no
+shorter than the longest item (it then hides nothing), else runs the long-item blocks from
+the first key block the window shows. A soft cap (AttentionLogits) is applied to the
+scaled scores before the masks.
 Row sums of the softmax come out of the PV matmul (a ones column appended to V)
 rather than a separate reduction over the probabilities.
 
@@ -33,7 +40,15 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from prefixscore.kernels.paged import PagedAttentionMeta, segment_runs, segment_starts
+from prefixscore.kernels.paged import (
+    DEFAULT_LOGITS,
+    NO_WINDOW,
+    AttentionLogits,
+    PagedAttentionMeta,
+    first_keys,
+    segment_runs,
+    segment_starts,
+)
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = ["merge_attention", "paged_attention", "paged_prefix_attention", "ragged_item_attention"]
@@ -87,6 +102,14 @@ def _online_step(
     p = jnp.exp(scores * scale - m_new[..., None])
     pv = jnp.einsum(spec, p, v1.astype(jnp.float32), preferred_element_type=jnp.float32)
     return m_new, acc * jnp.exp(m - m_new)[..., None] + pv
+
+
+def _logits(raw: jax.Array, logits: AttentionLogits, d: int) -> tuple[jax.Array, float]:
+    """Raw scores q.k -> (the scores to mask, the scale _online_step applies to them). Without a
+    soft cap the scale stays in _online_step's exponent (no extra pass); a cap needs it first."""
+    if logits.softcap is None:
+        return raw, logits.scale_for(d)
+    return logits.apply(raw, d), 1.0
 
 
 def _finish(m: jax.Array, acc: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
@@ -171,26 +194,37 @@ def ragged_rows(
     max_item_len: jax.Array | int,
     group: int,
     long_block: int = LONG_ITEM_BLOCK,
+    window: jax.Array | int = NO_WINDOW,
+    logits: AttentionLogits = DEFAULT_LOGITS,
 ) -> tuple[jax.Array, jax.Array]:
     """Item part on rows. qr: [kv, n * g, d]; kt: [kv, n, d]; vt1: [kv, n, d + 1]; segment_ids: [n]
-    (n a multiple of long_block). A runtime branch on max_item_len picks the work's shape:
+    (n a multiple of long_block). A runtime branch on max_item_len and the window picks the work's shape:
     - every item fits ITEM_BLOCK + 1 tokens (short items): block j attends to blocks j - 1 and j
       in one softmax (2 * ITEM_BLOCK keys per token);
     - otherwise query blocks of long_block tokens, each looping over the key blocks from
       the one where its first item starts to the diagonal (a per-block runtime trip count):
-      a long item costs its causal triangle at block granularity, never the whole stream.
+      a long item costs its causal triangle at block granularity, never the whole stream;
+    - a window shorter than the longest item: those blocks, each from the first key block
+      its window shows, masked by the window too.
     Returns out [kv, n * g, d], lse [kv, n * g] (float32)."""
     n = kt.shape[1]
     short = min(ITEM_BLOCK, n)
-    return jax.lax.cond(
-        jnp.asarray(max_item_len) <= short + 1,
-        lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short),
-        lambda: _item_blocks(qr, kt, vt1, segment_ids, group, min(long_block, n)),
+    blk = min(long_block, n)
+    bound = jnp.asarray(max_item_len)
+    # a window no shorter than every item hides nothing: the windowless paths, unchanged
+    kind = jnp.where(window < bound, 2, jnp.where(bound <= short + 1, 0, 1))
+    return jax.lax.switch(
+        kind,
+        [
+            lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short, logits),
+            lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, None),
+            lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, jnp.asarray(window)),
+        ],
     )
 
 
 def _two_blocks(
-    qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, g: int, blk: int
+    qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, g: int, blk: int, logits: AttentionLogits
 ) -> tuple[jax.Array, jax.Array]:
     """Short items: keys of block j are blocks j - 1 and j side by side, one masked softmax."""
     kv_heads, rows, d = qr.shape
@@ -211,23 +245,34 @@ def _two_blocks(
     vals = jnp.concatenate([prev(vx, 0), vx], axis=2)
     k_seg = jnp.concatenate([prev(seg[None], -2)[0], seg], axis=1)[None, :, None, :]
     k_pos = jnp.concatenate([prev(pos[None], -1)[0], pos], axis=1)[None, :, None, :]
-    sc = jnp.einsum("kbqd,kbcd->kbqc", qx, keys, preferred_element_type=jnp.float32)
+    sc, scale = _logits(jnp.einsum("kbqd,kbcd->kbqc", qx, keys, preferred_element_type=jnp.float32), logits, d)
     sc = jnp.where((k_seg == q_seg) & (k_pos <= q_pos), sc, MASK_VALUE)
     init = (jnp.full((kv_heads, nb, blk * g), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, nb, blk * g, d + 1)))
-    out, lse = _finish(*_online_step(init, sc, vals, d**-0.5, "kbqc,kbcd->kbqd"), jnp.float32)
+    out, lse = _finish(*_online_step(init, sc, vals, scale, "kbqc,kbcd->kbqd"), jnp.float32)
     return out.reshape(kv_heads, rows, d), lse.reshape(kv_heads, rows)
 
 
 def _item_blocks(
-    qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, g: int, blk: int
+    qr: jax.Array,
+    kt: jax.Array,
+    vt1: jax.Array,
+    segment_ids: jax.Array,
+    g: int,
+    blk: int,
+    logits: AttentionLogits,
+    window: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
     """Longer items: query block b visits key blocks first(b) .. b, where first(b) holds the start
-    of the block's first item; masked by segment and causality. Written in place per block."""
+    of the block's first item; masked by segment and causality. With a window (None: none), first(b)
+    is no earlier than the block of the first key the block's first row sees, and keys window or
+    more tokens back are masked. Written in place per block."""
     kv_heads, rows, d = qr.shape
     n = kt.shape[1]
     r = blk * g
-    scale = d**-0.5
-    first = segment_starts(segment_ids)[::blk] // blk  # [n / blk]
+    first_key = segment_starts(segment_ids)[::blk]  # [n / blk]
+    if window is not None:  # the block's first row sees the furthest back
+        first_key = jnp.maximum(first_key, jnp.arange(0, n, blk, dtype=jnp.int32) - window + 1)
+    first = first_key // blk
     token = jnp.repeat(jnp.arange(blk, dtype=jnp.int32), g)  # row -> token within its block
 
     def block(b: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -240,9 +285,12 @@ def _item_blocks(
             vc = jax.lax.dynamic_slice_in_dim(vt1, j * blk, blk, axis=1)
             k_pos = j * blk + jnp.arange(blk, dtype=jnp.int32)
             k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, j * blk, blk)[None, :]
-            sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
-            sc = jnp.where(((k_seg == q_seg) & (k_pos[None, :] <= q_pos[:, None]))[None], sc, MASK_VALUE)
-            return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
+            sc, scale = _logits(jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32), logits, d)
+            back = q_pos[:, None] - k_pos[None, :]  # [r, blk]
+            visible = (k_seg == q_seg) & (back >= 0)
+            if window is not None:
+                visible &= back < window
+            return _online_step(carry, jnp.where(visible[None], sc, MASK_VALUE), vc, scale, "kqc,kcd->kqd")
 
         init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
         out, lse = _finish(*jax.lax.fori_loop(first[b], b + 1, step, init), jnp.float32)
@@ -269,16 +317,19 @@ def ragged_item_attention(
     v: jax.Array,
     segment_ids: jax.Array,
     max_item_len: jax.Array | int,
+    window: jax.Array | int = NO_WINDOW,
+    logits: AttentionLogits = DEFAULT_LOGITS,
     long_block: int = LONG_ITEM_BLOCK,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal attention of items packed back to back in one stream (see reference.ragged_item_attention
     and ragged_rows). q: [n, heads, d]; k, v: [n, kv_heads, d]; segment_ids: [n]; max_item_len:
-    int32 scalar >= every item's length. Returns out [n, heads, d] and lse [n, heads] float32."""
+    int32 scalar >= every item's length; window: [] int32 (kernels/paged.py).
+    Returns out [n, heads, d] and lse [n, heads] float32."""
     n, heads, _ = q.shape
     kv_heads = k.shape[1]
     kt, vt1, seg = _ragged_inputs(k, v, segment_ids, long_block)
     qr = to_rows(_pad_rows(q, long_block), kv_heads)
-    out, lse = ragged_rows(qr, kt, vt1, seg, max_item_len, heads // kv_heads, long_block)
+    out, lse = ragged_rows(qr, kt, vt1, seg, max_item_len, heads // kv_heads, long_block, window, logits)
     return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
 
 
@@ -307,7 +358,9 @@ def paged_prefix_rows(
     each block an online softmax over its segment's pages gathered from the pool: K_CHUNK keys a
     step, then K_TAIL-key steps, and one last step of K_TAIL or K_TAIL / 2 keys (a 300-token
     prefix computes 384 keys, not 1,024); only steps past the keys every row of the block sees
-    are masked. Rows outside the run are left as they were.
+    are masked. On a windowed layer, a block some row of which sees from a later key than 0
+    takes the same kinds of steps from the page of the first key any row needs instead, all
+    masked (kernels/paged.py: first_keys). Rows outside the run are left as they were.
 
     causal_split: runs that start before it are prefill chunks (kernels/paged.py) whose own
     K/V the call has already written into their pages after the prefix: each token of such a
@@ -324,12 +377,13 @@ def paged_prefix_rows(
     tail_pages = max(1, min(K_TAIL // page_tokens, chunk_pages))
     last_pages = (max(1, tail_pages // 2), tail_pages)  # the last step: half or whole a tail step
     chunk_keys, tail_keys = chunk_pages * page_tokens, tail_pages * page_tokens
-    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % chunk_pages)))  # whole chunks of page ids
+    # whole chunks of page ids, and one more: a windowed block's steps start at any page
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % chunk_pages + chunk_pages)))
     flat_k = pool_k.reshape(-1, page_tokens, d)
     flat_v = pool_v.reshape(-1, page_tokens, d)
     head_index = (meta.layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)) * pool_pages
     starts, ends, count = segment_runs(meta.segment_ids, n, causal_split)
-    scale = d**-0.5
+    first_key = first_keys(meta)  # [n]
 
     def run(i: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         start, end = starts[i], ends[i]
@@ -338,23 +392,34 @@ def paged_prefix_rows(
         pages = table[seg]
         causal = start < causal_split  # a prefill chunk: its own keys follow the prefix
 
-        def step(qblk, first_key: jax.Array, n_pages: int, carry, limit: jax.Array | None):
-            ids = jax.lax.dynamic_slice_in_dim(pages, first_key // page_tokens, n_pages)
+        def step(qblk, at: jax.Array, n_pages: int, carry, limit: jax.Array | None, low: jax.Array | None = None):
+            """Keys at..at + n_pages * page_tokens; limit [r] (None: no mask): the keys each row sees
+            are below it, and (low [r], a window's) from low on."""
+            ids = jax.lax.dynamic_slice_in_dim(pages, at // page_tokens, n_pages)
             kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens)
             vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens))
-            sc = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
-            if limit is not None:  # limit [r]: the keys each row sees
-                sc = jnp.where(first_key + jnp.arange(n_pages * page_tokens) < limit[:, None], sc, MASK_VALUE)
+            raw = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
+            sc, scale = _logits(raw, meta.logits, d)
+            if limit is not None:
+                key = at + jnp.arange(n_pages * page_tokens)
+                visible = key < limit[:, None]
+                if low is not None:
+                    visible &= key >= low[:, None]
+                # MASK_VALUE once scaled: a row a window shows no key ends with an LSE the merge weighs 0
+                sc = jnp.where(visible, sc, MASK_VALUE / scale)
             return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
 
-        def block(first_token: jax.Array, size: int, outs: tuple[jax.Array, jax.Array]):
-            r = size * group
-            at = first_token * group
-            qblk = jax.lax.dynamic_slice_in_dim(qr, at, r, axis=1)
-            token = jnp.repeat(jnp.arange(size, dtype=jnp.int32), group)  # row -> token within the block
-            # keys each row sees: the prefix; in a chunk also the chunk's tokens up to the row's own
-            own = jnp.minimum(first_token + token, end - 1) - start + 1
-            limit = length + jnp.where(causal, own, 0)
+        def last_step(qblk, at: jax.Array, keys: jax.Array, carry, limit: jax.Array, low: jax.Array | None = None):
+            """The last `keys` (< a tail step) keys from `at`: one step of half or a whole tail step, masked."""
+            kind = jnp.where(keys <= 0, 0, jnp.where(keys <= last_pages[0] * page_tokens, 1, 2))
+            return jax.lax.switch(
+                kind,
+                [lambda cr: cr] + [lambda cr, p=p: step(qblk, at, p, cr, limit, low) for p in last_pages],
+                carry,
+            )
+
+        def plain_steps(qblk, limit: jax.Array, carry):
+            """Keys 0 .. max(limit): those below min(limit), which every row sees, unmasked."""
             lo, hi = jnp.min(limit), jnp.max(limit)
             # keys below `lo` are seen by every row: whole chunks and tail steps, unmasked
             full = lo // chunk_keys
@@ -362,9 +427,6 @@ def paged_prefix_rows(
             seen = full * chunk_keys + tails * tail_keys
             masked = (hi - seen) // tail_keys  # then masked tail steps up to `hi`
             last_at = seen + masked * tail_keys
-            last = hi - last_at
-            last_kind = jnp.where(last == 0, 0, jnp.where(last <= last_pages[0] * page_tokens, 1, 2))
-            carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
             carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_keys, chunk_pages, cr, None), carry)
             carry = jax.lax.fori_loop(
                 0, tails, lambda c, cr: step(qblk, full * chunk_keys + c * tail_keys, tail_pages, cr, None), carry
@@ -372,9 +434,42 @@ def paged_prefix_rows(
             carry = jax.lax.fori_loop(
                 0, masked, lambda c, cr: step(qblk, seen + c * tail_keys, tail_pages, cr, limit), carry
             )
-            carry = jax.lax.switch(
-                last_kind,
-                [lambda cr: cr] + [lambda cr, p=p: step(qblk, last_at, p, cr, limit) for p in last_pages],
+            return last_step(qblk, last_at, hi - last_at, carry, limit)
+
+        def windowed_steps(qblk, limit: jax.Array, low: jax.Array, carry):
+            """Keys from the page of min(low) to max(limit), every step masked."""
+            base = jnp.min(low) // page_tokens * page_tokens
+            span = jnp.maximum(jnp.max(limit) - base, 0)  # 0: no row sees a key (all before its window)
+            full = span // chunk_keys
+            tails = (span - full * chunk_keys) // tail_keys
+            last_at = base + full * chunk_keys + tails * tail_keys
+            carry = jax.lax.fori_loop(
+                0, full, lambda c, cr: step(qblk, base + c * chunk_keys, chunk_pages, cr, limit, low), carry
+            )
+            carry = jax.lax.fori_loop(
+                0,
+                tails,
+                lambda c, cr: step(qblk, base + full * chunk_keys + c * tail_keys, tail_pages, cr, limit, low),
+                carry,
+            )
+            return last_step(qblk, last_at, base + span - last_at, carry, limit, low)
+
+        def block(first_token: jax.Array, size: int, outs: tuple[jax.Array, jax.Array]):
+            r = size * group
+            at = first_token * group
+            qblk = jax.lax.dynamic_slice_in_dim(qr, at, r, axis=1)
+            token = jnp.repeat(jnp.arange(size, dtype=jnp.int32), group)  # row -> token within the block
+            # keys each row sees: the prefix; in a chunk also the chunk's tokens up to the row's own
+            row_token = jnp.minimum(first_token + token, end - 1)  # rows past the run: its last token's
+            limit = length + jnp.where(causal, row_token - start + 1, 0)
+            low = jnp.take(first_key, row_token)  # [r]: and from the row's window on
+            carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
+            # the windowed steps only where a window hides a key from a row that is read (padding
+            # rows' low is NO_WINDOW): on a layer without one, the plain steps always
+            carry = jax.lax.cond(
+                jnp.max(jnp.where(low < NO_WINDOW, low, 0)) > 0,
+                lambda cr: windowed_steps(qblk, limit, low, cr),
+                lambda cr: plain_steps(qblk, limit, cr),
                 carry,
             )
             out, lse = _finish(*carry, jnp.float32)
@@ -435,7 +530,9 @@ def paged_attention(
     if s == q.shape[0]:
         return out_p
     with jax.named_scope("item_part"):
-        out_i, lse_i = ragged_item_attention(q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len)
+        out_i, lse_i = ragged_item_attention(
+            q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len, meta.window, meta.logits
+        )
     with jax.named_scope("merge"):
         items = merge_attention(out_p[s:], lse_p[s:], out_i, lse_i)
     return items if s == 0 else jnp.concatenate([out_p[:s], items])

@@ -8,6 +8,7 @@ generic interpreter. Real-hardware runs: tests/test_kernels_device.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -50,43 +51,60 @@ def close(a: jax.Array, b: jax.Array, dtype) -> None:
 
 def brute_force(x: dict) -> np.ndarray:
     """The stream's attention token by token in float64 numpy, straight from the definition
-    (kernels/paged.py): token t sees its segment's first prefix_len pooled keys and the earlier
-    tokens of its own item (within its region). Checks the oracle itself."""
+    (kernels/paged.py): token t at position p sees its segment's first prefix_len pooled keys
+    and the earlier tokens of its own item (within its region), of those only the ones at
+    positions in (p - window, p]; logits: scores times the scale, then soft-capped. Checks
+    the oracle itself."""
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
     q, k, v, pk, pv, meta = f64(x["q"]), f64(x["k"]), f64(x["v"]), f64(x["pool_k"]), f64(x["pool_v"]), x["meta"]
-    seg, item = np.asarray(meta.segment_ids), np.asarray(meta.item_ids)
+    seg, item, pos = np.asarray(meta.segment_ids), np.asarray(meta.item_ids), np.asarray(meta.positions)
     table, plen, layer = np.asarray(meta.page_table), np.asarray(meta.prefix_len), int(meta.layer)
+    window, logits = int(meta.window), meta.logits
     n, heads, d = q.shape
     kv = k.shape[1]
+    scale = d**-0.5 if logits.scale is None else logits.scale
     region = np.arange(n) >= meta.split
     out = np.zeros_like(q)
     for t in range(n):
         pages = table[seg[t]]
-        keys = pk[layer][:, pages].reshape(kv, -1, d)[:, : plen[seg[t]]]
-        vals = pv[layer][:, pages].reshape(kv, -1, d)[:, : plen[seg[t]]]
-        own = np.nonzero((item == item[t]) & (region == region[t]) & (np.arange(n) <= t))[0]
+        seen = np.arange(plen[seg[t]])  # prefix key c sits at position c
+        seen = seen[seen > pos[t] - window]
+        keys = pk[layer][:, pages].reshape(kv, -1, d)[:, seen]
+        vals = pv[layer][:, pages].reshape(kv, -1, d)[:, seen]
+        own = (item == item[t]) & (region == region[t]) & (np.arange(n) <= t) & (pos > pos[t] - window)
+        own = np.nonzero(own)[0]
         for h in range(heads):
             g = h // (heads // kv)
             kk = np.concatenate([keys[g], k[own, g]])
             vv = np.concatenate([vals[g], v[own, g]])
-            s = kk @ q[t, h] / np.sqrt(d)
+            s = kk @ q[t, h] * scale
+            if logits.softcap is not None:
+                s = logits.softcap * np.tanh(s / logits.softcap)
             p = np.exp(s - s.max())
             out[t, h] = p @ vv / p.sum()
     return out
 
 
-def test_reference_is_the_definition() -> None:
-    x = selfcheck.case(4, 2, 16, jnp.float32, seed=3)
+@pytest.mark.parametrize("windowed", [False, True])
+def test_reference_is_the_definition(windowed: bool) -> None:
+    """A plain layer, and a windowed one (shorter than the prefixes, the prefill chunk and the
+    long items) with a soft cap and a scale of its own, over the same pool."""
+    window = dict(window=selfcheck.WINDOW, logits=selfcheck.LOGITS) if windowed else {}
+    x = selfcheck.case(4, 2, 16, jnp.float32, seed=3, **window)
     got = reference.paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
-    np.testing.assert_allclose(np.asarray(got), brute_force(x), atol=2e-5, rtol=2e-5)
+    read = selfcheck.read_rows(x["meta"])  # padding's positions (0) are not its item's
+    np.testing.assert_allclose(np.asarray(got)[read], brute_force(x)[read], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_paged_attention(impl: str, dtype) -> None:
+# windowed: a sliding window shorter than the prefixes, the chunk and the long items, a soft
+# cap and a scale of its own (bfloat16 without a window: tests/test_kernels_selfcheck.py)
+@pytest.mark.parametrize(("dtype", "windowed"), [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, True)])
+def test_paged_attention(impl: str, dtype, windowed: bool) -> None:
     """A call's whole stream: a prefill chunk over its query's earlier pages, items of three
     queries over out-of-order pages, whole sequences over no prefix, padding; grouped-query."""
-    x = selfcheck.case(8, 2, 64, dtype, seed=1)
+    window = dict(window=selfcheck.WINDOW, logits=selfcheck.LOGITS) if windowed else {}
+    x = selfcheck.case(8, 2, 64, dtype, seed=1, **window)
     f32 = {**x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v", "pool_k", "pool_v")}}
     want = reference.paged_attention(f32["q"], f32["k"], f32["v"], f32["pool_k"], f32["pool_v"], x["meta"])
     with interpreted(impl):
@@ -99,23 +117,29 @@ def test_paged_attention(impl: str, dtype) -> None:
     if dtype == jnp.float32:
         want_p, want_lse = reference.paged_prefix_attention(x["q"], x["pool_k"], x["pool_v"], x["meta"])
         assert lse_p.dtype == jnp.float32 and lse_p.shape == want_lse.shape
-        has_prefix = np.asarray(jnp.take(x["meta"].prefix_len, x["meta"].segment_ids)) > 0
-        close(out_p[has_prefix], want_p[has_prefix], dtype)
-        close(lse_p[has_prefix], want_lse[has_prefix], dtype)
-        # no prefix: a part the merge must weigh 0
-        assert (np.asarray(lse_p)[~has_prefix] <= reference.MASK_VALUE / 2).all()
+        sees = np.asarray(want_lse[:, 0]) > reference.MASK_VALUE / 2  # a prefix key, not all before its window
+        assert sees.sum() > 300 and (read & ~sees).sum() > (100 if windowed else 0)
+        close(out_p[read & sees], want_p[read & sees], dtype)
+        close(lse_p[read & sees], want_lse[read & sees], dtype)
+        # no prefix key seen: a part the merge must weigh 0
+        assert (np.asarray(lse_p)[read & ~sees] <= reference.MASK_VALUE / 2).all()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("lengths", [[5, 70, 1, 20, 130, 3], [256], [64] * 4, [1] * 200])
-def test_ragged_item_attention(impl: str, lengths: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("lengths", "window"),
+    # the last: a window (with a soft cap and a scale) that cuts the long items, not the short ones
+    [([5, 70, 1, 20, 130, 3], None), ([256], None), ([64] * 4, None), ([1] * 200, None), ([5, 70, 1, 130, 40], 40)],
+)
+def test_ragged_item_attention(impl: str, lengths: list[int], window: int | None) -> None:
     rng = np.random.default_rng(len(lengths))
     n, heads, kv, d = 256, 4, 2, 64
     q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
     seg = segments(lengths, n)
-    want_out, want_lse = reference.ragged_item_attention(q, k, v, seg)
+    extra = () if window is None else (jnp.int32(window), selfcheck.LOGITS)
+    want_out, want_lse = reference.ragged_item_attention(q, k, v, seg, None, *extra)
     with interpreted(impl):
-        out, lse = dispatch.get(impl).ragged_item_attention(q, k, v, seg, jnp.int32(max(lengths)))
+        out, lse = dispatch.get(impl).ragged_item_attention(q, k, v, seg, jnp.int32(max(lengths)), *extra)
     close(out, want_out, jnp.float32)
     close(lse, want_lse, jnp.float32)
 
@@ -124,9 +148,11 @@ def test_xla_prefix_steps_of_every_size() -> None:
     """The CPU path's step choices (kernels/xla.py), unaligned as it packs them: prefill chunks
     (whose whole attention it reads back from the pool) over no prefix and over earlier pages;
     item runs whose rest takes each query-tail size (and none), over prefixes whose rest takes no
-    last step, half a tail step or a whole one, after zero or one whole key chunk."""
+    last step, half a tail step or a whole one, after zero or one whole key chunk. Then on
+    windowed layers: a window shorter than a query block (rows that see no prefix key beside
+    rows that see some) and one longer than a key chunk."""
     from prefixscore.kernels import xla
-    from prefixscore.kernels.paged import PagedAttentionMeta
+    from prefixscore.kernels.paged import NO_WINDOW, PagedAttentionMeta
 
     rng = np.random.default_rng(11)
     heads, kv, d, page = 4, 2, 32, 128
@@ -141,11 +167,13 @@ def test_xla_prefix_steps_of_every_size() -> None:
     table = rng.permutation(pool_pages).reshape(len(segs), pages_per).astype(np.int32)
     seg = np.full(n, runs.index((3, 0)) + len(chunks), np.int32)  # padding: a no-prefix segment
     item = -1 - np.arange(n, dtype=np.int32)  # padding: an item per token
+    positions = np.zeros(n, np.int32)
     at = 0
-    for i, (t, _) in enumerate(segs):
+    for i, (t, p) in enumerate(segs):
         at = split if i == len(chunks) else at
         seg[at : at + t] = i
         item[at : at + t] = i if i < len(chunks) else at + np.arange(t)  # a chunk is one item
+        positions[at : at + t] = p + np.arange(t)  # a run's rows at positions of their own: varied windows
         at += t
     meta = PagedAttentionMeta(
         segment_ids=jnp.asarray(seg),
@@ -155,6 +183,8 @@ def test_xla_prefix_steps_of_every_size() -> None:
         max_chunk_len=jnp.int32(300),
         max_item_len=jnp.int32(1),
         layer=jnp.int32(1),
+        positions=jnp.asarray(positions),
+        window=jnp.int32(NO_WINDOW),
         split=split,
     )
     q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
@@ -165,15 +195,17 @@ def test_xla_prefix_steps_of_every_size() -> None:
         where = (1, slice(None), table[i][pos // page], pos % page)
         pk, pv = pk.at[where].set(k[at : at + t]), pv.at[where].set(v[at : at + t])
         at += t
-    want_p, want_lse = reference.paged_prefix_attention(q, pk, pv, meta)
-    got_p, got_lse = jax.jit(xla.paged_prefix_attention)(q, pk, pv, meta)
-    has_prefix = np.asarray(jnp.take(meta.prefix_len, meta.segment_ids)) > 0
-    close(got_p[has_prefix], want_p[has_prefix], jnp.float32)
-    close(got_lse[has_prefix], want_lse[has_prefix], jnp.float32)
-    got = jax.jit(xla.paged_attention)(q, k, v, pk, pv, meta)
-    want = reference.paged_attention(q, k, v, pk, pv, meta)
     read = selfcheck.read_rows(meta)  # padding tokens' outputs are never read
-    close(got[read], want[read], jnp.float32)
+    prefix, whole = jax.jit(xla.paged_prefix_attention), jax.jit(xla.paged_attention)
+    for window in (NO_WINDOW, 150, 1100):  # a traced value: one compilation
+        meta = dataclasses.replace(meta, window=jnp.int32(window))
+        want_p, want_lse = reference.paged_prefix_attention(q, pk, pv, meta)
+        got_p, got_lse = prefix(q, pk, pv, meta)
+        sees = read & (np.asarray(want_lse[:, 0]) > reference.MASK_VALUE / 2)  # some prefix key
+        close(got_p[sees], want_p[sees], jnp.float32)
+        close(got_lse[sees], want_lse[sees], jnp.float32)
+        assert (np.asarray(got_lse)[read & ~sees] <= reference.MASK_VALUE / 2).all()  # weighed 0
+        close(whole(q, k, v, pk, pv, meta)[read], reference.paged_attention(q, k, v, pk, pv, meta)[read], jnp.float32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.executables import ScoringEngine
-from prefixscore.kernels import dispatch
+from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import presets
 from prefixscore.model.call_inputs import CallShape
 from prefixscore.model.weights import random_params
@@ -78,6 +79,17 @@ def test_bench_cpu_shapes_lower_in_float32(impl: str, platform: str):
     for key in one_of_each_kind(engine):
         found = kernel_names(engine.lower_for(key, platform).as_text())
         assert PLATFORMS[impl, platform] <= found, (impl, key, found)
+
+
+@pytest.mark.parametrize(("impl", "platform"), list(PLATFORMS))
+def test_windowed_soft_capped_layer_lowers(impl: str, platform: str):
+    # the calls above carry a traced window (NO_WINDOW: every layer there attends fully); here a
+    # windowed layer with Gemma 2's soft cap and a scale of its own, static, at Qwen3-0.6B's heads
+    x = selfcheck.case(16, 8, 128, "bfloat16", window=selfcheck.WINDOW, logits=selfcheck.LOGITS)
+    args = [x[n] for n in ("q", "k", "v", "pool_k", "pool_v", "meta")]
+    with dispatch.lowering_for(platform):
+        lowered = jax.jit(dispatch.get(impl).paged_attention).trace(*args).lower(lowering_platforms=(platform,))
+    assert PLATFORMS[impl, platform] <= kernel_names(lowered.as_text())
 
 
 def test_untileable_head_dim_falls_back_to_xla():

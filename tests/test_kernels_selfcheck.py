@@ -22,7 +22,8 @@ from prefixscore.service.process import ServerThread
 
 QWEN3_06B = (16, 8, 128)  # heads, kv heads, head_dim
 BENCH_CPU = (4, 2, 64)
-CALLS = {"paged_attention"}  # what the check runs: the attention the decoder runs per layer
+# what the check runs: the attention the decoder runs per layer, on a plain and a windowed layer
+CALLS = {"paged_attention", "paged_attention_windowed"}
 
 
 @contextlib.contextmanager
