@@ -248,7 +248,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         post_norms=late_gemma,
         scale_embeddings=gemma,
         attn_scale=float(values["query_pre_attn_scalar"]) ** -0.5 if late_gemma else None,
-        attn_softcap=optional_float("attn_logit_softcapping"),
+        attn_softcap=optional_float("attn_logit_softcapping") if family == "gemma2" else None,
         final_softcap=optional_float("final_logit_softcapping"),
         name=name,
     )

@@ -258,7 +258,6 @@ _GEMMA = (
 )
 _GEMMA2 = (
     Field("query_pre_attn_scalar", COMPUTED, "the attention softmax's scale is its inverse square root"),
-    Field("attn_logit_softcapping", COMPUTED, "attention logits soft-capped at cap * tanh(logit / cap)"),
     Field("final_logit_softcapping", COMPUTED, "vocabulary logits soft-capped likewise"),
     Field("sliding_window", COMPUTED, "the window of the sliding layers"),
     Field(
@@ -341,7 +340,13 @@ FAMILIES: dict[str, Family] = {  # by model_type
         "Gemma2ForCausalLM",
         "Gemma2Config",
         "gemma2",
-        (*_GEMMA, *_GEMMA2, _activation("hidden_activation"), *_ROPE),
+        (
+            *_GEMMA,
+            *_GEMMA2,
+            Field("attn_logit_softcapping", COMPUTED, "attention logits soft-capped at cap * tanh(logit / cap)"),
+            _activation("hidden_activation"),
+            *_ROPE,
+        ),
     ),
     "gemma3_text": Family(
         "Gemma3ForCausalLM",
@@ -350,6 +355,7 @@ FAMILIES: dict[str, Family] = {  # by model_type
         (
             *_GEMMA,
             *_GEMMA2,
+            Field("attn_logit_softcapping", INERT, "transformers' Gemma 3 attention does not read it"),
             _activation("hidden_activation"),
             Field("rope_parameters.full_attention", COMPUTED, "full layers' RoPE; each key listed below"),
             Field("rope_parameters.sliding_attention", COMPUTED, "sliding layers' RoPE; each key listed below"),

@@ -30,14 +30,19 @@ class GemmaRules:
     swa_pattern: int  # every swa_pattern-th layer attends fully, the others slide (0: none slides)
     local_rope_theta: float | None  # the sliding layers' RoPE base (Gemma 3)
     scaled_queries: bool  # the 27B models' query scale is 1/sqrt(hidden / heads), not 1/sqrt(head width)
+    attn_softcap: bool  # attention logits soft-capped (Gemma 2; Gemma 3's graph reads no cap)
 
 
 # llama.cpp (llama-model.cpp): Gemma 2 slides on every other layer, Gemma 3 on five of six with
 # a local base of 10,000; both scale queries by 1/sqrt(hidden / heads) in their 27B shapes only
 GEMMA_RULES = {
-    "gemma": GemmaRules(post_norms=False, swa_pattern=0, local_rope_theta=None, scaled_queries=False),
-    "gemma2": GemmaRules(post_norms=True, swa_pattern=2, local_rope_theta=None, scaled_queries=True),
-    "gemma3": GemmaRules(post_norms=True, swa_pattern=6, local_rope_theta=10000.0, scaled_queries=True),
+    "gemma": GemmaRules(
+        post_norms=False, swa_pattern=0, local_rope_theta=None, scaled_queries=False, attn_softcap=False
+    ),
+    "gemma2": GemmaRules(post_norms=True, swa_pattern=2, local_rope_theta=None, scaled_queries=True, attn_softcap=True),
+    "gemma3": GemmaRules(
+        post_norms=True, swa_pattern=6, local_rope_theta=10000.0, scaled_queries=True, attn_softcap=False
+    ),
 }
 # the 27B shapes' layer counts, where llama.cpp switches the query scale
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -159,7 +164,7 @@ def _gemma_options(reader, arch: str, rules: GemmaRules, layers: int, width: int
         post_norms=late,
         scale_embeddings=True,
         attn_scale=(width if big else head_dim) ** -0.5 if late else None,
-        attn_softcap=float(caps["attn"]) if caps["attn"] else None,
+        attn_softcap=float(caps["attn"]) if caps["attn"] and rules.attn_softcap else None,
         final_softcap=float(caps["final"]) if caps["final"] else None,
         sliding_layers=slides if any(slides) else (),
         rope_local_theta=rules.local_rope_theta,

@@ -18,7 +18,7 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-from prefixscore.kernels.paged import DEFAULT_LOGITS, NO_WINDOW, AttentionLogits, PagedAttentionMeta
+from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta
 from prefixscore.model.call_inputs import CallInputs
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, norm, run_layers, softcap
@@ -45,8 +45,6 @@ def score_call(
     mlp_tile: int | None = None,
     shards: ModelShards = UNSPLIT,
     replicas: DataReplicas = ALONE,
-    windows: tuple[int | None, ...] | None = None,
-    attention_logits: AttentionLogits = DEFAULT_LOGITS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's share of a call. pool_k, pool_v: [layers, kv, pages, page_tokens, hd];
     call: this device's CallInputs (prefill and item region arrays with a leading axis of 1).
@@ -59,8 +57,6 @@ def score_call(
     rows; the pool holds this device's KV heads.
     replicas: the data axis: this device's prefill region holds its replica's chunks only; each
     layer's pool write takes every replica's (all-gathered), so every pool gets every page.
-    windows: each layer's sliding window (None: the layer attends fully; None: no layer has one);
-    attention_logits: the model's softmax scale and soft cap (kernels/paged.py).
     Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
     n_rows and columns past a row's labels are 0) and the pool with the chunks written."""
     prefill = jax.tree.map(lambda a: a[0], call.prefill)
@@ -68,11 +64,8 @@ def score_call(
     split = prefill.tokens.shape[0]
     tokens = jnp.concatenate([prefill.tokens, items.tokens])  # [Tp + Ti]
     positions = jnp.concatenate([prefill.positions, items.positions])
-    windows = (None,) * cfg.num_layers if windows is None else windows
-    if len(windows) != cfg.num_layers:
-        raise ValueError(f"{len(windows)} windows for {cfg.num_layers} layers")
     # [layers] int32: the layer scan's index picks its layer's window (_at_layer)
-    layer_windows = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
+    layer_windows = jnp.asarray([NO_WINDOW if w is None else w for w in cfg.layer_windows], jnp.int32)
     meta = PagedAttentionMeta(
         segment_ids=jnp.concatenate([prefill.segment_ids, items.segment_ids]),
         item_ids=jnp.concatenate([prefill.item_ids, items.item_ids]),
@@ -84,7 +77,7 @@ def score_call(
         positions=positions,
         window=layer_windows[0],
         split=split,
-        logits=attention_logits,
+        logits=AttentionLogits(scale=cfg.attn_scale, softcap=cfg.attn_softcap),
     )
 
     if split:  # where every replica's prefill tokens go: the same for every layer
