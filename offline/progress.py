@@ -14,11 +14,18 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """Counts lines and items; the ETA comes from the share of the input's bytes read."""
+    """Counts lines and items; the ETA comes from the share of the input's bytes read (or of any
+    other total: `CrossEncoder` counts pairs)."""
 
     def __init__(
-        self, total_bytes: int, start_bytes: int = 0, stream: TextIO | None = None, every_s: float | None = None
+        self,
+        total_bytes: int,
+        start_bytes: int = 0,
+        stream: TextIO | None = None,
+        every_s: float | None = None,
+        label: str = "batch",
     ) -> None:
+        self.label = label
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.every_s = every_s if every_s is not None else (0.2 if self.tty else 10.0)
@@ -45,7 +52,7 @@ class Progress:
         done = self.bytes - self.start_bytes
         eta = elapsed * (self.total_bytes - self.bytes) / done if done > 0 else None
         return (
-            f"batch {share:6.1%} | {self.lines:,} lines ({self.errors:,} errors) | {self.items:,} items "
+            f"{self.label} {share:6.1%} | {self.lines:,} lines ({self.errors:,} errors) | {self.items:,} items "
             f"| {self.items / elapsed:,.0f} items/s | elapsed {_clock(elapsed)} "
             f"| ETA {_clock(eta) if eta is not None else '?'}"
         )
