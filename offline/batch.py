@@ -53,7 +53,6 @@ def run_batch(
     started = time.monotonic()
     before = backend.prefills
     progress = progress or Progress(os.path.getsize(input_path))
-    items = {}  # custom_id -> items, for the lines of the window in flight
     errors = lines = 0
     try:
         with open(input_path, "rb") as f:
@@ -63,6 +62,7 @@ def run_batch(
                     lines += 1
                     errors += 1
                     progress.update(lines=1, errors=1)
+                # custom_id -> items, for the lines of the window in flight
                 items = {line.custom_id: line.items for group in window.groups for line in group}
                 for answer in backend.answer(window.groups):
                     out.write(answer)

@@ -21,6 +21,8 @@ from prefixscore.service import prefix_key
 
 PATHS = {"score": "/v1/score", "rerank": "/v1/rerank"}
 RETRY_STATUS = (429, 503)  # queue full, loading or draining: the same request succeeds later
+REFUSED_ATTEMPTS = 30  # of a request answered with RETRY_STATUS, then its answer is the line's
+TRANSPORT_ATTEMPTS = 6  # of a request the target did not answer (refused or dropped connection)
 
 
 def pick(key: str, targets: Sequence[str]) -> str:
@@ -52,17 +54,18 @@ class HttpBackend:
     def _send(self, line: BatchLine) -> dict[str, Any]:
         client = self.clients[pick(line.key, self.targets)]
         headers = {prefix_key.HEADER: line.key} if line.key else None
-        delay = 0.05
-        for attempt in range(30):
+        delay, attempt = 0.05, 0
+        while True:
+            attempt += 1
             try:
                 response = client.post(PATHS[line.kind], json=line.body, headers=headers)
             except httpx.TransportError as err:
-                if attempt >= 5:
+                if attempt >= TRANSPORT_ATTEMPTS:
                     return failed(line.custom_id, None, 503, f"{client.base_url}: {err}")
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
-            if response.status_code in RETRY_STATUS and attempt < 29:
+            if response.status_code in RETRY_STATUS and attempt < REFUSED_ATTEMPTS:
                 time.sleep(float(response.headers.get("retry-after", delay)))
                 delay = min(delay * 2, 5.0)
                 continue
@@ -74,7 +77,6 @@ class HttpBackend:
             if response.status_code == 200:
                 return answered(line.custom_id, rid, body)
             return failed(line.custom_id, rid, response.status_code, body)
-        raise AssertionError("unreachable: the last attempt returns")
 
     def close(self) -> None:
         self.pool.shutdown()
