@@ -81,12 +81,18 @@ def run_batch_command(args: argparse.Namespace) -> int:
     except OutputExists as err:
         print(f"batch: {err}", file=sys.stderr)
         return 2
-    backend = backend_from(args)
     try:
-        summary = run_batch(args.input, out, backend, window_lines=args.window_lines, window_bytes=args.window_bytes)
-    finally:
-        if hasattr(backend, "close"):
-            backend.close()
+        backend = backend_from(args)
+        try:
+            summary = run_batch(
+                args.input, out, backend, window_lines=args.window_lines, window_bytes=args.window_bytes
+            )
+        finally:
+            if hasattr(backend, "close"):
+                backend.close()
+    except KeyboardInterrupt:  # Ctrl-C: every line written is whole and synced (run_batch's finally)
+        print(f"\nbatch: interrupted; --resume continues {args.output}", file=sys.stderr)
+        return 130
     print(summary.text(), file=sys.stderr)
     return 0
 
