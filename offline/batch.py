@@ -46,13 +46,12 @@ def run_batch(
     *,
     window_lines: int = 4096,
     window_bytes: int = 64 << 20,
-    progress: Progress | None = None,
 ) -> Summary:
     """Answer every line of `input_path` not answered in `out` yet (opened with or without
     resume); `out` is closed at the end."""
     started = time.monotonic()
     before = backend.prefills
-    progress = progress or Progress(os.path.getsize(input_path))
+    progress = Progress(os.path.getsize(input_path))
     errors = lines = 0
     try:
         with open(input_path, "rb") as f:
@@ -68,7 +67,7 @@ def run_batch(
                     out.write(answer)
                     ok = answer["error"] is None
                     lines += 1
-                    errors += not ok
+                    errors += int(not ok)
                     progress.update(lines=1, errors=int(not ok), items=items[answer["custom_id"]] if ok else 0)
                 progress.update(bytes_read=window.bytes_read)
                 out.sync()

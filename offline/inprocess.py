@@ -59,7 +59,7 @@ class ScorerBackend:
                     yield _error_line(line, err)
         chunk: list[_Checked] = []
         items = 0
-        for c in ready:  # groups stay whole and in order, so a query's lines ride together
+        for c in ready:  # in group order: a query's lines ride in one chunk (or two, at a boundary)
             chunk.append(c)
             items += len(c.request.items)
             if items >= MAX_QUEUED_ITEMS:
