@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["Scorer", "Usage"]
+__all__ = ["CrossEncoder", "Scorer", "Usage"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from prefixscore.engine.scorer import Scorer, Usage
+    from prefixscore.offline.cross_encoder import CrossEncoder
 
 
 def __getattr__(name: str):
     # Lazy: `prefixscore.client` users should not pay for importing jax.
+    if name == "CrossEncoder":
+        from prefixscore.offline import cross_encoder
+
+        return cross_encoder.CrossEncoder
     if name in __all__:
         from prefixscore.engine import scorer
 

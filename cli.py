@@ -1,4 +1,4 @@
-"""`prefixscore serve | score | bench | models`.
+"""`prefixscore serve | score | rerank | models | batch | eval | bench`.
 
 Every `serve` flag also reads an environment variable (PREFIXSCORE_<FLAG>, e.g.
 PREFIXSCORE_MODEL, PREFIXSCORE_PORT), so a container is configured by its env.
@@ -511,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_score(sub)
     add_rerank(sub)
     add_models(sub)
+    importlib.import_module("prefixscore.offline.commands").register(sub)  # batch, eval
     try:
         bench = importlib.import_module("prefixscore.bench.run")
     except ModuleNotFoundError as err:  # bench.py is optional until it lands; other import errors are real

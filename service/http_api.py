@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import grpc
+import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +38,14 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from prefixscore.engine.templates import ranked
-from prefixscore.engine.validation import InvalidInput, RerankInput, ScoreInput, Truncation
+from prefixscore.engine.validation import (
+    InvalidInput,
+    RerankInput,
+    ScoreInput,
+    Truncation,
+    Validated,
+    ValidatedRerank,
+)
 from prefixscore.service import prefix_key
 from prefixscore.service.core import Failure, ScoringService, internal_failure, validated
 from prefixscore.service.security import TokenFile
@@ -266,6 +274,77 @@ def _bad_body(exc: RequestValidationError) -> JSONResponse:
     return error(400, message, "BadRequestError", first)
 
 
+# ---- one body in, one response body out: the routes' and `prefixscore batch`'s (offline/) ------
+def score_input(body: ScoringRequest) -> ScoreInput:
+    """A /v1/score body as the transport-neutral input of the one validation pass."""
+    items = [body.items] if isinstance(body.items, str) else body.items
+    return ScoreInput(
+        query=body.query,
+        items=items,
+        label_token_ids=body.label_token_ids or (),
+        labels=body.labels or (),
+        apply_softmax=body.apply_softmax,
+        item_first=body.item_first,
+        truncate=body.truncate,
+        query_truncation=body.query_truncation,
+        max_query_tokens=body.max_query_tokens,
+        check_tokenization=body.check_tokenization,
+    )
+
+
+def rerank_input(body: RerankRequest) -> RerankInput:
+    """A /v1/rerank body as the transport-neutral input of the one validation pass."""
+    return RerankInput(
+        query=body.query,
+        documents=[d if isinstance(d, str) else d.text for d in body.documents],
+        instruction=body.instruction,
+        top_n=body.top_n,
+        return_documents=body.return_documents,
+        max_tokens_per_doc=body.max_tokens_per_doc,
+        truncate=body.truncate,
+        check_tokenization=body.check_tokenization,
+    )
+
+
+def score_response(checked: Validated, scores: np.ndarray | None, cached: int, model: str) -> ScoringResponse:
+    """The /v1/score response of a validated request; `scores` None when it had no items."""
+    req = checked.request
+    return ScoringResponse(
+        scores=[] if scores is None else scores.tolist(),
+        model=model,
+        usage=_score_usage(req.prompt_tokens, cached, len(req.items), checked.truncation),
+        joined_tokenization_differs=checked.joined_differs,
+    )
+
+
+def rerank_response(
+    body: RerankRequest, checked: ValidatedRerank, scores: np.ndarray | None, cached: int, model: str, rid: str
+) -> dict[str, Any]:
+    """The /v1/rerank response of a validated request as plain data (`RerankResponse`'s shape):
+    a model per result cost more host time than the rest of the response."""
+    req = checked.scored.request
+    results: list[dict[str, Any]] = []
+    differs = checked.scored.joined_differs
+    for r in ranked(scores, checked.top_n) if scores is not None else ():
+        result: dict[str, Any] = {"index": r.index, "relevance_score": r.relevance_score}
+        if body.return_documents:
+            doc = body.documents[r.index]
+            result["document"] = {"text": doc} if isinstance(doc, str) else doc.model_dump()
+        if differs:
+            result["joined_tokenization_differs"] = differs[r.index]
+        results.append(result)
+    t = checked.scored.truncation
+    usage = {
+        "prompt_tokens": req.prompt_tokens,
+        "total_tokens": req.prompt_tokens,
+        "cached_tokens": cached,
+        "documents": len(req.items),
+        "truncated_documents": list(t.items),
+        "truncated_tokens": t.item_tokens,
+    }
+    return {"id": f"rerank-{rid}", "model": model, "results": results, "usage": usage}
+
+
 # ---- the app -----------------------------------------------------------------------------------
 class _RequestIds:
     """ASGI middleware: bind the request id for the whole request and echo it as a header."""
@@ -414,81 +493,24 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     )
     async def score(body: ScoringRequest, request: Request) -> Any:
         with handled("HttpScore") as outcome:
-            items = [body.items] if isinstance(body.items, str) else body.items
-            inp = ScoreInput(
-                query=body.query,
-                items=items,
-                label_token_ids=body.label_token_ids or (),
-                labels=body.labels or (),
-                apply_softmax=body.apply_softmax,
-                item_first=body.item_first,
-                truncate=body.truncate,
-                query_truncation=body.query_truncation,
-                max_query_tokens=body.max_query_tokens,
-                check_tokenization=body.check_tokenization,
-            )
+            inp = score_input(body)
             checked = await validated(_body_bytes(request), service.accepting().score, inp)
             req = checked.request
-            scores: list[list[float]] = []
-            cached = 0
-            if req.items:
-                unit = await service.run(req, "HttpScore")
-                scores, cached = unit.scores.tolist(), unit.cached_tokens
+            unit = await service.run(req, "HttpScore") if req.items else None
+            scores, cached = (unit.scores, unit.cached_tokens) if unit else (None, 0)
             key = prefix_key.for_score(body.query) if body.query is not None else None
-            return _encoded(
-                ScoringResponse(
-                    scores=scores,
-                    model=model_name(body.model),
-                    usage=_score_usage(req.prompt_tokens, cached, len(req.items), checked.truncation),
-                    joined_tokenization_differs=checked.joined_differs,
-                ),
-                key,
-            )
+            return _encoded(score_response(checked, scores, cached, model_name(body.model)), key)
         return outcome["response"]
 
     async def rerank(body: RerankRequest, request: Request) -> Any:
         with handled("HttpRerank") as outcome:
-            texts = [d if isinstance(d, str) else d.text for d in body.documents]
-            inp = RerankInput(
-                query=body.query,
-                documents=texts,
-                instruction=body.instruction,
-                top_n=body.top_n,
-                return_documents=body.return_documents,
-                max_tokens_per_doc=body.max_tokens_per_doc,
-                truncate=body.truncate,
-                check_tokenization=body.check_tokenization,
-            )
+            inp = rerank_input(body)
             checked = await validated(_body_bytes(request), service.accepting().rerank, inp)
             req = checked.scored.request
-            results: list[dict[str, Any]] = []
-            cached = 0
-            if req.items:
-                unit = await service.run(req, "HttpRerank")
-                cached = unit.cached_tokens
-                differs = checked.scored.joined_differs
-                # plain data from validated values, encoded once: RerankResponse (the route's
-                # response_model) documents this shape; a model per result cost more host time
-                # than the rest of the response
-                for r in ranked(unit.scores, checked.top_n):
-                    result: dict[str, Any] = {"index": r.index, "relevance_score": r.relevance_score}
-                    if body.return_documents:
-                        doc = body.documents[r.index]
-                        result["document"] = {"text": doc} if isinstance(doc, str) else doc.model_dump()
-                    if differs:
-                        result["joined_tokenization_differs"] = differs[r.index]
-                    results.append(result)
-            t = checked.scored.truncation
-            usage = {
-                "prompt_tokens": req.prompt_tokens,
-                "total_tokens": req.prompt_tokens,
-                "cached_tokens": cached,
-                "documents": len(req.items),
-                "truncated_documents": list(t.items),
-                "truncated_tokens": t.item_tokens,
-            }
+            unit = await service.run(req, "HttpRerank") if req.items else None
+            scores, cached = (unit.scores, unit.cached_tokens) if unit else (None, 0)
             rid = request_ids.current() or request_ids.new_id()
-            response = {"id": f"rerank-{rid}", "model": model_name(body.model), "results": results, "usage": usage}
+            response = rerank_response(body, checked, scores, cached, model_name(body.model), rid)
             return _json(to_json(response), prefix_key.for_rerank(body.query, body.instruction))
         return outcome["response"]
 

@@ -1,0 +1,115 @@
+"""Batch lines scored in this process by a `Scorer`: each body validated by the HTTP API's own
+pydantic models and validation pass, its response built by the API's own functions
+(service/http_api.py), so a line's body is what `POST /v1/score` or `/v1/rerank` would answer.
+What differs from sending the lines one by one is how they reach the device: a window's
+requests are queued together (`EngineRunner.score_requests`), so one query's lines share one
+prefill and their items fill the same device calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from prefixscore.engine.scorer import Scorer
+from prefixscore.engine.validation import InvalidInput, TokenizedRequest, Validated, ValidatedRerank
+from prefixscore.offline.lines import BatchLine, answered, failed
+from prefixscore.service import http_api
+from prefixscore.telemetry import request_ids
+
+# the device work queued at once: a bound on the host memory of a window's scores
+MAX_QUEUED_ITEMS = 16384
+
+
+@dataclasses.dataclass
+class _Checked:
+    line: BatchLine
+    body: BaseModel  # the route's request model
+    checked: Validated | ValidatedRerank
+
+    @property
+    def request(self) -> TokenizedRequest:
+        c = self.checked
+        return c.scored.request if isinstance(c, ValidatedRerank) else c.request
+
+
+class ScorerBackend:
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
+
+    @property
+    def prefills(self) -> int:
+        """Prefix cache misses so far: the queries prefilled."""
+        registry = self.scorer.runner.worker.metrics.registry
+        return int(registry.get_sample_value("prefixscore_prefix_cache_misses_total") or 0)
+
+    def answer(self, groups: list[list[BatchLine]]) -> Iterator[dict[str, Any]]:
+        """The output line of every line of a window (groups of one prefix key each)."""
+        ready: list[_Checked] = []
+        for group in groups:
+            for line in group:
+                try:
+                    ready.append(self._validate(line))
+                except (ValidationError, InvalidInput) as err:
+                    yield _error_line(line, err)
+        chunk: list[_Checked] = []
+        items = 0
+        for c in ready:  # in group order: a query's lines ride in one chunk (or two, at a boundary)
+            chunk.append(c)
+            items += len(c.request.items)
+            if items >= MAX_QUEUED_ITEMS:
+                yield from self._run(chunk)
+                chunk, items = [], 0
+        yield from self._run(chunk)
+
+    def _validate(self, line: BatchLine) -> _Checked:
+        validator = self.scorer.validator
+        if line.kind == "score":
+            body = http_api.ScoringRequest.model_validate(line.body)
+            return _Checked(line, body, validator.score(http_api.score_input(body)))
+        body = http_api.RerankRequest.model_validate(line.body)
+        return _Checked(line, body, validator.rerank(http_api.rerank_input(body)))
+
+    def _run(self, chunk: list[_Checked]) -> Iterator[dict[str, Any]]:
+        work = [c for c in chunk if c.request.items]
+        try:
+            scores, cached = self.scorer.runner.score_requests([c.request for c in work])
+        except Exception:  # one request the pool cannot take fails the lot: run each alone
+            for c in work:
+                yield self._alone(c)
+        else:
+            done = {id(c): (s, n) for c, s, n in zip(work, scores, cached, strict=True)}
+            for c in chunk:
+                yield self._body(c, *done.get(id(c), (None, 0)))
+
+    def _alone(self, c: _Checked) -> dict[str, Any]:
+        try:
+            scores, cached = self.scorer.runner.score_requests([c.request])
+        except Exception as err:
+            rid = request_ids.new_id()
+            error = http_api.ErrorResponse(message=f"{err}", type="InternalServerError", code=500)
+            return failed(c.line.custom_id, rid, 500, error.model_dump())
+        return self._body(c, scores[0], cached[0])
+
+    def _body(self, c: _Checked, scores: np.ndarray | None, cached: int) -> dict[str, Any]:
+        rid = request_ids.new_id()
+        model = c.body.model or self.scorer.model.name  # type: ignore[attr-defined]
+        if isinstance(c.checked, ValidatedRerank):
+            body = http_api.rerank_response(c.body, c.checked, scores, cached, model, rid)  # type: ignore[arg-type]
+        else:
+            body = http_api.score_response(c.checked, scores, cached, model).model_dump(exclude_none=True)
+        return answered(c.line.custom_id, rid, body)
+
+
+def _error_line(line: BatchLine, err: ValidationError | InvalidInput) -> dict[str, Any]:
+    """The HTTP API's 400 (or 413) for a body it would refuse, from its own error mapping."""
+    if isinstance(err, ValidationError):
+        response = http_api._bad_body(RequestValidationError(err.errors()))
+    else:
+        response = http_api._invalid(err)
+    return failed(line.custom_id, request_ids.new_id(), response.status_code, json.loads(bytes(response.body)))
