@@ -17,6 +17,7 @@ from itertools import chain
 
 import numpy as np
 
+from prefixscore.engine import heads
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.model.config import ModelConfig
@@ -68,6 +69,8 @@ class TokenizedRequest:
     label_ids: tuple[int, ...]
     apply_softmax: bool
     item_first: bool
+    # a classifier's activation of its logits (engine/heads.py); "": a causal LM's probabilities
+    activation: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
@@ -224,7 +227,13 @@ class RequestTokenizer:
         return rows
 
     def assemble(
-        self, query: list[int], items: TokenRows, labels: tuple[int, ...], apply_softmax: bool, item_first: bool
+        self,
+        query: list[int],
+        items: TokenRows,
+        labels: tuple[int, ...],
+        apply_softmax: bool,
+        item_first: bool,
+        activation: str = "",
     ) -> TokenizedRequest:
         """Place start tokens and check every sequence fits the context (array passes over the items)."""
         context, max_item = self.max_sequence_tokens, self.max_item_tokens
@@ -246,9 +255,9 @@ class RequestTokenizer:
         if item_first:
             sequences = TokenRows.from_lists([start + it + query for it in items])
             self.check_request_tokens(sequences.total)
-            return TokenizedRequest((), sequences, labels, apply_softmax, True)
+            return TokenizedRequest((), sequences, labels, apply_softmax, True, activation)
         self.check_request_tokens(len(start) + len(query) + items.total)
-        return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False)
+        return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False, activation)
 
 
 TRUNCATE = ("none", "end")
@@ -269,6 +278,7 @@ class ScoreInput:
     query_truncation: str = "none"  # a query too long: "none" rejects, "left"/"right" drop from that side
     max_query_tokens: int | None = None  # with query_truncation: the most query tokens kept
     check_tokenization: bool = False
+    activation: str = "auto"  # a classifier's logits: auto, none, sigmoid or softmax (engine/heads.py)
 
 
 @dataclasses.dataclass
@@ -318,6 +328,7 @@ class StreamSpec:
     apply_softmax: bool
     item_first: bool
     prefix: tuple[int, ...]
+    activation: str = ""
 
 
 def _choice(field: str, value: object, allowed: Sequence[str]) -> str:
@@ -345,6 +356,33 @@ class Validator:
         self.max_item_tokens = requests.max_item_tokens
 
     # ---- pieces ----------------------------------------------------------------------------------
+    def head(
+        self, ids: Sequence[int], labels: Sequence[str], activation: object, apply_softmax: bool
+    ) -> tuple[tuple[int, ...], bool, str]:
+        """(label ids, apply_softmax, activation) of a request. A causal LM: its label tokens
+        (`labels`), no activation. A classifier: every label of its head, in order, and the
+        activation resolved; label tokens sent to it are refused, naming the field."""
+        cfg = self.requests.cfg
+        if activation in (None, ""):
+            activation = "auto"
+        _choice("activation", activation, heads.ACTIVATIONS)
+        if not cfg.num_labels:
+            if activation != "auto":
+                why = "applies to classifier models; this model's head is its vocabulary (use apply_softmax)"
+                raise InvalidInput("activation", why)
+            return self.labels(ids, labels), bool(apply_softmax), ""
+        for field, sent in (("label_token_ids", ids), ("labels", labels)):
+            if sent:
+                raise InvalidInput(
+                    field,
+                    f"the model is a sequence classifier with {cfg.num_labels} label(s) {list(cfg.label_names)}: "
+                    "it scores its own labels, send no label tokens",
+                )
+        if apply_softmax and activation not in ("auto", "softmax"):
+            raise InvalidInput("apply_softmax", f"contradicts activation {activation!r}; set one of them")
+        resolved = "softmax" if apply_softmax else heads.resolve(cfg, str(activation))
+        return tuple(range(cfg.num_labels)), False, resolved
+
     def labels(self, ids: Sequence[int], labels: Sequence[str]) -> tuple[int, ...]:
         """label_token_ids, or label strings resolved to single tokens; checked against the vocabulary."""
         limits = self.requests.limits
@@ -401,7 +439,7 @@ class Validator:
     # ---- requests --------------------------------------------------------------------------------
     def score(self, inp: ScoreInput) -> Validated:
         """A score request -> token ids, truncated as asked; raises InvalidInput naming the field."""
-        labels = self.labels(inp.label_token_ids, inp.labels)
+        labels, softmax, activation = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         truncate = _choice("truncate", inp.truncate, TRUNCATE)
         how = _choice("query_truncation", inp.query_truncation, QUERY_TRUNCATION)
         keep = _count("max_query_tokens", inp.max_query_tokens)
@@ -423,7 +461,7 @@ class Validator:
         if truncate == "end":
             items, cut = self._cut_items(items, self._room(len(self.requests.start_ids) + len(query)))
             report = dataclasses.replace(cut, query_tokens=query_cut)
-        req = self.requests.assemble(query, items, labels, bool(inp.apply_softmax), bool(inp.item_first))
+        req = self.requests.assemble(query, items, labels, softmax, bool(inp.item_first), activation)
         return Validated(req, report, joined)
 
     def rerank(self, inp: RerankInput) -> ValidatedRerank:
@@ -475,21 +513,28 @@ class Validator:
                 raise InvalidInput(
                     f"documents[{j}]", f"{docs.lengths[j]} tokens, over the {room} that fit (truncate none)"
                 )
-        req = self.requests.assemble(prefix, docs.with_suffix(suffix), template.label_ids, True, False)
+        labels, softmax, activation = template.label_ids, True, ""
+        if self.requests.cfg.num_labels:  # a classifier: relevance = the sigmoid of its one logit
+            if self.requests.cfg.num_labels != 1:
+                raise InvalidInput(
+                    "documents", f"rerank needs a one-label classifier; this one has {self.requests.cfg.num_labels}"
+                )
+            labels, softmax, activation = (0,), False, "sigmoid"
+        req = self.requests.assemble(prefix, docs.with_suffix(suffix), labels, softmax, False, activation)
         return ValidatedRerank(Validated(req, report, joined), list(inp.documents), top_n)
 
     def stream_open(self, inp: ScoreInput) -> StreamSpec:
         """A stream's query, labels and options (no items yet)."""
-        labels = self.labels(inp.label_token_ids, inp.labels)
+        labels, softmax, activation = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         ids = self.requests.query_ids(inp.query)
         # no items yet: this checks the query leaves room for one and gives the prefix
-        opened = self.requests.assemble(
-            ids, TokenRows.coerce([]), labels, bool(inp.apply_softmax), bool(inp.item_first)
-        )
+        opened = self.requests.assemble(ids, TokenRows.coerce([]), labels, softmax, bool(inp.item_first))
         kind = "text" if isinstance(inp.query, str) else "ids"
-        return StreamSpec(ids, kind, labels, opened.apply_softmax, opened.item_first, opened.prefix)
+        return StreamSpec(ids, kind, labels, opened.apply_softmax, opened.item_first, opened.prefix, activation)
 
     def stream_batch(self, spec: StreamSpec, items: object) -> TokenizedRequest:
         """One batch of an open stream, over the stream's query."""
         ids = self.requests.item_ids(items, spec.kind)  # type: ignore[arg-type]
-        return self.requests.assemble(spec.query, ids, spec.label_ids, spec.apply_softmax, spec.item_first)
+        return self.requests.assemble(
+            spec.query, ids, spec.label_ids, spec.apply_softmax, spec.item_first, spec.activation
+        )

@@ -1,4 +1,5 @@
-"""Model configuration from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3 families).
+"""Model configuration from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3 families;
+their causal LMs and sequence classifiers).
 
 transformers' own config class for the model type parses the file (its defaults, legacy
 spellings and derived fields are the oracle's), and every field is walked through the
@@ -18,7 +19,10 @@ import jax.numpy as jnp
 from prefixscore.model import config_inventory
 
 # architectures[0] in config.json -> the model type whose config class and inventory apply
-ARCHITECTURES = {family.architecture: model_type for model_type, family in config_inventory.FAMILIES.items()}
+ARCHITECTURES = {
+    **{family.architecture: model_type for model_type, family in config_inventory.FAMILIES.items()},
+    **config_inventory.CLASSIFIERS,
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -56,6 +60,14 @@ class ModelConfig:
     # the narrowest sliding attention window of any layer (None: every layer attends fully);
     # served by capping the context at it, inside which a window changes nothing
     sliding_window: int | None = None
+    # the output head at each item's last token: 0, the vocabulary (a causal LM's next-token
+    # probabilities of label tokens); n, a classifier's `score` projection [n, hidden] and its
+    # n logits (*ForSequenceClassification: no vocabulary head at all)
+    num_labels: int = 0
+    # a classifier's label names (id2label, in row order) and whether its problem_type is
+    # multi_label_classification (a sigmoid per label by default): names, not math
+    label_names: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    multi_label: bool = dataclasses.field(default=False, compare=False)
     # the name is not math: configs that differ only by name share compiled executables
     name: str = dataclasses.field(default="", compare=False)
 
@@ -74,6 +86,7 @@ class ModelConfig:
         fields = json.loads(text)
         fields["rope_scaling"] = tuple(tuple(pair) for pair in fields["rope_scaling"])  # JSON made lists
         fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+        fields["label_names"] = tuple(fields.get("label_names", ()))
         return cls(**fields)
 
 
@@ -103,9 +116,9 @@ def _transformers_config(model_type: str, raw: dict[str, Any]) -> Any:
         raise UnsupportedModelError(f"config.json is not a valid {cls.__name__}: {err}") from err
 
 
-def _checked_values(model_type: str, raw: dict[str, Any], hf: Any) -> dict[str, Any]:
+def _checked_values(model_type: str, raw: dict[str, Any], hf: Any, classifier: bool) -> dict[str, Any]:
     """Every inventoried value of the config, each checked (refused naming the field)."""
-    inventory = config_inventory.family_fields(model_type)
+    inventory = config_inventory.family_fields(model_type, classifier)
     class_fields = {f.name for f in dataclasses.fields(type(hf))}
     unlisted = sorted(class_fields - inventory.keys())
     if unlisted:  # a transformers release added a field nobody has classified yet
@@ -141,7 +154,9 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     """Build a ModelConfig from the parsed contents of a HF config.json."""
     model_type = _model_type(raw)
     hf = _transformers_config(model_type, raw)
-    values = _checked_values(model_type, raw, hf)
+    archs = raw.get("architectures") or []
+    classifier = bool(archs) and archs[0] in config_inventory.CLASSIFIERS
+    values = _checked_values(model_type, raw, hf, classifier)
     rope = hf.rope_parameters
     rope_scaling: tuple[tuple[str, float], ...] = ()
     if rope["rope_type"] == "llama3":
@@ -168,6 +183,9 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         qk_norm=model_type == "qwen3",
         rope_scaling=rope_scaling,
         sliding_window=_sliding_window(model_type, hf),
+        num_labels=int(hf.num_labels) if classifier else 0,
+        label_names=tuple(str(hf.id2label[i]) for i in range(hf.num_labels)) if classifier else (),
+        multi_label=classifier and hf.problem_type == "multi_label_classification",
         name=name,
     )
 

@@ -478,7 +478,14 @@ class ScoringService:
     def unit(req: TokenizedRequest, method: str, deadline: float | None) -> WorkUnit:
         """A validated request as the device loop's unit of work (`deadline`: time.monotonic())."""
         return WorkUnit(
-            req.prefix, req.items, req.label_ids, req.apply_softmax, req.item_first, method=method, deadline=deadline
+            req.prefix,
+            req.items,
+            req.label_ids,
+            req.apply_softmax,
+            req.item_first,
+            req.activation,
+            method=method,
+            deadline=deadline,
         )
 
     def submit(self, unit: WorkUnit) -> None:
