@@ -80,6 +80,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="reranker prompt template of Rerank and /v1/rerank [$PREFIXSCORE_TEMPLATE, %(default)s]",
     )
     p.add_argument(
+        "--classify-labels",
+        nargs="+",
+        default=[label for label in _env("CLASSIFY_LABELS", "").split(",") if label],
+        help="a causal LM's /v1/classify labels: label strings, one token each (their softmax is each input's "
+        "probs); a classifier model needs none [$PREFIXSCORE_CLASSIFY_LABELS, comma-separated]",
+    )
+    p.add_argument(
         "--max-queue-items",
         type=int,
         default=_env("MAX_QUEUE_ITEMS", 65_536, int),
@@ -288,6 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         template=args.template,
+        classify_labels=tuple(args.classify_labels),
         max_queue_items=args.max_queue_items,
         max_items=args.max_items,
         pool_bytes=args.pool_bytes,

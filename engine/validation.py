@@ -45,6 +45,8 @@ class Limits:
     max_item_tokens: int | None = None
     # tokens in one request or stream batch (query once, plus every item); None: no limit
     max_request_tokens: int | None = None
+    # tokens per page of the prefix pool: /v1/classify shares whole pages of its inputs' prefix
+    page_tokens: int = 1
 
     @classmethod
     def for_engine(cls, engine, **overrides) -> Limits:
@@ -55,6 +57,7 @@ class Limits:
                 "max_labels": b.max_labels,
                 "max_sequence_tokens": b.context,
                 "max_item_tokens": min(b.context, b.tokens[-1]),
+                "page_tokens": b.page_tokens,
                 **overrides,
             }
         )
@@ -295,6 +298,27 @@ class RerankInput:
     check_tokenization: bool = False
 
 
+@dataclasses.dataclass
+class ClassifyInput:
+    """A classify request (vLLM's and SGLang's /v1/classify fields) as a transport received it."""
+
+    input: object  # a text, texts, token ids, or token-id lists
+    truncate_prompt_tokens: int | None = None  # keep each input's last n tokens (-1: as many as fit)
+    activation: str = "auto"  # a classifier's logits (engine/heads.py)
+    labels: Sequence[str] = ()  # a causal LM: the label strings the server was started with
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidatedClassify:
+    """Inputs as one prefix (their longest common run of tokens, in whole pool pages) and one
+    item each (the rest of every input)."""
+
+    request: TokenizedRequest
+    label_names: tuple[str, ...]
+    prompt_tokens: int  # every input whole, start tokens included, as a forward pass of each sees it
+    truncated_inputs: tuple[int, ...] = ()  # indices of the inputs truncate_prompt_tokens cut
+
+
 @dataclasses.dataclass(frozen=True)
 class Truncation:
     """What truncation removed: reported in the response's usage."""
@@ -522,6 +546,58 @@ class Validator:
             labels, softmax, activation = (0,), False, "sigmoid"
         req = self.requests.assemble(prefix, docs.with_suffix(suffix), labels, softmax, False, activation)
         return ValidatedRerank(Validated(req, report, joined), list(inp.documents), top_n)
+
+    def classify(self, inp: ClassifyInput) -> ValidatedClassify:
+        """Classify requests: each input scored whole, by the classifier's head or (a causal LM)
+        the softmax over the configured label tokens. The inputs' longest common token prefix,
+        rounded down to whole pages of the pool (and leaving every input at least one token), is
+        the shared prefix, prefilled once; the rest of each input is its item."""
+        cfg = self.requests.cfg
+        if cfg.num_labels:
+            label_ids, softmax, activation = self.head((), (), inp.activation, False)
+            names = cfg.label_names
+        elif inp.labels:
+            label_ids, softmax, activation = self.head((), inp.labels, inp.activation, True)
+            names = tuple(inp.labels)
+        else:
+            raise InvalidInput(
+                "input", "the model is a causal LM and the server has no classify labels (serve --classify-labels)"
+            )
+        raw = inp.input
+        if isinstance(raw, str) or (isinstance(raw, list) and raw and _plain_ints(raw)):
+            raw = [raw]
+        if not isinstance(raw, list) or not raw:
+            raise InvalidInput("input", "must be a string, a list of strings, token ids or a list of token-id lists")
+        keep = inp.truncate_prompt_tokens
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or keep == 0):
+            raise InvalidInput("truncate_prompt_tokens", f"must be a positive integer or -1, got {keep!r}")
+        rows = self.requests.item_ids(raw, field="input", truncating=keep is not None)
+        start = list(self.requests.start_ids)
+        inputs = [list(r) for r in rows]
+        cut: list[int] = []
+        if keep is not None:  # vLLM's: the last `keep` tokens of each input (-1: all that fit)
+            budget = self.max_sequence_tokens - len(start) if keep == -1 else keep
+            for j, ids in enumerate(inputs):
+                if len(ids) > budget:
+                    inputs[j], cut = ids[len(ids) - budget :], [*cut, j]
+        for j, ids in enumerate(inputs):
+            if len(start) + len(ids) > self.max_sequence_tokens:
+                raise InvalidInput(
+                    f"input[{j}]", f"{len(start) + len(ids)} tokens, over the limit of {self.max_sequence_tokens}"
+                )
+        shared = min(len(ids) for ids in inputs) - 1  # every item keeps a token
+        first = inputs[0]
+        for ids in inputs[1:]:
+            shared = min(shared, next((k for k in range(shared) if ids[k] != first[k]), shared))
+        page = self.requests.limits.page_tokens
+        shared = max(0, (len(start) + shared) // page * page - len(start))
+        prompt_tokens = sum(len(start) + len(ids) for ids in inputs)
+        items = TokenRows.from_lists([ids[shared:] for ids in inputs])
+        try:  # without a shared prefix the inputs are whole sequences (start + input)
+            req = self.requests.assemble(first[:shared], items, label_ids, softmax, not shared, activation)
+        except InvalidInput as err:
+            raise InvalidInput(err.field.replace("items", "input", 1), err.message, err.too_large) from err
+        return ValidatedClassify(req, names, prompt_tokens, tuple(cut))
 
     def stream_open(self, inp: ScoreInput) -> StreamSpec:
         """A stream's query, labels and options (no items yet)."""
