@@ -302,10 +302,13 @@ class RerankInput:
 class ClassifyInput:
     """A classify request (vLLM's and SGLang's /v1/classify fields) as a transport received it."""
 
-    input: object  # a text, texts, token ids, or token-id lists
+    input: object  # a text, texts, token ids, or token-id lists (None: `messages` instead)
     truncate_prompt_tokens: int | None = None  # keep each input's last n tokens (-1: as many as fit)
     activation: str = "auto"  # a classifier's logits (engine/heads.py)
     labels: Sequence[str] = ()  # a causal LM: the label strings the server was started with
+    # instead of `input`: a conversation (a list of {"role", "content"} messages), or several
+    # (a list of them: one result each), rendered whole by the model's chat template
+    messages: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -563,7 +566,9 @@ class Validator:
             raise InvalidInput(
                 "input", "the model is a causal LM and the server has no classify labels (serve --classify-labels)"
             )
-        raw = inp.input
+        if (inp.input is None) == (inp.messages is None):
+            raise InvalidInput("input", "set either input or messages")
+        raw = inp.input if inp.messages is None else self._conversations(inp.messages)
         if isinstance(raw, str) or (isinstance(raw, list) and raw and _plain_ints(raw)):
             raw = [raw]
         if not isinstance(raw, list) or not raw:
@@ -598,6 +603,33 @@ class Validator:
         except InvalidInput as err:
             raise InvalidInput(err.field.replace("items", "input", 1), err.message, err.too_large) from err
         return ValidatedClassify(req, names, prompt_tokens, tuple(cut))
+
+    def _conversations(self, messages: object) -> list[str]:
+        """One conversation or a list of them -> each rendered whole by the chat template (the
+        text a reward model reads; conversations that share their leading turns share tokens)."""
+        tokenizer = self.requests.tokenizer
+        if tokenizer is None or not getattr(tokenizer.hf, "chat_template", None):
+            raise InvalidInput("messages", "the model's tokenizer has no chat template; send input instead")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidInput("messages", "must be a conversation (a list of messages) or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        texts = []
+        for j, conversation in enumerate(conversations):
+            where = "messages" if conversations is not messages else f"messages[{j}]"
+            if not isinstance(conversation, list) or not conversation:
+                raise InvalidInput(where, "must be a non-empty list of messages")
+            for k, message in enumerate(conversation):
+                if not (
+                    isinstance(message, dict)
+                    and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)
+                ):
+                    raise InvalidInput(f"{where}[{k}]", 'must be {"role": str, "content": str}')
+            try:
+                texts.append(tokenizer.hf.apply_chat_template(conversation, tokenize=False))
+            except Exception as err:  # the template's own check (roles out of order, ...)
+                raise InvalidInput(where, f"the chat template refused it: {err}") from err
+        return texts
 
     def stream_open(self, inp: ScoreInput) -> StreamSpec:
         """A stream's query, labels and options (no items yet)."""

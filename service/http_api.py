@@ -204,8 +204,13 @@ class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="Text(s) or token ids to classify; inputs sharing a leading run of tokens share its prefill."
+    input: str | list[str] | list[int] | list[list[int]] | None = Field(
+        None, description="Text(s) or token ids to classify; inputs sharing a leading run of tokens share its prefill."
+    )
+    messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = Field(
+        None,
+        description="Instead of input: a conversation (vLLM's chat form), or several (one result each; e.g. one "
+        "conversation with each candidate assistant turn), rendered by the model's chat template.",
     )
     truncate_prompt_tokens: int | None = Field(None, description="Keep each input's last n tokens (-1: all that fit).")
     user: str | None = Field(None, description="Accepted and ignored (OpenAI's end-user id).")
@@ -517,7 +522,9 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             activation = body.activation or ("none" if body.use_activation is False else "auto")
             if body.use_activation is False and activation != "none":
                 raise InvalidInput("use_activation", f"false contradicts activation {activation!r}")
-            inp = ClassifyInput(body.input, body.truncate_prompt_tokens, activation, service.config.classify_labels)
+            inp = ClassifyInput(
+                body.input, body.truncate_prompt_tokens, activation, service.config.classify_labels, body.messages
+            )
             checked = await validated(_body_bytes(request), service.accepting().classify, inp)
             req = checked.request
             unit = await service.run(req, "HttpClassify")

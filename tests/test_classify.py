@@ -228,3 +228,27 @@ def test_readme_classify_curl_works(server):
     argv = [a.replace("localhost:8000", f"127.0.0.1:{server.server.http_port}") for a in shlex.split(block.strip())]
     body = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout)
     assert body["object"] == "list" and len(body["data"]) == 3 and body["usage"]["prefix_tokens"] > 0
+
+
+def test_reward_model_scores_candidate_turns_of_one_conversation_prefilling_it_once(classifier, server, http):
+    """A conversation plus N candidate assistant turns (`messages`: one conversation per candidate):
+    each rendered whole by the chat template, the shared turns prefilled once, each result equal
+    to the classifier on that rendered conversation alone."""
+    conversation = [
+        {"role": "system", "content": "You grade answers about astronomy. " * 6},
+        {"role": "user", "content": "Which planet is the largest, and what is it made of? Answer in one line."},
+    ]
+    candidates = ["Jupiter: hydrogen and helium.", "Saturn, made of ice.", "Jupiter, a gas giant."]
+    before = _prefill_tokens(server)
+    messages = [[*conversation, {"role": "assistant", "content": c}] for c in candidates]
+    body = ok(http.post("/v1/classify", json={"messages": messages}))
+    assert _prefill_tokens(server) - before == body["usage"]["prefix_tokens"] >= 3 * BUCKETS.page_tokens
+    hf = classifier.model.tokenizer.hf
+    rendered = [classifier.model.tokenizer.encode(hf.apply_chat_template(m, tokenize=False)) for m in messages]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, rendered))
+    want = [classifier.score(ids[:-1], [ids[-1:]])[0] for ids in rendered]
+    np.testing.assert_allclose([d["probs"] for d in body["data"]], want, atol=1e-5)
+    one = ok(http.post("/v1/classify", json={"messages": messages[1]}))  # vLLM's form: one conversation
+    np.testing.assert_allclose(one["data"][0]["probs"], want[1], atol=1e-5)
+    assert refused(http.post("/v1/classify", json={"messages": [[{"role": "user"}]]}), "messages[0][0]")
+    assert refused(http.post("/v1/classify", json={"input": "x", "messages": messages}), "input")
