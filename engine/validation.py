@@ -282,6 +282,9 @@ class ScoreInput:
     max_query_tokens: int | None = None  # with query_truncation: the most query tokens kept
     check_tokenization: bool = False
     activation: str = "auto"  # a classifier's logits: auto, none, sigmoid or softmax (engine/heads.py)
+    # instead of `query`: a conversation whose next assistant turn each item is (a reward model's
+    # candidates); the chat template renders it, split at that turn's content
+    messages: object = None
 
 
 @dataclasses.dataclass
@@ -466,6 +469,8 @@ class Validator:
     # ---- requests --------------------------------------------------------------------------------
     def score(self, inp: ScoreInput) -> Validated:
         """A score request -> token ids, truncated as asked; raises InvalidInput naming the field."""
+        if inp.messages is not None:
+            inp = self._candidate_turns(inp)
         labels, softmax, activation = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         truncate = _choice("truncate", inp.truncate, TRUNCATE)
         how = _choice("query_truncation", inp.query_truncation, QUERY_TRUNCATION)
@@ -603,6 +608,22 @@ class Validator:
         except InvalidInput as err:
             raise InvalidInput(err.field.replace("items", "input", 1), err.message, err.too_large) from err
         return ValidatedClassify(req, names, prompt_tokens, tuple(cut))
+
+    def _candidate_turns(self, inp: ScoreInput) -> ScoreInput:
+        """A conversation and candidate assistant turns -> the query (the conversation rendered up
+        to the next assistant turn's content) and items (each candidate + the turn's end)."""
+        if inp.query is not None:
+            raise InvalidInput("query", "set either query or messages")
+        if not isinstance(inp.items, list) or not all(isinstance(it, str) for it in inp.items):
+            raise InvalidInput("items", "with messages, items are the candidate assistant turns' texts")
+        if not isinstance(inp.messages, list) or not inp.messages or not isinstance(inp.messages[0], dict):
+            raise InvalidInput("messages", "must be a conversation (a list of messages)")
+        mark = "\x00prefixscore-turn\x00"
+        (text,) = self._conversations([*inp.messages, {"role": "assistant", "content": mark}])
+        before, found, after = text.partition(mark)
+        if not found:
+            raise InvalidInput("messages", "the chat template does not render an assistant turn's content as it is")
+        return dataclasses.replace(inp, query=before, items=[c + after for c in inp.items], messages=None)
 
     def _conversations(self, messages: object) -> list[str]:
         """One conversation or a list of them -> each rendered whole by the chat template (the

@@ -101,6 +101,11 @@ class ScoringRequest(BaseModel):
         description="Text inputs: report per item whether tokenizing query + item as one string (as SGLang does) "
         "gives other tokens than prefixscore's separate tokenization.",
     )
+    messages: list[dict[str, Any]] | None = Field(
+        None,
+        description="Instead of query: a conversation; each item is a candidate next assistant turn (a reward "
+        "model's candidates), rendered by the model's chat template. The conversation is the shared prefix.",
+    )
     activation: Literal["auto", "none", "sigmoid", "softmax"] | None = Field(
         None,
         description="A classifier model (see /v1/models `head`): its logits as they are ('none'), each label's "
@@ -490,6 +495,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
                 max_query_tokens=body.max_query_tokens,
                 check_tokenization=body.check_tokenization,
                 activation=body.activation or "auto",
+                messages=body.messages,
             )
             checked = await validated(_body_bytes(request), service.accepting().score, inp)
             req = checked.request

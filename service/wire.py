@@ -89,9 +89,10 @@ class RequestConverter:
 
     def score_request(self, msg: pb.ScoreRequest) -> Validated:
         """A ScoreRequest -> a validated request; raises InvalidInput."""
+        messages = [{"role": m.role, "content": m.content} for m in msg.messages] or None
         return self.validator.score(
             ScoreInput(
-                query=_query(msg),
+                query=None if messages and not msg.HasField("query") else _query(msg),
                 items=_items(msg.items),
                 label_token_ids=list(msg.label_token_ids),
                 labels=list(msg.labels),
@@ -102,6 +103,7 @@ class RequestConverter:
                 max_query_tokens=msg.max_query_tokens or None,
                 check_tokenization=msg.check_tokenization,
                 activation=ACTIVATION.get(msg.activation, str(msg.activation)),
+                messages=messages,
             )
         )
 

@@ -252,3 +252,28 @@ def test_reward_model_scores_candidate_turns_of_one_conversation_prefilling_it_o
     np.testing.assert_allclose(one["data"][0]["probs"], want[1], atol=1e-5)
     assert refused(http.post("/v1/classify", json={"messages": [[{"role": "user"}]]}), "messages[0][0]")
     assert refused(http.post("/v1/classify", json={"input": "x", "messages": messages}), "input")
+
+
+def test_score_with_messages_scores_candidate_turns_over_the_cached_conversation(classifier, stub, http):
+    """/v1/score and gRPC Score with `messages`: the conversation rendered by the chat template is
+    the query (prefilled once, then cached), each item a candidate assistant turn; each score
+    equals the classifier on the whole rendered conversation with that turn."""
+    conversation = [{"role": "user", "content": "Name the largest planet."}]
+    candidates = ["Jupiter.", "Mars, I think.", "It is Jupiter, a gas giant."]
+    body = ok(http.post("/v1/score", json={"messages": conversation, "items": candidates, "activation": "none"}))
+    tok = classifier.model.tokenizer
+    for score, c in zip(body["scores"], candidates, strict=True):
+        ids = tok.encode(
+            tok.hf.apply_chat_template([*conversation, {"role": "assistant", "content": c}], tokenize=False)
+        )
+        np.testing.assert_allclose(score, classifier.score(ids[:-1], [ids[-1:]], activation="none")[0], atol=1e-5)
+    request = pb.ScoreRequest(
+        messages=[pb.ChatMessage(role="user", content="Name the largest planet.")],
+        items=[pb.Input(text=c) for c in candidates],
+        activation=pb.ACTIVATION_NONE,
+    )
+    response = stub.Score(request)
+    assert [list(s.probabilities) for s in response.scores] == body["scores"]
+    assert response.usage.cached_tokens > 0  # the conversation, prefilled by the HTTP request
+    assert refused(http.post("/v1/score", json={"messages": conversation, "items": [[1, 2]]}), "items")
+    assert refused(http.post("/v1/score", json={"messages": conversation, "query": "q", "items": ["a"]}), "query")

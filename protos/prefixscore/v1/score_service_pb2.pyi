@@ -53,7 +53,7 @@ class Input(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization", "activation")
+    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization", "activation", "messages")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class ScoreRequest(_message.Message):
     MAX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHECK_TOKENIZATION_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     query: Input
     items: _containers.RepeatedCompositeFieldContainer[Input]
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -76,7 +77,16 @@ class ScoreRequest(_message.Message):
     max_query_tokens: int
     check_tokenization: bool
     activation: Activation
-    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ItemScores(_message.Message):
     __slots__ = ("probabilities",)
