@@ -107,7 +107,7 @@ def test_model_info_says_the_head_and_its_labels(server, stub, http):
     assert (card["head"], card["label_names"]) == ("sequence_classification", ["relevant"])
 
 
-def test_score_returns_the_heads_outputs_as_asked(classifier, stub, http):
+def test_score_returns_the_heads_outputs_as_asked(classifier, stub, http, client):
     query, items = "Is this answer right?", [" yes it is", " no", " maybe later"]
     logits = np.array(classifier.score(query, items, activation="none"))
     sigmoid = 1 / (1 + np.exp(-logits))
@@ -122,6 +122,8 @@ def test_score_returns_the_heads_outputs_as_asked(classifier, stub, http):
     response = stub.Score(request)
     assert [list(s.probabilities) for s in response.scores] == default
     assert list(response.label_names) == ["relevant"] and not response.label_token_ids
+    result = client.score(query, items, activation="none")  # the Python client
+    assert (result.scores, result.label_names) == (logits.tolist(), ["relevant"])
 
 
 def test_label_tokens_sent_to_a_classifier_are_refused_naming_the_field(stub, http):
