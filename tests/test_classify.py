@@ -44,7 +44,7 @@ PROMPT = (
     "correct, complete and polite. The question: which planet in our solar system is the largest, and what "
     "is it mostly made of? Explain the reasoning in detail, mention the moons if relevant, and keep to the "
     "facts that astronomers agree on. The answer under review follows after the marker.\nAnswer:"
-) * 2
+) * 2 + " (graded strictly)"
 # pages of 16 tokens: a prompt of a few pages is shared
 BUCKETS = Buckets(
     context=512,
@@ -144,7 +144,7 @@ def test_rerank_relevance_is_the_sigmoid_of_the_one_logit(classifier, http):
 
 
 def _prefill_tokens(server) -> float:
-    return scrape(server.server.metrics_port)["prefixscore_tokens_total{kind=prefix}"]
+    return scrape(server.server.metrics_port).get("prefixscore_tokens_total{kind=prefix}", 0.0)
 
 
 def test_classify_n_responses_to_one_prompt_prefills_the_prompt_once(classifier, server, http):
@@ -161,6 +161,7 @@ def test_classify_n_responses_to_one_prompt_prefills_the_prompt_once(classifier,
     usage = body["usage"]
     page = BUCKETS.page_tokens
     common = next(k for k in range(len(ids[0])) if len({tuple(i[: k + 1]) for i in ids}) > 1)
+    assert common % page  # a prompt that ends inside a page: the rest of that page is in each item
     assert usage["prefix_tokens"] == common // page * page >= 2 * page  # the prompt, in whole pages
     assert prefilled == usage["prefix_tokens"]  # once, not once per input
     assert usage["prompt_tokens"] == usage["total_tokens"] == sum(map(len, ids)) and usage["completion_tokens"] == 0
