@@ -165,11 +165,15 @@ def stream_open(
     apply_softmax: bool = False,
     item_first: bool = False,
     labels: Sequence[str] | None = None,
+    activation: str = "auto",
 ) -> pb.ScoreStreamRequest:
-    """Build the opening message of a ScoreStream."""
+    """Build the opening message of a ScoreStream (activation: as in score_request)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}")
     return pb.ScoreStreamRequest(
         open=pb.StreamOpen(
             query=_input(query, "query"),
+            activation=ACTIVATIONS[activation],
             label_token_ids=list(label_token_ids or ()),
             labels=list(labels or ()),
             apply_softmax=apply_softmax,
@@ -441,9 +445,10 @@ class ScoreClient:
         item_first: bool = False,
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
+        activation: str = "auto",
     ) -> ScoreStream:
         """Open a ScoreStream session over `query` (returns once the server has its KV on the device)."""
-        opening = stream_open(query, label_token_ids, apply_softmax, item_first, labels)
+        opening = stream_open(query, label_token_ids, apply_softmax, item_first, labels, activation)
         return ScoreStream(
             self._stub,
             opening,
@@ -581,12 +586,13 @@ class AsyncScoreClient:
         item_first: bool = False,
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
+        activation: str = "auto",
     ) -> AsyncScoreStream:
         call = self._stub.ScoreStream(
             timeout=timeout, metadata=_keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
         )
         session = AsyncScoreStream(call)
-        await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels))
+        await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels, activation))
         if not await session._receive_one():
             await call  # raises the status that ended the stream
             raise RuntimeError("ScoreStream: the server did not acknowledge the open")

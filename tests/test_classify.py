@@ -126,6 +126,26 @@ def test_score_returns_the_heads_outputs_as_asked(classifier, stub, http, client
     assert (result.scores, result.label_names) == (logits.tolist(), ["relevant"])
 
 
+def test_a_stream_and_the_cli_return_the_heads_outputs(classifier, server, client, capsys):
+    """A ScoreStream over a classifier (the activation given at its open) and `prefixscore score`
+    (--activation, the label names as the table's columns)."""
+    from prefixscore import cli
+
+    query, items = "Is this answer right?", [" yes it is", " no"]
+    logits = classifier.score(query, items, activation="none")
+    with client.stream(query, activation="none") as session:
+        assert session.result(session.submit(items)) == logits
+    assert cli.main(["score", "--target", server.target, "-q", query, *sum([["-i", i] for i in items], [])]) == 0
+    table = capsys.readouterr().out
+    assert "relevant" in table.splitlines()[0]
+    assert (
+        cli.main(["score", "--target", server.target, "-q", query, "-i", items[0], "--activation", "none", "--json"])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["scores"] == logits[:1] and out["label_names"] == ["relevant"]
+
+
 def test_label_tokens_sent_to_a_classifier_are_refused_naming_the_field(stub, http):
     body = {"query": "q", "items": [" a"], "label_token_ids": [9454, 2753]}
     message = refused(http.post("/v1/score", json=body), "label_token_ids")
