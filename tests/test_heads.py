@@ -16,6 +16,8 @@ from prefixscore import Scorer
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.executables import CompileCounter
 from prefixscore.engine.validation import InvalidInput
+from prefixscore.model.config import UnsupportedModelError
+from prefixscore.model.config_inventory import CLASSIFIERS, FAMILIES, Effect, family_fields
 from prefixscore.model.weights import weight_axes
 
 TOLERANCE = 1e-5  # float32 against transformers' eager float32
@@ -139,3 +141,27 @@ def test_the_score_head_is_replicated_under_tensor_parallelism():
     from prefixscore.engine.mesh import Layout
 
     assert Layout.spec(weight_axes()["score"]) == P(None, None)
+
+
+def test_the_inventory_computes_label_fields_for_classifiers_only():
+    """id2label, label2id, num_labels and problem_type: computed for a *ForSequenceClassification,
+    inert for its causal LM; every classifier architecture exists in transformers and names a
+    family the loader serves."""
+    for architecture, model_type in CLASSIFIERS.items():
+        assert hasattr(transformers, architecture) and model_type in FAMILIES
+        causal, classifier = family_fields(model_type), family_fields(model_type, classifier=True)
+        for name in ("id2label", "label2id", "problem_type"):
+            assert causal[name].effect is Effect.INERT and classifier[name].effect is not Effect.INERT
+        assert "num_labels" not in causal and classifier["num_labels"].effect is Effect.COMPUTED
+
+
+def test_a_classifier_checkpoint_with_a_vocabulary_head_is_refused_naming_it(tmp_path):
+    """A tensor the head does not read (an lm_head beside the score) refuses the load."""
+    from safetensors.torch import save_file
+
+    model = make_torch_model("llama", seed=2, classifier=True, num_labels=2)
+    model.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, tmp_path / "model.safetensors")
+    with pytest.raises(UnsupportedModelError, match="lm_head.weight"):
+        Scorer.load(str(tmp_path), buckets=BUCKETS)
