@@ -255,6 +255,16 @@ class RequestTokenizer:
             if totals[j] > context:
                 raise InvalidInput(f"items[{j}]", f"query + item is {totals[j]} tokens, over the limit of {context}")
             raise InvalidInput(f"items[{j}]", f"{lengths[j]} tokens, over the item limit of {max_item}")
+        pad = self.cfg.pad_token_id
+        if pad is not None and len(items):  # a classifier: transformers would read past a trailing pad
+            ends = np.full(len(items), query[-1]) if item_first and query else items.flat[items.offsets[1:] - 1]
+            if (ends == pad).any():
+                j = int(np.flatnonzero(ends == pad)[0])
+                raise InvalidInput(
+                    f"items[{j}]",
+                    f"the sequence ends in the pad token {pad}, which the classifier's head skips (transformers reads "
+                    "the last token that is not the pad token); drop it",
+                )
         if item_first:
             sequences = TokenRows.from_lists([start + it + query for it in items])
             self.check_request_tokens(sequences.total)

@@ -68,6 +68,9 @@ class ModelConfig:
     # multi_label_classification (a sigmoid per label by default): names, not math
     label_names: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     multi_label: bool = dataclasses.field(default=False, compare=False)
+    # a classifier's pad token: transformers reads the last token that is not it, so a sequence
+    # ending in it is refused (engine/validation.py); None: no pad token, or a causal LM
+    pad_token_id: int | None = dataclasses.field(default=None, compare=False)
     # the name is not math: configs that differ only by name share compiled executables
     name: str = dataclasses.field(default="", compare=False)
 
@@ -186,6 +189,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         num_labels=int(hf.num_labels) if classifier else 0,
         label_names=tuple(str(hf.id2label[i]) for i in range(hf.num_labels)) if classifier else (),
         multi_label=classifier and hf.problem_type == "multi_label_classification",
+        pad_token_id=hf.pad_token_id if classifier else None,
         name=name,
     )
 

@@ -80,9 +80,9 @@ _BASE = (
     Field("dtype", INERT, "the stored dtype; weights are converted to the served --dtype"),
     Field("chunk_size_feed_forward", INERT, "not read by these decoders"),
     Field("is_encoder_decoder", INERT, "not read by these decoders"),
-    Field("id2label", INERT, "labels of a classification head; a causal LM has none (CLASSIFIER_FIELDS)"),
-    Field("label2id", INERT, "labels of a classification head; a causal LM has none (CLASSIFIER_FIELDS)"),
-    Field("problem_type", INERT, "the loss of a classification head; a causal LM has none (CLASSIFIER_FIELDS)"),
+    Field("id2label", INERT, "labels of a classification head; a causal LM has none"),
+    Field("label2id", INERT, "labels of a classification head; a causal LM has none"),
+    Field("problem_type", INERT, "the loss of a classification head; a causal LM has none"),
 )
 
 _LLAMA3 = {
@@ -276,7 +276,7 @@ CLASSIFIERS: dict[str, str] = {
     "Qwen3ForSequenceClassification": "qwen3",
 }
 
-# a classifier's config: these replace the INERT entries of _BASE (and num_labels, which
+# a classifier's config: these replace the INERT entries of the family's (and num_labels, which
 # transformers derives from id2label, may be written as a key of its own)
 CLASSIFIER_FIELDS: tuple[Field, ...] = (
     Field("id2label", COMPUTED, "the classifier's label names, in the order of its score rows"),
@@ -288,6 +288,12 @@ CLASSIFIER_FIELDS: tuple[Field, ...] = (
         "the default activation of the logits: multi_label_classification a sigmoid per label; otherwise a "
         "sigmoid for one label, a softmax over several",
         accepts=lambda v, cfg: v in (None, "regression", "single_label_classification", "multi_label_classification"),
+    ),
+    Field(
+        "pad_token_id",
+        COMPUTED,
+        "transformers reads the last token that is not the pad token; a sequence ending in it is refused "
+        "(everywhere else the last token is read)",
     ),
 )
 

@@ -121,8 +121,13 @@ def test_causal_lm_converted_to_a_one_logit_classifier_gives_the_template_releva
 
 def test_label_tokens_sent_to_a_classifier_and_activation_to_a_causal_lm_are_refused(tiny_scorer, tmp_path):
     """A precise error naming the field, before any device work."""
-    make_torch_model("qwen3", seed=2, classifier=True, num_labels=2).save_pretrained(tmp_path)
+    make_torch_model("qwen3", seed=2, classifier=True, num_labels=2, pad_token_id=300).save_pretrained(tmp_path)
     scorer = Scorer.load(str(tmp_path), buckets=BUCKETS)
+    # transformers reads the last token that is not the pad token: a sequence ending in it is refused
+    with pytest.raises(InvalidInput, match="^items\\[1\\]: the sequence ends in the pad token 300"):
+        scorer.score(QUERY, [[1, 2], [1, 300]])
+    with pytest.raises(InvalidInput, match="^items\\[0\\]: the sequence ends in the pad token 300"):
+        scorer.score([*QUERY, 300], [[1, 2]], item_first=True)
     with pytest.raises(InvalidInput, match="^label_token_ids: the model is a sequence classifier with 2 label"):
         scorer.score(QUERY, ITEMS, [3, 4])
     with pytest.raises(InvalidInput, match="^activation: 'tanh' is not one of auto, none, sigmoid, softmax"):
