@@ -607,8 +607,10 @@ class Validator:
                 )
         shared = min(len(ids) for ids in inputs) - 1  # every item keeps a token
         first = inputs[0]
-        for ids in inputs[1:]:
-            shared = min(shared, next((k for k in range(shared) if ids[k] != first[k]), shared))
+        head = np.asarray(first)
+        for ids in inputs[1:]:  # the longest common prefix, one array comparison per input
+            differ = np.flatnonzero(np.asarray(ids[:shared]) != head[:shared])
+            shared = int(differ[0]) if differ.size else shared
         page = self.requests.limits.page_tokens
         shared = max(0, (len(start) + shared) // page * page - len(start))
         prompt_tokens = sum(len(start) + len(ids) for ids in inputs)
