@@ -300,3 +300,14 @@ def test_score_with_messages_scores_candidate_turns_over_the_cached_conversation
     assert response.usage.cached_tokens > 0  # the conversation, prefilled by the HTTP request
     assert refused(http.post("/v1/score", json={"messages": conversation, "items": [[1, 2]]}), "items")
     assert refused(http.post("/v1/score", json={"messages": conversation, "query": "q", "items": ["a"]}), "query")
+
+
+def test_serve_takes_classify_labels_from_a_flag_or_the_environment(monkeypatch):
+    from prefixscore import cli
+
+    assert cli.build_parser().parse_args(["serve", "--classify-labels", " yes", " no"]).classify_labels == [
+        " yes",
+        " no",
+    ]
+    monkeypatch.setenv("PREFIXSCORE_CLASSIFY_LABELS", " yes, no")
+    assert cli.build_parser().parse_args(["serve"]).classify_labels == [" yes", " no"]
