@@ -235,7 +235,7 @@ def test_a_causal_lm_classifies_with_its_configured_label_tokens():
         with httpx.Client(base_url=f"http://127.0.0.1:{srv.server.http_port}", timeout=120) as client:
             body = ok(client.post("/v1/classify", json={"input": [text, text + " Yes"]}))
             card = ok(client.get("/v1/models"))["data"][0]
-    assert card["head"] == "causal_lm" and "label_names" not in card
+    assert card["head"] == "causal_lm" and card.get("label_names") is None
     for data, ids in zip(body["data"], (tok.encode(text), tok.encode(text + " Yes")), strict=True):
         # the whole input alone (item_first: no prefix; the last token as the "query")
         want = causal.score(ids[-1:], [ids[:-1]], [tok.token_id(" yes"), tok.token_id(" no")], True, True)[0]
