@@ -80,6 +80,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="reranker prompt template of Rerank and /v1/rerank [$PREFIXSCORE_TEMPLATE, %(default)s]",
     )
     p.add_argument(
+        "--classify-labels",
+        nargs="+",
+        default=[label for label in _env("CLASSIFY_LABELS", "").split(",") if label],
+        help="a causal LM's /v1/classify labels: label strings, one token each (their softmax is each input's "
+        "probs); a classifier model needs none [$PREFIXSCORE_CLASSIFY_LABELS, comma-separated]",
+    )
+    p.add_argument(
         "--max-queue-items",
         type=int,
         default=_env("MAX_QUEUE_ITEMS", 65_536, int),
@@ -288,6 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         template=args.template,
+        classify_labels=tuple(args.classify_labels),
         max_queue_items=args.max_queue_items,
         max_items=args.max_items,
         pool_bytes=args.pool_bytes,
@@ -364,6 +372,13 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--label-ids", nargs="+", type=int, default=[], help="label token ids")
     p.add_argument("--apply-softmax", action="store_true", help="softmax over the labels only")
     p.add_argument("--item-first", action="store_true", help="score item + query")
+    p.add_argument(
+        "--activation",
+        choices=("auto", "none", "sigmoid", "softmax"),
+        default="auto",
+        help="a classifier model's outputs (send no labels to it): raw logits, sigmoid or softmax; auto: "
+        "sigmoid for one label, softmax for several",
+    )
     p.add_argument("--jsonl", help="file of requests, one JSON object a line ('-' for stdin)")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     p.add_argument("--timeout", type=float, default=None, help="deadline per request in seconds")
@@ -373,7 +388,11 @@ def add_score(sub: argparse._SubParsersAction) -> None:
 
 def _requests(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     defaults = dict(
-        labels=args.labels, label_token_ids=args.label_ids, apply_softmax=args.apply_softmax, item_first=args.item_first
+        labels=args.labels,
+        label_token_ids=args.label_ids,
+        apply_softmax=args.apply_softmax,
+        item_first=args.item_first,
+        activation=args.activation,
     )
     if args.jsonl:
         stream = sys.stdin if args.jsonl == "-" else open(args.jsonl, encoding="utf-8")
@@ -415,15 +434,19 @@ def run_score(args: argparse.Namespace) -> int:
                     bool(request.get("item_first")),
                     labels=request.get("labels") or None,
                     timeout=args.timeout,
+                    activation=request.get("activation", "auto"),
                 )
             except grpc.RpcError as err:
                 print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
                 return 1
             if args.json:
                 out = {"scores": result.scores, "label_token_ids": result.label_token_ids}
+                if result.label_names:
+                    out["label_names"] = result.label_names
                 print(json.dumps({**out, "usage": dataclasses.asdict(result.usage)}))
             else:
-                print(_table(request, result.scores, result.label_token_ids))
+                names = request.get("labels") or result.label_names
+                print(_table({**request, "labels": names}, result.scores, result.label_token_ids))
                 u = result.usage
                 print(f"usage: prompt_tokens={u.prompt_tokens} cached_tokens={u.cached_tokens} items={u.items}")
     return 0

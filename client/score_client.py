@@ -65,6 +65,7 @@ class ScoreResult:
     scores: list[list[float]]  # [items][labels]
     usage: Usage
     label_token_ids: list[int]  # the labels scored (resolved by the server when label strings were sent)
+    label_names: list[str] = dataclasses.field(default_factory=list)  # a classifier model's columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,15 @@ def _scores(msgs: Sequence[pb.ItemScores]) -> list[list[float]]:
     return [list(m.probabilities) for m in msgs]
 
 
+# a classifier's activation (Score's `activation`)
+ACTIVATIONS = {
+    "auto": pb.ACTIVATION_UNSPECIFIED,
+    "none": pb.ACTIVATION_NONE,
+    "sigmoid": pb.ACTIVATION_SIGMOID,
+    "softmax": pb.ACTIVATION_SOFTMAX,
+}
+
+
 def score_request(
     query: Text,
     items: Sequence[Text],
@@ -133,8 +143,11 @@ def score_request(
     apply_softmax: bool = False,
     item_first: bool = False,
     labels: Sequence[str] | None = None,
+    activation: str = "auto",
 ) -> pb.ScoreRequest:
-    """Build a ScoreRequest message."""
+    """Build a ScoreRequest message. activation: a classifier model's auto, none, sigmoid or softmax."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}")
     return pb.ScoreRequest(
         query=_input(query, "query"),
         items=_items(items),
@@ -142,6 +155,7 @@ def score_request(
         labels=list(labels or ()),
         apply_softmax=apply_softmax,
         item_first=item_first,
+        activation=ACTIVATIONS[activation],
     )
 
 
@@ -151,11 +165,15 @@ def stream_open(
     apply_softmax: bool = False,
     item_first: bool = False,
     labels: Sequence[str] | None = None,
+    activation: str = "auto",
 ) -> pb.ScoreStreamRequest:
-    """Build the opening message of a ScoreStream."""
+    """Build the opening message of a ScoreStream (activation: as in score_request)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}")
     return pb.ScoreStreamRequest(
         open=pb.StreamOpen(
             query=_input(query, "query"),
+            activation=ACTIVATIONS[activation],
             label_token_ids=list(label_token_ids or ()),
             labels=list(labels or ()),
             apply_softmax=apply_softmax,
@@ -406,12 +424,18 @@ class ScoreClient:
         item_first: bool = False,
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
+        activation: str = "auto",
     ) -> ScoreResult:
         """Probabilities [items][labels] of each label as the next token after query + item."""
-        request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
+        request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels, activation)
         metadata = _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
         response = self._stub.Score(request, timeout=timeout, metadata=metadata)
-        return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
+        return ScoreResult(
+            _scores(response.scores),
+            _usage(response.usage),
+            list(response.label_token_ids),
+            list(response.label_names),
+        )
 
     def stream(
         self,
@@ -421,9 +445,10 @@ class ScoreClient:
         item_first: bool = False,
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
+        activation: str = "auto",
     ) -> ScoreStream:
         """Open a ScoreStream session over `query` (returns once the server has its KV on the device)."""
-        opening = stream_open(query, label_token_ids, apply_softmax, item_first, labels)
+        opening = stream_open(query, label_token_ids, apply_softmax, item_first, labels, activation)
         return ScoreStream(
             self._stub,
             opening,
@@ -541,11 +566,17 @@ class AsyncScoreClient:
         item_first: bool = False,
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
+        activation: str = "auto",
     ) -> ScoreResult:
-        request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels)
+        request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels, activation)
         metadata = _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
         response = await self._stub.Score(request, timeout=timeout, metadata=metadata)
-        return ScoreResult(_scores(response.scores), _usage(response.usage), list(response.label_token_ids))
+        return ScoreResult(
+            _scores(response.scores),
+            _usage(response.usage),
+            list(response.label_token_ids),
+            list(response.label_names),
+        )
 
     async def stream(
         self,
@@ -555,12 +586,13 @@ class AsyncScoreClient:
         item_first: bool = False,
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
+        activation: str = "auto",
     ) -> AsyncScoreStream:
         call = self._stub.ScoreStream(
             timeout=timeout, metadata=_keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
         )
         session = AsyncScoreStream(call)
-        await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels))
+        await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels, activation))
         if not await session._receive_one():
             await call  # raises the status that ended the stream
             raise RuntimeError("ScoreStream: the server did not acknowledge the open")

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from prefixscore.engine import heads
 from prefixscore.engine.planner import CallBuilder, CallPlan, Extent
 from prefixscore.engine.prefix_cache import CachedPrefix
 from prefixscore.engine.token_rows import TokenRows
@@ -64,6 +65,7 @@ class WorkUnit:
     label_ids: tuple[int, ...]
     apply_softmax: bool
     item_first: bool
+    activation: str = ""  # a classifier's, applied to its rows as they come back (engine/heads.py)
     on_done: Callable[[WorkUnit], None] = lambda unit: None
     method: str = "Score"  # metrics label of the RPC this work belongs to
     counts_lookup: bool = True  # counts as a prefix-cache hit or miss (stream batches do not: their open did)
@@ -350,7 +352,7 @@ def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[Work
         if not finite[rows].all():
             broken.append(unit)
             continue
-        unit.scores[span.first : span.first + span.count] = out[rows, : span.labels]
+        unit.scores[span.first : span.first + span.count] = heads.activate(out[rows, : span.labels], unit.activation)
         unit.remaining -= span.count
         if unit.remaining == 0:
             complete.append(unit)

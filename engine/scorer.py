@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prefixscore.engine import heads
 from prefixscore.engine.batcher import Batcher, WorkUnit
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.device_loop import DeviceWorker
@@ -93,22 +94,27 @@ class Scorer:
         self,
         query: str | Sequence[int],
         items: Sequence[str] | Sequence[Sequence[int]],
-        label_token_ids: Sequence[int],
+        label_token_ids: Sequence[int] = (),
         apply_softmax: bool = False,
         item_first: bool = False,
         *,
         mode: str = "prefix",
+        activation: str = "auto",
     ) -> list[list[float]]:
         """Probabilities [len(items)][len(label_token_ids)] of each label as the next token
         after `query + item` (or `item + query` with item_first).
 
+        A classifier model (`cfg.num_labels`; send no label_token_ids) returns its head's
+        outputs [len(items)][num_labels] at the last token instead, as `activation` asks:
+        "auto" (sigmoid for one label, softmax for several), "none" (raw logits), "sigmoid",
+        "softmax"; the columns are `cfg.label_names`.
         mode: "prefix" (shared-prefix fast path), or the baselines "sequential"
         (one full forward per item) and "packed" (one sequence, block-diagonal mask).
         Raises ValueError (InvalidInput) naming the field for bad input, before device work.
         """
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not one of {MODES}")
-        req = self.tokenize(query, items, label_token_ids, apply_softmax, item_first)
+        req = self.tokenize(query, items, label_token_ids, apply_softmax, item_first, activation)
         if not req.items:
             self.last_usage = Usage(0, 0, 0)
             return []
@@ -118,12 +124,15 @@ class Scorer:
         self,
         query: str | Sequence[int],
         items: Sequence[str] | Sequence[Sequence[int]],
-        label_token_ids: Sequence[int],
+        label_token_ids: Sequence[int] = (),
         apply_softmax: bool = False,
         item_first: bool = False,
+        activation: str = "auto",
     ) -> TokenizedRequest:
         """The validated token ids `score` runs (the same validation as the gRPC and HTTP APIs)."""
-        inp = ScoreInput(query, items, label_token_ids, apply_softmax=apply_softmax, item_first=item_first)
+        inp = ScoreInput(
+            query, items, label_token_ids, apply_softmax=apply_softmax, item_first=item_first, activation=activation
+        )
         return self.validator.score(inp).request
 
     def rerank(
@@ -158,11 +167,14 @@ class Scorer:
             with self._lock:
                 probs = self.engine.score_packed(req.prefix, req.items, labels, softmax)
                 self.last_usage = Usage(req.prompt_tokens, 0, len(req.items))
-            return probs
+            return heads.activate(probs, req.activation)
         if mode == "sequential" or (mode == "packed" and req.item_first):
             # one whole sequence per call: query + item (or item + query) over no prefix
             sequences = req.items if req.item_first else [list(req.prefix) + it for it in req.items]
-            rows = [self.score_requests([TokenizedRequest((), [s], labels, softmax, True)])[0] for s in sequences]
+            rows = [
+                self.score_requests([TokenizedRequest((), [s], labels, softmax, True, req.activation)])[0]
+                for s in sequences
+            ]
             self.last_usage = Usage(req.prompt_tokens, 0, len(req.items))
             return np.concatenate(rows)
         return self.score_requests([req])[0]
@@ -211,7 +223,8 @@ class EngineRunner:
         requests are queued together before the loop plans, so their prefills and items share
         calls; the first failure is raised (QueueFull when the prefix pool cannot hold them)."""
         units = [
-            WorkUnit(r.prefix, r.items, r.label_ids, r.apply_softmax, r.item_first, method="InProcess") for r in reqs
+            WorkUnit(r.prefix, r.items, r.label_ids, r.apply_softmax, r.item_first, r.activation, method="InProcess")
+            for r in reqs
         ]
         left = threading.Semaphore(0)
         for unit in units:

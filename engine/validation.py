@@ -17,6 +17,7 @@ from itertools import chain
 
 import numpy as np
 
+from prefixscore.engine import heads
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.model.config import ModelConfig
@@ -44,6 +45,8 @@ class Limits:
     max_item_tokens: int | None = None
     # tokens in one request or stream batch (query once, plus every item); None: no limit
     max_request_tokens: int | None = None
+    # tokens per page of the prefix pool: /v1/classify shares whole pages of its inputs' prefix
+    page_tokens: int = 1
 
     @classmethod
     def for_engine(cls, engine, **overrides) -> Limits:
@@ -54,6 +57,7 @@ class Limits:
                 "max_labels": b.max_labels,
                 "max_sequence_tokens": b.context,
                 "max_item_tokens": min(b.context, b.tokens[-1]),
+                "page_tokens": b.page_tokens,
                 **overrides,
             }
         )
@@ -68,6 +72,8 @@ class TokenizedRequest:
     label_ids: tuple[int, ...]
     apply_softmax: bool
     item_first: bool
+    # a classifier's activation of its logits (engine/heads.py); "": a causal LM's probabilities
+    activation: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
@@ -224,7 +230,13 @@ class RequestTokenizer:
         return rows
 
     def assemble(
-        self, query: list[int], items: TokenRows, labels: tuple[int, ...], apply_softmax: bool, item_first: bool
+        self,
+        query: list[int],
+        items: TokenRows,
+        labels: tuple[int, ...],
+        apply_softmax: bool,
+        item_first: bool,
+        activation: str = "",
     ) -> TokenizedRequest:
         """Place start tokens and check every sequence fits the context (array passes over the items)."""
         context, max_item = self.max_sequence_tokens, self.max_item_tokens
@@ -243,12 +255,22 @@ class RequestTokenizer:
             if totals[j] > context:
                 raise InvalidInput(f"items[{j}]", f"query + item is {totals[j]} tokens, over the limit of {context}")
             raise InvalidInput(f"items[{j}]", f"{lengths[j]} tokens, over the item limit of {max_item}")
+        pad = self.cfg.pad_token_id
+        if pad is not None and len(items):  # a classifier: transformers would read past a trailing pad
+            ends = np.full(len(items), query[-1]) if item_first and query else items.flat[items.offsets[1:] - 1]
+            if (ends == pad).any():
+                j = int(np.flatnonzero(ends == pad)[0])
+                raise InvalidInput(
+                    f"items[{j}]",
+                    f"the sequence ends in the pad token {pad}, which the classifier's head skips (transformers reads "
+                    "the last token that is not the pad token); drop it",
+                )
         if item_first:
             sequences = TokenRows.from_lists([start + it + query for it in items])
             self.check_request_tokens(sequences.total)
-            return TokenizedRequest((), sequences, labels, apply_softmax, True)
+            return TokenizedRequest((), sequences, labels, apply_softmax, True, activation)
         self.check_request_tokens(len(start) + len(query) + items.total)
-        return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False)
+        return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False, activation)
 
 
 TRUNCATE = ("none", "end")
@@ -269,6 +291,10 @@ class ScoreInput:
     query_truncation: str = "none"  # a query too long: "none" rejects, "left"/"right" drop from that side
     max_query_tokens: int | None = None  # with query_truncation: the most query tokens kept
     check_tokenization: bool = False
+    activation: str = "auto"  # a classifier's logits: auto, none, sigmoid or softmax (engine/heads.py)
+    # instead of `query`: a conversation whose next assistant turn each item is (a reward model's
+    # candidates); the chat template renders it, split at that turn's content
+    messages: object = None
 
 
 @dataclasses.dataclass
@@ -283,6 +309,30 @@ class RerankInput:
     max_tokens_per_doc: int | None = None
     truncate: str = "end"  # documents: Cohere's default is to cut long ones
     check_tokenization: bool = False
+
+
+@dataclasses.dataclass
+class ClassifyInput:
+    """A classify request (vLLM's and SGLang's /v1/classify fields) as a transport received it."""
+
+    input: object  # a text, texts, token ids, or token-id lists (None: `messages` instead)
+    truncate_prompt_tokens: int | None = None  # keep each input's last n tokens (-1: as many as fit)
+    activation: str = "auto"  # a classifier's logits (engine/heads.py)
+    labels: Sequence[str] = ()  # a causal LM: the label strings the server was started with
+    # instead of `input`: a conversation (a list of {"role", "content"} messages), or several
+    # (a list of them: one result each), rendered whole by the model's chat template
+    messages: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidatedClassify:
+    """Inputs as one prefix (their longest common run of tokens, in whole pool pages) and one
+    item each (the rest of every input)."""
+
+    request: TokenizedRequest
+    label_names: tuple[str, ...]
+    prompt_tokens: int  # every input whole, start tokens included, as a forward pass of each sees it
+    truncated_inputs: tuple[int, ...] = ()  # indices of the inputs truncate_prompt_tokens cut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +368,7 @@ class StreamSpec:
     apply_softmax: bool
     item_first: bool
     prefix: tuple[int, ...]
+    activation: str = ""
 
 
 def _choice(field: str, value: object, allowed: Sequence[str]) -> str:
@@ -345,6 +396,33 @@ class Validator:
         self.max_item_tokens = requests.max_item_tokens
 
     # ---- pieces ----------------------------------------------------------------------------------
+    def head(
+        self, ids: Sequence[int], labels: Sequence[str], activation: object, apply_softmax: bool
+    ) -> tuple[tuple[int, ...], bool, str]:
+        """(label ids, apply_softmax, activation) of a request. A causal LM: its label tokens
+        (`labels`), no activation. A classifier: every label of its head, in order, and the
+        activation resolved; label tokens sent to it are refused, naming the field."""
+        cfg = self.requests.cfg
+        if activation in (None, ""):
+            activation = "auto"
+        _choice("activation", activation, heads.ACTIVATIONS)
+        if not cfg.num_labels:
+            if activation != "auto":
+                why = "applies to classifier models; this model's head is its vocabulary (use apply_softmax)"
+                raise InvalidInput("activation", why)
+            return self.labels(ids, labels), bool(apply_softmax), ""
+        for field, sent in (("label_token_ids", ids), ("labels", labels)):
+            if sent:
+                raise InvalidInput(
+                    field,
+                    f"the model is a sequence classifier with {cfg.num_labels} label(s) {list(cfg.label_names)}: "
+                    "it scores its own labels, send no label tokens",
+                )
+        if apply_softmax and activation not in ("auto", "softmax"):
+            raise InvalidInput("apply_softmax", f"contradicts activation {activation!r}; set one of them")
+        resolved = "softmax" if apply_softmax else heads.resolve(cfg, str(activation))
+        return tuple(range(cfg.num_labels)), False, resolved
+
     def labels(self, ids: Sequence[int], labels: Sequence[str]) -> tuple[int, ...]:
         """label_token_ids, or label strings resolved to single tokens; checked against the vocabulary."""
         limits = self.requests.limits
@@ -401,7 +479,9 @@ class Validator:
     # ---- requests --------------------------------------------------------------------------------
     def score(self, inp: ScoreInput) -> Validated:
         """A score request -> token ids, truncated as asked; raises InvalidInput naming the field."""
-        labels = self.labels(inp.label_token_ids, inp.labels)
+        if inp.messages is not None:
+            inp = self._candidate_turns(inp)
+        labels, softmax, activation = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         truncate = _choice("truncate", inp.truncate, TRUNCATE)
         how = _choice("query_truncation", inp.query_truncation, QUERY_TRUNCATION)
         keep = _count("max_query_tokens", inp.max_query_tokens)
@@ -423,7 +503,7 @@ class Validator:
         if truncate == "end":
             items, cut = self._cut_items(items, self._room(len(self.requests.start_ids) + len(query)))
             report = dataclasses.replace(cut, query_tokens=query_cut)
-        req = self.requests.assemble(query, items, labels, bool(inp.apply_softmax), bool(inp.item_first))
+        req = self.requests.assemble(query, items, labels, softmax, bool(inp.item_first), activation)
         return Validated(req, report, joined)
 
     def rerank(self, inp: RerankInput) -> ValidatedRerank:
@@ -475,21 +555,127 @@ class Validator:
                 raise InvalidInput(
                     f"documents[{j}]", f"{docs.lengths[j]} tokens, over the {room} that fit (truncate none)"
                 )
-        req = self.requests.assemble(prefix, docs.with_suffix(suffix), template.label_ids, True, False)
+        labels, softmax, activation = template.label_ids, True, ""
+        if self.requests.cfg.num_labels:  # a classifier: relevance = the sigmoid of its one logit
+            if self.requests.cfg.num_labels != 1:
+                raise InvalidInput(
+                    "documents", f"rerank needs a one-label classifier; this one has {self.requests.cfg.num_labels}"
+                )
+            labels, softmax, activation = (0,), False, "sigmoid"
+        req = self.requests.assemble(prefix, docs.with_suffix(suffix), labels, softmax, False, activation)
         return ValidatedRerank(Validated(req, report, joined), list(inp.documents), top_n)
+
+    def classify(self, inp: ClassifyInput) -> ValidatedClassify:
+        """Classify requests: each input scored whole, by the classifier's head or (a causal LM)
+        the softmax over the configured label tokens. The inputs' longest common token prefix,
+        rounded down to whole pages of the pool (and leaving every input at least one token), is
+        the shared prefix, prefilled once; the rest of each input is its item."""
+        cfg = self.requests.cfg
+        if cfg.num_labels:
+            label_ids, softmax, activation = self.head((), (), inp.activation, False)
+            names = cfg.label_names
+        elif inp.labels:
+            label_ids, softmax, activation = self.head((), inp.labels, inp.activation, True)
+            names = tuple(inp.labels)
+        else:
+            raise InvalidInput(
+                "input", "the model is a causal LM and the server has no classify labels (serve --classify-labels)"
+            )
+        if (inp.input is None) == (inp.messages is None):
+            raise InvalidInput("input", "set either input or messages")
+        raw = inp.input if inp.messages is None else self._conversations(inp.messages)
+        if isinstance(raw, str) or (isinstance(raw, list) and raw and _plain_ints(raw)):
+            raw = [raw]
+        if not isinstance(raw, list) or not raw:
+            raise InvalidInput("input", "must be a string, a list of strings, token ids or a list of token-id lists")
+        keep = inp.truncate_prompt_tokens
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or keep == 0):
+            raise InvalidInput("truncate_prompt_tokens", f"must be a positive integer or -1, got {keep!r}")
+        rows = self.requests.item_ids(raw, field="input", truncating=keep is not None)
+        start = list(self.requests.start_ids)
+        inputs = [list(r) for r in rows]
+        cut: list[int] = []
+        if keep is not None:  # vLLM's: the last `keep` tokens of each input (-1: all that fit)
+            budget = self.max_sequence_tokens - len(start) if keep == -1 else keep
+            for j, ids in enumerate(inputs):
+                if len(ids) > budget:
+                    inputs[j], cut = ids[len(ids) - budget :], [*cut, j]
+        for j, ids in enumerate(inputs):
+            if len(start) + len(ids) > self.max_sequence_tokens:
+                raise InvalidInput(
+                    f"input[{j}]", f"{len(start) + len(ids)} tokens, over the limit of {self.max_sequence_tokens}"
+                )
+        shared = min(len(ids) for ids in inputs) - 1  # every item keeps a token
+        first = inputs[0]
+        head = np.asarray(first)
+        for ids in inputs[1:]:  # the longest common prefix, one array comparison per input
+            differ = np.flatnonzero(np.asarray(ids[:shared]) != head[:shared])
+            shared = int(differ[0]) if differ.size else shared
+        page = self.requests.limits.page_tokens
+        shared = max(0, (len(start) + shared) // page * page - len(start))
+        prompt_tokens = sum(len(start) + len(ids) for ids in inputs)
+        items = TokenRows.from_lists([ids[shared:] for ids in inputs])
+        try:  # without a shared prefix the inputs are whole sequences (start + input)
+            req = self.requests.assemble(first[:shared], items, label_ids, softmax, not shared, activation)
+        except InvalidInput as err:
+            raise InvalidInput(err.field.replace("items", "input", 1), err.message, err.too_large) from err
+        return ValidatedClassify(req, names, prompt_tokens, tuple(cut))
+
+    def _candidate_turns(self, inp: ScoreInput) -> ScoreInput:
+        """A conversation and candidate assistant turns -> the query (the conversation rendered up
+        to the next assistant turn's content) and items (each candidate + the turn's end)."""
+        if inp.query is not None:
+            raise InvalidInput("query", "set either query or messages")
+        if not isinstance(inp.items, list) or not all(isinstance(it, str) for it in inp.items):
+            raise InvalidInput("items", "with messages, items are the candidate assistant turns' texts")
+        if not isinstance(inp.messages, list) or not inp.messages or not isinstance(inp.messages[0], dict):
+            raise InvalidInput("messages", "must be a conversation (a list of messages)")
+        mark = "\x00prefixscore-turn\x00"
+        (text,) = self._conversations([*inp.messages, {"role": "assistant", "content": mark}])
+        before, found, after = text.partition(mark)
+        if not found:
+            raise InvalidInput("messages", "the chat template does not render an assistant turn's content as it is")
+        return dataclasses.replace(inp, query=before, items=[c + after for c in inp.items], messages=None)
+
+    def _conversations(self, messages: object) -> list[str]:
+        """One conversation or a list of them -> each rendered whole by the chat template (the
+        text a reward model reads; conversations that share their leading turns share tokens)."""
+        tokenizer = self.requests.tokenizer
+        if tokenizer is None or not getattr(tokenizer.hf, "chat_template", None):
+            raise InvalidInput("messages", "the model's tokenizer has no chat template; send input instead")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidInput("messages", "must be a conversation (a list of messages) or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        texts = []
+        for j, conversation in enumerate(conversations):
+            where = "messages" if conversations is not messages else f"messages[{j}]"
+            if not isinstance(conversation, list) or not conversation:
+                raise InvalidInput(where, "must be a non-empty list of messages")
+            for k, message in enumerate(conversation):
+                if not (
+                    isinstance(message, dict)
+                    and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)
+                ):
+                    raise InvalidInput(f"{where}[{k}]", 'must be {"role": str, "content": str}')
+            try:
+                texts.append(tokenizer.hf.apply_chat_template(conversation, tokenize=False))
+            except Exception as err:  # the template's own check (roles out of order, ...)
+                raise InvalidInput(where, f"the chat template refused it: {err}") from err
+        return texts
 
     def stream_open(self, inp: ScoreInput) -> StreamSpec:
         """A stream's query, labels and options (no items yet)."""
-        labels = self.labels(inp.label_token_ids, inp.labels)
+        labels, softmax, activation = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         ids = self.requests.query_ids(inp.query)
         # no items yet: this checks the query leaves room for one and gives the prefix
-        opened = self.requests.assemble(
-            ids, TokenRows.coerce([]), labels, bool(inp.apply_softmax), bool(inp.item_first)
-        )
+        opened = self.requests.assemble(ids, TokenRows.coerce([]), labels, softmax, bool(inp.item_first))
         kind = "text" if isinstance(inp.query, str) else "ids"
-        return StreamSpec(ids, kind, labels, opened.apply_softmax, opened.item_first, opened.prefix)
+        return StreamSpec(ids, kind, labels, opened.apply_softmax, opened.item_first, opened.prefix, activation)
 
     def stream_batch(self, spec: StreamSpec, items: object) -> TokenizedRequest:
         """One batch of an open stream, over the stream's query."""
         ids = self.requests.item_ids(items, spec.kind)  # type: ignore[arg-type]
-        return self.requests.assemble(spec.query, ids, spec.label_ids, spec.apply_softmax, spec.item_first)
+        return self.requests.assemble(
+            spec.query, ids, spec.label_ids, spec.apply_softmax, spec.item_first, spec.activation
+        )

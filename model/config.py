@@ -1,4 +1,5 @@
-"""Model configuration from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3).
+"""Model configuration from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3;
+their causal LMs and sequence classifiers).
 
 transformers' own config class for the model type parses the file (its defaults, legacy
 spellings and derived fields are the oracle's), and every field is walked through the
@@ -18,7 +19,10 @@ import jax.numpy as jnp
 from prefixscore.model import config_inventory
 
 # architectures[0] in config.json -> the model type whose config class and inventory apply
-ARCHITECTURES = {family.architecture: model_type for model_type, family in config_inventory.FAMILIES.items()}
+ARCHITECTURES = {
+    **{family.architecture: model_type for model_type, family in config_inventory.FAMILIES.items()},
+    **config_inventory.CLASSIFIERS,
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -77,6 +81,17 @@ class ModelConfig:
     attn_scale: float | None = None
     attn_softcap: float | None = None  # Gemma 2: attention logits become cap * tanh(logit / cap)
     final_softcap: float | None = None  # Gemma 2: vocabulary logits likewise
+    # the output head at each item's last token: 0, the vocabulary (a causal LM's next-token
+    # probabilities of label tokens); n, a classifier's `score` projection [n, hidden] and its
+    # n logits (*ForSequenceClassification: no vocabulary head at all)
+    num_labels: int = 0
+    # a classifier's label names (id2label, in row order) and whether its problem_type is
+    # multi_label_classification (a sigmoid per label by default): names, not math
+    label_names: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    multi_label: bool = dataclasses.field(default=False, compare=False)
+    # a classifier's pad token: transformers reads the last token that is not it, so a sequence
+    # ending in it is refused (engine/validation.py); None: no pad token, or a causal LM
+    pad_token_id: int | None = dataclasses.field(default=None, compare=False)
     # the name is not math: configs that differ only by name share compiled executables
     name: str = dataclasses.field(default="", compare=False)
 
@@ -100,6 +115,7 @@ class ModelConfig:
         fields["rope_scaling"] = tuple(tuple(pair) for pair in fields["rope_scaling"])  # JSON made lists
         fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
         fields["sliding_layers"] = tuple(fields["sliding_layers"])
+        fields["label_names"] = tuple(fields.get("label_names", ()))
         return cls(**fields)
 
 
@@ -139,9 +155,9 @@ def _rope_values(rope: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _checked_values(model_type: str, raw: dict[str, Any], hf: Any) -> dict[str, Any]:
+def _checked_values(model_type: str, raw: dict[str, Any], hf: Any, classifier: bool) -> dict[str, Any]:
     """Every inventoried value of the config, each checked (refused naming the field)."""
-    inventory = config_inventory.family_fields(model_type)
+    inventory = config_inventory.family_fields(model_type, classifier)
     class_fields = {f.name for f in dataclasses.fields(type(hf))}
     unlisted = sorted(class_fields - inventory.keys())
     if unlisted:  # a transformers release added a field nobody has classified yet
@@ -209,7 +225,9 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     """Build a ModelConfig from the parsed contents of a HF config.json."""
     model_type = _model_type(raw)
     hf = _transformers_config(model_type, raw)
-    values = _checked_values(model_type, raw, hf)
+    archs = raw.get("architectures") or []
+    classifier = bool(archs) and archs[0] in config_inventory.CLASSIFIERS
+    values = _checked_values(model_type, raw, hf, classifier)
     family = config_inventory.FAMILIES[model_type].decoder
     gemma = family in ("gemma", "gemma2", "gemma3")
     late_gemma = family in ("gemma2", "gemma3")  # Gemma 2 and 3: scaled queries, post-norms, soft caps
@@ -250,6 +268,10 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         attn_scale=float(values["query_pre_attn_scalar"]) ** -0.5 if late_gemma else None,
         attn_softcap=optional_float("attn_logit_softcapping") if family == "gemma2" else None,
         final_softcap=optional_float("final_logit_softcapping"),
+        num_labels=int(hf.num_labels) if classifier else 0,
+        label_names=tuple(str(hf.id2label[i]) for i in range(hf.num_labels)) if classifier else (),
+        multi_label=classifier and hf.problem_type == "multi_label_classification",
+        pad_token_id=hf.pad_token_id if classifier else None,
         name=name,
     )
 

@@ -70,7 +70,12 @@ def _equals(expected: Any) -> Callable[[Any, Any], bool]:
 
 # transformers' PretrainedConfig fields, shared by every family
 _BASE = (
-    Field("architectures", COMPUTED, "chooses the family (with model_type); *ForCausalLM only"),
+    Field(
+        "architectures",
+        COMPUTED,
+        "chooses the family (with model_type) and the output head: *ForCausalLM, or *ForSequenceClassification "
+        "where CLASSIFIERS lists it",
+    ),
     Field("transformers_version", INERT, "the writer's version"),
     Field("output_hidden_states", INERT, "what a forward pass returns, not what it computes"),
     Field("return_dict", INERT, "what a forward pass returns, not what it computes"),
@@ -372,6 +377,41 @@ FAMILIES: dict[str, Family] = {  # by model_type
     ),
 }
 
+# the sequence classifiers: config.json's architectures[0] -> the model type whose decoder runs
+# under it. The head is data, not a family: transformers' GenericForSequenceClassification puts
+# one `score` projection [num_labels, hidden] (no bias) on any decoder and reads it at the last
+# token, so a family's classifier is one entry here.
+CLASSIFIERS: dict[str, str] = {
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "GemmaForSequenceClassification": "gemma",
+    "Gemma2ForSequenceClassification": "gemma2",
+    "Gemma3TextForSequenceClassification": "gemma3_text",
+}
+
+# a classifier's config: these replace the INERT entries of the family's (and num_labels, which
+# transformers derives from id2label, may be written as a key of its own)
+CLASSIFIER_FIELDS: tuple[Field, ...] = (
+    Field("id2label", COMPUTED, "the classifier's label names, in the order of its score rows"),
+    Field("label2id", COMPUTED, "the inverse of id2label (transformers keeps the two consistent)"),
+    Field("num_labels", COMPUTED, "the score projection's rows: one logit per label"),
+    Field(
+        "problem_type",
+        LIMITED,
+        "the default activation of the logits: multi_label_classification a sigmoid per label; otherwise a "
+        "sigmoid for one label, a softmax over several",
+        accepts=lambda v, cfg: v in (None, "regression", "single_label_classification", "multi_label_classification"),
+    ),
+    Field(
+        "pad_token_id",
+        COMPUTED,
+        "transformers reads the last token that is not the pad token; a sequence ending in it is refused "
+        "(everywhere else the last token is read)",
+    ),
+)
+
 # keys outside transformers' classes that a config.json may hold, read by the loader itself
 EXTRA_KEYS: tuple[Field, ...] = (
     Field("model_type", COMPUTED, "chooses transformers' config class"),
@@ -554,9 +594,10 @@ GGUF_KEYS: tuple[Field, ...] = (
 )
 
 
-def family_fields(model_type: str) -> dict[str, Field]:
-    """The inventory of one model type, by name (KeyError: not a family the loader serves)."""
-    return {f.name: f for f in (*FAMILIES[model_type].fields, *EXTRA_KEYS)}
+def family_fields(model_type: str, classifier: bool = False) -> dict[str, Field]:
+    """The inventory of one model type, by name (KeyError: not a family the loader serves);
+    `classifier`: of its *ForSequenceClassification (CLASSIFIER_FIELDS computed)."""
+    return {f.name: f for f in (*FAMILIES[model_type].fields, *EXTRA_KEYS, *(CLASSIFIER_FIELDS if classifier else ()))}
 
 
 def gguf_field(key: str, arch: str) -> Field | None:

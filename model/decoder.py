@@ -177,9 +177,13 @@ def label_probs(
     apply_softmax=False: full-vocabulary probability exp(log_softmax(logits)[label]),
     which needs the whole vocabulary projection, but only at these b positions.
     apply_softmax=True: softmax over the valid label logits only, so only the
-    label rows of the projection are computed. Returns [b, labels] float32.
+    label rows of the projection are computed. A classifier (cfg.num_labels): the raw logits of
+    its score rows label_ids. Returns [b, labels] float32.
     """
     h = norm(cfg, h_last, params.final_norm)
+    if cfg.num_labels:  # a classifier: its raw logits (label_ids index its score rows)
+        assert params.score is not None
+        return jnp.einsum("bh,lh->bl", h, params.score[label_ids], preferred_element_type=jnp.float32)
     w = params.output
     if apply_softmax:
         logits = softcap(

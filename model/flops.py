@@ -28,8 +28,8 @@ def attention_per_pair(cfg: ModelConfig) -> int:
 
 
 def head(cfg: ModelConfig, apply_softmax: bool, n_labels: int) -> int:
-    """Output projection FLOPs at one item's last token."""
-    return 2 * cfg.hidden_size * (n_labels if apply_softmax else cfg.vocab_size)
+    """Output projection FLOPs at one item's last token (a classifier's: its score rows only)."""
+    return 2 * cfg.hidden_size * (n_labels if apply_softmax or cfg.num_labels else cfg.vocab_size)
 
 
 def request(

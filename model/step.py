@@ -6,7 +6,8 @@ Per layer: the projections of every token of the stream; the prefill region's K/
 into the pool pages (in place: the pool is a loop carry, donated to the call); then the
 attention of every token over its segment's pages and its own item (kernels/paged.py),
 so chunks and items placed after their query's chunks in the same call see them. Only
-the item rows' last tokens reach the output head, with per-row label sets and softmax.
+the item rows' last tokens reach the output head (the vocabulary's, with per-row label sets and
+softmax, or a classifier's score rows), and it returns [R, L] per row.
 Every length that varies between calls is a runtime value, never a shape.
 """
 
@@ -168,13 +169,20 @@ def row_label_probs(
     `always_lse`: no branch on a runtime value). With the vocabulary split across the model
     axis (shards), the label rows are looked up in their shards and each device reduces its
     own rows' log-sum-exp, combined across devices: the logits never leave a device.
+    A classifier (cfg.num_labels) has no vocabulary head: `labels` index its score rows (held
+    whole on every device), and each row gets its raw logits; the activation the request asked
+    for is applied on the host (engine/heads.py).
     Returns [rows, L] float32 (unused columns 0).
     """
     h = norm(cfg, h_last, params.final_norm)
+    valid = row_labels >= 0
+    if cfg.num_labels:
+        assert params.score is not None
+        logits = jnp.einsum("bh,lh->bl", h, jnp.take(params.score, labels, axis=0), preferred_element_type=jnp.float32)
+        return jnp.where(valid, jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1), 0.0)
     w = params.output
     logits = jnp.einsum("bh,lh->bl", h, shards.take_rows(w, labels), preferred_element_type=jnp.float32)
     logits = softcap(logits, cfg.final_softcap)
-    valid = row_labels >= 0
     logits = jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1)  # [rows, L]
     soft = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
 

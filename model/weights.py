@@ -80,6 +80,9 @@ class Weights:
     final_norm: jax.Array = _axes("embed")  # [hidden]
     layers: LayerWeights
     lm_head: jax.Array | None = _axes("vocab", "embed", optional=True)  # [vocab, hidden]; None: tied to embed
+    # a classifier's head (ModelConfig.num_labels) instead of the vocabulary's: small, so its
+    # "labels" axis has no mesh rule and every device holds it whole
+    score: jax.Array | None = _axes("labels", "embed", optional=True)  # [num_labels, hidden]
 
     @property
     def output(self) -> jax.Array:
@@ -164,6 +167,7 @@ def weights_from_flat(flat: Mapping[str, jax.Array]) -> Weights:
         embed=flat["embed"],
         final_norm=flat["final_norm"],
         lm_head=flat.get("lm_head"),
+        score=flat.get("score"),
         layers=LayerWeights(
             **group("layers."), attn=AttentionWeights(**group("layers.attn.")), mlp=MlpWeights(**group("layers.mlp."))
         ),
@@ -228,7 +232,16 @@ def params_from_hf_tensors(
         del per_layer
     flat["embed"] = put("embed", get("model.embed_tokens.weight"))
     flat["final_norm"] = put("final_norm", get("model.norm.weight"))
-    if not cfg.tie_word_embeddings:
+    if cfg.num_labels:  # a classifier: its score projection, and no vocabulary head
+        if not has("score.weight"):
+            raise ValueError("model weights: score.weight is missing (a *ForSequenceClassification checkpoint)")
+        flat["score"] = put("score", get("score.weight"))
+        if flat["score"].shape != (cfg.num_labels, cfg.hidden_size):
+            raise ValueError(
+                f"model weights: score.weight has shape {flat['score'].shape}, "
+                f"config says {(cfg.num_labels, cfg.hidden_size)} (num_labels, hidden_size)"
+            )
+    elif not cfg.tie_word_embeddings:
         if not has("lm_head.weight"):
             raise ValueError("model weights: lm_head.weight is missing and tie_word_embeddings is false")
         flat["lm_head"] = put("lm_head", get("lm_head.weight"))
@@ -282,10 +295,10 @@ def load_safetensors(
     def has(name: str) -> bool:
         return name in weight_map
 
-    if "lm_head.weight" not in weight_map and not cfg.tie_word_embeddings:
+    if "lm_head.weight" not in weight_map and not cfg.tie_word_embeddings and not cfg.num_labels:
         raise ValueError("model weights: lm_head.weight is missing and tie_word_embeddings is false")
     params = params_from_hf_tensors(cfg, _float32(get), dtype, has, place)
-    if cfg.tie_word_embeddings and "lm_head.weight" in weight_map:
+    if cfg.tie_word_embeddings and not cfg.num_labels and "lm_head.weight" in weight_map:
         # a tied head saved anyway is harmless only when it is the embedding
         if not np.array_equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
             raise UnsupportedModelError(
@@ -361,7 +374,9 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:
         flat = {f"layers.{name}": draw(k, shapes[name], name) for name, k in zip(keys, ks[3:], strict=True)}
         flat["embed"] = draw(ks[0], (cfg.vocab_size, h), "embed")
         flat["final_norm"] = draw(ks[1], (h,), "final_norm")
-        if not cfg.tie_word_embeddings:
+        if cfg.num_labels:
+            flat["score"] = draw(ks[2], (cfg.num_labels, h), "score")
+        elif not cfg.tie_word_embeddings:
             flat["lm_head"] = draw(ks[2], (cfg.vocab_size, h), "lm_head")
         return weights_from_flat(flat)
 

@@ -102,7 +102,8 @@ class ScorerBackend:
         if isinstance(c.checked, ValidatedRerank):
             body = http_api.rerank_response(c.body, c.checked, scores, cached, model, rid)  # type: ignore[arg-type]
         else:
-            body = http_api.score_response(c.checked, scores, cached, model).model_dump(exclude_none=True)
+            names = self.scorer.cfg.label_names
+            body = http_api.score_response(c.checked, scores, cached, model, names).model_dump(exclude_none=True)
         return answered(c.line.custom_id, rid, body)
 
 

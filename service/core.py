@@ -79,6 +79,8 @@ class ServerConfig:
     metrics_port: int | None = 9090  # None: no metrics endpoint; 0: any free port
     http_port: int | None = None  # the HTTP API (service/http_api.py); None: off; 0: any free port
     template: str = DEFAULT_TEMPLATE  # the reranker prompt template of Rerank and /v1/rerank
+    # a causal LM's /v1/classify labels (strings, one token each); a classifier model needs none
+    classify_labels: tuple[str, ...] = ()
     max_queue_items: int = 65_536  # admission control: items waiting for the device
     max_items: int = 10_000  # items per request or stream batch
     # the prefix pool on each device: bytes, or (None) a fraction of the device memory left
@@ -477,7 +479,14 @@ class ScoringService:
     def unit(req: TokenizedRequest, method: str, deadline: float | None) -> WorkUnit:
         """A validated request as the device loop's unit of work (`deadline`: time.monotonic())."""
         return WorkUnit(
-            req.prefix, req.items, req.label_ids, req.apply_softmax, req.item_first, method=method, deadline=deadline
+            req.prefix,
+            req.items,
+            req.label_ids,
+            req.apply_softmax,
+            req.item_first,
+            req.activation,
+            method=method,
+            deadline=deadline,
         )
 
     def submit(self, unit: WorkUnit) -> None:

@@ -1,4 +1,5 @@
-"""The HTTP API: SGLang's `/v1/score`, a Cohere/Jina/vLLM-style `/v1/rerank`, `/v1/models`,
+"""The HTTP API: SGLang's `/v1/score`, a Cohere/Jina/vLLM-style `/v1/rerank`, vLLM's and SGLang's
+`/v1/classify`, `/v1/models`,
 `/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the process's
 event loop (the gRPC server's too), on its own port.
 
@@ -23,7 +24,7 @@ import math
 import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import grpc
@@ -37,8 +38,10 @@ from pydantic_core import to_json
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from prefixscore.engine import heads
 from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import (
+    ClassifyInput,
     InvalidInput,
     RerankInput,
     ScoreInput,
@@ -107,6 +110,17 @@ class ScoringRequest(BaseModel):
         description="Text inputs: report per item whether tokenizing query + item as one string (as SGLang does) "
         "gives other tokens than prefixscore's separate tokenization.",
     )
+    messages: list[dict[str, Any]] | None = Field(
+        None,
+        description="Instead of query: a conversation; each item is a candidate next assistant turn (a reward "
+        "model's candidates), rendered by the model's chat template. The conversation is the shared prefix.",
+    )
+    activation: Literal["auto", "none", "sigmoid", "softmax"] | None = Field(
+        None,
+        description="A classifier model (see /v1/models `head`): its logits as they are ('none'), each label's "
+        "sigmoid, or their softmax; 'auto' (default): sigmoid for one label, softmax for several. Send no "
+        "label_token_ids to a classifier.",
+    )
 
 
 class CachedTokens(BaseModel):
@@ -132,6 +146,7 @@ class ScoringResponse(BaseModel):
     usage: ScoringUsage | None = None
     object: Literal["scoring"] = "scoring"
     joined_tokenization_differs: list[bool] | None = None
+    label_names: list[str] | None = None  # a classifier: the name of each score column
 
 
 class RerankDocument(BaseModel):
@@ -192,6 +207,60 @@ class ModelCard(BaseModel):
     tp_size: int
     dp_size: int
     template: str | None = None
+    # the output head: causal_lm (label tokens' probabilities) or sequence_classification
+    head: str
+    label_names: list[str] | None = None  # a classifier's labels (id2label), in score column order
+
+
+class ClassifyRequest(BaseModel):
+    """vLLM's and SGLang's /v1/classify request, plus prefixscore's `activation`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
+    input: str | list[str] | list[int] | list[list[int]] | None = Field(
+        None, description="Text(s) or token ids to classify; inputs sharing a leading run of tokens share its prefill."
+    )
+    messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = Field(
+        None,
+        description="Instead of input: a conversation (vLLM's chat form), or several (one result each; e.g. one "
+        "conversation with each candidate assistant turn), rendered by the model's chat template.",
+    )
+    truncate_prompt_tokens: int | None = Field(None, description="Keep each input's last n tokens (-1: all that fit).")
+    user: str | None = Field(None, description="Accepted and ignored (OpenAI's end-user id).")
+    use_activation: bool | None = Field(None, description="vLLM's: false returns raw logits (activation 'none').")
+    activation: Literal["auto", "none", "sigmoid", "softmax"] | None = Field(
+        None, description="As in /v1/score: a classifier's activation (default auto)."
+    )
+
+
+class ClassifyData(BaseModel):
+    index: int
+    label: str  # the label of the highest output
+    probs: list[float]  # one per label, in label order
+    num_classes: int
+
+
+class ClassifyUsage(BaseModel):
+    prompt_tokens: int  # every input whole, as a plain forward pass of each would see it
+    total_tokens: int
+    completion_tokens: int = 0
+    # the inputs' shared leading tokens (start tokens included, whole pool pages), prefilled once
+    # for all of them rather than once per input
+    prefix_tokens: int
+    prompt_tokens_details: CachedTokens  # of prefix_tokens, those already in the prefix cache
+    truncated_inputs: list[int]  # indices of the inputs truncate_prompt_tokens cut
+
+
+class ClassifyResponse(BaseModel):
+    """vLLM's and SGLang's /v1/classify response."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassifyData]
+    usage: ClassifyUsage
 
 
 class ModelList(BaseModel):
@@ -289,7 +358,14 @@ def score_input(body: ScoringRequest) -> ScoreInput:
         query_truncation=body.query_truncation,
         max_query_tokens=body.max_query_tokens,
         check_tokenization=body.check_tokenization,
+        activation=body.activation or "auto",
+        messages=body.messages,
     )
+
+
+def _label_names(service: ScoringService) -> tuple[str, ...]:
+    """The served classifier's label names (none for a causal LM, or before a model is loaded)."""
+    return service.loaded.cfg.label_names if service.loaded else ()
 
 
 def rerank_input(body: RerankRequest) -> RerankInput:
@@ -306,14 +382,18 @@ def rerank_input(body: RerankRequest) -> RerankInput:
     )
 
 
-def score_response(checked: Validated, scores: np.ndarray | None, cached: int, model: str) -> ScoringResponse:
-    """The /v1/score response of a validated request; `scores` None when it had no items."""
+def score_response(
+    checked: Validated, scores: np.ndarray | None, cached: int, model: str, label_names: Sequence[str] = ()
+) -> ScoringResponse:
+    """The /v1/score response of a validated request; `scores` None when it had no items;
+    label_names: a classifier's (its scores' columns), none for a causal LM."""
     req = checked.request
     return ScoringResponse(
         scores=[] if scores is None else scores.tolist(),
         model=model,
         usage=_score_usage(req.prompt_tokens, cached, len(req.items), checked.truncation),
         joined_tokenization_differs=checked.joined_differs,
+        label_names=list(label_names) or None,
     )
 
 
@@ -499,7 +579,43 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             unit = await service.run(req, "HttpScore") if req.items else None
             scores, cached = (unit.scores, unit.cached_tokens) if unit else (None, 0)
             key = prefix_key.for_score(body.query) if body.query is not None else None
-            return _encoded(score_response(checked, scores, cached, model_name(body.model)), key)
+            return _encoded(score_response(checked, scores, cached, model_name(body.model), _label_names(service)), key)
+        return outcome["response"]
+
+    @app.post(
+        "/v1/classify",
+        response_model=ClassifyResponse,
+        responses=ERRORS,
+        summary="Classify inputs (vLLM / SGLang /v1/classify): a classifier's head, or a causal LM's label tokens",
+    )
+    async def classify(body: ClassifyRequest, request: Request) -> Any:
+        with handled("HttpClassify") as outcome:
+            activation = body.activation or ("none" if body.use_activation is False else "auto")
+            if body.use_activation is False and activation != "none":
+                raise InvalidInput("use_activation", f"false contradicts activation {activation!r}")
+            inp = ClassifyInput(
+                body.input, body.truncate_prompt_tokens, activation, service.config.classify_labels, body.messages
+            )
+            checked = await validated(_body_bytes(request), service.accepting().classify, inp)
+            req = checked.request
+            unit = await service.run(req, "HttpClassify")
+            names = checked.label_names
+            data = [
+                ClassifyData(index=j, label=names[int(row.argmax())], probs=row.tolist(), num_classes=len(names))
+                for j, row in enumerate(unit.scores)
+            ]
+            rid = request_ids.current() or request_ids.new_id()
+            usage = ClassifyUsage(
+                prompt_tokens=checked.prompt_tokens,
+                total_tokens=checked.prompt_tokens,
+                prefix_tokens=len(req.prefix),
+                prompt_tokens_details=CachedTokens(cached_tokens=unit.cached_tokens),
+                truncated_inputs=list(checked.truncated_inputs),
+            )
+            response = ClassifyResponse(
+                id=f"classify-{rid}", created=int(time.time()), model=model_name(body.model), data=data, usage=usage
+            )
+            return _encoded(response)
         return outcome["response"]
 
     async def rerank(body: RerankRequest, request: Request) -> Any:
@@ -541,6 +657,8 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             tp_size=service.engine.layout.shape.model,
             dp_size=service.engine.layout.shape.data,
             template=service.template.name if service.template else None,
+            head=heads.head_kind(loaded.cfg),
+            label_names=list(loaded.cfg.label_names) or None,
         )
         return ModelList(data=[card])
 

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixscore.engine import heads
 from prefixscore.engine.batcher import WorkUnit
 from prefixscore.engine.device_loop import StreamPin
 from prefixscore.engine.templates import ranked
@@ -250,14 +251,18 @@ class GrpcServer:
         checked = await validated(len(raw), converter.score_request, msg)
         req = checked.request
         differs = checked.joined_differs or []
+        # a classifier's columns are its labels, named; a causal LM's are the label tokens
+        names = self.service.loaded.cfg.label_names if self.service.loaded else ()
+        label_ids = () if names else req.label_ids
         if not req.items:
-            return pb.ScoreResponse(usage=pb.Usage(), label_token_ids=req.label_ids)
+            return pb.ScoreResponse(usage=pb.Usage(), label_token_ids=label_ids, label_names=names)
         unit = await self.service.run(req, "Score", self._deadline(context))
         return pb.ScoreResponse(
             scores=item_scores(unit.scores),
             usage=usage(req, unit.cached_tokens, checked.truncation),
-            label_token_ids=req.label_ids,
+            label_token_ids=label_ids,
             joined_tokenization_differs=differs,
+            label_names=names,
         )
 
     # ---- Rerank ----------------------------------------------------------------------------------
@@ -357,6 +362,8 @@ class GrpcServer:
             template=service.template.name if service.template else "",
             call_shapes_ready=service.engine.shapes_ready if service.engine else 0,
             call_shapes=service.call_shapes,
+            head=heads.head_kind(loaded.cfg),
+            label_names=loaded.cfg.label_names,
         )
 
 
@@ -550,7 +557,9 @@ class _StreamSession:
                 raise unit_failure(err) from err
         self.spec = spec
         opened = pb.StreamOpened(
-            prefix_tokens=len(spec.prefix), cached_tokens=self.cached_tokens, label_token_ids=spec.label_ids
+            prefix_tokens=len(spec.prefix),
+            cached_tokens=self.cached_tokens,
+            label_token_ids=() if spec.activation else spec.label_ids,  # a classifier scores its own labels
         )
         self.events.put_nowait(_Write(pb.ScoreStreamResponse(opened=opened)))
 

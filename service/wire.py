@@ -36,6 +36,13 @@ QUERY_TRUNCATION = {
     pb.QUERY_TRUNCATION_RIGHT: "right",
 }
 
+ACTIVATION = {
+    pb.ACTIVATION_UNSPECIFIED: "auto",
+    pb.ACTIVATION_NONE: "none",
+    pb.ACTIVATION_SIGMOID: "sigmoid",
+    pb.ACTIVATION_SOFTMAX: "softmax",
+}
+
 
 def parse(cls: type[Message], raw: bytes, field: str = "request") -> Message:
     """Deserialize here, not in gRPC, so that undecodable bytes get INVALID_ARGUMENT naming the field."""
@@ -82,9 +89,10 @@ class RequestConverter:
 
     def score_request(self, msg: pb.ScoreRequest) -> Validated:
         """A ScoreRequest -> a validated request; raises InvalidInput."""
+        messages = [{"role": m.role, "content": m.content} for m in msg.messages] or None
         return self.validator.score(
             ScoreInput(
-                query=_query(msg),
+                query=None if messages and not msg.HasField("query") else _query(msg),
                 items=_items(msg.items),
                 label_token_ids=list(msg.label_token_ids),
                 labels=list(msg.labels),
@@ -94,6 +102,8 @@ class RequestConverter:
                 query_truncation=QUERY_TRUNCATION.get(msg.query_truncation, "none"),
                 max_query_tokens=msg.max_query_tokens or None,
                 check_tokenization=msg.check_tokenization,
+                activation=ACTIVATION.get(msg.activation, str(msg.activation)),
+                messages=messages,
             )
         )
 
@@ -121,6 +131,7 @@ class RequestConverter:
                 labels=list(msg.labels),
                 apply_softmax=msg.apply_softmax,
                 item_first=msg.item_first,
+                activation=ACTIVATION.get(msg.activation, str(msg.activation)),
             )
         )
 

@@ -80,9 +80,10 @@ FAMILY_OPTIONS = {
 }
 
 
-def make_torch_model(family: str, seed: int = 0, **overrides):
+def make_torch_model(family: str, seed: int = 0, classifier: bool = False, **overrides):
     """A randomly initialised transformers model of the family (eval mode, float32, eager attention:
-    the plain softmax(QK^T)V the fast paths must equal)."""
+    the plain softmax(QK^T)V the fast paths must equal); `classifier`: its *ForSequenceClassification
+    (`num_labels` among the overrides)."""
     import torch
     import transformers
 
@@ -96,6 +97,9 @@ def make_torch_model(family: str, seed: int = 0, **overrides):
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[family]
     torch.manual_seed(seed)
+    if classifier:  # Gemma 3's text classifier is named apart from the multimodal one
+        name = model_cls.__name__.replace("ForCausalLM", "ForSequenceClassification")
+        model_cls = getattr(transformers, {"gemma3_text": "Gemma3TextForSequenceClassification"}.get(family, name))
     config = config_cls(**{**TINY_SHAPES, **FAMILY_OPTIONS[family], **overrides})
     model = model_cls._from_config(config, attn_implementation="eager").eval()
     # HF initialises norms to exactly 1: perturb them so a missing or misplaced norm weight shows.
@@ -107,6 +111,8 @@ def make_torch_model(family: str, seed: int = 0, **overrides):
                 p.add_(0.1 * torch.randn_like(p))
             if "q_proj.weight" in name or "k_proj.weight" in name:
                 p.mul_(12.0)
+            if name == "score.weight":  # logits of a few units, so every activation moves
+                p.mul_(10.0)
     return model
 
 

@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Activation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACTIVATION_UNSPECIFIED: _ClassVar[Activation]
+    ACTIVATION_NONE: _ClassVar[Activation]
+    ACTIVATION_SIGMOID: _ClassVar[Activation]
+    ACTIVATION_SOFTMAX: _ClassVar[Activation]
+
 class Truncate(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRUNCATE_UNSPECIFIED: _ClassVar[Truncate]
@@ -19,6 +26,10 @@ class QueryTruncation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     QUERY_TRUNCATION_NONE: _ClassVar[QueryTruncation]
     QUERY_TRUNCATION_LEFT: _ClassVar[QueryTruncation]
     QUERY_TRUNCATION_RIGHT: _ClassVar[QueryTruncation]
+ACTIVATION_UNSPECIFIED: Activation
+ACTIVATION_NONE: Activation
+ACTIVATION_SIGMOID: Activation
+ACTIVATION_SOFTMAX: Activation
 TRUNCATE_UNSPECIFIED: Truncate
 TRUNCATE_NONE: Truncate
 TRUNCATE_END: Truncate
@@ -42,7 +53,7 @@ class Input(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization")
+    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization", "activation", "messages")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +64,8 @@ class ScoreRequest(_message.Message):
     QUERY_TRUNCATION_FIELD_NUMBER: _ClassVar[int]
     MAX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHECK_TOKENIZATION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     query: Input
     items: _containers.RepeatedCompositeFieldContainer[Input]
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -63,7 +76,17 @@ class ScoreRequest(_message.Message):
     query_truncation: QueryTruncation
     max_query_tokens: int
     check_tokenization: bool
-    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ...) -> None: ...
+    activation: Activation
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ItemScores(_message.Message):
     __slots__ = ("probabilities",)
@@ -88,30 +111,34 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., items: _Optional[int] = ..., truncated_query_tokens: _Optional[int] = ..., truncated_items: _Optional[_Iterable[int]] = ..., truncated_item_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("scores", "usage", "label_token_ids", "joined_tokenization_differs")
+    __slots__ = ("scores", "usage", "label_token_ids", "joined_tokenization_differs", "label_names")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     JOINED_TOKENIZATION_DIFFERS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedCompositeFieldContainer[ItemScores]
     usage: Usage
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
     joined_tokenization_differs: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., joined_tokenization_differs: _Optional[_Iterable[bool]] = ...) -> None: ...
+    label_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., joined_tokenization_differs: _Optional[_Iterable[bool]] = ..., label_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
-    __slots__ = ("query", "label_token_ids", "labels", "apply_softmax", "item_first")
+    __slots__ = ("query", "label_token_ids", "labels", "apply_softmax", "item_first", "activation")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     APPLY_SOFTMAX_FIELD_NUMBER: _ClassVar[int]
     ITEM_FIRST_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     query: Input
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
     labels: _containers.RepeatedScalarFieldContainer[str]
     apply_softmax: bool
     item_first: bool
-    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ...) -> None: ...
+    activation: Activation
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ...) -> None: ...
 
 class ItemBatch(_message.Message):
     __slots__ = ("batch_id", "items")
@@ -218,7 +245,7 @@ class Limits(_message.Message):
     def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ..., max_queue_tokens: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., max_streams: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., stream_idle_timeout_ms: _Optional[int] = ..., max_pending_batches: _Optional[int] = ..., keepalive_time_ms: _Optional[int] = ..., keepalive_timeout_ms: _Optional[int] = ..., max_connection_idle_ms: _Optional[int] = ..., max_connection_age_ms: _Optional[int] = ..., max_connection_age_grace_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size")
+    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size", "head", "label_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +263,8 @@ class GetModelInfoResponse(_message.Message):
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    LABEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     vocab_size: int
@@ -253,7 +282,9 @@ class GetModelInfoResponse(_message.Message):
     max_position_embeddings: int
     tp_size: int
     dp_size: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ...) -> None: ...
+    head: str
+    label_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., head: _Optional[str] = ..., label_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
     __slots__ = ("query", "documents", "instruction", "top_n", "return_documents", "max_tokens_per_doc", "truncate", "check_tokenization")
