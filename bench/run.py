@@ -54,14 +54,14 @@ import numpy as np
 from prefixscore.bench import workloads as wl
 from prefixscore.telemetry import host_cost
 
-WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4", "host", "host-rerank", "w5")
+WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4", "host", "host-rerank", "w5", "w6", "w6-one-by-one")
 MODES = ("prefix", "packed", "sequential")
 # many clients at once through gRPC (host-rerank: HTTP); the server runs its prefix path only
 CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank", "w5")
 # W5 through a router, twice over new queries: clients sending the prefix key, then none
 W5_MODES = ("affinity", "no-key")
 # workloads whose model FLOP rate is reported as a share of W1-cold's
-SHARED_WITH_W1_COLD = ("w2", "w3", "w3-grpc", "w4")
+SHARED_WITH_W1_COLD = ("w2", "w3", "w3-grpc", "w4", "w6", "w6-one-by-one")
 SHARE_KEY = "flop_rate_share_of_w1_cold"
 # the same share with each rate taken against the matmul rate measured around it
 UTIL_SHARE_KEY = "utilisation_share_of_w1_cold"
@@ -109,10 +109,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        type=_list(WORKLOADS, [w for w in WORKLOADS if w != "w5"]),
+        type=_list(WORKLOADS, [w for w in WORKLOADS if w != "w5" and not w.startswith("w6")]),
         default=["w1-cold"],
         help=f"comma list of {','.join(WORKLOADS)}, or all (all but w5, which runs through a router: "
-        "--target ROUTER --replica-metrics) [w1-cold]",
+        "--target ROUTER --replica-metrics, and w6, which needs a one-logit classifier: "
+        "--model bench-cpu-reward) [w1-cold]",
     )
     p.add_argument(
         "--mode", type=_list(MODES), default=["prefix"], help=f"comma list of {','.join(MODES)}, or all [prefix]"
@@ -155,6 +156,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--host-requests", type=int, default=2000, help="requests of host and host-rerank (W4's clients) [%(default)s]"
     )
     p.add_argument("--rerank-docs", type=int, default=20, help="host-rerank documents per request [%(default)s]")
+    p.add_argument("--w6-conversation", type=int, default=1000, help="W6 conversation tokens [%(default)s]")
+    p.add_argument("--w6-responses", type=int, default=64, help="W6 candidate responses [%(default)s]")
+    p.add_argument(
+        "--w6-max-response-tokens", type=int, default=300, help="W6 longest response (from 50) [%(default)s]"
+    )
     p.add_argument("--w5-queries", type=int, default=12, help="W5 W1-sized queries sent in chunks [%(default)s]")
     p.add_argument("--w5-chunk", type=int, default=25, help="W5 items per request of a chunked query [%(default)s]")
     p.add_argument(
@@ -253,6 +259,37 @@ class RemoteRerank:
         if response.status != 200:
             raise RuntimeError(f"/v1/rerank answered {response.status}: {answer}")
         return [r["relevance_score"] for r in answer["results"]], answer["usage"]["cached_tokens"]
+
+
+class RemoteClassify:
+    """HTTP POST /v1/classify (W6): each request's conversation + response inputs in one body,
+    whose shared leading tokens the server prefills once; one_by_one: each input in a body of
+    its own, one after another (every one a whole sequence)."""
+
+    kind = "http"
+
+    def __init__(self, target: str, one_by_one: bool) -> None:
+        self.target = target
+        self.one_by_one = one_by_one
+        self._local = threading.local()
+
+    def _post(self, inputs: list[list[int]]) -> dict[str, Any]:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            host, port = self.target.rsplit(":", 1)
+            conn = self._local.conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        conn.request("POST", "/v1/classify", json.dumps({"input": inputs}), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        if response.status != 200:
+            raise RuntimeError(f"/v1/classify answered {response.status}: {answer}")
+        return answer
+
+    def score(self, req: wl.Request, mode: str) -> tuple[list[list[float]], int]:
+        inputs = [req.query + item for item in req.items]
+        answers = [self._post([one]) for one in inputs] if self.one_by_one else [self._post(inputs)]
+        probs = [d["probs"] for a in answers for d in a["data"]]
+        return probs, sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
 
 
 class ServedProcess:
@@ -533,6 +570,9 @@ class Bench:
             w4_query=args.w4_query_tokens,
             w4_items=args.w4_items,
             w4_item_tokens=args.w4_item_tokens,
+            w6_conversation=args.w6_conversation,
+            w6_responses=args.w6_responses,
+            w6_response_tokens=(min(50, args.w6_max_response_tokens), args.w6_max_response_tokens),
         )
 
     @property
@@ -576,7 +616,10 @@ class Bench:
         }
 
     def requests(self, workload: str, n: int, gen: wl.Generator) -> list[wl.Request]:
-        labels = wl.label_ids(self.vocab, self.tokenizer)
+        if workload.startswith("w6"):
+            return wl.w6(gen, self.sizes, n)
+        # a classifier takes no label ids: its head scores every label
+        labels = [] if self.cfg is not None and self.cfg.num_labels else wl.label_ids(self.vocab, self.tokenizer)
         if workload.startswith("w1"):
             return wl.w1(gen, self.sizes, labels, cold=workload == "w1-cold", runs=n)
         if workload == "w2":
@@ -613,7 +656,7 @@ class Bench:
         cached = min(cached, len(req.query))
         return total - flops.request(self.cfg, cached, [], req.apply_softmax, len(req.labels))["prefill"]
 
-    def target(self, workload: str, mode: str = "prefix") -> InProcess | Remote | RemoteRerank:
+    def target(self, workload: str, mode: str = "prefix") -> InProcess | Remote | RemoteRerank | RemoteClassify:
         if workload == "w5":
             if self.args.target is None:
                 raise SystemExit("w5 runs through a router in front of replicas: --target ROUTER --replica-metrics")
@@ -624,6 +667,16 @@ class Bench:
             if self.http_target is None:
                 raise SystemExit("host-rerank needs an HTTP API: --serve-process, or --target with --http-target")
             return RemoteRerank(self.http_target)
+        if workload == "w6" and mode == "sequential":  # each response scored whole (in process)
+            if self.scorer is None:
+                raise SystemExit("w6 in sequential mode runs in process (no --target)")
+            return InProcess(self.scorer)
+        if workload.startswith("w6"):
+            if self.http_target is None and self.remote is None:
+                self._local_server()
+            if self.http_target is None:
+                raise SystemExit("w6 needs an HTTP API: --serve-process, or --target with --http-target")
+            return RemoteClassify(self.http_target, one_by_one=workload == "w6-one-by-one")
         if self.remote is not None:
             return self.remote
         if workload not in CONCURRENT:

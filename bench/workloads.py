@@ -55,6 +55,9 @@ class Sizes:
     w4_query: int = 300
     w4_items: int = 10
     w4_item_tokens: int = 20
+    w6_conversation: int = 1000
+    w6_responses: int = 64
+    w6_response_tokens: tuple[int, int] = (50, 300)
 
 
 def label_ids(vocab: int, tokenizer: object | None = None) -> list[int]:
@@ -126,6 +129,19 @@ def w4(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]
     """
     return [
         Request(gen.tokens(sizes.w4_query), [gen.tokens(sizes.w4_item_tokens) for _ in range(sizes.w4_items)], labels)
+        for _ in range(n)
+    ]
+
+
+def w6(gen: Generator, sizes: Sizes, n: int) -> list[Request]:
+    """W6: a reward model judging best-of-N: a new 1,000-token conversation per request and 64
+    candidate responses of 50-300 tokens (log-uniform), scored by a classifier head (no labels)."""
+    return [
+        Request(
+            gen.tokens(sizes.w6_conversation),
+            [gen.tokens(gen.log_uniform(*sizes.w6_response_tokens)) for _ in range(sizes.w6_responses)],
+            [],
+        )
         for _ in range(n)
     ]
 

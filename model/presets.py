@@ -52,6 +52,25 @@ RANDOM_PRESETS: dict[str, tuple[ModelConfig, str | None]] = {
         ),
         None,
     ),
+    # a one-logit reward model in bench-cpu's shapes (W6, docs/benchmarks.md): its `score` head,
+    # no vocabulary head
+    "bench-cpu-reward": (
+        ModelConfig(
+            vocab_size=151936,
+            hidden_size=256,
+            intermediate_size=768,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            max_position_embeddings=40960,
+            num_labels=1,
+            label_names=("reward",),
+            name="bench-cpu-reward",
+            **QWEN3_SHAPES,
+        ),
+        None,
+    ),
     "qwen3-0.6b-random": (
         ModelConfig(
             vocab_size=151936,

@@ -236,6 +236,25 @@ def test_bench_flop_rate_shares_of_w1_cold(tmp_path, capsys) -> None:
         assert f"{name} {by[name.lower()][bench.SHARE_KEY]:.2f} of W1-cold's model FLOP rate" in printed
 
 
+def test_w6_reward_model_through_classify_against_one_by_one(tmp_path, capsys) -> None:
+    """W6 on the one-logit reward preset: a conversation with candidate responses in one
+    /v1/classify body (its shared pages prefilled once) and the same inputs one body each, both
+    over HTTP, with W1-cold's FLOP rate (no label ids: a classifier scores its own head) in the
+    same run."""
+    out = tmp_path / "w6.json"
+    sizes = ["--query-tokens", "64", "--items", "8", "--item-tokens", "8", "--runs", "1", "--no-progress"]
+    w6 = ["--w6-conversation", "96", "--w6-responses", "6", "--w6-max-response-tokens", "60"]
+    args = parse(["bench", "--model", "bench-cpu-reward", "--workload", "w1-cold,w6,w6-one-by-one", *sizes, *w6])
+    args.json_path = str(out)
+    assert args.func(args) == 0
+    by = {r["workload"]: r for r in json.loads(out.read_text())}
+    assert by["w1-cold"]["transport"] == "in-process"
+    for w in ("w6", "w6-one-by-one"):
+        assert by[w]["transport"].startswith("http ") and by[w]["items"] == 6, w
+        assert by[w][bench.SHARE_KEY] > 0 and by[w]["steady_state_compilations"] == 0, w
+    assert "W6 " in capsys.readouterr().out
+
+
 def test_bench_rounds_take_shares_per_round_and_their_median(tmp_path, capsys) -> None:
     """--rounds 3: the workload list three times; each round's W4 share is against that round's
     W1-cold, and the median over rounds is printed."""
