@@ -196,16 +196,18 @@ def test_xla_prefix_steps_of_every_size() -> None:
         pk, pv = pk.at[where].set(k[at : at + t]), pv.at[where].set(v[at : at + t])
         at += t
     read = selfcheck.read_rows(meta)  # padding tokens' outputs are never read
+    # the window is a traced value: one compilation of each for all three
     prefix, whole = jax.jit(xla.paged_prefix_attention), jax.jit(xla.paged_attention)
-    for window in (NO_WINDOW, 150, 1100):  # a traced value: one compilation
+    want_prefix, want_whole = jax.jit(reference.paged_prefix_attention), jax.jit(reference.paged_attention)
+    for window in (NO_WINDOW, 150, 1100):
         meta = dataclasses.replace(meta, window=jnp.int32(window))
-        want_p, want_lse = reference.paged_prefix_attention(q, pk, pv, meta)
+        want_p, want_lse = want_prefix(q, pk, pv, meta)
         got_p, got_lse = prefix(q, pk, pv, meta)
         sees = read & (np.asarray(want_lse[:, 0]) > reference.MASK_VALUE / 2)  # some prefix key
         close(got_p[sees], want_p[sees], jnp.float32)
         close(got_lse[sees], want_lse[sees], jnp.float32)
         assert (np.asarray(got_lse)[read & ~sees] <= reference.MASK_VALUE / 2).all()  # weighed 0
-        close(whole(q, k, v, pk, pv, meta)[read], reference.paged_attention(q, k, v, pk, pv, meta)[read], jnp.float32)
+        close(whole(q, k, v, pk, pv, meta)[read], want_whole(q, k, v, pk, pv, meta)[read], jnp.float32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
