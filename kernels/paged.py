@@ -60,6 +60,13 @@ class AttentionLogits:
     scale: float | None = None
     softcap: float | None = None
 
+    def __post_init__(self) -> None:
+        # a positive scale keeps the max of raw scores the max of the logits (xla's online softmax)
+        for name in ("scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"AttentionLogits.{name} must be positive, got {value}")
+
     def scale_for(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.scale is None else self.scale
 

@@ -71,6 +71,8 @@ def score_call(
     windows = (None,) * cfg.num_layers if windows is None else windows
     if len(windows) != cfg.num_layers:
         raise ValueError(f"{len(windows)} windows for {cfg.num_layers} layers")
+    if any(w is not None and w < 1 for w in windows):
+        raise ValueError(f"a sliding window is at least 1 token (the token itself), got {windows}")
     # [layers] int32: the layer scan's index picks its layer's window (_at_layer)
     layer_windows = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
     meta = PagedAttentionMeta(

@@ -17,6 +17,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from prefixscore.kernels import dispatch, reference, selfcheck
+from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta
 
 IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -152,7 +153,6 @@ def test_xla_prefix_steps_of_every_size() -> None:
     windowed layers: a window shorter than a query block (rows that see no prefix key beside
     rows that see some) and one longer than a key chunk."""
     from prefixscore.kernels import xla
-    from prefixscore.kernels.paged import NO_WINDOW, PagedAttentionMeta
 
     rng = np.random.default_rng(11)
     heads, kv, d, page = 4, 2, 32, 128
@@ -219,6 +219,13 @@ def test_merge_attention(impl: str) -> None:
     with interpreted(impl):
         got = dispatch.get(impl).merge_attention(oa, la, ob, lb)
     close(got, reference.merge_attention(oa, la, ob, lb), jnp.float32)
+
+
+def test_attention_logits_are_static_and_checked() -> None:
+    assert hash(selfcheck.LOGITS) == hash(AttentionLogits(scale=0.1, softcap=2.0))  # a static field: hashable
+    for bad in (dict(scale=0.0), dict(softcap=-1.0)):
+        with pytest.raises(ValueError, match="must be positive"):
+            AttentionLogits(**bad)
 
 
 def test_dispatch_names_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
