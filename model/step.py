@@ -59,7 +59,8 @@ def score_call(
     rows; the pool holds this device's KV heads.
     replicas: the data axis: this device's prefill region holds its replica's chunks only; each
     layer's pool write takes every replica's (all-gathered), so every pool gets every page.
-    windows: each layer's sliding window (None: the layer attends fully; None: no layer has one);
+    windows: one per layer, its sliding window or None (the layer attends fully); None: no layer
+    has one;
     attention_logits: the model's softmax scale and soft cap (kernels/paged.py).
     Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
     n_rows and columns past a row's labels are 0) and the pool with the chunks written."""
