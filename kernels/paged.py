@@ -28,8 +28,8 @@ and positions are contiguous within an item. On a layer with a sliding window `w
 (`window`, traced: set per layer inside the layer scan) a token at position p sees only
 keys at positions in (p - w, p] (transformers' `sliding_window`): prefix keys c >= p - w + 1,
 and the earlier tokens of its own item at most w - 1 stream indices back. A token may so see
-no prefix key at all: its prefix part is then empty (out 0, LSE MASK_VALUE), like a segment
-without a prefix. NO_WINDOW (a value past any position) is a layer without a window.
+no prefix key at all: its prefix part is then empty (an LSE of about MASK_VALUE, which the
+merge weighs 0), like a segment without a prefix. NO_WINDOW (a value past any position) is a layer without a window.
 Implementations mask the keys a window hides inside their tiles, and skip the pages and key
 blocks that no token of a query block (or run) can see. `logits` (static, per model) is
 how raw q.k scores become logits: times `scale` (head_dim ** -0.5 by default), then, with a
@@ -59,6 +59,13 @@ class AttentionLogits:
 
     scale: float | None = None
     softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        # a positive scale keeps the max of raw scores the max of the logits (xla's online softmax)
+        for name in ("scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"AttentionLogits.{name} must be positive, got {value}")
 
     def scale_for(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.scale is None else self.scale
@@ -142,9 +149,10 @@ def causal_by_region(
     concatenated: the items' short blocks never pay for the prefill chunks' long ones.
     q: [T, heads, d]; k, v: [T, kv, d]. Returns out [T, heads, d], lse [T, heads] float32."""
     s = meta.split
-    ragged = lambda sl, bound: ragged_item_attention(  # noqa: E731
-        q[sl], k[sl], v[sl], meta.item_ids[sl], bound, meta.window, meta.logits
-    )
+
+    def ragged(rows: slice, bound: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return ragged_item_attention(q[rows], k[rows], v[rows], meta.item_ids[rows], bound, meta.window, meta.logits)
+
     if s == 0:
         return ragged(slice(None), meta.max_item_len)
     if s == q.shape[0]:

@@ -17,6 +17,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from prefixscore.kernels import dispatch, reference, selfcheck
+from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta
 
 IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -152,7 +153,6 @@ def test_xla_prefix_steps_of_every_size() -> None:
     windowed layers: a window shorter than a query block (rows that see no prefix key beside
     rows that see some) and one longer than a key chunk."""
     from prefixscore.kernels import xla
-    from prefixscore.kernels.paged import NO_WINDOW, PagedAttentionMeta
 
     rng = np.random.default_rng(11)
     heads, kv, d, page = 4, 2, 32, 128
@@ -196,16 +196,18 @@ def test_xla_prefix_steps_of_every_size() -> None:
         pk, pv = pk.at[where].set(k[at : at + t]), pv.at[where].set(v[at : at + t])
         at += t
     read = selfcheck.read_rows(meta)  # padding tokens' outputs are never read
+    # the window is a traced value: one compilation of each for all three
     prefix, whole = jax.jit(xla.paged_prefix_attention), jax.jit(xla.paged_attention)
-    for window in (NO_WINDOW, 150, 1100):  # a traced value: one compilation
+    want_prefix, want_whole = jax.jit(reference.paged_prefix_attention), jax.jit(reference.paged_attention)
+    for window in (NO_WINDOW, 150, 1100):
         meta = dataclasses.replace(meta, window=jnp.int32(window))
-        want_p, want_lse = reference.paged_prefix_attention(q, pk, pv, meta)
+        want_p, want_lse = want_prefix(q, pk, pv, meta)
         got_p, got_lse = prefix(q, pk, pv, meta)
         sees = read & (np.asarray(want_lse[:, 0]) > reference.MASK_VALUE / 2)  # some prefix key
         close(got_p[sees], want_p[sees], jnp.float32)
         close(got_lse[sees], want_lse[sees], jnp.float32)
         assert (np.asarray(got_lse)[read & ~sees] <= reference.MASK_VALUE / 2).all()  # weighed 0
-        close(whole(q, k, v, pk, pv, meta)[read], reference.paged_attention(q, k, v, pk, pv, meta)[read], jnp.float32)
+        close(whole(q, k, v, pk, pv, meta)[read], want_whole(q, k, v, pk, pv, meta)[read], jnp.float32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -217,6 +219,13 @@ def test_merge_attention(impl: str) -> None:
     with interpreted(impl):
         got = dispatch.get(impl).merge_attention(oa, la, ob, lb)
     close(got, reference.merge_attention(oa, la, ob, lb), jnp.float32)
+
+
+def test_attention_logits_are_static_and_checked() -> None:
+    assert hash(selfcheck.LOGITS) == hash(AttentionLogits(scale=0.1, softcap=2.0))  # a static field: hashable
+    for bad in (dict(scale=0.0), dict(softcap=-1.0)):
+        with pytest.raises(ValueError, match="must be positive"):
+            AttentionLogits(**bad)
 
 
 def test_dispatch_names_and_override(monkeypatch: pytest.MonkeyPatch) -> None:

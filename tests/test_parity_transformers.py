@@ -35,6 +35,33 @@ def test_matches_transformers(hf_checkpoints, family, dtype):
                 np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
 
 
+def test_per_layer_sliding_windows_match_transformers(tmp_path):
+    """Per-layer windows from the config equal transformers' sliding attention: a Qwen2 whose
+    second layer slides (`layer_types`) with a window shorter than the query and than some of
+    its sequences, the first attending fully."""
+    import torch
+    from conftest import make_torch_model
+
+    window = 16
+    plain = make_torch_model("qwen2")
+    sliding = make_torch_model(
+        "qwen2", use_sliding_window=True, sliding_window=window, layer_types=["full_attention", "sliding_attention"]
+    )
+    for (name, a), b in zip(plain.state_dict().items(), sliding.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # the same weights: only the window differs
+    sliding.save_pretrained(tmp_path)
+    scorer = Scorer.load(str(tmp_path), dtype="float32", buckets=SMALL_BUCKETS)
+    assert scorer.cfg.layer_windows == (None, window)
+    for item_first in (False, True):  # items over the cached query; whole sequences over no prefix
+        seqs = [it + QUERY if item_first else QUERY + it for it in ITEMS]
+        got = np.array(scorer.score(QUERY, ITEMS, LABELS, apply_softmax=True, item_first=item_first))
+        want = torch_label_probs(sliding, seqs, LABELS, apply_softmax=True)
+        assert np.abs(got - want).max() <= TOLERANCE["float32"], item_first
+        # the window moves the scores: a scorer that ignored it would fail above
+        moved = np.abs(want - torch_label_probs(plain, seqs, LABELS, apply_softmax=True)).max()
+        assert moved > 100 * TOLERANCE["float32"], moved
+
+
 def test_sharded_safetensors_load_identically(tmp_path):
     """A checkpoint saved in many shards (model.safetensors.index.json) scores as the single file."""
     from conftest import make_torch_model
