@@ -263,7 +263,7 @@ _GEMMA = (
 )
 _GEMMA2 = (
     Field("query_pre_attn_scalar", COMPUTED, "the attention softmax's scale is its inverse square root"),
-    Field("final_logit_softcapping", COMPUTED, "vocabulary logits soft-capped likewise"),
+    Field("final_logit_softcapping", COMPUTED, "vocabulary logits soft-capped at cap * tanh(logit / cap)"),
     Field("sliding_window", COMPUTED, "the window of the sliding layers"),
     Field(
         "layer_types",

@@ -6,6 +6,7 @@ run). Tokenizers come from local files only; nothing is downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -52,25 +53,6 @@ RANDOM_PRESETS: dict[str, tuple[ModelConfig, str | None]] = {
         ),
         None,
     ),
-    # a one-logit reward model in bench-cpu's shapes (W6, docs/benchmarks.md): its `score` head,
-    # no vocabulary head
-    "bench-cpu-reward": (
-        ModelConfig(
-            vocab_size=151936,
-            hidden_size=256,
-            intermediate_size=768,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=64,
-            max_position_embeddings=40960,
-            num_labels=1,
-            label_names=("reward",),
-            name="bench-cpu-reward",
-            **QWEN3_SHAPES,
-        ),
-        None,
-    ),
     "qwen3-0.6b-random": (
         ModelConfig(
             vocab_size=151936,
@@ -87,6 +69,12 @@ RANDOM_PRESETS: dict[str, tuple[ModelConfig, str | None]] = {
         None,
     ),
 }
+# a one-logit reward model in bench-cpu's shapes (W6, docs/benchmarks.md): its `score` head, no
+# vocabulary head
+RANDOM_PRESETS["bench-cpu-reward"] = (
+    dataclasses.replace(RANDOM_PRESETS["bench-cpu"][0], num_labels=1, label_names=("reward",), name="bench-cpu-reward"),
+    None,
+)
 PRESETS = (*RANDOM_PRESETS, "smollm2-135m")
 DEFAULT_MODEL = "smollm2-135m"
 

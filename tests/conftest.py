@@ -22,6 +22,19 @@ from prefixscore.model.config import ModelConfig  # noqa: E402
 
 # Small buckets keep compile time of the test models to seconds.
 SMALL_BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)
+# one item bucket, one prefill bucket, 16-token pages: two small executables per test model
+ONE_SHAPE_BUCKETS = Buckets(
+    context=512,
+    tokens=(128,),
+    prefill=(0, 128),
+    max_batch_tokens=128,
+    prefill_chunk=64,
+    max_prefill_tokens=128,
+    page_tokens=16,
+    segments=4,
+    labels=(8,),
+    head_rows=32,
+)
 
 # a small Qwen3-style model for engine-level tests with random weights (model/weights.random_params)
 SMALL_QWEN3 = ModelConfig(
@@ -47,6 +60,17 @@ TINY_SHAPES = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+# Gemma 2 and 3: a query scale, both soft caps (Gemma 3's attention cap is inert, as in transformers)
+# and a 48-token window
+GEMMA2_OPTIONS = dict(
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    attn_logit_softcapping=5.0,
+    final_logit_softcapping=3.0,
+    sliding_window=48,
+)
 FAMILY_OPTIONS = {
     "llama": dict(tie_word_embeddings=False, rope_theta=10000.0),
     "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0),
@@ -54,23 +78,9 @@ FAMILY_OPTIONS = {
     "qwen3": dict(tie_word_embeddings=True, rope_theta=1_000_000.0, head_dim=16),
     # Gemma: every computed field off its default (the inventory adds few trials for these families)
     "gemma": dict(tie_word_embeddings=False, rms_norm_eps=1e-5, head_dim=16, hidden_act="gelu_pytorch_tanh"),
-    "gemma2": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        head_dim=16,
-        query_pre_attn_scalar=24,
-        attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0,
-        sliding_window=48,
-    ),
+    "gemma2": GEMMA2_OPTIONS,
     "gemma3_text": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        head_dim=16,
-        query_pre_attn_scalar=24,
-        attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0,
-        sliding_window=48,
+        **GEMMA2_OPTIONS,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},

@@ -26,10 +26,10 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ONE_SHAPE_BUCKETS
 from service_testing import scrape, server_config
 
 from prefixscore import Scorer
-from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.executables import ScoringEngine
 from prefixscore.engine.validation import ClassifyInput, InvalidInput
 from prefixscore.model import presets
@@ -46,18 +46,7 @@ PROMPT = (
     "facts that astronomers agree on. The answer under review follows after the marker.\nAnswer:"
 ) * 2 + " (graded strictly)"
 # pages of 16 tokens: a prompt of a few pages is shared
-BUCKETS = Buckets(
-    context=512,
-    tokens=(128,),
-    prefill=(0, 128),
-    max_batch_tokens=128,
-    prefill_chunk=64,
-    max_prefill_tokens=128,
-    page_tokens=16,
-    segments=32,
-    labels=(8,),
-    head_rows=32,
-)
+BUCKETS = dataclasses.replace(ONE_SHAPE_BUCKETS, segments=32)
 RESPONSES = [
     " Jupiter, mostly hydrogen and helium.",
     " Saturn is the largest; it is made of rock.",

@@ -17,30 +17,18 @@ import json
 import numpy as np
 import pytest
 import transformers
-from conftest import FAMILY_OPTIONS, TINY_SHAPES, make_torch_model, torch_label_probs
+from conftest import FAMILY_OPTIONS, ONE_SHAPE_BUCKETS, TINY_SHAPES, make_torch_model, torch_label_probs
 from gguf import GGMLQuantizationType as Q
 from test_gguf import write_gguf
 
 from prefixscore import Scorer
-from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.validation import InvalidInput
 from prefixscore.model.config import UnsupportedModelError
 from prefixscore.model.config_inventory import FAMILIES, GGUF_KEYS, Effect, family_fields
 
 TOLERANCE = 1e-5  # float32, against transformers' eager float32 forward pass
 # one page size, one item bucket, one prefill bucket: each trial compiles two small executables
-BUCKETS = Buckets(
-    context=512,
-    tokens=(128,),
-    prefill=(0, 128),
-    max_batch_tokens=128,
-    prefill_chunk=64,
-    max_prefill_tokens=128,
-    page_tokens=16,
-    segments=4,
-    labels=(8,),
-    head_rows=32,
-)
+BUCKETS = ONE_SHAPE_BUCKETS
 RNG = np.random.default_rng(28)
 QUERIES = [RNG.integers(0, 320, n).tolist() for n in (20, 60)]  # inside and past a 48-token window
 ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 5, 13, 27)]

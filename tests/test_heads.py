@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_torch_model, torch_label_probs
+from conftest import ONE_SHAPE_BUCKETS, make_torch_model, torch_label_probs
 
 from prefixscore import Scorer
-from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.executables import CompileCounter
 from prefixscore.engine.validation import InvalidInput
 from prefixscore.model.config import UnsupportedModelError
@@ -22,18 +21,7 @@ from prefixscore.model.weights import weight_axes
 
 TOLERANCE = 1e-5  # float32 against transformers' eager float32
 # one item bucket, one prefill bucket: two small executables per model
-BUCKETS = Buckets(
-    context=512,
-    tokens=(128,),
-    prefill=(0, 128),
-    max_batch_tokens=128,
-    prefill_chunk=64,
-    max_prefill_tokens=128,
-    page_tokens=16,
-    segments=4,
-    labels=(8,),
-    head_rows=32,
-)
+BUCKETS = ONE_SHAPE_BUCKETS
 RNG = np.random.default_rng(41)
 QUERY = RNG.integers(0, 320, 37).tolist()
 ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 4, 11, 26)]
