@@ -667,9 +667,7 @@ class Bench:
             if self.http_target is None:
                 raise SystemExit("host-rerank needs an HTTP API: --serve-process, or --target with --http-target")
             return RemoteRerank(self.http_target)
-        if workload == "w6" and mode == "sequential":  # each response scored whole (in process)
-            if self.scorer is None:
-                raise SystemExit("w6 in sequential mode runs in process (no --target)")
+        if workload == "w6" and mode != "prefix":  # the baselines: in process, as W1's
             return InProcess(self.scorer)
         if workload.startswith("w6"):
             if self.http_target is None and self.remote is None:
@@ -971,7 +969,8 @@ def run(args: argparse.Namespace) -> int:
         gen = wl.Generator(bench.vocab, args.seed)
         for round_ in range(args.rounds):
             for workload in args.workload:
-                modes = ["prefix"] if workload in CONCURRENT or not in_process else args.mode
+                one_mode = workload in CONCURRENT or workload == "w6-one-by-one" or not in_process
+                modes = ["prefix"] if one_mode else args.mode
                 if workload == "w5":
                     modes = list(W5_MODES)
                 for mode in modes:

@@ -5,6 +5,8 @@ The mix: a new query long enough to prefill in three chunks (its items ride in t
 that carries its chunks), a short new query with another label set and softmax, a query
 already cached from an earlier call, and an item_first request (whole sequences over no
 prefix); items of many lengths. Alone: each request on a fresh runner (its own calls).
+The model slides a 64-token window (shorter than two of the queries) with Gemma 2's soft caps
+and a query scale, so every family's window, cap and scale ride in mixed calls too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.model.weights import random_params
 
 # head_dim 64 and 128-token pages: shapes every kernel family tiles (none falls back to XLA)
-CFG = dataclasses.replace(SMALL_QWEN3, name="mixed-test", head_dim=64, num_layers=1)
+CFG = dataclasses.replace(
+    SMALL_QWEN3,
+    name="mixed-test",
+    head_dim=64,
+    num_layers=1,
+    sliding_window=64,
+    attn_scale=0.1,
+    attn_softcap=20.0,
+    final_softcap=15.0,
+)
 BUCKETS = Buckets(context=1024, max_batch_tokens=512, prefill_chunk=128, max_prefill_tokens=512)
 
 
