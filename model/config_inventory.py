@@ -438,7 +438,11 @@ def _head_dim(value: Any, cfg: Any) -> bool:
     return value == cfg.head_dim
 
 
-_NO_ROPE_SCALING = "RoPE scaling in GGUF metadata is not computed (llama3 factors come as rope_freqs.weight)"
+_NO_ROPE_SCALING = (
+    "RoPE scaling in GGUF metadata: linear (rope.scaling.type linear with its factor) is computed, other types "
+    "and a factor without the linear type are not (llama3 factors come as rope_freqs.weight)"
+)
+_LINEAR_GGUF = {"{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.factor": 2.0}
 
 # GGUF metadata keys ("{arch}." the architecture's prefix) and tensors; a key under "{arch}."
 # or outside general.*, tokenizer.*, GGUF.* that is not listed refuses the load
@@ -495,12 +499,22 @@ GGUF_KEYS: tuple[Field, ...] = (
         "{arch}.rope.scaling.type",
         LIMITED,
         _NO_ROPE_SCALING,
-        accepts=_equals("none"),
+        accepts=lambda v, cfg: v in ("none", "linear"),
         trials=(GgufTrial({"{arch}.rope.scaling.type": "linear"}), GgufTrial({"{arch}.rope.scaling.type": "yarn"})),
+    ),
+    Field(
+        "{arch}.rope.scaling.factor",
+        LIMITED,
+        _NO_ROPE_SCALING,
+        accepts=lambda v, cfg: v == 1.0 or dict(cfg.rope_scaling).get("rope_type") == "linear",
+        trials=(
+            GgufTrial({"{arch}.rope.scaling.factor": 2.0}),
+            GgufTrial(_LINEAR_GGUF, _rope(rope_type="linear", factor=2.0)),
+        ),
     ),
     *(
         Field(key, LIMITED, _NO_ROPE_SCALING, accepts=_equals(1.0), trials=(GgufTrial({key: 2.0}),))
-        for key in ("{arch}.rope.scaling.factor", "{arch}.rope.scale_linear", "{arch}.rope.scaling.attn_factor")
+        for key in ("{arch}.rope.scale_linear", "{arch}.rope.scaling.attn_factor")
     ),
     *(
         Field(key, INERT, "read only under a rope.scaling.type, which is refused")

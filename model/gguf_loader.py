@@ -128,6 +128,8 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
     layers = int(_field(reader, f"{arch}.block_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     gemma = GEMMA_RULES.get(arch)
+    linear = _field(reader, f"{arch}.rope.scaling.type") == "linear"  # other types: refused below
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
     cfg = ModelConfig(
         family=family,
         vocab_size=int(vocab),
@@ -144,6 +146,7 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         qkv_bias=family == "qwen2",
         qk_norm=family in ("qwen3", "gemma3"),
         rope_freq_factors=_rope_freq_factors(reader),
+        rope_scaling=(("rope_type", "linear"), ("factor", factor)) if linear else (),
         sliding_window=int(window) if window else None,
         **(_gemma_options(reader, arch, gemma, layers, hidden // heads, head_dim) if gemma else {}),
         name=name,

@@ -95,6 +95,11 @@ def write_gguf(model, family: str, path, qtype: Q, metadata: dict | None = None)
         "{arch}.attention.value_length": head_dim,
         "{arch}.rope.dimension_count": head_dim,
         **_gemma_metadata(cfg, family),
+        **(
+            {"{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.factor": float(rope["factor"])}
+            if rope["rope_type"] == "linear"
+            else {}
+        ),
         **(metadata or {}),
     }
     for key, value in keys.items():
@@ -195,7 +200,8 @@ def test_gguf_matches_dequantized_transformers(tmp_path, family, qtype):
 
 
 # what llama.cpp fixes for these architectures rather than storing it: queries scaled by the head
-# width, Gemma 3's local RoPE base of 10,000 and five sliding layers of six (the sixth full)
+# width, Gemma 3's local RoPE base of 10,000 (unscaled) and five sliding layers of six (the sixth
+# full, its RoPE scaled as rope.scaling says)
 GGUF_GEMMA = {
     "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
     "gemma3": (
@@ -206,7 +212,8 @@ GGUF_GEMMA = {
             layer_types=None,
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                # Gemma 3 4B and larger: the full layers' RoPE scaled linearly
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
             },
         ),
     ),
