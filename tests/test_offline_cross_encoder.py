@@ -73,3 +73,55 @@ def test_from_a_server_the_same_scores(tiny_scorer, encoder):
         np.testing.assert_allclose(remote.predict(pairs), encoder.predict(pairs), rtol=1e-6)
         assert [r["corpus_id"] for r in remote.rank(QUERY, DOCS)] == [r["corpus_id"] for r in encoder.rank(QUERY, DOCS)]
         remote.backend.close()
+
+
+def _classifier_dir(path, num_labels: int, chat_template: bool):
+    """A tiny Qwen3ForSequenceClassification with SmolLM2's tokenizer (its vocabulary; pad token
+    <|im_end|>, id 2, which transformers' head needs to find each padded row's last token).
+    Without chat_template.jinja, sentence-transformers tokenizes `tokenizer(query, document)`."""
+    import shutil
+
+    from conftest import make_torch_model
+
+    from prefixscore.model.presets import smollm2_tokenizer_dir
+
+    model = make_torch_model("qwen3", seed=5, classifier=True, num_labels=num_labels, vocab_size=49152, pad_token_id=2)
+    model.save_pretrained(path)
+    for f in smollm2_tokenizer_dir().iterdir():
+        if chat_template or f.name != "chat_template.jinja":
+            shutil.copy(f, path)
+    return str(path)
+
+
+@pytest.mark.parametrize(("num_labels", "chat_template"), [(1, True), (1, False), (3, True)])
+def test_a_classifier_scores_as_sentence_transformers(tmp_path, num_labels, chat_template):
+    """predict and rank over a sequence classifier equal sentence-transformers' CrossEncoder on
+    the same checkpoint: values, shapes, dtypes, order and types (a chat template renders the
+    pair as query/document messages; without one the pair is the tokenizer's)."""
+    import sentence_transformers
+    from conftest import ONE_SHAPE_BUCKETS
+
+    path = _classifier_dir(tmp_path, num_labels, chat_template)
+    st = sentence_transformers.CrossEncoder(path, device="cpu")
+    ours = CrossEncoder(path, buckets=ONE_SHAPE_BUCKETS)
+    assert ours.num_labels == st.num_labels == num_labels
+    pairs = [(QUERY, DOCS[0]), (OTHER, DOCS[1]), (QUERY, DOCS[2]), (QUERY, DOCS[3])]
+    calls = [((pairs,), {}), ((pairs[1],), {}), ((pairs,), {"activation_fn": torch.nn.Identity()})]
+    if num_labels > 1:
+        calls.append(((pairs,), {"apply_softmax": True}))
+    for args, kwargs in calls:
+        want, got = st.predict(*args, **kwargs), ours.predict(*args, **kwargs)
+        assert (type(got), got.dtype, got.shape) == (type(want), want.dtype, want.shape)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    if num_labels > 1:
+        with pytest.raises(ValueError, match="num_labels=1"):
+            ours.rank(QUERY, DOCS)
+        return
+    assert np.ptp(ours.predict(pairs)) > 1e-3  # the pairs' scores differ: the order below means something
+    want, got = (
+        st.rank(QUERY, DOCS, top_k=3, return_documents=True),
+        ours.rank(QUERY, DOCS, top_k=3, return_documents=True),
+    )
+    assert [(r["corpus_id"], r["text"]) for r in got] == [(r["corpus_id"], r["text"]) for r in want]
+    assert [{k: type(v) for k, v in r.items()} for r in got] == [{k: type(v) for k, v in r.items()} for r in want]
+    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in want], atol=1e-5)
