@@ -69,6 +69,8 @@ class CrossEncoder:
         self.instruction = instruction
         self.classifier = isinstance(model, Scorer) and model.cfg.num_labels > 0
         self.num_labels = model.cfg.num_labels if self.classifier else 1
+        if self.classifier and model.model.tokenizer is None:  # type: ignore[union-attr]
+            raise ValueError("a classifier scores text pairs as sentence-transformers: the model needs a tokenizer")
         if activation_fn is None and self.classifier:
             saved = _saved_activation(model_dir) if model_dir is not None else None
             activation_fn = saved or (_sigmoid if self.num_labels == 1 else None)
