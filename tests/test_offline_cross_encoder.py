@@ -75,10 +75,12 @@ def test_from_a_server_the_same_scores(tiny_scorer, encoder):
         remote.backend.close()
 
 
-def _classifier_dir(path, num_labels: int, chat_template: bool):
+def _classifier_dir(path, num_labels: int, chat_template: bool, activation: str | None) -> str:
     """A tiny Qwen3ForSequenceClassification with SmolLM2's tokenizer (its vocabulary; pad token
     <|im_end|>, id 2, which transformers' head needs to find each padded row's last token).
-    Without chat_template.jinja, sentence-transformers tokenizes `tokenizer(query, document)`."""
+    Without chat_template.jinja, sentence-transformers tokenizes `tokenizer(query, document)`;
+    `activation`: the class saved in config.json as sentence-transformers saves it."""
+    import json
     import shutil
 
     from conftest import make_torch_model
@@ -86,25 +88,34 @@ def _classifier_dir(path, num_labels: int, chat_template: bool):
     from prefixscore.model.presets import smollm2_tokenizer_dir
 
     model = make_torch_model("qwen3", seed=5, classifier=True, num_labels=num_labels, vocab_size=49152, pad_token_id=2)
+    if activation is not None:
+        model.config.sentence_transformers = {"activation_fn": activation}
     model.save_pretrained(path)
+    assert activation is None or json.loads((path / "config.json").read_text())["sentence_transformers"]
     for f in smollm2_tokenizer_dir().iterdir():
         if chat_template or f.name != "chat_template.jinja":
             shutil.copy(f, path)
     return str(path)
 
 
-@pytest.mark.parametrize(("num_labels", "chat_template"), [(1, True), (1, False), (3, True)])
-def test_a_classifier_scores_as_sentence_transformers(tmp_path, num_labels, chat_template):
+@pytest.mark.parametrize(
+    ("num_labels", "chat_template", "activation"),
+    [(1, True, None), (1, False, "torch.nn.modules.linear.Identity"), (3, True, None)],
+)
+def test_a_classifier_scores_as_sentence_transformers(tmp_path, num_labels, chat_template, activation):
     """predict and rank over a sequence classifier equal sentence-transformers' CrossEncoder on
     the same checkpoint: values, shapes, dtypes, order and types (a chat template renders the
-    pair as query/document messages; without one the pair is the tokenizer's)."""
+    pair as query/document messages; without one the pair is the tokenizer's), with the default
+    activation (a sigmoid for one label, logits for several) or the one the checkpoint saved."""
     import sentence_transformers
     from conftest import ONE_SHAPE_BUCKETS
 
-    path = _classifier_dir(tmp_path, num_labels, chat_template)
+    path = _classifier_dir(tmp_path, num_labels, chat_template, activation)
     st = sentence_transformers.CrossEncoder(path, device="cpu")
     ours = CrossEncoder(path, buckets=ONE_SHAPE_BUCKETS)
     assert ours.num_labels == st.num_labels == num_labels
+    # sentence-transformers' choice, which ours must reproduce: the saved one, else by label count
+    assert type(st.activation_fn).__name__ == ("Sigmoid" if num_labels == 1 and activation is None else "Identity")
     pairs = [(QUERY, DOCS[0]), (OTHER, DOCS[1]), (QUERY, DOCS[2]), (QUERY, DOCS[3])]
     calls = [((pairs,), {}), ((pairs[1],), {}), ((pairs,), {"activation_fn": torch.nn.Identity()})]
     if num_labels > 1:
