@@ -191,7 +191,8 @@ class CrossEncoder:
     ) -> list[dict[Literal["corpus_id", "score", "text"], int | float | str]]:
         """`[{"corpus_id", "score"(, "text")}]`, highest score first (ties: lower index first),
         the first `top_k` when given; the scores are Python floats, as sentence-transformers'
-        (which refuses models of several labels too)."""
+        (which refuses models of several labels too). `apply_softmax`, `convert_to_numpy` and
+        `convert_to_tensor` are taken and change nothing, as there (its deprecated arguments)."""
         if self.num_labels != 1:
             raise ValueError(
                 "CrossEncoder.rank() only works for models with num_labels=1. "
@@ -202,7 +203,6 @@ class CrossEncoder:
             batch_size=batch_size,
             show_progress_bar=show_progress_bar,
             activation_fn=activation_fn,
-            apply_softmax=apply_softmax,
         )
         results: list[dict[Literal["corpus_id", "score", "text"], int | float | str]] = []
         for i, score in enumerate(scores.tolist()):
