@@ -127,8 +127,8 @@ class CrossEncoder:
         as sentence-transformers. `activation_fn` is applied to the logits (default: the
         model's, `self.activation_fn`; a causal reranker's sigmoid gives the API's relevance);
         `apply_softmax` then takes a softmax over several labels (none with one).
-        `convert_to_tensor`: a torch tensor (torch needed); neither conversion: a list of numpy
-        values."""
+        `convert_to_tensor`: a torch tensor (torch needed); neither conversion: a list of torch
+        tensors, one per pair."""
         singular = bool(sentences) and isinstance(sentences, (list, tuple)) and isinstance(sentences[0], str)
         pairs: list[Pair] = [sentences] if singular else list(sentences)  # type: ignore[list-item]
         if show_progress_bar is None:
@@ -166,14 +166,12 @@ class CrossEncoder:
             scores = scores[:, 0]
         elif apply_softmax:
             scores = _softmax(scores)
-        if convert_to_tensor:
+        if convert_to_numpy and not convert_to_tensor:
+            out: Any = scores
+        else:  # a tensor, or a list of its rows (neither conversion), as sentence-transformers (torch needed)
             import torch
 
-            out: Any = torch.from_numpy(scores)
-        elif convert_to_numpy:
-            out = scores
-        else:
-            out = list(scores)
+            out = torch.from_numpy(scores) if convert_to_tensor else list(torch.from_numpy(scores))
         return out[0] if singular else out
 
     def rank(

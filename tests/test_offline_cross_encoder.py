@@ -50,7 +50,7 @@ def test_predict_conversions_and_activation(encoder):
     assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32
     np.testing.assert_allclose(tensor.numpy(), relevance)
     as_list = encoder.predict(pairs, convert_to_numpy=False)
-    assert isinstance(as_list, list) and len(as_list) == 4
+    assert isinstance(as_list, list) and len(as_list) == 4 and all(isinstance(x, torch.Tensor) for x in as_list)
     np.testing.assert_allclose(encoder.predict(pairs, apply_softmax=True), relevance)  # one label: no change
     with pytest.raises(ValueError, match=r"sentences\[1\]"):
         encoder.predict([(QUERY, DOCS[0]), (QUERY,)])
@@ -124,6 +124,10 @@ def test_a_classifier_scores_as_sentence_transformers(tmp_path, num_labels, chat
         want, got = st.predict(*args, **kwargs), ours.predict(*args, **kwargs)
         assert (type(got), got.dtype, got.shape) == (type(want), want.dtype, want.shape)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    want, got = st.predict(pairs, convert_to_tensor=True), ours.predict(pairs, convert_to_tensor=True)
+    assert (type(got), got.dtype, got.shape) == (type(want), want.dtype, want.shape)
+    want, got = st.predict(pairs, convert_to_numpy=False), ours.predict(pairs, convert_to_numpy=False)
+    assert [(type(x), x.dtype, x.shape) for x in got] == [(type(x), x.dtype, x.shape) for x in want]
     if num_labels > 1:
         with pytest.raises(ValueError, match="num_labels=1"):
             ours.rank(QUERY, DOCS)
