@@ -121,9 +121,10 @@ def test_kernels_under_meshes() -> None:
 
 
 def test_checkpoints_load_onto_their_shards_and_score_like_transformers() -> None:
-    """A safetensors checkpoint (Llama with q/k/v/o biases, 2 KV heads under tp=4: replicated)
-    and its GGUF file (Qwen2) load straight onto a mesh: every weight through the layout's
-    placement, each device holding only its slice; the mesh's scores equal transformers'."""
+    """A safetensors checkpoint (Llama with q/k/v/o biases, 2 KV heads under tp=4: replicated),
+    a GGUF file (Qwen2) and a Gemma 3 checkpoint (sliding windows, soft caps) load straight onto
+    a mesh: every weight through the layout's placement, each device holding only its slice;
+    the mesh's scores equal transformers'."""
     result = run_part("load")
     for name, r in result.items():
         assert r["placed"] == r["weights"], name  # every weight went to its shards as it was read
@@ -416,6 +417,8 @@ def part_load() -> dict:
         cases = {
             "safetensors/llama": ("llama", dict(attention_bias=True), (1, 4)),
             "gguf/qwen2": ("qwen2", dict(vocab_size=321), (2, 2)),  # an odd vocabulary: padded for tp=2
+            # windows past a 48-token window, soft caps over a split vocabulary, post-norms, q/k norms
+            "safetensors/gemma3": ("gemma3_text", {}, (2, 2)),
         }
         for name, (family, overrides, (dp, tp)) in cases.items():
             torch_model = make_torch_model(family, seed=5, **overrides)
