@@ -95,7 +95,9 @@ class PagedAttentionMeta:
     max_item_len: jax.Array  # [] int32: an upper bound on an item's length (the item region)
     layer: jax.Array  # [] int32: the layer whose pages are read
     positions: jax.Array  # [T] int32: each token's position (its key's index within its segment's pages)
-    window: jax.Array  # [] int32: the layer's sliding window (keys at positions > p - window); NO_WINDOW: none
+    # [] int32: the layer's sliding window (keys at positions > p - window), NO_WINDOW on a layer
+    # without one; the Python int NO_WINDOW when no layer of the model slides (never_windowed)
+    window: jax.Array | int
     split: int = dataclasses.field(default=0, metadata=dict(static=True))  # tokens of the prefill region
     logits: AttentionLogits = dataclasses.field(default=DEFAULT_LOGITS, metadata=dict(static=True))
 
@@ -103,6 +105,12 @@ class PagedAttentionMeta:
 def first_visible(positions: jax.Array, window: jax.Array | int) -> jax.Array:
     """[n] int32 -> the first key position each token sees: keys in (p - window, p]."""
     return jnp.maximum(positions - window + 1, 0)
+
+
+def never_windowed(window: jax.Array | int) -> bool:
+    """Whether `window` is the static NO_WINDOW a model with no sliding layer traces with: the
+    kernels then leave out their windowed branches (fewer branches compile faster)."""
+    return isinstance(window, int) and window >= NO_WINDOW
 
 
 def first_keys(meta: PagedAttentionMeta) -> jax.Array:

@@ -46,6 +46,7 @@ from prefixscore.kernels.paged import (
     AttentionLogits,
     PagedAttentionMeta,
     first_keys,
+    never_windowed,
     segment_runs,
     segment_starts,
 )
@@ -211,16 +212,16 @@ def ragged_rows(
     short = min(ITEM_BLOCK, n)
     blk = min(long_block, n)
     bound = jnp.asarray(max_item_len)
+    paths = [
+        lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short, logits),
+        lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, None),
+    ]
+    kind = jnp.where(bound <= short + 1, 0, 1)
+    if never_windowed(window):  # no layer slides: the windowed path is not even compiled
+        return jax.lax.switch(kind, paths)
     # a window no shorter than every item hides nothing: the windowless paths, unchanged
-    kind = jnp.where(window < bound, 2, jnp.where(bound <= short + 1, 0, 1))
-    return jax.lax.switch(
-        kind,
-        [
-            lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short, logits),
-            lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, None),
-            lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, jnp.asarray(window)),
-        ],
-    )
+    windowed = lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, jnp.asarray(window))  # noqa: E731
+    return jax.lax.switch(jnp.where(window < bound, 2, kind), [*paths, windowed])
 
 
 def _two_blocks(
@@ -466,12 +467,15 @@ def paged_prefix_rows(
             carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
             # the windowed steps only where a window hides a key from a row that is read (padding
             # rows' low is NO_WINDOW): on a layer without one, the plain steps always
-            carry = jax.lax.cond(
-                jnp.max(jnp.where(low < NO_WINDOW, low, 0)) > 0,
-                lambda cr: windowed_steps(qblk, limit, low, cr),
-                lambda cr: plain_steps(qblk, limit, cr),
-                carry,
-            )
+            if never_windowed(meta.window):  # no layer slides: the plain steps alone compile
+                carry = plain_steps(qblk, limit, carry)
+            else:
+                carry = jax.lax.cond(
+                    jnp.max(jnp.where(low < NO_WINDOW, low, 0)) > 0,
+                    lambda cr: windowed_steps(qblk, limit, low, cr),
+                    lambda cr: plain_steps(qblk, limit, cr),
+                    carry,
+                )
             out, lse = _finish(*carry, jnp.float32)
             mine = first_token + token < end  # [r]: rows of this run (the last block may overhang it)
             old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)

@@ -65,7 +65,9 @@ def score_call(
     split = prefill.tokens.shape[0]
     tokens = jnp.concatenate([prefill.tokens, items.tokens])  # [Tp + Ti]
     positions = jnp.concatenate([prefill.positions, items.positions])
-    # [layers] int32: the layer scan's index picks its layer's window (_at_layer)
+    # [layers] int32: the layer scan's index picks its layer's window (_at_layer); a model with no
+    # sliding layer traces the static NO_WINDOW instead, so no kernel compiles a windowed branch
+    windowed = any(w is not None for w in cfg.layer_windows)
     layer_windows = jnp.asarray([NO_WINDOW if w is None else w for w in cfg.layer_windows], jnp.int32)
     meta = PagedAttentionMeta(
         segment_ids=jnp.concatenate([prefill.segment_ids, items.segment_ids]),
@@ -76,7 +78,7 @@ def score_call(
         max_item_len=items.max_item_len,
         layer=jnp.int32(0),
         positions=positions,
-        window=layer_windows[0],
+        window=layer_windows[0] if windowed else NO_WINDOW,
         split=split,
         logits=AttentionLogits(scale=cfg.attn_scale, softcap=cfg.attn_softcap),
     )
@@ -92,7 +94,8 @@ def score_call(
                 at = (layer, slice(None), write_pages, write_offsets)
                 pk = pk.at[at].set(replicas.gather(k[0, :split]), mode="drop")  # padding's page: out of range
                 pv = pv.at[at].set(replicas.gather(v[0, :split]), mode="drop")
-        out = impl.paged_attention(q[0], k[0], v[0], pk, pv, _at_layer(meta, layer, layer_windows))
+        at = _at_layer(meta, layer, layer_windows) if windowed else dataclasses.replace(meta, layer=layer)
+        out = impl.paged_attention(q[0], k[0], v[0], pk, pv, at)
         return out[None], (pk, pv)
 
     with jax.named_scope("embed"):
