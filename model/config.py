@@ -33,13 +33,6 @@ class UnsupportedModelError(ValueError):
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-# the MLP activations computed (config hidden_act / hidden_activation -> model/decoder.py)
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
-# RoPE types computed exactly (model/rope.py); dynamic and longrope are refused: their
-# frequencies depend on the sequence's length, so a query's cached K/V would differ per item
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of one decoder. Immutable and hashable: it is a static jit argument."""
@@ -71,7 +64,7 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()
     # Gemma 3: the sliding layers' RoPE base (plain RoPE); full layers use rope_theta and rope_scaling
     rope_local_theta: float | None = None
-    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    hidden_act: str = "silu"  # the gated MLP's activation (config_inventory.ACTIVATIONS)
     # Gemma: every RMSNorm scales by (1 + weight), multiplied in float32 before the cast
     norm_plus_one: bool = False
     # Gemma 2/3: a norm on the attention output and on the MLP output, before each residual add

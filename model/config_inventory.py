@@ -101,7 +101,8 @@ def _rope(**params: Any) -> dict[str, Any]:
     return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **params}}
 
 
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # as model/config.py and model/decoder.py compute them
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # as model/decoder.py computes them
+# as model/rope.py computes them; dynamic and longrope follow each sequence's length (refused)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -526,8 +527,9 @@ GGUF_KEYS: tuple[Field, ...] = (
     ),
     Field(
         "{arch}.attention.sliding_window",
-        COMPUTED,
-        "sliding-window attention",
+        LIMITED,
+        "sliding-window attention; a Gemma 1 file's is not computed (llama.cpp's Gemma graph reads none)",
+        accepts=lambda v, cfg: cfg.family != "gemma",
         # the oracle slides too (Mistral's class stands in for a llama file)
         trials=(
             GgufTrial(

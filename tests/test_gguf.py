@@ -239,6 +239,14 @@ def test_gemma_gguf_scores_as_its_safetensors_twin(tmp_path, arch):
     assert np.abs(got - want).max() <= 1e-5
 
 
+def test_a_gemma_1_file_with_a_window_is_refused(tmp_path):
+    """llama.cpp's Gemma 1 graph reads no window: a file carrying one is refused, not slid."""
+    path = tmp_path / "gemma.gguf"
+    write_gguf(make_torch_model("gemma", seed=7), "gemma", path, Q.F32, {"{arch}.attention.sliding_window": 48})
+    with pytest.raises(UnsupportedModelError, match="gemma.attention.sliding_window=48"):
+        Scorer.load(str(path), buckets=SMALL_BUCKETS)
+
+
 def test_gguf_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
     w = GGUFWriter(str(path), "gpt2")
