@@ -17,7 +17,7 @@ if [[ -d .whl ]] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 PKG=/tmp/prefixscore-path/prefixscore
 mkdir -p "$PKG"
-for d in __init__.py cli.py client model kernels engine service telemetry bench; do ln -sfn "$ROOT/$d" "$PKG/$d"; done
+for d in __init__.py cli.py client model kernels engine service telemetry bench offline; do ln -sfn "$ROOT/$d" "$PKG/$d"; done
 ln -sfn "$ROOT/protos/prefixscore/v1" "$PKG/v1"
 export PYTHONPATH="/tmp/prefixscore-path:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1

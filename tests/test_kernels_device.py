@@ -54,44 +54,56 @@ def test_backend_kernels_match_reference_qwen3_shapes(dtype: str) -> None:
     out_p, lse_p = jax.jit(impl.paged_prefix_attention)(x["q"], x["pool_k"], x["pool_v"], meta)
     want_p, want_lse = jax.jit(reference.paged_prefix_attention)(f32["q"], f32["pool_k"], f32["pool_v"], meta)
     assert lse_p.dtype == jnp.float32 and lse_p.shape == want_lse.shape
+    # padding rows (read is False) continue their segment but their outputs are unspecified
     has_prefix = np.asarray(jnp.take(meta.prefix_len, meta.segment_ids)) > 0
-    close(np.asarray(out_p, np.float32)[has_prefix], np.asarray(want_p)[has_prefix], tol)
-    close(np.asarray(lse_p)[has_prefix], np.asarray(want_lse)[has_prefix], tol)
-    assert (np.asarray(lse_p)[~has_prefix] <= reference.MASK_VALUE / 2).all()
+    close(np.asarray(out_p, np.float32)[has_prefix & read], np.asarray(want_p)[has_prefix & read], tol)
+    close(np.asarray(lse_p)[has_prefix & read], np.asarray(want_lse)[has_prefix & read], tol)
+    assert (np.asarray(lse_p)[~has_prefix & read] <= reference.MASK_VALUE / 2).all()
 
     # the causal part, per region of the stream
     ragged = lambda impl: lambda q, k, v: causal_by_region(impl.ragged_item_attention, q, k, v, meta)  # noqa: E731
     out_i, lse_i = jax.jit(ragged(impl))(x["q"], x["k"], x["v"])
     want_i, want_lse_i = jax.jit(ragged(reference))(f32["q"], f32["k"], f32["v"])
-    close(out_i, want_i, tol)
-    close(lse_i, want_lse_i, tol)
+    close(np.asarray(out_i, np.float32)[read], np.asarray(want_i)[read], tol)
+    close(np.asarray(lse_i)[read], np.asarray(want_lse_i)[read], tol)
 
     # and what the server checks before it reports SERVING
     errors = selfcheck.verify(name, impl, *QWEN3_06B, dtype)
     assert max(errors.values()) <= selfcheck.TOLERANCE[dtype]
 
 
-def test_engine_on_device_matches_cpu() -> None:
-    """tiny-qwen3 scores on the accelerator (its default attention) equal the CPU engine's, through
-    the service's device path (prefix cache, batcher, planned calls): a 300-token query in two
-    prefill chunks, 50 items of mixed lengths over several calls, softmax both ways, whole sequences."""
+@pytest.mark.parametrize("model", ["tiny-qwen3", "gemma3_text"])
+def test_engine_on_device_matches_cpu(model: str, hf_checkpoints) -> None:
+    """Scores on the accelerator (its default attention) equal the CPU engine's, through the
+    service's device path (prefix cache, batcher, planned calls): a 300-token query in two
+    prefill chunks, 50 items of mixed lengths over several calls, softmax both ways, whole
+    sequences. tiny-qwen3 (its weights without its tokenizer, which token ids do not need) and a
+    Gemma 3 checkpoint: a 48-token window on one layer, soft caps, a query scale."""
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.scorer import EngineRunner
     from prefixscore.engine.validation import TokenizedRequest
+    from prefixscore.model import presets
     from prefixscore.model.loader import load_model
+    from prefixscore.model.weights import random_params
 
-    loaded = load_model("tiny-qwen3")
+    if model in presets.RANDOM_PRESETS:
+        cfg = presets.RANDOM_PRESETS[model][0]
+        params = random_params(cfg, presets.RANDOM_SEED, jnp.float32)
+    else:
+        loaded = load_model(str(hf_checkpoints[model][0]))
+        cfg, params = loaded.cfg, loaded.params
+        assert any(cfg.layer_windows)
     buckets = Buckets(context=512, max_batch_tokens=512, prefill_chunk=256, max_prefill_tokens=512)
     cpu = jax.devices("cpu")[:1]
     pool = 64 << 20
-    on_device = ScoringEngine(loaded.cfg, loaded.params, "float32", buckets, pool_bytes=pool)
-    on_cpu = ScoringEngine(loaded.cfg, loaded.params, "float32", buckets, attn_impl="xla", devices=cpu, pool_bytes=pool)
+    on_device = ScoringEngine(cfg, params, "float32", buckets, pool_bytes=pool)
+    on_cpu = ScoringEngine(cfg, params, "float32", buckets, attn_impl="xla", devices=cpu, pool_bytes=pool)
     assert on_device.devices[0].platform != "cpu" and on_device.attn_impl != "xla"
     rng = np.random.default_rng(1)
-    query = tuple(rng.integers(0, loaded.cfg.vocab_size, 300).tolist())
-    items = [rng.integers(0, loaded.cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 60, 50)]
-    labels = (28, 1017)
+    query = tuple(rng.integers(0, cfg.vocab_size, 300).tolist())
+    items = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 60, 50)]
+    labels = (28, cfg.vocab_size - 1)
     reqs = [
         TokenizedRequest(query, items, labels, False, False),
         TokenizedRequest(query, items, labels, True, False),
