@@ -13,6 +13,10 @@ behind a large one rides in the next call instead of after all of the large one.
 A request's query is prefilled (its chunks placed) before its items are offered; its
 items may ride in the call that carries its last chunk.
 
+Isolation: work retried after a failed device call (engine/isolation.py) carries a
+`group`; a call carries one group's work and nothing else, the oldest group first, so a
+request that makes calls fail can fail only the calls it rides in alone.
+
 Pure Python and not thread-safe: the device worker calls it under its lock.
 """
 
@@ -68,6 +72,7 @@ class WorkUnit:
     activation: str = ""  # a classifier's, applied to its rows as they come back (engine/heads.py)
     on_done: Callable[[WorkUnit], None] = lambda unit: None
     method: str = "Score"  # metrics label of the RPC this work belongs to
+    request_id: str = ""  # the client's request id, for the log when its work fails
     counts_lookup: bool = True  # counts as a prefix-cache hit or miss (stream batches do not: their open did)
     deadline: float | None = None  # time.monotonic() after which queued items are dropped
     created: float = dataclasses.field(default_factory=time.monotonic)
@@ -83,6 +88,13 @@ class WorkUnit:
     cancelled: bool = False
     finished: bool = False
     released: bool = False  # its pin on `entry` was given back
+    # isolation (engine/isolation.py): a retried piece of `parent`'s items from `parent_first` on
+    # (its scores are the parent's; the parent holds the pin), and the group a call may carry
+    # it only with; a parent's pieces still out
+    parent: WorkUnit | None = None
+    parent_first: int = 0
+    group: int | None = None
+    pieces: list[WorkUnit] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.items = TokenRows.coerce(self.items)
@@ -116,6 +128,7 @@ class Call:
 
     plan: CallPlan
     written: list[CachedPrefix]  # prefixes whose chunks the call writes
+    group: int | None = None  # the isolation group it carries alone (None: any work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +214,9 @@ class Batcher:
         )
         if not pending:
             return None
+        groups = [u.group for u in pending if u.group is not None]
+        group = min(groups) if groups else None  # the oldest isolation group goes alone, first
+        pending = [u for u in pending if u.group == group]
         best = self._fill(pending, None)
         if best.builder.empty:
             return None
@@ -238,7 +254,7 @@ class Batcher:
         for unit in pending:
             if unit.items and unit.queued == 0:
                 del self.units[unit.seq]  # all its items are in calls; the worker delivers them
-        return Call(plan, [entry for entry, _ in best.written.values()])
+        return Call(plan, [entry for entry, _ in best.written.values()], group)
 
     def _fill(self, pending: list[WorkUnit], limit: int | None) -> _Fill:
         """Offer pending work to a new builder in priority order; `limit`: at most this many
@@ -338,22 +354,25 @@ class Batcher:
 
 
 def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[WorkUnit]]:
-    """A finished call's output [devices * R, L] into its units' scores, one slice per row span.
-    Returns (units now complete, units with a non-finite score: not written, not counted).
-    Units already finished (cancelled while on the device) are skipped."""
+    """A finished call's output [devices * R, L] into its requests' scores, one slice per row
+    span (a retried piece's rows go to its request's: engine/isolation.py). Returns (requests
+    now complete, requests with a non-finite score: not written, not counted). Requests
+    already finished (cancelled while on the device, or failed) are skipped."""
     finite = np.isfinite(out).all(axis=1)  # one pass for the call (unused columns are 0)
     complete: list[WorkUnit] = []
     broken: list[WorkUnit] = []
     for span in call.plan.spans:
         unit = span.ref
-        if unit.finished or unit in broken:
+        request = unit.parent if unit.parent is not None else unit
+        if request.finished or unit.finished or request in broken:
             continue
         rows = slice(span.row, span.row + span.count)
         if not finite[rows].all():
-            broken.append(unit)
+            broken.append(request)
             continue
-        unit.scores[span.first : span.first + span.count] = heads.activate(out[rows, : span.labels], unit.activation)
-        unit.remaining -= span.count
-        if unit.remaining == 0:
-            complete.append(unit)
+        first = unit.parent_first + span.first
+        request.scores[first : first + span.count] = heads.activate(out[rows, : span.labels], request.activation)
+        request.remaining -= span.count
+        if request.remaining == 0:
+            complete.append(request)
     return complete, broken

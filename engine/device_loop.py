@@ -12,6 +12,11 @@ the pool cannot hold is refused before it queues (RESOURCE_EXHAUSTED), never an
 out-of-memory on the device. Results come back through each unit's `on_done`
 callback: the units one call finished are handed over together (`deliver`: the
 server runs their callbacks on its event loop, one wake-up per call).
+
+A device call that fails fails none of its requests at once: its work is retried in
+calls of its own, halving, and only work that fails alone fails its request
+(engine/isolation.py). A device whose calls keep failing, with none succeeding between
+them, breaks the loop (the server goes NOT_SERVING and exits).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -27,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixscore.engine import isolation
 from prefixscore.engine.batcher import Batcher, Call, NonFiniteScores, WorkUnit, take_results
 from prefixscore.engine.executables import CompileCounter, ScoringEngine
 from prefixscore.engine.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
@@ -34,6 +41,10 @@ from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import ServiceMetrics
 
 log = logging.getLogger("prefixscore.worker")
+# failed device calls in a row, none succeeding between them, after which the device is taken
+# for broken: isolating one request's fault takes about log2(queries) + log2(items) failures,
+# each between successful calls of the work it cleared
+MAX_FAILED_CALLS_IN_A_ROW = 24
 
 
 def run_on_done(units: list[WorkUnit]) -> None:
@@ -64,11 +75,16 @@ class WorkerFailed(WorkerStopped):
     """The device loop itself broke: the process must be restarted (health NOT_SERVING, exit non-zero)."""
 
 
+class DeviceFailing(RuntimeError):
+    """Device calls keep failing, whatever they carry: the device loop stops."""
+
+
 @dataclasses.dataclass
 class _Launched:
     call: Call
     probs: Any  # [devices * rows, labels] on the device
     launched_at: float
+    epochs: dict[int, int]  # id(entry) -> its epoch at launch, for the queries the call's items read
 
 
 @dataclasses.dataclass
@@ -126,6 +142,8 @@ class DeviceWorker:
         self._compiles_seen = CompileCounter.count()
         self._compile_s_seen = CompileCounter.seconds()
         self._last_done = 0.0
+        self._failed_in_a_row = 0
+        self._groups = itertools.count()  # isolation groups, oldest first
         self._thread = threading.Thread(target=self._main, name="prefixscore-device", daemon=True)
 
     # ---- other threads ---------------------------------------------------------------------------
@@ -168,6 +186,7 @@ class DeviceWorker:
             unit.finished = True
             self._live -= 1
             self.batcher.cancel(unit)
+            self._cancel_pieces(unit)
             self._release(unit)
             self.metrics.queue_depth.set(self.batcher.depth)
 
@@ -381,7 +400,7 @@ class DeviceWorker:
             probs = engine.launch(plan)
         except Exception as err:
             log.exception("device call failed to launch")
-            self._fail_call(call, err)
+            self._call_failed(call, err)
             return None
         real, device = plan.prefill_tokens + plan.item_tokens, max(plan.device_tokens, 1)
         self.metrics.batch_size.observe(plan.items)
@@ -389,7 +408,8 @@ class DeviceWorker:
         self.metrics.padding_tokens.inc(max(0, device - real))
         self.metrics.tokens.labels("item").inc(plan.item_tokens)
         self.metrics.tokens.labels("prefix").inc(plan.prefill_tokens)
-        return _Launched(call, probs, time.monotonic())
+        epochs = {id(u.entry): u.entry.epoch for u in (span.ref for span in plan.spans) if u.entry is not None}
+        return _Launched(call, probs, time.monotonic(), epochs)
 
     def _complete(self, launched: _Launched) -> None:
         """Read one call back and deliver its rows: one slice per request, one pass for the call."""
@@ -398,8 +418,9 @@ class DeviceWorker:
             out = np.asarray(launched.probs)
         except Exception as err:
             log.exception("device call failed")
-            self._fail_call(call, err)
+            self._call_failed(call, err)
             return
+        self._failed_in_a_row = 0
         now = time.monotonic()
         # device time of this call: it ran after the previous one finished (one device, in order)
         self.metrics.batch_seconds.labels("items").observe(now - max(launched.launched_at, self._last_done))
@@ -407,6 +428,7 @@ class DeviceWorker:
         self.metrics.items_scored.inc(call.plan.items)
         self._observe_rate(call.plan.items, now - launched.launched_at)
         with self._cv:
+            call = self._trusted(launched)
             complete, broken = take_results(call, out)
             for unit in broken:
                 # a NaN is a wrong answer, not a score: fail the request, count it, keep serving
@@ -415,7 +437,7 @@ class DeviceWorker:
                 self.batcher.cancel(unit)  # type: ignore[union-attr]
                 self._finish(unit, NonFiniteScores("the model produced non-finite scores (NaN or Inf)"))
             for span in call.plan.spans:
-                unit = span.ref
+                unit = isolation.root(span.ref)
                 if unit.first_scores_at is None and not unit.finished:
                     unit.first_scores_at = now
                     self.metrics.first_batch_seconds.labels(unit.method).observe(now - unit.created)
@@ -423,14 +445,28 @@ class DeviceWorker:
                 self._finish(unit, None)
 
     def _finish(self, unit: WorkUnit, error: BaseException | None) -> None:
-        """Finish a unit once and give back its pin (lock held); delivered by _flush."""
+        """Finish a unit once and give back its pin (lock held); delivered by _flush. A retried
+        piece's error is its request's; its scores went to the request as they came."""
+        if unit.parent is not None:
+            unit.finished = True
+            if error is not None:
+                self._finish(unit.parent, error)
+            return
         if unit.finished:
             return
         unit.finished = True
         self._live -= 1
         unit.error = error
+        self._cancel_pieces(unit)
         self._release(unit)
         self._done.append(unit)
+
+    def _cancel_pieces(self, unit: WorkUnit) -> None:
+        """Lock held: the unit's retried pieces leave the queue with it."""
+        for piece in unit.pieces:
+            piece.finished = True
+            if self.batcher is not None:
+                self.batcher.cancel(piece)
 
     def _flush(self) -> None:
         """Hand the finished units over, outside the lock (their callbacks may take time)."""
@@ -442,19 +478,77 @@ class DeviceWorker:
             except Exception:
                 log.exception("delivering results failed")
 
-    def _fail_call(self, call: Call, err: BaseException) -> None:
-        """A call failed: its rows' units fail, and the prefixes it wrote hold garbage."""
-        assert self.batcher is not None and self.cache is not None
+    def _call_failed(self, call: Call, err: BaseException) -> None:
+        """A call failed: its work is retried in calls of its own, and the requests whose work
+        failed alone fail (engine/isolation.py). Raises DeviceFailing when calls keep failing."""
+        engine, batcher, cache = self.engine, self.batcher, self.cache
+        assert engine is not None and batcher is not None and cache is not None
+        self.metrics.failed_calls.inc()
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row > MAX_FAILED_CALLS_IN_A_ROW:
+            raise DeviceFailing(f"{self._failed_in_a_row} device calls failed in a row") from err
         with self._cv:
-            for entry in call.written:
-                self.cache.discard(entry)
-            units = {id(span.ref): span.ref for span in call.plan.spans}
-            units.update({id(u): u for u in self.batcher.live_units() if u.entry in call.written})
-            for unit in units.values():
-                if not unit.finished:
-                    self.batcher.cancel(unit)
-                    self._finish(unit, err)
+            if engine.pool_lost():  # every query's pages went with it
+                engine.reset_pool()
+                cache.rewrite_all()
+            for entry in call.written:  # what it wrote may be garbage: prefilled again
+                cache.rewrite(entry)
+            rewritten = {id(entry) for entry in call.written}
+            queued = [u for u in batcher.live_units() if u.entry is not None and id(u.entry) in rewritten]
+            verdict = isolation.judge(call, isolation.pieces_of(call), queued)
+            for culprit in verdict.culprits:
+                self.metrics.failed_alone.inc()
+                log.error("request %s failed in a device call of its own: %s", culprit.request_id or "-", err)
+                batcher.cancel(culprit)
+                self._finish(culprit, err)
+            for retry in verdict.retries:
+                self._retry(retry)
+            ids = sorted({p.root.request_id or "-" for r in verdict.retries for p in r.pieces})
+            if ids:
+                log.warning("device call failed; retrying in %d calls of their own: %s", len(verdict.retries), ids)
             self._cache_gauges()
+            self.metrics.queue_depth.set(batcher.depth)
+
+    def _retry(self, retry: isolation.Retry) -> None:
+        """Lock held: queue `retry`'s work as one isolation group (engine/batcher.py)."""
+        assert self.batcher is not None
+        group = next(self._groups)
+        for unit in retry.queued:
+            unit.group = group
+        for piece in retry.pieces:
+            request = piece.root
+            unit = WorkUnit(
+                request.prefix,
+                request.items.rows(piece.first, piece.count),
+                request.label_ids,
+                request.apply_softmax,
+                request.item_first,
+                request.activation,
+                method=request.method,
+                request_id=request.request_id,
+                counts_lookup=False,
+                deadline=request.deadline,
+                created=request.created,
+            )
+            unit.entry, unit.released = request.entry, True  # the request holds the pin
+            unit.parent, unit.parent_first, unit.group = request, piece.first, group
+            request.pieces.append(unit)
+            self.batcher.add(unit)
+        self._wake()
+
+    def _trusted(self, launched: _Launched) -> Call:
+        """Lock held: the call without the spans that read a query rewritten since it was
+        launched (a failed call before it wrote it): those are retried, not delivered."""
+        call = launched.call
+        epochs = launched.epochs
+        stale = [s for s in call.plan.spans if s.ref.entry is not None and epochs[id(s.ref.entry)] != s.ref.entry.epoch]
+        if not stale:
+            return call
+        stale_call = dataclasses.replace(call, plan=dataclasses.replace(call.plan, spans=tuple(stale)))
+        for retry in isolation.by_query(isolation.pieces_of(stale_call)):
+            self._retry(retry)
+        kept = tuple(s for s in call.plan.spans if s not in stale)
+        return dataclasses.replace(call, plan=dataclasses.replace(call.plan, spans=kept))
 
     def _fail_all(self, err: BaseException) -> None:
         with self._cv:

@@ -218,10 +218,10 @@ class ScoringEngine:
         self.page_bytes = page_bytes(cfg, dtype, self.buckets.page_tokens, self.layout.local_kv_heads)
         budget = self._pool_budget(pool_bytes, pool_memory_fraction)
         self.pool_pages = int(max(self.buckets.max_pages + 1, budget // self.page_bytes))
-        zeros = jax.jit(
+        self._zeros = jax.jit(
             lambda: jnp.zeros(self._pool_shape(), DTYPES[dtype]), out_shardings=self.layout.pool
         )  # made on the devices (each its own KV heads), never shipped
-        self._pool = (zeros(), zeros())
+        self._pool = (self._zeros(), self._zeros())
         # which pages hold which query: one book for the one pool, whoever drives the engine
         self.prefix_cache = PrefixCache(self.pool_pages, self.buckets.page_tokens, self.page_bytes)
         # held around planning a call and launching it: calls from any driver (the server's
@@ -499,6 +499,21 @@ class ScoringEngine:
         self.stats["prefill_tokens"] += plan.prefill_tokens
         self.stats["items"] += plan.items
         return probs
+
+    def pool_lost(self) -> bool:
+        """Whether a failed call took the pool with it: calls donate it, so a call that fails
+        after its launch leaves buffers that are deleted or carry its error."""
+        try:
+            if any(part.is_deleted() for part in self._pool):
+                return True
+            jax.block_until_ready(self._pool)  # raises the failed call's error
+        except Exception:
+            return True
+        return False
+
+    def reset_pool(self) -> None:
+        """A new, zeroed pool after pool_lost (every prefix must be prefilled again)."""
+        self._pool = (self._zeros(), self._zeros())
 
     # ---- packed baseline ------------------------------------------------------------
     def score_packed(

@@ -45,7 +45,10 @@ class CachedPrefix:
     pages: tuple[int, ...]
     written: int = 0
     pins: int = 0
-    discarded: bool = False  # a call writing it failed: never served again
+    discarded: bool = False  # its prefill failed on its own: never served again
+    # bumped when a failed call may have left its pages wrong (rewrite): results of calls
+    # launched before that, which read the old pages, are not trusted
+    epoch: int = 0
 
     @property
     def ready(self) -> bool:
@@ -117,9 +120,26 @@ class PrefixCache:
                 self._idle[entry.tokens] = entry
                 self._idle_pages += len(entry.pages)
 
+    def rewrite(self, entry: CachedPrefix) -> None:
+        """A call that wrote (or, the pool lost, read) this prefix failed: its pages may hold
+        garbage. It is prefilled again from its first token by the next calls that need it."""
+        with self._lock:
+            entry.written = 0
+            entry.epoch += 1
+
+    def rewrite_all(self) -> None:
+        """The whole pool was lost (a failed call consumed it): prefixes in use are prefilled
+        again, idle ones are dropped."""
+        with self._lock:
+            for entry in list(self._entries.values()):
+                if entry.pins > 0:
+                    self.rewrite(entry)
+                else:
+                    self._drop(entry)
+
     def discard(self, entry: CachedPrefix) -> None:
-        """A call that wrote this prefix failed: its pages hold garbage. New requests miss it;
-        its pages return to the pool once its last holder releases it."""
+        """This prefix's prefill fails on its own: new requests miss it; its pages return to
+        the pool once its last holder releases it."""
         with self._lock:
             entry.discarded = True
             if self._cached(entry):

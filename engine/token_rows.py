@@ -76,6 +76,11 @@ class TokenRows:
         flat[~from_old] = np.tile(np.asarray(suffix, np.int64), n)
         return TokenRows(flat, offsets)
 
+    def rows(self, first: int, count: int) -> TokenRows:
+        """Rows first .. first + count - 1 as a TokenRows (views of this one's arrays)."""
+        offsets = self.offsets[first : first + count + 1]
+        return TokenRows(self.flat[offsets[0] : offsets[-1]], offsets - offsets[0])
+
     def map_rows(self, fn: Callable[[list[int]], Sequence[int]]) -> TokenRows:
         """A new TokenRows of fn(row as list) for every row (truncation, templates: rare paths)."""
         return TokenRows.from_lists([fn(row) for row in self])

@@ -487,6 +487,7 @@ class ScoringService:
             req.activation,
             method=method,
             deadline=deadline,
+            request_id=request_ids.current() or "",
         )
 
     def submit(self, unit: WorkUnit) -> None:

@@ -99,6 +99,16 @@ class ServiceMetrics:
             "Requests failed (INTERNAL) because the device returned NaN or Inf scores.",
             registry=r,
         )
+        self.failed_calls = Counter(
+            "prefixscore_failed_calls_total",
+            "Device calls that failed (launch or read-back); their work was retried in calls of its own.",
+            registry=r,
+        )
+        self.failed_alone = Counter(
+            "prefixscore_failed_alone_total",
+            "Requests failed (INTERNAL) because their work failed again in a device call of its own.",
+            registry=r,
+        )
         self.stream_backpressure = Counter(
             "prefixscore_stream_backpressure_total",
             "Times a stream stopped reading because its client had the maximum of unsent results.",

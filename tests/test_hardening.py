@@ -15,6 +15,7 @@ import urllib.request
 
 import grpc
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -167,6 +168,88 @@ def test_device_error_reaches_the_client_without_internals(server, client, monke
     assert err.value.code() == Code.INTERNAL and "request id" in details
     assert "/opt/secret" not in details and "GiB" not in details and "RuntimeError" not in details
     assert len(client.score(QUERY, ["fine again"], LABELS).scores) == 1  # only that call failed
+
+
+class _FailedReadBack:
+    """What a call that fails on the device returns: reading it raises (np.asarray)."""
+
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("injected fault: the call failed on the device")
+
+
+@pytest.mark.parametrize("where", ["launch", "read-back", "pool"])
+def test_a_request_that_fails_calls_fails_alone(server, stub, tiny_scorer, monkeypatch, where):
+    """16 requests in one device call, one of which makes every call carrying it fail (at
+    launch, when its output is read, or taking the prefix pool with it as a call that
+    fails after its launch does): that request alone gets INTERNAL, the 15 others the
+    scores they get without the fault, and the server stays SERVING."""
+    from prefixscore.engine.isolation import root
+
+    worker = server.server.service.worker
+    engine = worker.engine
+    rng = np.random.default_rng(7)
+    queries = [rng.integers(100, 40000, 30).tolist() for _ in range(16)]
+    items = [[rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(2, 9, 3)] for _ in queries]
+    culprit = tuple(queries[5])
+    want = [np.array(tiny_scorer.score(q, its, LABELS)) for q, its in zip(queries, items, strict=True)]
+    launch, carried = engine.launch, []
+
+    def faulty(plan):
+        requests = {root(span.ref).prefix for span in plan.spans}
+        carried.append(len(requests))
+        if culprit not in requests:
+            return launch(plan)
+        if where == "launch":
+            raise RuntimeError("injected fault: the call failed to launch")
+        launch(plan)
+        if where == "pool":  # the pool it was handed (donated) and returned is gone
+            for part in engine._pool:
+                part.delete()
+        return _FailedReadBack()
+
+    before = scrape(server.server.metrics_port)
+    monkeypatch.setattr(engine, "launch", faulty)
+    with worker.paused():  # all 16 queued before the first call is planned
+        calls = [
+            stub.Score.future(
+                pb.ScoreRequest(
+                    query=pb.Input(token_ids=pb.TokenIds(ids=q)),
+                    items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in its],
+                    label_token_ids=LABELS,
+                ),
+                timeout=120,
+            )
+            for q, its in zip(queries, items, strict=True)
+        ]
+        wait_for(lambda: worker.depth == 48, 30, "16 queued requests")
+    for k, call in enumerate(calls):
+        if k == 5:
+            with pytest.raises(grpc.RpcError) as err:
+                call.result()
+            assert err.value.code() == Code.INTERNAL and "request id" in err.value.details()
+            continue
+        got = np.array([list(s.probabilities) for s in call.result().scores])
+        np.testing.assert_allclose(got, want[k], rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    assert carried[0] == 16  # they did ride in one call
+    after = scrape(server.server.metrics_port)
+    assert after["prefixscore_failed_alone_total"] - before.get("prefixscore_failed_alone_total", 0) == 1
+    assert after["prefixscore_failed_calls_total"] > before.get("prefixscore_failed_calls_total", 0)
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        len(
+            stub.Score(
+                pb.ScoreRequest(
+                    query=pb.Input(token_ids=pb.TokenIds(ids=list(culprit))),
+                    items=[pb.Input(token_ids=pb.TokenIds(ids=[101, 102]))],
+                    label_token_ids=LABELS,
+                )
+            ).scores
+        )
+        == 1
+    )
 
 
 def test_broken_device_loop_goes_not_serving_and_exits_non_zero(tiny_scorer):

@@ -369,3 +369,45 @@ def test_results_split_per_span_and_a_nan_fails_only_its_request():
     complete, broken = take_results(call, out)
     assert complete == [good] and broken == [bad]
     np.testing.assert_array_equal(good.scores, np.float32([[0.1, 0.2], [0.3, 0.4]]))
+
+
+# ---- isolation: what a failed call's work becomes (engine/isolation.py) ----------------------------
+def _failed_call(batcher, units, group=None):
+    """The call the batcher plans for `units` (their queries prefilled), as if it failed."""
+    for u in units:
+        u.entry.written = len(u.entry.tokens)
+        batcher.add(u)
+    call = batcher.next_call()
+    call.group = group
+    return call
+
+
+def test_a_failed_call_over_many_queries_is_retried_in_halves_by_query():
+    from prefixscore.engine import isolation
+
+    batcher, cache = setup()
+    units = [unit(cache, prefix=(1, 2, k)) for k in range(6)]
+    call = _failed_call(batcher, units)
+    verdict = isolation.judge(call, isolation.pieces_of(call), [])
+    assert verdict.culprits == []
+    assert [[p.root for p in r.pieces] for r in verdict.retries] == [units[:3], units[3:]]
+    small = _failed_call(batcher, [unit(cache, prefix=(3, k)) for k in range(3)])
+    assert len(isolation.judge(small, isolation.pieces_of(small), []).retries) == 3  # one by one
+
+
+def test_a_failed_call_of_one_query_alone_halves_its_items_down_to_the_culprit():
+    from prefixscore.engine import isolation
+
+    batcher, cache = setup()
+    alone = unit(cache, lengths=(2, 2, 2, 2, 2))
+    call = _failed_call(batcher, [alone], group=0)
+    verdict = isolation.judge(call, isolation.pieces_of(call), [])
+    assert verdict.culprits == [] and [[(p.first, p.count) for p in r.pieces] for r in verdict.retries] == [
+        [(0, 2)],
+        [(2, 3)],
+    ]
+    waiting = unit(cache, lengths=(4,))  # the same query, queued
+    one = isolation.judge(call, [isolation.Piece(alone, 3, 1)], [waiting])
+    assert one.culprits == [alone] and [r.queued for r in one.retries] == [[waiting]]
+    prefill = isolation.judge(call, [], [waiting])  # only the query's prefill rode: it is at fault
+    assert prefill.culprits == [waiting] and prefill.retries == []
