@@ -122,7 +122,7 @@ class WorkUnit:
         return self.deadline if self.deadline is not None else self.created + DEFAULT_SLACK_S
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Call:
     """One planned device call and what it carries. Its row spans' refs are WorkUnits."""
 

@@ -143,6 +143,7 @@ class DeviceWorker:
         self._compile_s_seen = CompileCounter.seconds()
         self._last_done = 0.0
         self._failed_in_a_row = 0
+        self._on_device: list[Call] = []  # launched, not yet read back (at most two: the loop overlaps one)
         self._groups = itertools.count()  # isolation groups, oldest first
         self._thread = threading.Thread(target=self._main, name="prefixscore-device", daemon=True)
 
@@ -342,7 +343,7 @@ class DeviceWorker:
             if inflight is not None:
                 self._complete(inflight)
                 self._flush()
-            elif launched is None:
+            elif call is None:  # (a call that failed to launch left its work retried, not waiting)
                 self._wait_for_shapes(planned_at)
             inflight = launched
             self._sync_compile_metrics()
@@ -409,11 +410,13 @@ class DeviceWorker:
         self.metrics.tokens.labels("item").inc(plan.item_tokens)
         self.metrics.tokens.labels("prefix").inc(plan.prefill_tokens)
         epochs = {id(u.entry): u.entry.epoch for u in (span.ref for span in plan.spans) if u.entry is not None}
+        self._on_device.append(call)
         return _Launched(call, probs, time.monotonic(), epochs)
 
     def _complete(self, launched: _Launched) -> None:
         """Read one call back and deliver its rows: one slice per request, one pass for the call."""
         call = launched.call
+        self._on_device.remove(call)
         try:
             out = np.asarray(launched.probs)
         except Exception as err:
@@ -486,6 +489,7 @@ class DeviceWorker:
         self.metrics.failed_calls.inc()
         self._failed_in_a_row += 1
         if self._failed_in_a_row > MAX_FAILED_CALLS_IN_A_ROW:
+            self._on_device.append(call)  # its requests fail with everything else (_fail_all)
             raise DeviceFailing(f"{self._failed_in_a_row} device calls failed in a row") from err
         with self._cv:
             if engine.pool_lost():  # every query's pages went with it
@@ -551,8 +555,11 @@ class DeviceWorker:
         return dataclasses.replace(call, plan=dataclasses.replace(call.plan, spans=kept))
 
     def _fail_all(self, err: BaseException) -> None:
+        """The loop ended: fail what is queued and what is on the device (never read back)."""
         with self._cv:
             units = list(self.batcher.live_units()) if self.batcher else []
+            units += [isolation.root(span.ref) for call in self._on_device for span in call.plan.spans]
+            self._on_device.clear()
             for unit in units:
                 self.batcher.cancel(unit)  # type: ignore[union-attr]
                 self._finish(unit, err)

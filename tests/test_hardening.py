@@ -252,6 +252,46 @@ def test_a_request_that_fails_calls_fails_alone(server, stub, tiny_scorer, monke
     )
 
 
+def test_a_device_whose_calls_keep_failing_goes_not_serving(tiny_scorer):
+    """Every call fails, whatever it carries: after MAX_FAILED_CALLS_IN_A_ROW the loop stops,
+    every request is answered (none left hanging) and the process exits 1."""
+    from prefixscore.engine.device_loop import MAX_FAILED_CALLS_IN_A_ROW
+
+    srv = ServerThread(server_config(tiny_scorer, metrics_port=None)).start()
+    try:
+        worker = srv.server.service.worker
+
+        def dead(plan):
+            raise RuntimeError("injected fault: the device is gone")
+
+        worker.engine.launch = dead  # this server's engine dies with it
+        stub = pb_grpc.ScoreServiceStub(grpc.insecure_channel(srv.target))
+        with worker.paused():
+            calls = [
+                stub.Score.future(
+                    pb.ScoreRequest(
+                        query=pb.Input(token_ids=pb.TokenIds(ids=ids(20, 300 + 50 * k))),
+                        items=[pb.Input(token_ids=pb.TokenIds(ids=[7, k]))],
+                        label_token_ids=LABELS,
+                    ),
+                    timeout=60,
+                )
+                for k in range(MAX_FAILED_CALLS_IN_A_ROW)
+            ]
+            wait_for(lambda: worker.depth == len(calls), 30, "queued requests")
+        codes = []
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                call.result()
+            codes.append(err.value.code())
+        assert set(codes) <= {Code.INTERNAL, Code.UNAVAILABLE} and Code.UNAVAILABLE in codes
+        wait_for(srv.server._stopped.is_set, 60, "the server to stop")
+        assert srv.server.exit_code == 1
+    finally:
+        srv.stop()
+        worker.engine.__dict__.pop("launch", None)  # the engine is the module's: launch as it was
+
+
 def test_broken_device_loop_goes_not_serving_and_exits_non_zero(tiny_scorer):
     srv = ServerThread(server_config(tiny_scorer, metrics_port=None)).start()
     try:
