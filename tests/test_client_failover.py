@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import signal
 import subprocess
 import time
@@ -19,6 +20,7 @@ import pytest
 from service_testing import LABELS, scrape, serve_process, wait_for
 
 from prefixscore.client import AsyncScoreClient, Retry, ScoreClient
+from prefixscore.client.score_client import _channel_options, ring_hash_service_config, service_config
 
 SERVE = [
     "--model",
@@ -177,3 +179,19 @@ def test_a_stream_finishes_on_another_replica_when_its_replica_is_killed(replica
     assert (stream.reopens, astream.reopens) == (1, 1)
     assert usage.items == ausage.items == in_flight, (usage, ausage)  # the first batch was not sent again
     assert live.open_streams() == 0
+
+
+def test_one_service_config_carries_ring_hash_and_the_retry_policy() -> None:
+    merged = json.loads(service_config("ring_hash", Retry(attempts=4)))
+    assert merged["loadBalancingConfig"] == json.loads(ring_hash_service_config())["loadBalancingConfig"]
+    (method,) = merged["methodConfig"]
+    assert {n["method"] for n in method["name"]} == {"Score", "Rerank", "GetModelInfo"}  # not ScoreStream
+    assert method["retryPolicy"]["maxAttempts"] == 4
+    assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert service_config(None, None) is None
+    options = dict(_channel_options((), None, Retry()))
+    assert options["grpc.enable_retries"] == 1 and "loadBalancingConfig" not in options["grpc.service_config"]
+    with pytest.raises(ValueError, match="grpc.service_config"):
+        _channel_options([("grpc.service_config", "{}")], None, Retry())
+    with pytest.raises(ValueError, match="attempts"):
+        Retry(attempts=6)  # gRPC would silently cap it at 5
