@@ -224,10 +224,11 @@ class Retry:
     Unary calls (Score, Rerank, GetModelInfo): gRPC's own retry policy in the channel's service
     config (`retry_service_config`), on UNAVAILABLE only, at most `attempts` tries of a call
     (the first included; gRPC caps it at 5), each try picked anew by the channel's load
-    balancing (round_robin or ring_hash move on to another replica; pick_first stays on its
-    connection while that one is up). Streams: `stream_reopens` re-opens over one stream's life
-    (see `ScoreStream`). Backoff before a retry or re-open: random up to `initial_backoff_s`,
-    times `backoff_multiplier` per try, at most `max_backoff_s` (gRPC's jitter)."""
+    balancing (round_robin moves on to another replica; ring_hash hashes to the same one,
+    passing it only once its connection failed; pick_first stays on its connection while up).
+    Streams: `stream_reopens` re-opens over one stream's life (see `ScoreStream`). Backoff
+    before a retry or re-open: random up to `initial_backoff_s`, times `backoff_multiplier` per
+    try, at most `max_backoff_s` (gRPC's jitter)."""
 
     attempts: int = 3
     stream_reopens: int = 3
