@@ -17,6 +17,8 @@ Over TLS: `ScoreClient(target, credentials=tls_credentials(ca="ca.pem"))` (mutua
 Over many replicas without a proxy: `ScoreClient("ipv4:10.0.0.1:50051,10.0.0.2:50051", affinity="ring_hash")`
 (or a headless Service's `dns:///` name) hashes each call's prefix key onto gRPC's own ring, so
 every call over one query reaches the replica that caches it (see `ring_hash_service_config`).
+With `retry=Retry()` a replica going away loses nothing: unary calls are retried by gRPC's retry
+policy and a stream re-opens on another replica, re-sending the batches not yet answered.
 
 Inputs are text or token ids, as in `Scorer.score`. Errors are `grpc.RpcError`
 (`.code()`, `.details()`); a full server queue gives RESOURCE_EXHAUSTED with a
@@ -27,10 +29,13 @@ and the stream goes on.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
 import queue
+import random
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -206,6 +211,69 @@ def ring_hash_service_config(min_ring_size: int = 1024, max_ring_size: int = 409
     return json.dumps({"loadBalancingConfig": [{"ring_hash_experimental": ring}]})
 
 
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ScoreService"].full_name
+# The unary methods, safe to send again: scoring changes nothing on the server. ScoreStream is
+# not among them: gRPC retries a stream only until its first answer, and our failover does more.
+RETRIED_METHODS = ("Score", "Rerank", "GetModelInfo")
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """What a client retries when a replica goes away (`ScoreClient(..., retry=Retry())`).
+
+    Unary calls (Score, Rerank, GetModelInfo): gRPC's own retry policy in the channel's service
+    config (`retry_service_config`), on UNAVAILABLE only, at most `attempts` tries of a call
+    (the first included; gRPC caps it at 5), each try picked anew by the channel's load
+    balancing (round_robin moves on to another replica; ring_hash hashes to the same one,
+    passing it only once its connection failed; pick_first stays on its connection while up).
+    Streams: `stream_reopens` re-opens over one stream's life (see `ScoreStream`). Backoff
+    before a retry or re-open: random up to `initial_backoff_s`, times `backoff_multiplier` per
+    try, at most `max_backoff_s` (gRPC's jitter)."""
+
+    attempts: int = 3
+    stream_reopens: int = 3
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    backoff_multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.attempts <= 5:
+            raise ValueError(f"attempts: gRPC retries 2 to 5 tries of a call, got {self.attempts}")
+        if self.stream_reopens < 0:
+            raise ValueError(f"stream_reopens: expected >= 0, got {self.stream_reopens}")
+        if not 0.001 <= self.initial_backoff_s <= self.max_backoff_s or self.backoff_multiplier <= 0:
+            raise ValueError(f"backoff: expected 0.001 <= initial <= max and a positive multiplier: {self}")
+
+    def backoff(self, tried: int) -> float:
+        """Seconds to wait before try number `tried + 1` (`tried` >= 1), as gRPC does."""
+        cap = min(self.initial_backoff_s * self.backoff_multiplier ** (tried - 1), self.max_backoff_s)
+        return random.uniform(0, cap)
+
+
+def retry_service_config(retry: Retry) -> str:
+    """gRPC service config (JSON) retrying the unary methods on UNAVAILABLE (gRFC A6)."""
+    policy = {
+        "maxAttempts": retry.attempts,
+        "initialBackoff": f"{retry.initial_backoff_s:.3f}s",
+        "maxBackoff": f"{retry.max_backoff_s:.3f}s",
+        "backoffMultiplier": retry.backoff_multiplier,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    names = [{"service": SERVICE_NAME, "method": m} for m in RETRIED_METHODS]
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})
+
+
+def service_config(affinity: Affinity = None, retry: Retry | None = None) -> str | None:
+    """The one service config of a client's channel: ring hash's load balancing and the retry
+    policy merged (a channel takes a single `grpc.service_config`); None when neither is asked."""
+    config: dict[str, Any] = {}
+    if affinity == "ring_hash":
+        config.update(json.loads(ring_hash_service_config()))
+    if retry is not None:
+        config.update(json.loads(retry_service_config(retry)))
+    return json.dumps(config) if config else None
+
+
 def _enable_request_hash_header() -> None:
     """Set RING_HASH_ENV before a ring-hash channel is created (see its comment): unset, it is
     set for this process; set to anything but true, the user turned it off, so refuse."""
@@ -219,19 +287,29 @@ def _enable_request_hash_header() -> None:
         )
 
 
-def _channel_options(options: Sequence[tuple[str, Any]], affinity: Affinity) -> list[tuple[str, Any]]:
-    """The channel's options: ours, then the caller's; with affinity, the ring-hash service config."""
-    if affinity is None:
-        return [*CHANNEL_OPTIONS, *options]
-    if affinity != "ring_hash":
+def _channel_options(
+    options: Sequence[tuple[str, Any]], affinity: Affinity, retry: Retry | None = None
+) -> list[tuple[str, Any]]:
+    """The channel's options: ours, then the caller's; with affinity or retry, our service config."""
+    if affinity not in (None, "ring_hash"):
         raise ValueError(f"affinity: expected None or 'ring_hash', got {affinity!r}")
-    clash = {name for name, _ in options} & {"grpc.service_config", "grpc.lb_policy_name"}
-    if clash:
-        raise ValueError(f"affinity='ring_hash' sets the load balancing itself: drop the option(s) {sorted(clash)}")
-    _enable_request_hash_header()
-    # resolution disabled: a service config from DNS (TXT records) would replace this one
-    ring_hash = [("grpc.service_config", ring_hash_service_config()), ("grpc.service_config_disable_resolution", 1)]
-    return [*CHANNEL_OPTIONS, *ring_hash, *options]
+    names = {name for name, _ in options}
+    if affinity is not None and names & {"grpc.service_config", "grpc.lb_policy_name"}:
+        clash = sorted(names & {"grpc.service_config", "grpc.lb_policy_name"})
+        raise ValueError(f"affinity='ring_hash' sets the load balancing itself: drop the option(s) {clash}")
+    if retry is not None and "grpc.service_config" in names:
+        raise ValueError("retry sets the service config itself: drop the option grpc.service_config")
+    config = service_config(affinity, retry)
+    if config is None:
+        return [*CHANNEL_OPTIONS, *options]
+    if affinity is not None:
+        _enable_request_hash_header()
+    # resolution disabled: a service config from DNS (TXT records) would replace this one;
+    # retries on explicitly (the default in grpcio for years, but a policy without it is inert)
+    ours = [("grpc.service_config", config), ("grpc.service_config_disable_resolution", 1)]
+    if retry is not None:
+        ours.append(("grpc.enable_retries", 1))
+    return [*CHANNEL_OPTIONS, *ours, *options]
 
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -269,16 +347,26 @@ class BatchRefused(Exception):
 
 
 class _Session:
-    """State shared by the sync and async stream sessions: batch ids, stashed results."""
+    """State shared by the sync and async stream sessions: batch ids, stashed results, and for
+    failover the batches sent and not yet answered (the ones a re-opened stream sends again)."""
 
-    def __init__(self) -> None:
+    def __init__(self, opening: pb.ScoreStreamRequest, timeout: float | None, retry: Retry | None) -> None:
         self.prefix_tokens = 0
         self.cached_tokens = 0
         self.label_token_ids: list[int] = []
         self.usage: Usage | None = None
         self.opened = False
+        self.reopens = 0  # times this stream re-opened on another replica (failover)
+        self._opening = opening
+        self._retry = retry
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._closed = False
         self._next_id = 1
         self._results: dict[int, list[list[float]] | BatchRefused] = {}
+        # in submission order (dicts keep it): re-sent in that order on a re-opened stream. A
+        # re-sent batch keeps its id: the server checks ids only against the batches in flight
+        # on the same stream, so the caller's ids serve every stream and need no mapping.
+        self._unanswered: dict[int, pb.ScoreStreamRequest] = {}
 
     def _pop(self, batch_id: int) -> list[list[float]]:
         result = self._results.pop(batch_id)
@@ -286,9 +374,29 @@ class _Session:
             raise result
         return result
 
-    def _new_id(self) -> int:
+    def _batch(self, items: Sequence[Text]) -> pb.ScoreStreamRequest:
         batch_id, self._next_id = self._next_id, self._next_id + 1
-        return batch_id
+        message = pb.ScoreStreamRequest(batch=pb.ItemBatch(batch_id=batch_id, items=_items(items)))
+        self._unanswered[batch_id] = message
+        return message
+
+    def _resent(self) -> list[pb.ScoreStreamRequest]:
+        """What a (re-)opened stream sends: the open, then the batches not yet answered."""
+        return [self._opening, *self._unanswered.values()]
+
+    def _timeout(self) -> float | None:
+        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+
+    def _may_reopen(self, err: grpc.RpcError) -> bool:
+        """Whether the stream that failed with `err` opens again: failover on, UNAVAILABLE (the
+        replica or its connection went away), re-opens left and time left before the deadline."""
+        if self._retry is None or err.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        if self.reopens >= self._retry.stream_reopens or self._timeout() == 0.0:
+            return False
+        self.reopens += 1
+        self.opened = False
+        return True
 
     def _take(self, response: pb.ScoreStreamResponse) -> None:
         kind = response.WhichOneof("kind")
@@ -298,10 +406,12 @@ class _Session:
             self.cached_tokens = response.opened.cached_tokens
             self.label_token_ids = list(response.opened.label_token_ids)
         elif kind == "batch":
+            self._unanswered.pop(response.batch.batch_id, None)
             self._results[response.batch.batch_id] = _scores(response.batch.scores)
         elif kind == "refused":
             r = response.refused
             code = _CODES.get(r.code, grpc.StatusCode.UNKNOWN)
+            self._unanswered.pop(r.batch_id, None)  # an answer too: the caller decides to send it again
             self._results[r.batch_id] = BatchRefused(r.batch_id, code, r.message, r.retry_after_ms)
         elif kind == "usage":
             self.usage = _usage(response.usage)
@@ -309,7 +419,18 @@ class _Session:
 
 class ScoreStream(_Session):
     """A sync ScoreStream session (from `ScoreClient.stream`): the query's KV stays pinned on
-    the server until `close()`. Results may come back out of order; they are matched by id."""
+    the server until `close()`. Results may come back out of order; they are matched by id.
+
+    Failover (a client with `retry=Retry(...)`): when the stream fails UNAVAILABLE (its replica
+    killed or restarted, the connection lost, or ended after a GOAWAY at max connection age),
+    the session opens a new stream on the same channel (its load balancing picks a replica that
+    answers), sends the open again and then every batch sent and not yet answered, in order, and
+    goes on: each batch is answered once, results already received are kept, not asked again.
+    At most `Retry.stream_reopens` re-opens over the stream's life, within its `timeout` (one
+    deadline for them all); past that, or on any other code, the error is raised as without
+    failover. `reopens` counts them; `prefix_tokens`/`cached_tokens` are the last open's, and
+    `close()`'s usage is what the replica that finished the stream served (the batches re-sent
+    to it included): the usage of a replica that went away went with it."""
 
     def __init__(
         self,
@@ -317,38 +438,56 @@ class ScoreStream(_Session):
         opening: pb.ScoreStreamRequest,
         timeout: float | None,
         metadata: tuple[tuple[str, str], ...] | None = None,
+        retry: Retry | None = None,
     ) -> None:
-        super().__init__()
-        self._requests: queue.Queue = queue.Queue()
-        self._requests.put(opening)
-        self._call = stub.ScoreStream(self._outgoing(), timeout=timeout, metadata=metadata)
-        self._closed = False
+        super().__init__(opening, timeout, retry)
+        self._stub = stub
+        self._metadata = metadata
+        self._start()
         self._receive_one()  # the `opened` answer, or the error that refused the open
         if not self.opened:
             raise RuntimeError("ScoreStream: the server did not acknowledge the open")
 
-    def _outgoing(self) -> Iterator[pb.ScoreStreamRequest]:
+    def _start(self) -> None:
+        """Open a stream: the open and the unanswered batches queued first, then the half-close
+        if `close()` was called already."""
+        self._requests: queue.Queue = queue.Queue()
+        for message in self._resent():
+            self._requests.put(message)
+        if self._closed:
+            self._requests.put(None)
+        self._call = self._stub.ScoreStream(
+            self._outgoing(self._requests), timeout=self._timeout(), metadata=self._metadata
+        )
+
+    @staticmethod
+    def _outgoing(requests: queue.Queue) -> Iterator[pb.ScoreStreamRequest]:
         while True:
-            message = self._requests.get()
+            message = requests.get()
             if message is None:
                 return
             yield message
 
     def _receive_one(self) -> bool:
-        try:
-            self._take(next(self._call))
-            return True
-        except StopIteration:
-            return False
-        except grpc.RpcError:
-            self._requests.put(None)  # the call is over: release gRPC's thread reading our requests
-            raise
+        while True:
+            try:
+                self._take(next(self._call))
+                return True
+            except StopIteration:
+                return False
+            except grpc.RpcError as err:
+                self._requests.put(None)  # the call is over: release gRPC's thread reading our requests
+                if not self._may_reopen(err):
+                    raise
+                assert self._retry is not None
+                time.sleep(self._retry.backoff(self.reopens))
+                self._start()
 
     def submit(self, items: Sequence[Text]) -> int:
         """Send one batch of items without waiting; returns its batch id."""
-        batch_id = self._new_id()
-        self._requests.put(pb.ScoreStreamRequest(batch=pb.ItemBatch(batch_id=batch_id, items=_items(items))))
-        return batch_id
+        message = self._batch(items)
+        self._requests.put(message)
+        return message.batch.batch_id
 
     def result(self, batch_id: int) -> list[list[float]]:
         """Wait for one submitted batch's scores [items][labels]; raises BatchRefused when the
@@ -393,8 +532,9 @@ class ScoreClient:
     bearer token; `affinity="ring_hash"`: over a target of many replicas, send every call over
     one query to one replica, the one that caches it (`ring_hash_service_config`; sets
     RING_HASH_ENV for the process if unset); `send_prefix_key=False`: calls carry no prefix key
-    (a router then spreads them as it would any client's). Use as a context manager or call
-    `close()`."""
+    (a router then spreads them as it would any client's); `retry=Retry()`: unary calls retried
+    by gRPC on UNAVAILABLE and streams re-opened on another replica (see `Retry`, `ScoreStream`).
+    Use as a context manager or call `close()`."""
 
     def __init__(
         self,
@@ -404,10 +544,12 @@ class ScoreClient:
         token: str | None = None,
         affinity: Affinity = None,
         send_prefix_key: bool = True,
+        retry: Retry | None = None,
     ) -> None:
         self.target = target
         self._send_key = send_prefix_key
-        opts = _channel_options(options, affinity)
+        self._retry = retry
+        opts = _channel_options(options, affinity, retry)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=opts)
         else:
@@ -454,6 +596,7 @@ class ScoreClient:
             opening,
             timeout,
             _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None),
+            self._retry,
         )
 
     def rerank(
@@ -484,24 +627,68 @@ class ScoreClient:
 
 
 class AsyncScoreStream(_Session):
-    """An asyncio ScoreStream session (from `AsyncScoreClient.stream`); same methods as coroutines."""
+    """An asyncio ScoreStream session (from `AsyncScoreClient.stream`); same methods as
+    coroutines, and the same failover as `ScoreStream`."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
-        super().__init__()
-        self._call = call
-        self._closed = False
+    def __init__(
+        self,
+        stub: pb_grpc.ScoreServiceStub,
+        opening: pb.ScoreStreamRequest,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+        retry: Retry | None = None,
+    ) -> None:
+        super().__init__(opening, timeout, retry)
+        self._stub = stub
+        self._metadata = metadata
+
+    async def _open(self) -> None:
+        """Start the first stream and wait for its `opened` (or the error that refused the open)."""
+        await self._start()
+        if not await self._receive_one() or not self.opened:
+            raise RuntimeError("ScoreStream: the server did not acknowledge the open")
+
+    async def _start(self) -> None:
+        self._call = self._stub.ScoreStream(timeout=self._timeout(), metadata=self._metadata)
+        for message in self._resent():
+            if not await self._write(message):
+                return
+        if self._closed:
+            await self._call.done_writing()
+
+    async def _write(self, message: pb.ScoreStreamRequest) -> bool:
+        """Send one message; False if the call is over. Then the message stays unanswered and
+        the next read meets the call's status: it re-opens there (sending it again) or raises."""
+        try:
+            await self._call.write(message)
+            return True
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            if not self._call.done():  # a write after close(): the caller's mistake
+                raise
+            return False
 
     async def _receive_one(self) -> bool:
-        response = await self._call.read()
-        if response is grpc.aio.EOF:
-            return False
-        self._take(response)
-        return True
+        while True:
+            try:
+                response = await self._call.read()
+                if response is grpc.aio.EOF and await self._call.code() != grpc.StatusCode.OK:
+                    await self._call.read()  # the status is in: reading again raises it
+            except grpc.aio.AioRpcError as err:
+                if not self._may_reopen(err):
+                    raise
+                assert self._retry is not None
+                await asyncio.sleep(self._retry.backoff(self.reopens))
+                await self._start()
+                continue
+            if response is grpc.aio.EOF:
+                return False
+            self._take(response)
+            return True
 
     async def submit(self, items: Sequence[Text]) -> int:
-        batch_id = self._new_id()
-        await self._call.write(pb.ScoreStreamRequest(batch=pb.ItemBatch(batch_id=batch_id, items=_items(items))))
-        return batch_id
+        message = self._batch(items)
+        await self._write(message)
+        return message.batch.batch_id
 
     async def result(self, batch_id: int) -> list[list[float]]:
         while batch_id not in self._results:
@@ -536,7 +723,7 @@ class AsyncScoreStream(_Session):
 
 
 class AsyncScoreClient:
-    """asyncio client with the methods (and arguments, `affinity` included) of ScoreClient as coroutines."""
+    """asyncio client with the methods (and arguments, `affinity` and `retry` included) of ScoreClient as coroutines."""
 
     def __init__(
         self,
@@ -546,10 +733,12 @@ class AsyncScoreClient:
         token: str | None = None,
         affinity: Affinity = None,
         send_prefix_key: bool = True,
+        retry: Retry | None = None,
     ) -> None:
         self.target = target
         self._send_key = send_prefix_key
-        opts = _channel_options(options, affinity)
+        self._retry = retry
+        opts = _channel_options(options, affinity, retry)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=opts)
         else:
@@ -588,14 +777,14 @@ class AsyncScoreClient:
         timeout: float | None = None,
         activation: str = "auto",
     ) -> AsyncScoreStream:
-        call = self._stub.ScoreStream(
-            timeout=timeout, metadata=_keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
+        session = AsyncScoreStream(
+            self._stub,
+            stream_open(query, label_token_ids, apply_softmax, item_first, labels, activation),
+            timeout,
+            _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None),
+            self._retry,
         )
-        session = AsyncScoreStream(call)
-        await call.write(stream_open(query, label_token_ids, apply_softmax, item_first, labels, activation))
-        if not await session._receive_one():
-            await call  # raises the status that ended the stream
-            raise RuntimeError("ScoreStream: the server did not acknowledge the open")
+        await session._open()
         return session
 
     async def rerank(

@@ -213,8 +213,15 @@ class GrpcServer:
                 return response
             except Failure as failure:
                 outcome.status = failure.code.name
-                await echo.send()
-                await context.abort(failure.code, failure.message, trailing_metadata=_trailers(failure))
+                trailers = _trailers(failure)
+                if failure.code == grpc.StatusCode.UNAVAILABLE and not echo.sent:
+                    # no headers, the request id in the trailers (a Trailers-Only answer): a
+                    # client's retry policy sends the call to another replica only then, gRPC
+                    # commits a call at its first response headers (gRFC A6)
+                    trailers += ((request_ids.HEADER, echo.rid),)
+                else:
+                    await echo.send()
+                await context.abort(failure.code, failure.message, trailing_metadata=trailers)
             except InvalidInput as err:
                 failure = invalid(err)
                 outcome.status = failure.code.name
@@ -246,8 +253,8 @@ class GrpcServer:
     @_rpc("Score")
     async def score(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         msg = parse(pb.ScoreRequest, raw)
+        converter = self._accepting()  # before any headers: refused UNAVAILABLE, the call stays retryable
         await echo_prefix_key(_input_key(msg.query))
-        converter = self._accepting()
         checked = await validated(len(raw), converter.score_request, msg)
         req = checked.request
         differs = checked.joined_differs or []
@@ -269,8 +276,8 @@ class GrpcServer:
     @_rpc("Rerank")
     async def rerank(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
         msg = parse(pb.RerankRequest, raw)
+        converter = self._accepting()  # before any headers, as in Score
         await echo_prefix_key(prefix_key.for_rerank(msg.query, msg.instruction))
-        converter = self._accepting()
         checked = await validated(len(raw), converter.rerank_request, msg)
         req = checked.scored.request
         template = self.service.template.name if self.service.template else ""

@@ -1,0 +1,197 @@
+"""Nothing lost when a replica goes away: with `retry=Retry()` the client's unary calls are
+retried by gRPC's own retry policy on another replica, and a ScoreStream whose replica is
+killed under it re-opens on another one, re-sends the batches not yet answered and finishes
+there, every batch answered once. Three `prefixscore serve` subprocesses (a real SIGKILL and a
+real SIGTERM drain): one killed under open streams, one that survives, one draining."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from service_testing import LABELS, scrape, serve_process, wait_for
+
+from prefixscore.client import AsyncScoreClient, Retry, ScoreClient
+from prefixscore.client.score_client import _channel_options, ring_hash_service_config, service_config
+
+SERVE = [
+    "--model",
+    "tiny-qwen3",
+    "--host",
+    "127.0.0.1",
+    "--port",
+    "0",
+    "--metrics-port",
+    "0",
+    "--template",
+    "none",
+    "--warmup",
+    "false",
+    "--max-prefill-tokens",
+    "256",
+    "--max-batch-tokens",
+    "256",
+    "--drain-seconds",
+    "60",
+]
+QUERY = "Is this sentence about rivers?"
+BATCHES = [
+    ["The Seine flows through Paris."],
+    ["Cats sleep a lot.", "The Nile is long."],
+    ["A river bank."],
+    ["Mountains are high.", "Streams join rivers.", "Bread."],
+    ["The Danube reaches the Black Sea."],
+]
+
+
+@dataclasses.dataclass
+class Replica:
+    proc: subprocess.Popen
+    events: list[dict]
+    port: int = 0
+    metrics_port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def event(self, name: str) -> dict | None:
+        return next((e for e in list(self.events) if e.get("event") == name), None)
+
+    def open_streams(self) -> float:
+        return scrape(self.metrics_port)["prefixscore_open_streams"]
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[Replica]]:
+    """Three replicas, started together (their start-ups overlap)."""
+    started = [Replica(*serve_process(SERVE)) for _ in range(3)]
+    try:
+        for r in started:
+            listening = wait_for(lambda r=r: r.event("listening") or r.proc.poll() is not None, 120, "listening")
+            assert r.proc.poll() is None, f"serve exited: {r.events}"
+            r.port, r.metrics_port = listening["port"], listening["metrics_port"]
+        for r in started:
+            wait_for(lambda r=r: r.event("ready") or r.proc.poll() is not None, 300, "ready")
+            assert r.proc.poll() is None, f"serve exited: {r.events}"
+        yield started
+    finally:
+        for r in started:
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait(30)
+
+
+def _target(*replicas: Replica) -> str:
+    return "ipv4:" + ",".join(r.address for r in replicas)
+
+
+def test_unary_calls_are_retried_by_grpc_on_another_replica(replicas) -> None:
+    """A draining replica (SIGTERM, kept draining by an open stream) answers UNAVAILABLE "retry
+    on another replica": round_robin over it and a live one fails every other call without
+    retry, and none with it (gRPC's retry picks again, reaching the live replica)."""
+    _, live, draining = replicas
+    expected = ScoreClient(live.address).score(QUERY, BATCHES[0], LABELS, timeout=60).scores
+    # the open stream keeps the replica draining, port open, until it is closed below
+    with ScoreClient(draining.address) as holder, holder.stream(QUERY, label_token_ids=LABELS):
+        draining.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: draining.event("draining"), 30, "the draining event")
+        round_robin = [("grpc.lb_policy_name", "round_robin")]
+        failed = []
+        with ScoreClient(_target(draining, live), options=round_robin) as plain:
+            for _ in range(6):
+                try:
+                    plain.score(QUERY, BATCHES[0], LABELS, timeout=60)
+                except grpc.RpcError as err:
+                    failed.append((err.code(), err.details()))
+        assert failed and all(code == grpc.StatusCode.UNAVAILABLE for code, _ in failed), failed
+        with ScoreClient(_target(draining, live), options=round_robin, retry=Retry(attempts=5)) as retrying:
+            # round_robin picks among the replicas connected so far: give the live one time to
+            # connect, or every try of the first call could meet the draining one alone
+            grpc.channel_ready_future(retrying._channel).result(timeout=30)
+            time.sleep(0.5)
+            for _ in range(6):
+                scores = retrying.score(QUERY, BATCHES[0], LABELS, timeout=60).scores
+                np.testing.assert_allclose(scores, expected, rtol=1e-5)
+            assert retrying.model_info(timeout=60).model
+    draining.proc.wait(60)
+
+
+def test_a_stream_finishes_on_another_replica_when_its_replica_is_killed(replicas) -> None:
+    """Three streams on one replica (pick_first over [doomed, live] puts them there): a sync and
+    an async one with failover, a plain one. Each has its first batch answered; the replica is
+    stopped (SIGSTOP: what is sent now stays in flight), four more batches are submitted, and
+    it is killed. The plain stream fails UNAVAILABLE; the failover ones re-open on the live
+    replica, which answers exactly the four batches in flight (its usage), each like a unary call."""
+    doomed, live, _ = replicas
+    with ScoreClient(live.address) as direct:
+        expected = [direct.score(QUERY, batch, LABELS, timeout=60).scores for batch in BATCHES]
+    target = _target(doomed, live)
+    retry = Retry(stream_reopens=2)
+    loop = asyncio.new_event_loop()
+    with ScoreClient(target, retry=retry) as client, ScoreClient(target) as plain_client:
+        stream = client.stream(QUERY, label_token_ids=LABELS, timeout=120)
+        plain = plain_client.stream(QUERY, label_token_ids=LABELS, timeout=120)
+
+        async def open_async():
+            aclient = AsyncScoreClient(target, retry=retry)
+            return aclient, await aclient.stream(QUERY, label_token_ids=LABELS, timeout=120)
+
+        aclient, astream = loop.run_until_complete(open_async())
+        try:
+            assert doomed.open_streams() == 3 and live.open_streams() == 0
+            firsts = [
+                stream.send(BATCHES[0]),
+                plain.send(BATCHES[0]),
+                loop.run_until_complete(astream.send(BATCHES[0])),
+            ]
+
+            doomed.proc.send_signal(signal.SIGSTOP)
+            ids = [stream.submit(b) for b in BATCHES[1:]]
+            plain_ids = [plain.submit(b) for b in BATCHES[1:]]
+            async_ids = [loop.run_until_complete(astream.submit(b)) for b in BATCHES[1:]]
+            doomed.proc.kill()
+            doomed.proc.wait(30)
+
+            with pytest.raises(grpc.RpcError) as lost:
+                plain.result(plain_ids[0])
+            assert lost.value.code() == grpc.StatusCode.UNAVAILABLE, lost.value
+
+            got = [firsts[0]] + [stream.result(i) for i in ids]
+            usage = stream.close()
+            agot = [firsts[2]] + [loop.run_until_complete(astream.result(i)) for i in async_ids]
+            ausage = loop.run_until_complete(astream.close())
+        finally:
+            loop.run_until_complete(aclient.close())
+            loop.close()
+    for answers in (got, agot):
+        for scores, want in zip(answers, expected, strict=True):
+            np.testing.assert_allclose(scores, want, rtol=1e-5)
+    in_flight = sum(len(b) for b in BATCHES[1:])
+    assert (stream.reopens, astream.reopens) == (1, 1)
+    assert usage.items == ausage.items == in_flight, (usage, ausage)  # the first batch was not sent again
+    assert live.open_streams() == 0
+
+
+def test_one_service_config_carries_ring_hash_and_the_retry_policy() -> None:
+    merged = json.loads(service_config("ring_hash", Retry(attempts=4)))
+    assert merged["loadBalancingConfig"] == json.loads(ring_hash_service_config())["loadBalancingConfig"]
+    (method,) = merged["methodConfig"]
+    assert {n["method"] for n in method["name"]} == {"Score", "Rerank", "GetModelInfo"}  # not ScoreStream
+    assert method["retryPolicy"]["maxAttempts"] == 4
+    assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert service_config(None, None) is None
+    options = dict(_channel_options((), None, Retry()))
+    assert options["grpc.enable_retries"] == 1 and "loadBalancingConfig" not in options["grpc.service_config"]
+    with pytest.raises(ValueError, match="grpc.service_config"):
+        _channel_options([("grpc.service_config", "{}")], None, Retry())
+    with pytest.raises(ValueError, match="attempts"):
+        Retry(attempts=6)  # gRPC would silently cap it at 5
