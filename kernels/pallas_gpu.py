@@ -46,6 +46,7 @@ from prefixscore.kernels.paged import (
     PagedAttentionMeta,
     causal_by_region,
     first_keys,
+    never_windowed,
     segment_starts,
 )
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
@@ -114,15 +115,16 @@ def _finish(m, total, acc):
 
 
 # ---- prefix part (paged) ------------------------------------------------------------------
-def _prefix_kernel(
-    layer_ref, seg_ref, low_ref, len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, logits, table_width
-):
+def _prefix_kernel(layer_ref, seg_ref, len_ref, table_ref, q_ref, k_ref, v_ref, *refs, logits, table_width, windowed):
     """One query block x one query head against its segment's prefix pages.
 
-    layer_ref [1], seg_ref [T], low_ref [T] (the first key each token sees: first_keys),
-    len_ref [S], table_ref [S * P] int32; q_ref [BLOCK_Q, d];
-    k_ref, v_ref [layers, pages, page_tokens, d] (this program's kv head).
+    layer_ref [1], seg_ref [T], len_ref [S], table_ref [S * P] int32; q_ref [BLOCK_Q, d];
+    k_ref, v_ref [layers, pages, page_tokens, d] (this program's kv head); then, `windowed`,
+    low_ref [T] (the first key each token sees: first_keys); then o_ref, lse_ref. A model
+    without sliding layers (never_windowed) compiles neither the window's operand nor its
+    compare in every step (docs/benchmarks.md, H200).
     """
+    low_ref, o_ref, lse_ref = refs if windowed else (None, *refs)
     i = pl.program_id(0)
     q = q_ref[...]  # [BLOCK_Q, d]
     bq, d = q.shape
@@ -132,7 +134,7 @@ def _prefix_kernel(
     seg = seg_ref[pl.ds(i * BLOCK_Q, 1)][0]  # the whole block's segment (SEGMENT_ALIGN)
     length = len_ref[pl.ds(seg, 1)][0]
     row = seg * table_width  # this segment's page-table row in the flat table
-    low = low_ref[pl.ds(i * BLOCK_Q, BLOCK_Q)]  # [BLOCK_Q]
+    low = low_ref[pl.ds(i * BLOCK_Q, BLOCK_Q)] if windowed else None  # [BLOCK_Q]
 
     def step(j, carry):
         # j >= 0, so truncating lax.div/rem equal floor // and %; jnp's floor versions add sign
@@ -144,14 +146,16 @@ def _prefix_kernel(
         v = v_ref[layer, page, pl.ds(off, BLOCK_K), :]
         s = _scores(plgpu.dot(q, k, trans_b=True, allow_tf32=False), logits, d)
         col = j * BLOCK_K + jnp.arange(BLOCK_K)
-        visible = (col[None, :] < length) & (col[None, :] >= low[:, None])
+        visible = col[None, :] < length
+        if windowed:
+            visible &= col[None, :] >= low[:, None]
         return _online(carry, jnp.where(visible, s, MASK_VALUE), v)
 
     init = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
     # from the key block of the first key a row sees (0 without a window). A segment with
     # prefix_len 0 (or a block whose windows all start after it) runs no step: _finish gives
     # out 0, LSE MASK_VALUE
-    first = jax.lax.div(jnp.min(low), BLOCK_K)
+    first = jax.lax.div(jnp.min(low), BLOCK_K) if windowed else 0
     out, lse = _finish(*jax.lax.fori_loop(first, (length + BLOCK_K - 1) // BLOCK_K, step, init))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
@@ -179,18 +183,20 @@ def paged_prefix_attention(
     # head, and the kernel indexes [layer, page, rows]; Triton's pointer arithmetic goes
     # 64-bit on its own once the pool passes 4 GiB.
     pool_spec = pl.BlockSpec((layers, None, pages, page_tokens, d), lambda i, h: (0, h // g, 0, 0, 0))
+    windowed = not never_windowed(meta.window)
+    stream_spec = pl.BlockSpec((n,), lambda i, h: (0,))
     out, lse = pl.pallas_call(
-        functools.partial(_prefix_kernel, logits=meta.logits, table_width=table_width),
+        functools.partial(_prefix_kernel, logits=meta.logits, table_width=table_width, windowed=windowed),
         grid=(n // BLOCK_Q, heads),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h: (0,)),
-            pl.BlockSpec((n,), lambda i, h: (0,)),
-            pl.BlockSpec((n,), lambda i, h: (0,)),
+            stream_spec,
             pl.BlockSpec(meta.prefix_len.shape, lambda i, h: (0,)),
             pl.BlockSpec((meta.page_table.size,), lambda i, h: (0,)),
             pl.BlockSpec((BLOCK_Q, None, d), lambda i, h: (i, h, 0)),
             pool_spec,
             pool_spec,
+            *([stream_spec] if windowed else []),
         ],
         out_specs=[
             pl.BlockSpec((BLOCK_Q, None, d), lambda i, h: (i, h, 0)),
@@ -205,26 +211,32 @@ def paged_prefix_attention(
     )(
         jnp.reshape(meta.layer, (1,)).astype(jnp.int32),
         meta.segment_ids.astype(jnp.int32),
-        first_keys(meta).astype(jnp.int32),
         meta.prefix_len.astype(jnp.int32),
         meta.page_table.reshape(-1).astype(jnp.int32),  # [S * P]: one row per segment
         q,
         pool_k,
         pool_v,
+        *([first_keys(meta).astype(jnp.int32)] if windowed else []),
     )
     return out, lse.T
 
 
 # ---- ragged item part ----------------------------------------------------------------------
-def _ragged_kernel(window_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, logits):
+def _ragged_kernel(start_ref, q_ref, k_ref, v_ref, *refs, logits, windowed):
+    """start_ref [n] (each row's item start), q_ref [ITEM_BLOCK, d], k_ref, v_ref [n, d]; then,
+    `windowed`, window_ref [1]; then o_ref, lse_ref (as _prefix_kernel: no window, no compare)."""
+    window_ref, o_ref, lse_ref = refs if windowed else (None, *refs)
     i = pl.program_id(0)
     q = q_ref[...]  # [ITEM_BLOCK, d]
     bq, d = q.shape
-    window = window_ref[0]
     q_start = start_ref[pl.ds(i * ITEM_BLOCK, ITEM_BLOCK)]  # first stream index of each row's item
     q_pos = i * ITEM_BLOCK + jnp.arange(ITEM_BLOCK)
     # the block's first item starts here, or (later) its first row's window (both >= 0: lax.div)
-    first = jax.lax.div(jnp.maximum(start_ref[pl.ds(i * ITEM_BLOCK, 1)][0], i * ITEM_BLOCK - window + 1), ITEM_BLOCK)
+    first = start_ref[pl.ds(i * ITEM_BLOCK, 1)][0]
+    if windowed:
+        window = window_ref[0]
+        first = jnp.maximum(first, i * ITEM_BLOCK - window + 1)
+    first = jax.lax.div(first, ITEM_BLOCK)
 
     def step(j, carry):
         k = k_ref[pl.ds(j * ITEM_BLOCK, ITEM_BLOCK), :]
@@ -232,7 +244,9 @@ def _ragged_kernel(window_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *
         s = _scores(plgpu.dot(q, k, trans_b=True, allow_tf32=False), logits, d)
         k_pos = j * ITEM_BLOCK + jnp.arange(ITEM_BLOCK)
         back = q_pos[:, None] - k_pos[None, :]  # how far the key lies before the query
-        mask = (k_pos[None, :] >= q_start[:, None]) & (back >= 0) & (back < window)
+        mask = (k_pos[None, :] >= q_start[:, None]) & (back >= 0)
+        if windowed:
+            mask &= back < window
         return _online(carry, jnp.where(mask, s, MASK_VALUE), v)
 
     init = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
@@ -258,15 +272,16 @@ def ragged_item_attention(
     if not _tileable_dim(d) or n % ITEM_BLOCK:
         return xla.ragged_item_attention(q, k, v, segment_ids, max_item_len, window, logits)
     g = heads // kv_heads
+    windowed = not never_windowed(window)
     out, lse = pl.pallas_call(
-        functools.partial(_ragged_kernel, logits=logits),
+        functools.partial(_ragged_kernel, logits=logits, windowed=windowed),
         grid=(n // ITEM_BLOCK, heads),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, h: (0,)),
             pl.BlockSpec((n,), lambda i, h: (0,)),
             pl.BlockSpec((ITEM_BLOCK, None, d), lambda i, h: (i, h, 0)),
             pl.BlockSpec((n, None, d), lambda i, h: (0, h // g, 0)),
             pl.BlockSpec((n, None, d), lambda i, h: (0, h // g, 0)),
+            *([pl.BlockSpec((1,), lambda i, h: (0,))] if windowed else []),
         ],
         out_specs=[
             pl.BlockSpec((ITEM_BLOCK, None, d), lambda i, h: (i, h, 0)),
@@ -275,7 +290,7 @@ def ragged_item_attention(
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((heads, n), jnp.float32)],
         compiler_params=_params(ITEM_STAGES),
         interpret=_interpret(),
-    )(jnp.reshape(window, (1,)).astype(jnp.int32), segment_starts(segment_ids), q, k, v)
+    )(segment_starts(segment_ids), q, k, v, *([jnp.reshape(window, (1,)).astype(jnp.int32)] if windowed else []))
     return out, lse.T
 
 
