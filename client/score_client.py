@@ -350,7 +350,16 @@ class _Session:
     """State shared by the sync and async stream sessions: batch ids, stashed results, and for
     failover the batches sent and not yet answered (the ones a re-opened stream sends again)."""
 
-    def __init__(self, opening: pb.ScoreStreamRequest, timeout: float | None, retry: Retry | None) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.ScoreServiceStub,
+        opening: pb.ScoreStreamRequest,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+        retry: Retry | None = None,
+    ) -> None:
+        self._stub = stub
+        self._metadata = metadata
         self.prefix_tokens = 0
         self.cached_tokens = 0
         self.label_token_ids: list[int] = []
@@ -440,9 +449,7 @@ class ScoreStream(_Session):
         metadata: tuple[tuple[str, str], ...] | None = None,
         retry: Retry | None = None,
     ) -> None:
-        super().__init__(opening, timeout, retry)
-        self._stub = stub
-        self._metadata = metadata
+        super().__init__(stub, opening, timeout, metadata, retry)
         self._start()
         self._receive_one()  # the `opened` answer, or the error that refused the open
         if not self.opened:
@@ -629,18 +636,6 @@ class ScoreClient:
 class AsyncScoreStream(_Session):
     """An asyncio ScoreStream session (from `AsyncScoreClient.stream`); same methods as
     coroutines, and the same failover as `ScoreStream`."""
-
-    def __init__(
-        self,
-        stub: pb_grpc.ScoreServiceStub,
-        opening: pb.ScoreStreamRequest,
-        timeout: float | None,
-        metadata: tuple[tuple[str, str], ...] | None = None,
-        retry: Retry | None = None,
-    ) -> None:
-        super().__init__(opening, timeout, retry)
-        self._stub = stub
-        self._metadata = metadata
 
     async def _open(self) -> None:
         """Start the first stream and wait for its `opened` (or the error that refused the open)."""

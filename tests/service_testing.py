@@ -14,6 +14,29 @@ from prefixscore.bench import run as bench
 from prefixscore.service.core import ServerConfig
 
 LABELS = [28, 1017]  # two token ids of the tiny-qwen3 (SmolLM2) vocabulary
+# `prefixscore serve` of tiny-qwen3 on free loopback ports, small buckets, no warm-up: up in seconds
+SERVE = [
+    "--model",
+    "tiny-qwen3",
+    "--host",
+    "127.0.0.1",
+    "--port",
+    "0",
+    "--metrics-port",
+    "0",
+    "--http-port",
+    "0",
+    "--template",
+    "none",
+    "--warmup",
+    "false",
+    "--max-prefill-tokens",
+    "256",
+    "--max-batch-tokens",
+    "256",
+    "--drain-seconds",
+    "60",
+]
 
 
 def server_config(scorer, **overrides) -> ServerConfig:

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_testing import LABELS, scrape, serve_process, wait_for
+from service_testing import LABELS, SERVE, scrape, serve_process, wait_for
 
 from prefixscore import cli
 from prefixscore.client import ScoreClient
@@ -25,28 +25,6 @@ from prefixscore.service.server import SERVICE
 
 QUERY = "Is this sentence about rivers?"
 ITEMS = ["The Seine flows through Paris.", "Cats sleep a lot."]
-SERVE = [
-    "--model",
-    "tiny-qwen3",
-    "--host",
-    "127.0.0.1",
-    "--port",
-    "0",
-    "--metrics-port",
-    "0",
-    "--http-port",
-    "0",
-    "--template",
-    "none",
-    "--warmup",
-    "false",
-    "--max-prefill-tokens",
-    "256",
-    "--max-batch-tokens",
-    "256",
-    "--drain-seconds",
-    "60",
-]
 
 
 @dataclasses.dataclass

@@ -17,31 +17,11 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from service_testing import LABELS, scrape, serve_process, wait_for
+from service_testing import LABELS, SERVE, scrape, serve_process, wait_for
 
 from prefixscore.client import AsyncScoreClient, Retry, ScoreClient
 from prefixscore.client.score_client import _channel_options, ring_hash_service_config, service_config
 
-SERVE = [
-    "--model",
-    "tiny-qwen3",
-    "--host",
-    "127.0.0.1",
-    "--port",
-    "0",
-    "--metrics-port",
-    "0",
-    "--template",
-    "none",
-    "--warmup",
-    "false",
-    "--max-prefill-tokens",
-    "256",
-    "--max-batch-tokens",
-    "256",
-    "--drain-seconds",
-    "60",
-]
 QUERY = "Is this sentence about rivers?"
 BATCHES = [
     ["The Seine flows through Paris."],
