@@ -346,6 +346,16 @@ class BatchRefused(Exception):
         self.retry_after_ms = retry_after_ms
 
 
+def _lost(err: grpc.RpcError) -> bool:
+    """A call whose replica or connection went away: UNAVAILABLE, or the HTTP/2 stream reset
+    under it (INTERNAL "Received RST_STREAM"): what a proxy such as Envoy does to a stream whose
+    replica dies after the stream's headers went through. The server never ends a call so: its
+    own errors are a status in the trailers."""
+    if err.code() == grpc.StatusCode.UNAVAILABLE:
+        return True
+    return err.code() == grpc.StatusCode.INTERNAL and "RST_STREAM" in (err.details() or "")
+
+
 class _Session:
     """State shared by the sync and async stream sessions: batch ids, stashed results, and for
     failover the batches sent and not yet answered (the ones a re-opened stream sends again)."""
@@ -388,9 +398,9 @@ class _Session:
         return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
 
     def _may_reopen(self, err: grpc.RpcError) -> bool:
-        """Whether the stream that failed with `err` opens again: failover on, UNAVAILABLE (the
-        replica or its connection went away), re-opens left and time left before the deadline."""
-        if self._retry is None or err.code() != grpc.StatusCode.UNAVAILABLE:
+        """Whether the stream that failed with `err` opens again: failover on, the replica or its
+        connection gone (`_lost`), re-opens left and time left before the deadline."""
+        if self._retry is None or not _lost(err):
             return False
         if self.reopens >= self._retry.stream_reopens or self._timeout() == 0.0:
             return False
@@ -422,7 +432,8 @@ class ScoreStream(_Session):
     the server until `close()`. Results may come back out of order; they are matched by id.
 
     Failover (a client with `retry=Retry(...)`): when the stream fails UNAVAILABLE (its replica
-    killed or restarted, the connection lost, or ended after a GOAWAY at max connection age),
+    killed or restarted, the connection lost, or ended after a GOAWAY at max connection age) or
+    is reset under it (`_lost`: a proxy's stream whose replica died),
     the session opens a new stream on the same channel (its load balancing picks a replica that
     answers), sends the open again and then every batch sent and not yet answered, in order, and
     goes on: each batch is answered once, results already received are kept, not asked again.
