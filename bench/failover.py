@@ -401,8 +401,16 @@ def phases(samples: list[dict[str, Any]], marks: dict[str, float], victim: int, 
         per = []
         for i in range(len(first["replicas"])):
             alive = [s["replicas"][i] for s in inside if s["replicas"][i] is not None]
-            if name == "after" and i == victim:  # its counters start again at its restart
-                alive = [s["replicas"][i] for s in inside if s["t"] >= marks["back"] - 0.5 and s["replicas"][i]]
+            if i == victim:  # down in the outage; its counters start again at its restart
+                alive = (
+                    []
+                    if name == "outage"
+                    else [
+                        s["replicas"][i]
+                        for s in inside
+                        if s["replicas"][i] is not None and (s["t"] <= hi if name == "before" else s["t"] >= lo)
+                    ]
+                )
             delta = _rate(alive[0], alive[-1]) if len(alive) >= 2 else None
             per.append(None if delta is None or not sum(delta) else delta)
         survivors = [d for i, d in enumerate(per) if i != victim and d]
