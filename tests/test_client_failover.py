@@ -20,7 +20,7 @@ import pytest
 from service_testing import LABELS, scrape, serve_process, wait_for
 
 from prefixscore.client import AsyncScoreClient, Retry, ScoreClient
-from prefixscore.client.score_client import _channel_options, ring_hash_service_config, service_config
+from prefixscore.client.score_client import _channel_options, _lost, ring_hash_service_config, service_config
 
 SERVE = [
     "--model",
@@ -195,3 +195,25 @@ def test_one_service_config_carries_ring_hash_and_the_retry_policy() -> None:
         _channel_options([("grpc.service_config", "{}")], None, Retry())
     with pytest.raises(ValueError, match="attempts"):
         Retry(attempts=6)  # gRPC would silently cap it at 5
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_stream_reset_under_it_counts_as_its_replica_lost() -> None:
+    """Envoy resets a stream (RST_STREAM, INTERNAL_ERROR) whose replica dies after the stream's
+    headers went through: the stream re-opens on that, as on UNAVAILABLE; a status the server
+    sent (INTERNAL in the trailers) or any other code does not (bench/failover.py runs it)."""
+    reset = "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))"
+    assert _lost(_Failed(grpc.StatusCode.UNAVAILABLE, "Connection reset"))
+    assert _lost(_Failed(grpc.StatusCode.INTERNAL, reset))
+    assert not _lost(_Failed(grpc.StatusCode.INTERNAL, "Score failed (request id 1)"))
+    assert not _lost(_Failed(grpc.StatusCode.CANCELLED, reset))
