@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import importlib.util
 import itertools
 import json
@@ -43,12 +44,13 @@ from typing import Any
 import grpc
 
 from prefixscore.bench import workloads as wl
-from prefixscore.bench.run import _free_ports, commit, machine, replica_counts, scrape
+from prefixscore.bench.run import _free_ports, commit, machine, scrape
 from prefixscore.client import Retry, ScoreClient
 from prefixscore.model.presets import RANDOM_PRESETS
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "deploy" / "envoy"
 GRPC_CLUSTER = "prefixscore_grpc"
+HITS, MISSES = "prefixscore_prefix_cache_hits_total", "prefixscore_prefix_cache_misses_total"
 
 
 def envoy_binary() -> str:
@@ -112,11 +114,14 @@ class Replica:
         return answer.status == health_pb2.HealthCheckResponse.SERVING
 
     def counts(self) -> dict[str, float] | None:
-        """Its prefix-cache hits and misses so far (None while it is down)."""
+        """Its prefix-cache hits and misses so far (None while it is down or its answer was cut)."""
         try:
-            return replica_counts(self.metrics)
-        except OSError:
+            m = scrape(self.metrics)
+        except (OSError, http.client.HTTPException, ValueError):
             return None
+        if HITS not in m:
+            return None
+        return {"hits": m[HITS], "misses": m.get(MISSES, 0.0), "open_streams": m.get("prefixscore_open_streams", 0.0)}
 
 
 class Envoy:
@@ -331,7 +336,7 @@ def measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         threading.Thread(target=sampler, daemon=True).start()
         time.sleep(args.warmup_s)
         # the victim: the replica holding the most streams (so streams re-open), the first on a tie
-        opened = [scrape(r.metrics).get("prefixscore_open_streams", 0.0) for r in replicas]
+        opened = [(r.counts() or {}).get("open_streams", 0.0) for r in replicas]
         victim = max(range(len(replicas)), key=lambda i: (opened[i], -i))
         dead = replicas[victim]
         dead.kill()
@@ -427,9 +432,9 @@ def phases(samples: list[dict[str, Any]], marks: dict[str, float], victim: int, 
     return out
 
 
-def report(runs: list[dict[str, Any]]) -> str:
+def report(runs: list[dict[str, Any]], first: int = 1) -> str:
     lines = []
-    for n, run in enumerate(runs, 1):
+    for n, run in enumerate(runs, first):
         r, u = run["restart_s"], run["unary"]
         streams = run["streams"]
         lines.append(
@@ -498,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             logs = Path(args.logs) / f"run-{n}" if args.logs else Path(tmp)
             logs.mkdir(parents=True, exist_ok=True)
             runs.append(measure(argparse.Namespace(**{**vars(args), "seed": args.seed + n}), logs))
-        print(report(runs[-1:]), flush=True)
+        print(report(runs[-1:], len(runs)), flush=True)
     if len(runs) > 1:
         print(report(runs))
     if args.json_path:

@@ -346,14 +346,21 @@ class BatchRefused(Exception):
         self.retry_after_ms = retry_after_ms
 
 
-def _lost(err: grpc.RpcError) -> bool:
-    """A call whose replica or connection went away: UNAVAILABLE, or the HTTP/2 stream reset
-    under it (INTERNAL "Received RST_STREAM"): what a proxy such as Envoy does to a stream whose
-    replica dies after the stream's headers went through. The server never ends a call so: its
-    own errors are a status in the trailers."""
-    if err.code() == grpc.StatusCode.UNAVAILABLE:
-        return True
+def _reset(err: grpc.RpcError) -> bool:
+    """A call whose HTTP/2 stream was reset under it (INTERNAL "Received RST_STREAM"): what a
+    proxy such as Envoy does to a call whose replica dies after the call's response headers went
+    through (a stream's at its open, a unary call's with its answer). The server never ends a
+    call so: its own errors are a status in the trailers."""
     return err.code() == grpc.StatusCode.INTERNAL and "RST_STREAM" in (err.details() or "")
+
+
+def _lost(err: grpc.RpcError) -> bool:
+    """A call whose replica or connection went away: UNAVAILABLE, or its stream reset (`_reset`)."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE or _reset(err)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 class _Session:
@@ -395,7 +402,7 @@ class _Session:
         return [self._opening, *self._unanswered.values()]
 
     def _timeout(self) -> float | None:
-        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+        return _remaining(self._deadline)
 
     def _may_reopen(self, err: grpc.RpcError) -> bool:
         """Whether the stream that failed with `err` opens again: failover on, the replica or its
@@ -582,7 +589,7 @@ class ScoreClient:
         """Probabilities [items][labels] of each label as the next token after query + item."""
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels, activation)
         metadata = _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
-        response = self._stub.Score(request, timeout=timeout, metadata=metadata)
+        response = self._unary(self._stub.Score, request, timeout, metadata)
         return ScoreResult(
             _scores(response.scores),
             _usage(response.usage),
@@ -622,7 +629,22 @@ class ScoreClient:
         """Documents sorted by the server template's relevance to `query` (top_n: only the first N)."""
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
         metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction) if self._send_key else None)
-        return _reranked(self._stub.Rerank(request, timeout=timeout, metadata=metadata))
+        return _reranked(self._unary(self._stub.Rerank, request, timeout, metadata))
+
+    def _unary(self, method: Any, request: Any, timeout: float | None, metadata: Any) -> Any:
+        """One Score or Rerank call. With `retry`, one whose stream was reset under it (`_reset`:
+        its replica died while its answer was on the way, past what gRPC's policy and a proxy
+        retry) is sent again, within `attempts` tries and `timeout` (scoring changes nothing)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tried = 1
+        while True:
+            try:
+                return method(request, timeout=_remaining(deadline), metadata=metadata)
+            except grpc.RpcError as err:
+                if self._retry is None or not _reset(err) or tried >= self._retry.attempts:
+                    raise
+                time.sleep(self._retry.backoff(tried))
+                tried += 1
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
@@ -770,7 +792,7 @@ class AsyncScoreClient:
     ) -> ScoreResult:
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels, activation)
         metadata = _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
-        response = await self._stub.Score(request, timeout=timeout, metadata=metadata)
+        response = await self._unary(self._stub.Score, request, timeout, metadata)
         return ScoreResult(
             _scores(response.scores),
             _usage(response.usage),
@@ -809,7 +831,20 @@ class AsyncScoreClient:
     ) -> RerankResult:
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
         metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction) if self._send_key else None)
-        return _reranked(await self._stub.Rerank(request, timeout=timeout, metadata=metadata))
+        return _reranked(await self._unary(self._stub.Rerank, request, timeout, metadata))
+
+    async def _unary(self, method: Any, request: Any, timeout: float | None, metadata: Any) -> Any:
+        """As `ScoreClient._unary`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tried = 1
+        while True:
+            try:
+                return await method(request, timeout=_remaining(deadline), metadata=metadata)
+            except grpc.RpcError as err:
+                if self._retry is None or not _reset(err) or tried >= self._retry.attempts:
+                    raise
+                await asyncio.sleep(self._retry.backoff(tried))
+                tried += 1
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
