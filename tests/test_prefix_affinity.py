@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +81,37 @@ def test_the_server_echoes_the_key_it_computes(tiny_scorer) -> None:
         assert response.headers[prefix_key.HEADER] == prefix_key.for_rerank(body["query"], body["instruction"])
         response = httpx.post(f"{base}/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": LABELS})
         assert response.headers[prefix_key.HEADER] == prefix_key.for_score("q")
+
+
+def test_a_unary_call_has_no_headers_until_its_answer(tiny_scorer) -> None:
+    """Score sends its initial metadata (request id, key) with its answer, not when it starts:
+    a call whose replica dies while it runs has no response headers yet, so Envoy (`retry_on:
+    reset`) and the client's retry policy may still send it to another replica
+    (docs/operations.md, "Failover under load")."""
+    with ServerThread(server_config(tiny_scorer)) as srv, grpc.insecure_channel(srv.target) as channel:
+        # called as a server stream (the same bytes on the wire): gRPC hands such a call's
+        # headers over as they arrive, a unary call's only with its answer
+        score = channel.unary_stream(
+            "/prefixscore.v1.ScoreService/Score",
+            request_serializer=pb.ScoreRequest.SerializeToString,
+            response_deserializer=pb.ScoreResponse.FromString,
+        )
+        query = list(range(60, 90))
+        request = pb.ScoreRequest(
+            query=pb.Input(token_ids=pb.TokenIds(ids=query)),
+            items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in ITEMS],
+            label_token_ids=LABELS,
+        )
+        inflight = srv.server.service.metrics.inflight
+        with srv.server.service.worker.paused():
+            call = score(request, timeout=60)
+            wait_for(lambda: inflight._value.get() == 1, 30, "the call held on the server")
+            headers = threading.Thread(target=call.initial_metadata, daemon=True)
+            headers.start()
+            headers.join(1.0)
+            assert headers.is_alive(), "response headers sent while the call runs"
+        assert len(next(call).scores) == len(ITEMS)
+        assert dict(call.initial_metadata())[prefix_key.HEADER] == prefix_key.for_score(query)
 
 
 def test_clients_send_the_key_unless_told_not_to() -> None:
