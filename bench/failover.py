@@ -497,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     args = p.parse_args(argv)
+    context = {"commit": commit(), "machine": machine(), "argv": sys.argv, "args": vars(args)}  # the code measured
     runs = []
     for n in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
@@ -507,7 +508,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(runs) > 1:
         print(report(runs))
     if args.json_path:
-        context = {"commit": commit(), "machine": machine(), "argv": sys.argv, "args": vars(args)}
         Path(args.json_path).write_text(json.dumps({**context, "runs": runs}, indent=2, default=str))
     return 0 if all(not r["unary"]["failed"] and all(s["answered_once"] for s in r["streams"]) for r in runs) else 1
 
