@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import http.client
 import importlib.util
-import itertools
 import json
 import shutil
 import signal
@@ -46,6 +45,7 @@ import grpc
 from prefixscore.bench import workloads as wl
 from prefixscore.bench.run import _free_ports, commit, machine, scrape
 from prefixscore.client import Retry, ScoreClient
+from prefixscore.client.score_client import ScoreStream
 from prefixscore.model.presets import RANDOM_PRESETS
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "deploy" / "envoy"
@@ -250,41 +250,41 @@ class Traffic:
                     self.tally.hits += result.usage.cached_tokens > 0
 
     def _stream(self, index: int) -> None:
-        """One stream for the whole run, `window` batches in flight: every batch submitted must
-        be answered once, with one score row per item."""
+        """One stream for the whole run, `window` batches in flight, each result taken in turn:
+        every batch submitted must come back once, with one score row per item."""
         args = self.args
         with self.lock:
             query = self.gen.tokens(args.query_tokens)
             batches = [[self.gen.tokens(args.item_tokens) for _ in range(args.chunk)] for _ in range(4)]
         record: dict[str, Any] = {"stream": index, "submitted": 0, "answered": 0, "reopens": 0, "error": None}
         self.streams.append(record)
-        answered: Counter = Counter()
         submitted: list[int] = []
+        answered: list[int] = []
+
+        def take(stream: ScoreStream) -> None:
+            batch_id = submitted[len(answered)]
+            if len(stream.result(batch_id)) != args.chunk:
+                raise RuntimeError(f"batch {batch_id}: not one answer per item")
+            answered.append(batch_id)
+            with self.tally.lock:
+                self.tally.batches += 1
+                self.tally.reopens += stream.reopens - record["reopens"]
+            record["reopens"] = stream.reopens
+
         try:
             with ScoreClient(self.target, retry=self.retry) as client:
                 stream = client.stream(query, self.labels, timeout=args.stream_timeout_s)
                 submitted += [stream.submit(batches[i % 4]) for i in range(args.window)]
-                for n in itertools.count(args.window):
-                    batch_id = submitted[n - args.window]
-                    if len(stream.result(batch_id)) != args.chunk:
-                        raise RuntimeError(f"batch {batch_id}: not one answer per item")
-                    answered[batch_id] += 1
-                    with self.tally.lock:
-                        self.tally.batches += 1
-                        self.tally.reopens += stream.reopens - record["reopens"]
-                    record["reopens"] = stream.reopens
-                    if self.stop.is_set():
-                        break
-                    submitted.append(stream.submit(batches[n % 4]))
-                for batch_id in submitted[n - args.window + 1 :]:
-                    stream.result(batch_id)
-                    answered[batch_id] += 1
+                while not self.stop.is_set():
+                    take(stream)
+                    submitted.append(stream.submit(batches[len(submitted) % 4]))
+                while len(answered) < len(submitted):
+                    take(stream)
                 stream.close()
         except (grpc.RpcError, RuntimeError) as err:
             record["error"] = repr(err)
-        record["submitted"], record["answered"] = len(submitted), sum(answered.values())
-        record["answered_once"] = record["error"] is None and sorted(answered) == submitted
-        record["answered_once"] = record["answered_once"] and set(answered.values()) == {1}
+        record["submitted"], record["answered"] = len(submitted), len(answered)
+        record["answered_once"] = record["error"] is None and answered == submitted
 
 
 def progress(message: str) -> None:
