@@ -44,8 +44,7 @@ import grpc
 
 from prefixscore.bench import workloads as wl
 from prefixscore.bench.run import _free_ports, commit, machine, scrape
-from prefixscore.client import Retry, ScoreClient
-from prefixscore.client.score_client import ScoreStream
+from prefixscore.client import Retry, ScoreClient, ScoreStream
 from prefixscore.model.presets import RANDOM_PRESETS
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "deploy" / "envoy"
