@@ -346,6 +346,23 @@ class BatchRefused(Exception):
         self.retry_after_ms = retry_after_ms
 
 
+def _reset(err: grpc.RpcError) -> bool:
+    """A call whose HTTP/2 stream was reset under it (INTERNAL "Received RST_STREAM"): what a
+    proxy such as Envoy does to a call whose replica dies after the call's response headers went
+    through (a stream's at its open, a unary call's with its answer). The server never ends a
+    call so: its own errors are a status in the trailers."""
+    return err.code() == grpc.StatusCode.INTERNAL and "RST_STREAM" in (err.details() or "")
+
+
+def _lost(err: grpc.RpcError) -> bool:
+    """A call whose replica or connection went away: UNAVAILABLE, or its stream reset (`_reset`)."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE or _reset(err)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
 class _Session:
     """State shared by the sync and async stream sessions: batch ids, stashed results, and for
     failover the batches sent and not yet answered (the ones a re-opened stream sends again)."""
@@ -394,12 +411,12 @@ class _Session:
         return [self._opening, *self._unanswered.values()]
 
     def _timeout(self) -> float | None:
-        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+        return _remaining(self._deadline)
 
     def _may_reopen(self, err: grpc.RpcError) -> bool:
-        """Whether the stream that failed with `err` opens again: failover on, UNAVAILABLE (the
-        replica or its connection went away), re-opens left and time left before the deadline."""
-        if self._retry is None or err.code() != grpc.StatusCode.UNAVAILABLE:
+        """Whether the stream that failed with `err` opens again: failover on, the replica or its
+        connection gone (`_lost`), re-opens left and time left before the deadline."""
+        if self._retry is None or not _lost(err):
             return False
         if self.reopens >= self._retry.stream_reopens or self._timeout() == 0.0:
             return False
@@ -431,7 +448,8 @@ class ScoreStream(_Session):
     the server until `close()`. Results may come back out of order; they are matched by id.
 
     Failover (a client with `retry=Retry(...)`): when the stream fails UNAVAILABLE (its replica
-    killed or restarted, the connection lost, or ended after a GOAWAY at max connection age),
+    killed or restarted, the connection lost, or ended after a GOAWAY at max connection age) or
+    is reset under it (`_lost`: a proxy's stream whose replica died),
     the session opens a new stream on the same channel (its load balancing picks a replica that
     answers), sends the open again and then every batch sent and not yet answered, in order, and
     goes on: each batch is answered once, results already received are kept, not asked again.
@@ -578,7 +596,7 @@ class ScoreClient:
         """Probabilities [items][labels] of each label as the next token after query + item."""
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels, activation)
         metadata = _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
-        response = self._stub.Score(request, timeout=timeout, metadata=metadata)
+        response = self._unary(self._stub.Score, request, timeout, metadata)
         return ScoreResult(
             _scores(response.scores),
             _usage(response.usage),
@@ -618,7 +636,22 @@ class ScoreClient:
         """Documents sorted by the server template's relevance to `query` (top_n: only the first N)."""
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
         metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction) if self._send_key else None)
-        return _reranked(self._stub.Rerank(request, timeout=timeout, metadata=metadata))
+        return _reranked(self._unary(self._stub.Rerank, request, timeout, metadata))
+
+    def _unary(self, method: Any, request: Any, timeout: float | None, metadata: Any) -> Any:
+        """One Score or Rerank call. With `retry`, one whose stream was reset under it (`_reset`:
+        its replica died while its answer was on the way, past what gRPC's policy and a proxy
+        retry) is sent again, within `attempts` tries and `timeout` (scoring changes nothing)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tried = 1
+        while True:
+            try:
+                return method(request, timeout=_remaining(deadline), metadata=metadata)
+            except grpc.RpcError as err:
+                if self._retry is None or not _reset(err) or tried >= self._retry.attempts:
+                    raise
+                time.sleep(self._retry.backoff(tried))
+                tried += 1
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
@@ -754,7 +787,7 @@ class AsyncScoreClient:
     ) -> ScoreResult:
         request = score_request(query, items, label_token_ids, apply_softmax, item_first, labels, activation)
         metadata = _keyed(self._metadata, prefix_key.for_score(query) if self._send_key else None)
-        response = await self._stub.Score(request, timeout=timeout, metadata=metadata)
+        response = await self._unary(self._stub.Score, request, timeout, metadata)
         return ScoreResult(
             _scores(response.scores),
             _usage(response.usage),
@@ -793,7 +826,20 @@ class AsyncScoreClient:
     ) -> RerankResult:
         request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
         metadata = _keyed(self._metadata, prefix_key.for_rerank(query, instruction) if self._send_key else None)
-        return _reranked(await self._stub.Rerank(request, timeout=timeout, metadata=metadata))
+        return _reranked(await self._unary(self._stub.Rerank, request, timeout, metadata))
+
+    async def _unary(self, method: Any, request: Any, timeout: float | None, metadata: Any) -> Any:
+        """As `ScoreClient._unary`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tried = 1
+        while True:
+            try:
+                return await method(request, timeout=_remaining(deadline), metadata=metadata)
+            except grpc.RpcError as err:
+                if self._retry is None or not _reset(err) or tried >= self._retry.attempts:
+                    raise
+                await asyncio.sleep(self._retry.backoff(tried))
+                tried += 1
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)

@@ -58,18 +58,21 @@ def _trailers(failure: Failure) -> tuple[tuple[str, str], ...]:
 
 class _InitialMetadata:
     """An RPC's initial metadata: its request id, and its prefix key once the request is parsed
-    (service/prefix_key.py). Sent once, before the first response or the status: a handler
-    sends it as soon as it knows the key, the wrapper otherwise."""
+    (service/prefix_key.py). Sent once, before the first response or the status: a stream
+    sends it at its open, as soon as it knows the key; a unary call's goes with its answer or
+    its status (the wrapper), so that the call has no headers while it runs (retryable)."""
 
     def __init__(self, context: grpc.aio.ServicerContext, rid: str) -> None:
         self.context = context
         self.rid = rid
+        self.key: str | None = None
         self.sent = False
 
     async def send(self, key: str | None = None) -> None:
         if self.sent:
             return
         self.sent = True
+        key = key or self.key
         pairs = ((request_ids.HEADER, self.rid),) + (((prefix_key.HEADER, key),) if key else ())
         try:
             await self.context.send_initial_metadata(pairs)
@@ -84,6 +87,13 @@ _ECHO: contextvars.ContextVar[_InitialMetadata] = contextvars.ContextVar("prefix
 async def echo_prefix_key(key: str) -> None:
     """Send the running RPC's initial metadata with its prefix key (see _InitialMetadata)."""
     await _ECHO.get().send(key)
+
+
+def answer_with_prefix_key(key: str) -> None:
+    """A unary RPC's prefix key, echoed in the initial metadata sent with its answer, not now:
+    until a call has response headers, a proxy (Envoy's retry_on reset) and the client's retry
+    policy may send it to another replica, so a replica killed under it loses no request."""
+    _ECHO.get().key = key
 
 
 def _input_key(query: pb.Input) -> str:
@@ -254,7 +264,7 @@ class GrpcServer:
     async def score(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         msg = parse(pb.ScoreRequest, raw)
         converter = self._accepting()  # before any headers: refused UNAVAILABLE, the call stays retryable
-        await echo_prefix_key(_input_key(msg.query))
+        answer_with_prefix_key(_input_key(msg.query))
         checked = await validated(len(raw), converter.score_request, msg)
         req = checked.request
         differs = checked.joined_differs or []
@@ -277,7 +287,7 @@ class GrpcServer:
     async def rerank(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
         msg = parse(pb.RerankRequest, raw)
         converter = self._accepting()  # before any headers, as in Score
-        await echo_prefix_key(prefix_key.for_rerank(msg.query, msg.instruction))
+        answer_with_prefix_key(prefix_key.for_rerank(msg.query, msg.instruction))
         checked = await validated(len(raw), converter.rerank_request, msg)
         req = checked.scored.request
         template = self.service.template.name if self.service.template else ""

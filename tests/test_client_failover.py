@@ -20,7 +20,7 @@ import pytest
 from service_testing import LABELS, SERVE, scrape, serve_process, wait_for
 
 from prefixscore.client import AsyncScoreClient, Retry, ScoreClient
-from prefixscore.client.score_client import _channel_options, ring_hash_service_config, service_config
+from prefixscore.client.score_client import _channel_options, _lost, ring_hash_service_config, service_config
 
 QUERY = "Is this sentence about rivers?"
 BATCHES = [
@@ -175,3 +175,65 @@ def test_one_service_config_carries_ring_hash_and_the_retry_policy() -> None:
         _channel_options([("grpc.service_config", "{}")], None, Retry())
     with pytest.raises(ValueError, match="attempts"):
         Retry(attempts=6)  # gRPC would silently cap it at 5
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_stream_reset_under_it_counts_as_its_replica_lost() -> None:
+    """Envoy resets a stream (RST_STREAM, INTERNAL_ERROR) whose replica dies after the stream's
+    headers went through: the stream re-opens on that, as on UNAVAILABLE; a status the server
+    sent (INTERNAL in the trailers) or any other code does not (bench/failover.py runs it)."""
+    reset = "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))"
+    assert _lost(_Failed(grpc.StatusCode.UNAVAILABLE, "Connection reset"))
+    assert _lost(_Failed(grpc.StatusCode.INTERNAL, reset))
+    assert not _lost(_Failed(grpc.StatusCode.INTERNAL, "Score failed (request id 1)"))
+    assert not _lost(_Failed(grpc.StatusCode.CANCELLED, reset))
+
+
+def test_a_unary_call_reset_under_it_is_sent_again_with_retry_only() -> None:
+    """A Score whose replica died while its answer was on the way (Envoy resets the call: gRPC's
+    policy cannot retry it, headers came) is sent again, at most `attempts` tries; without
+    `retry`, or for a status the server sent, it is not."""
+    reset = _Failed(grpc.StatusCode.INTERNAL, "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))")
+    calls: list[float | None] = []
+
+    def flaky(request: object, timeout: float | None, metadata: object) -> str:
+        calls.append(timeout)
+        if len(calls) < 3:
+            raise reset
+        return "answer"
+
+    def always_reset(request: object, timeout: float | None, metadata: object) -> str:
+        calls.append(timeout)
+        raise reset
+
+    def internal(request: object, timeout: float | None, metadata: object) -> str:
+        calls.append(timeout)
+        raise _Failed(grpc.StatusCode.INTERNAL, "Score failed (request id 1)")
+
+    retry = Retry(attempts=3, initial_backoff_s=0.001, max_backoff_s=0.001)
+    with ScoreClient("127.0.0.1:1", retry=retry) as client:
+        assert client._unary(flaky, None, 30.0, None) == "answer"
+        assert len(calls) == 3 and all(t is not None and 0 < t <= 30.0 for t in calls)
+        calls.clear()
+        with pytest.raises(grpc.RpcError):  # reset every time: three tries, then the error
+            client._unary(always_reset, None, None, None)
+        assert len(calls) == 3
+        calls.clear()
+        with pytest.raises(grpc.RpcError):
+            client._unary(internal, None, None, None)
+        assert len(calls) == 1
+    with ScoreClient("127.0.0.1:1") as client:
+        calls.clear()
+        with pytest.raises(grpc.RpcError):
+            client._unary(always_reset, None, None, None)
+        assert len(calls) == 1

@@ -8,8 +8,11 @@ import contextlib
 import importlib.util
 import json
 import shutil
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +83,37 @@ def test_the_server_echoes_the_key_it_computes(tiny_scorer) -> None:
         assert response.headers[prefix_key.HEADER] == prefix_key.for_rerank(body["query"], body["instruction"])
         response = httpx.post(f"{base}/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": LABELS})
         assert response.headers[prefix_key.HEADER] == prefix_key.for_score("q")
+
+
+def test_a_unary_call_has_no_headers_until_its_answer(tiny_scorer) -> None:
+    """Score sends its initial metadata (request id, key) with its answer, not when it starts:
+    a call whose replica dies while it runs has no response headers yet, so Envoy (`retry_on:
+    reset`) and the client's retry policy may still send it to another replica
+    (docs/operations.md, "Failover under load")."""
+    with ServerThread(server_config(tiny_scorer)) as srv, grpc.insecure_channel(srv.target) as channel:
+        # called as a server stream (the same bytes on the wire): gRPC hands such a call's
+        # headers over as they arrive, a unary call's only with its answer
+        score = channel.unary_stream(
+            "/prefixscore.v1.ScoreService/Score",
+            request_serializer=pb.ScoreRequest.SerializeToString,
+            response_deserializer=pb.ScoreResponse.FromString,
+        )
+        query = list(range(60, 90))
+        request = pb.ScoreRequest(
+            query=pb.Input(token_ids=pb.TokenIds(ids=query)),
+            items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in ITEMS],
+            label_token_ids=LABELS,
+        )
+        inflight = srv.server.service.metrics.inflight
+        with srv.server.service.worker.paused():
+            call = score(request, timeout=60)
+            wait_for(lambda: inflight._value.get() == 1, 30, "the call held on the server")
+            headers = threading.Thread(target=call.initial_metadata, daemon=True)
+            headers.start()
+            headers.join(1.0)
+            assert headers.is_alive(), "response headers sent while the call runs"
+        assert len(next(call).scores) == len(ITEMS)
+        assert dict(call.initial_metadata())[prefix_key.HEADER] == prefix_key.for_score(query)
 
 
 def test_clients_send_the_key_unless_told_not_to() -> None:
@@ -159,10 +193,12 @@ def serving_replicas(scorer, n: int = 3) -> Iterator[list[ServerThread]]:
 
 
 @contextlib.contextmanager
-def envoy_in_front(replicas: list[ServerThread], tmp: Path) -> Iterator[dict[str, int]]:
-    """The real Envoy with deploy/envoy's configuration over `replicas`; its ports once it has
-    health-checked every replica."""
-    grpc_ports = [srv.server.port for srv in replicas]
+def envoy_in_front(
+    replicas: list[ServerThread], tmp: Path, grpc_ports: list[int] | None = None
+) -> Iterator[dict[str, int]]:
+    """The real Envoy with deploy/envoy's configuration over `replicas` (their gRPC at
+    `grpc_ports` when given); its ports once it has health-checked every replica."""
+    grpc_ports = grpc_ports or [srv.server.port for srv in replicas]
     http_ports = [srv.server.http_port for srv in replicas]
     config, ports = render_for_loopback(grpc_ports, http_ports, tmp)
     log = open(tmp / "envoy.log", "w")  # noqa: SIM115 - closed below
@@ -313,6 +349,77 @@ def test_a_replica_lost_moves_its_keys_and_fails_no_request(tiny_scorer, tmp_pat
 
 def _healthy(ports: dict[str, int]) -> int:
     return httpx.get(f"http://127.0.0.1:{ports['admin']}/clusters", timeout=2).text.count("health_flags::healthy")
+
+
+class Cuttable:
+    """A TCP forwarder in front of a replica's gRPC port: `cut()` resets every connection and
+    refuses new ones, what Envoy sees when the replica's process is killed (SIGKILL)."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            self.open += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        self.listener.close()
+        for sock in self.open:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # its close: RST
+            sock.shutdown(socket.SHUT_RD)  # wakes the thread reading it, which lets it close
+            sock.close()
+
+
+def test_requests_on_a_replica_that_dies_are_retried_by_envoy(tiny_scorer, tmp_path) -> None:
+    """Twelve calls held on three replicas (their device loops paused), then one replica's
+    connections reset as its death would: Envoy retries every call it held on another replica
+    (`retry_on: reset`; none had response headers: the server sends them with the answer), all
+    at once (past Envoy's default of 3 retries in flight: `circuit_breakers`), and every call
+    is answered. No client retry (docs/operations.md, "Failover under load")."""
+    with serving_replicas(tiny_scorer) as replicas:
+        fronts = [Cuttable(srv.server.port) for srv in replicas]
+        with envoy_in_front(replicas, tmp_path, [f.port for f in fronts]) as ports:
+            with ScoreClient(f"127.0.0.1:{ports['grpc']}") as client:
+                queries = [list(range(9000 + 41 * q, 9000 + 41 * q + 32)) for q in range(18)]
+                home = [_replica_of(replicas, client, query) for query in queries]
+                victim = max(set(home), key=home.count)
+                assert home.count(victim) >= 5, home
+                inflight = [srv.server.service.metrics.inflight for srv in replicas]
+                with concurrent.futures.ThreadPoolExecutor(18) as pool, contextlib.ExitStack() as held:
+                    for srv in replicas:
+                        held.enter_context(srv.server.service.worker.paused())
+                    calls = [pool.submit(client.score, query, ITEMS, LABELS, timeout=60) for query in queries]
+                    wait_for(lambda: sum(g._value.get() for g in inflight) == len(queries), 30, "every call held")
+                    held_by_victim = inflight[victim]._value.get()
+                    assert held_by_victim >= 4
+                    fronts[victim].cut()
+                for call in calls:  # an error here: UNAVAILABLE (retries overflowed), INTERNAL (reset, not retried)
+                    assert len(call.result(60).scores) == len(ITEMS)
+                assert _retries(ports) >= held_by_victim
+
+
+def _retries(ports: dict[str, int]) -> int:
+    stats = httpx.get(f"http://127.0.0.1:{ports['admin']}/stats?filter=prefixscore_grpc.upstream_rq_retry$").text
+    return int(stats.split(": ")[1]) if ": " in stats else 0
 
 
 def test_a_hot_key_past_the_load_bound_spills_to_a_second_replica_not_to_all(tiny_scorer, tmp_path) -> None:
