@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 
 from prefixscore.bench import workloads as wl
-from prefixscore.bench.run import _free_ports, commit, machine, scrape
+from prefixscore.bench.run import commit, free_ports, machine, scrape, stop_process
 from prefixscore.client import Retry, ScoreClient, ScoreStream
 from prefixscore.model.presets import RANDOM_PRESETS
 
@@ -72,7 +72,7 @@ class Replica:
     """One `prefixscore serve` process on fixed ports (started again on the same ones)."""
 
     def __init__(self, model: str, log: Path, serve_args: list[str]) -> None:
-        self.port, self.http_port, self.metrics_port = _free_ports(3)
+        self.port, self.http_port, self.metrics_port = free_ports(3)
         self.target, self.metrics = f"127.0.0.1:{self.port}", f"127.0.0.1:{self.metrics_port}"
         self.cmd = [sys.executable, "-m", "prefixscore.cli", "serve", "--model", model, "--host", "127.0.0.1"]
         self.cmd += ["--port", str(self.port), "--http-port", str(self.http_port)]
@@ -91,13 +91,8 @@ class Replica:
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def serving(self) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -127,7 +122,7 @@ class Envoy:
     """The envoy binary over the replicas, with its admin on loopback."""
 
     def __init__(self, replicas: list[Replica], log: Path) -> None:
-        grpc_port, http_port, admin = _free_ports(3)
+        grpc_port, http_port, admin = free_ports(3)
         self.target, self.admin = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{admin}"
         config = log.with_suffix(".yaml")
         listen = {"grpc": grpc_port, "http": http_port, "admin": admin}

@@ -297,7 +297,7 @@ class ServedProcess:
     are the server's alone, so their CPU time per request is the host cost."""
 
     def __init__(self, args: argparse.Namespace, timeout_s: float = 1800.0) -> None:
-        port, http_port, metrics_port = _free_ports(3)
+        port, http_port, metrics_port = free_ports(3)
         self.target, self.http_target = f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
         self.metrics_target = f"127.0.0.1:{metrics_port}"
         cmd = [sys.executable, "-c", "from prefixscore.cli import main; main()", "serve"]
@@ -339,14 +339,19 @@ class ServedProcess:
         return self._log.read().decode(errors="replace")[-chars:]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM (a server drains and exits), SIGKILL if it has not after `grace_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def warmed_up(client: Any, timeout_s: float = 1800.0) -> Any:
@@ -364,7 +369,7 @@ def warmed_up(client: Any, timeout_s: float = 1800.0) -> Any:
         time.sleep(0.5)
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
         for sock in socks:
