@@ -44,11 +44,32 @@ def _dedupe(trials):
     return [(trial, names) for trial, names in merged.values()]
 
 
-HF_TRIALS = [
-    pytest.param(model_type, trial, names, id=f"{model_type}-{'+'.join(names)}-{i}")
-    for model_type, family in FAMILIES.items()
-    for i, (trial, names) in enumerate(_dedupe((f.name, t) for f in family.fields for t in f.trials))
-]
+# Fields the config classes read their own way (Qwen2's and Qwen3's windows): tried in every
+# family that has them. The others are one Field shared by the families' inventories
+# (model/config_inventory.py) and one decoder computes them: each trial in one family, in turn.
+PER_FAMILY = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+
+
+def _hf_trials() -> list:
+    owners: dict[str, list[str]] = {}  # trial -> the families whose inventory has it
+    trials: dict[str, tuple[object, list[str]]] = {}
+    for model_type, family in FAMILIES.items():
+        for trial, names in _dedupe((f.name, t) for f in family.fields for t in f.trials):
+            key = json.dumps([trial, names], sort_keys=True)
+            key = f"{model_type}:{key}" if PER_FAMILY & set(names) else key
+            owners.setdefault(key, []).append(model_type)
+            trials[key] = (trial, names)
+    return [
+        pytest.param(
+            families[i % len(families)],
+            *trials[key],
+            id=f"{families[i % len(families)]}-{'+'.join(trials[key][1])}-{i}",
+        )
+        for i, (key, families) in enumerate(owners.items())
+    ]
+
+
+HF_TRIALS = _hf_trials()
 # each key's trials on one architecture, the three in turn: GGUF keys are read through the same
 # `{arch}.` names for every architecture (model/gguf_loader.py), so a key honoured or refused for
 # one is for all; the architectures' own tensors are in tests/test_gguf.py
