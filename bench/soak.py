@@ -90,7 +90,7 @@ class Tolerance:
 
 # series judged for an upward trend, and how much growth each may show besides its noise
 TOLERANCES = {
-    "rss_mib": Tolerance(16.0, 0.05),  # allocators and caches settle in steps of a few MiB
+    "rss_mib": Tolerance(16.0, 0.02),  # allocators and caches settle in steps of a few MiB
     # gauges of the work in progress: they follow the load, a leak keeps adding (and shows at the
     # end too, when they must be back to zero)
     "pinned": Tolerance(2.0, 0.25),
