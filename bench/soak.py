@@ -204,7 +204,7 @@ class Traffic:
         self, target: str, clients: int, sizes: wl.Sizes, labels: list[int], limits: Limits, seed: int
     ) -> None:
         self.target, self.sizes, self.labels, self.limits, self.seed = target, sizes, labels, limits, seed
-        self.hot = wl.w2_hot_queries(wl.Generator(limits.vocab, seed), sizes)  # shared by every client
+        self.hot = wl.hot_queries(wl.Generator(limits.vocab, seed), sizes)  # shared by every client
         self.tally = Tally()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(k,), name=f"soak-{k}") for k in range(clients)]

@@ -95,11 +95,11 @@ def w1(gen: Generator, sizes: Sizes, labels: list[int], cold: bool, runs: int) -
 
 def w2(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]:
     """W2: mixed traffic; log-uniform query, item count and item length; a share reuses hot queries."""
-    hot = w2_hot_queries(gen, sizes)
+    hot = hot_queries(gen, sizes)
     return [w2_request(gen, sizes, labels, hot) for _ in range(n)]
 
 
-def w2_hot_queries(gen: Generator, sizes: Sizes) -> list[list[int]]:
+def hot_queries(gen: Generator, sizes: Sizes) -> list[list[int]]:
     """W2's hot queries, the ones a share of its requests reuse."""
     return [gen.tokens(gen.log_uniform(*sizes.w2_query)) for _ in range(sizes.w2_hot_queries)]
 
