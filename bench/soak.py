@@ -164,7 +164,7 @@ def verdict(windows: list[dict[str, Any]], trends: list[Trend], unsettled: dict[
 
 # ---- traffic ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Limits:
+class ServerLimits:
     """What the bad inputs need to know of the server (from GetModelInfo)."""
 
     vocab: int
@@ -201,7 +201,7 @@ class Traffic:
     """`clients` threads sending the soak's actions to `target` until stop()."""
 
     def __init__(
-        self, target: str, clients: int, sizes: wl.Sizes, labels: list[int], limits: Limits, seed: int
+        self, target: str, clients: int, sizes: wl.Sizes, labels: list[int], limits: ServerLimits, seed: int
     ) -> None:
         self.target, self.sizes, self.labels, self.limits, self.seed = target, sizes, labels, limits, seed
         self.hot = wl.hot_queries(wl.Generator(limits.vocab, seed), sizes)  # shared by every client
@@ -225,11 +225,12 @@ class Traffic:
 
         gen = wl.Generator(self.limits.vocab, self.seed + 1 + k)
         names, weights = list(ACTIONS), np.asarray(list(ACTIONS.values()))
+        odds = weights / weights.sum()
         # the client for unary calls and streams; a stub of its own for calls cancelled mid-flight
         with ScoreClient(self.target) as client, grpc.insecure_channel(self.target) as channel:
             stub = pb_grpc.ScoreServiceStub(channel)
             while not self._stop.is_set():
-                action = names[int(gen.rng.choice(len(names), p=weights / weights.sum()))]
+                action = names[int(gen.rng.choice(len(names), p=odds))]
                 if action == "cancel":
                     action = "cancel-unary" if gen.rng.random() < 0.5 else "cancel-stream"
                 elif action == "bad":
@@ -238,7 +239,7 @@ class Traffic:
                     code, latency = self._act(action, gen, client, stub)
                 except grpc.RpcError as err:
                     code, latency = err.code().name, None
-                except Exception as err:  # noqa: BLE001 - counted (and failing the soak), not fatal to the client
+                except Exception as err:  # counted (and failing the soak), not fatal to the client
                     code, latency = f"{type(err).__name__}: {err}"[:120], None
                 self.tally.add(action, code, latency)
 
@@ -463,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit("soak against --target reads its metrics: give --metrics-target")
         with ScoreClient(target) as client:
             info = client.model_info()
-        limits = Limits(int(info.vocab_size), int(info.limits.max_items), int(info.context_length))
+        limits = ServerLimits(int(info.vocab_size), int(info.limits.max_items), int(info.context_length))
         traffic = Traffic(target, args.concurrency, bench.sizes, bench.labels, limits, args.seed)
         context = bench.context()
         print(
