@@ -54,7 +54,20 @@ import numpy as np
 from prefixscore.bench import workloads as wl
 from prefixscore.telemetry import host_cost
 
-WORKLOADS = ("w1-cold", "w1-warm", "w2", "w3", "w3-grpc", "w4", "host", "host-rerank", "w5", "w6", "w6-one-by-one")
+WORKLOADS = (
+    "w1-cold",
+    "w1-warm",
+    "w2",
+    "w3",
+    "w3-grpc",
+    "w4",
+    "host",
+    "host-rerank",
+    "w5",
+    "w6",
+    "w6-one-by-one",
+    "soak",
+)
 MODES = ("prefix", "packed", "sequential")
 # many clients at once through gRPC (host-rerank: HTTP); the server runs its prefix path only
 CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank", "w5")
@@ -109,11 +122,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        type=_list(WORKLOADS, [w for w in WORKLOADS if w != "w5" and not w.startswith("w6")]),
+        type=_list(WORKLOADS, [w for w in WORKLOADS if w not in ("w5", "soak") and not w.startswith("w6")]),
         default=["w1-cold"],
         help=f"comma list of {','.join(WORKLOADS)}, or all (all but w5, which runs through a router: "
-        "--target ROUTER --replica-metrics, and w6, which needs a one-logit classifier: "
-        "--model bench-cpu-reward) [w1-cold]",
+        "--target ROUTER --replica-metrics, w6, which needs a one-logit classifier: "
+        "--model bench-cpu-reward, and soak, which runs alone for --duration) [w1-cold]",
     )
     p.add_argument(
         "--mode", type=_list(MODES), default=["prefix"], help=f"comma list of {','.join(MODES)}, or all [prefix]"
@@ -144,6 +157,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--w2-max-query", type=int, default=3000, help="W2 longest query [%(default)s]")
     p.add_argument("--w2-max-items", type=int, default=1000, help="W2 most items per request [%(default)s]")
     p.add_argument("--w2-max-item-tokens", type=int, default=200, help="W2 longest item [%(default)s]")
+    p.add_argument(
+        "--duration",
+        type=_seconds,
+        default=600.0,
+        help="soak: how long the traffic runs, e.g. 90s, 10m, 1h (bench/soak.py) [10m]",
+    )
+    p.add_argument("--window", type=_seconds, default=60.0, help="soak: the report interval [60s]")
     p.add_argument("--w3-docs", type=int, default=100, help="W3 documents per request [%(default)s]")
     p.add_argument("--w3-max-doc-tokens", type=int, default=300, help="W3 longest document [%(default)s]")
     p.add_argument("--w3-requests", type=int, default=64, help="W3-grpc requests [%(default)s]")
@@ -203,6 +223,19 @@ def _list(choices: Sequence[str], every: Sequence[str] | None = None) -> Callabl
         return names
 
     return parse
+
+
+def _seconds(text: str) -> float:
+    """A duration: "90s", "10m", "1h" or plain seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (90s, 10m, 1h)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a duration must be positive: {text!r}")
+    return value
 
 
 # ---- where requests go -------------------------------------------------------------------------
@@ -620,11 +653,15 @@ class Bench:
             "machine": machine(),
         }
 
+    @property
+    def labels(self) -> list[int]:
+        # a classifier takes no label ids: its head scores every label
+        return [] if self.cfg is not None and self.cfg.num_labels else wl.label_ids(self.vocab, self.tokenizer)
+
     def requests(self, workload: str, n: int, gen: wl.Generator) -> list[wl.Request]:
         if workload.startswith("w6"):
             return wl.w6(gen, self.sizes, n)
-        # a classifier takes no label ids: its head scores every label
-        labels = [] if self.cfg is not None and self.cfg.num_labels else wl.label_ids(self.vocab, self.tokenizer)
+        labels = self.labels
         if workload.startswith("w1"):
             return wl.w1(gen, self.sizes, labels, cold=workload == "w1-cold", runs=n)
         if workload == "w2":
@@ -960,6 +997,12 @@ def host_table(records: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the selected workloads and modes; print the table; write --json."""
+    if "soak" in args.workload:
+        if args.workload != ["soak"]:
+            raise SystemExit("soak runs alone: --workload soak")
+        from prefixscore.bench import soak
+
+        return soak.run(args)
     bench = Bench(args)
     records: list[dict[str, Any]] = []
     bucket_warmup = profiled = moved = None

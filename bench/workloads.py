@@ -95,16 +95,23 @@ def w1(gen: Generator, sizes: Sizes, labels: list[int], cold: bool, runs: int) -
 
 def w2(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]:
     """W2: mixed traffic; log-uniform query, item count and item length; a share reuses hot queries."""
-    hot = [gen.tokens(gen.log_uniform(*sizes.w2_query)) for _ in range(sizes.w2_hot_queries)]
-    out = []
-    for _ in range(n):
-        if gen.rng.random() < sizes.w2_hot_share:
-            query = hot[int(gen.rng.integers(0, len(hot)))]
-        else:
-            query = gen.tokens(gen.log_uniform(*sizes.w2_query))
-        items = [gen.tokens(gen.log_uniform(*sizes.w2_item_tokens)) for _ in range(gen.log_uniform(*sizes.w2_items))]
-        out.append(Request(query, items, labels))
-    return out
+    hot = hot_queries(gen, sizes)
+    return [w2_request(gen, sizes, labels, hot) for _ in range(n)]
+
+
+def hot_queries(gen: Generator, sizes: Sizes) -> list[list[int]]:
+    """W2's hot queries, the ones a share of its requests reuse."""
+    return [gen.tokens(gen.log_uniform(*sizes.w2_query)) for _ in range(sizes.w2_hot_queries)]
+
+
+def w2_request(gen: Generator, sizes: Sizes, labels: list[int], hot: list[list[int]]) -> Request:
+    """One W2 request: over one of `hot` (a share of them) or a new query."""
+    if gen.rng.random() < sizes.w2_hot_share:
+        query = hot[int(gen.rng.integers(0, len(hot)))]
+    else:
+        query = gen.tokens(gen.log_uniform(*sizes.w2_query))
+    items = [gen.tokens(gen.log_uniform(*sizes.w2_item_tokens)) for _ in range(gen.log_uniform(*sizes.w2_items))]
+    return Request(query, items, labels)
 
 
 def w3(gen: Generator, sizes: Sizes, labels: list[int], n: int) -> list[Request]:
