@@ -3,11 +3,11 @@ the trend judgement on synthetic series (it passes noise and fails growth)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 import pytest
+from test_bench import parse
 
 from prefixscore.bench import run as bench
 from prefixscore.bench import soak
@@ -49,12 +49,6 @@ WINDOW_FIELDS = {
     "unexpected",
     "server_codes",
 }
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="prefixscore")
-    bench.register(parser.add_subparsers(dest="command"))
-    return parser.parse_args(argv)
 
 
 def test_a_short_soak_passes_and_reports_every_window(tmp_path, capsys) -> None:
