@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import grpc
+from grpc._cython import cygrpc  # the one error type grpcio's aio half-close leaks unwrapped
 
 from prefixscore.service import prefix_key
 from prefixscore.v1 import score_service_pb2 as pb
@@ -682,7 +683,7 @@ class AsyncScoreStream(_Session):
             if not await self._write(message):
                 return
         if self._closed:
-            await self._call.done_writing()
+            await self._half_close()
 
     async def _write(self, message: pb.ScoreStreamRequest) -> bool:
         """Send one message; False if the call is over. Then the message stays unanswered and
@@ -694,6 +695,15 @@ class AsyncScoreStream(_Session):
             if not self._call.done():  # a write after close(): the caller's mistake
                 raise
             return False
+
+    async def _half_close(self) -> None:
+        try:
+            await self._call.done_writing()
+        except cygrpc.ExecuteBatchError:
+            # grpcio raises its core's batch error when the call ends (its deadline passes, the
+            # server's status arrives) while the half-close is in flight. The call's status is
+            # what the caller must see: wait for it; the next read raises it (or re-opens).
+            await self._call.code()
 
     async def _receive_one(self) -> bool:
         while True:
@@ -730,7 +740,7 @@ class AsyncScoreStream(_Session):
     async def close(self) -> Usage:
         if not self._closed:
             self._closed = True
-            await self._call.done_writing()
+            await self._half_close()
             while await self._receive_one():
                 pass
         assert self.usage is not None, "the stream ended without usage"

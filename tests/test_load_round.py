@@ -297,6 +297,31 @@ def test_64_streams_with_cancels_deadlines_slow_readers_and_abandoned_ones(serve
     assert abs(rss[2] - rss[1]) <= 0.10 * rss[1], f"resident memory after each round: {rss}"
 
 
+def test_a_stream_closed_as_its_deadline_passes_ends_with_a_status(server):
+    """close() racing the call's deadline: the caller sees DEADLINE_EXCEEDED (or its usage), never
+    grpcio's internal batch error from a half-close the deadline overtook."""
+
+    async def main() -> dict[str, int]:
+        outcomes: dict[str, int] = {}
+        async with AsyncScoreClient(server.target) as client:
+            rng = random.Random(3)
+            for _ in range(120):
+                deadline = 0.02 + rng.random() * 0.02
+                try:
+                    session = await client.stream(QUERIES[0], LABELS, timeout=deadline)
+                    await asyncio.sleep(deadline + (rng.random() - 0.5) * 0.006)
+                    await session.close()
+                    outcome = "usage"
+                except grpc.aio.AioRpcError as err:
+                    outcome = err.code().name
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert set(outcomes) <= {"usage", "DEADLINE_EXCEEDED"}, outcomes
+    assert outcomes.get("DEADLINE_EXCEEDED", 0) > 0  # the race was run
+
+
 def test_drain_under_load_loses_no_accepted_batch(tiny_scorer, expected):
     """SIGTERM's drain with streams mid-flight: every batch already accepted is answered, open
     streams may finish, new streams get UNAVAILABLE, health goes NOT_SERVING, then it stops."""
