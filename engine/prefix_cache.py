@@ -45,7 +45,6 @@ class CachedPrefix:
     pages: tuple[int, ...]
     written: int = 0
     pins: int = 0
-    discarded: bool = False  # its prefill failed on its own: never served again
     # bumped when a failed call may have left its pages wrong (rewrite): results of calls
     # launched before that, which read the old pages, are not trusted
     epoch: int = 0
@@ -106,7 +105,7 @@ class PrefixCache:
 
     def release(self, entry: CachedPrefix) -> None:
         """Unpin. A prefix nobody waits for any more is dropped at once if its prefill never
-        finished or a call writing it failed; a complete one stays cached."""
+        finished (or a call writing it failed since: rewrite); a complete one stays cached."""
         with self._lock:
             entry.pins -= 1
             if entry.pins != 0:
@@ -114,7 +113,7 @@ class PrefixCache:
             cached = self._cached(entry)
             if cached:
                 self._pinned -= 1
-            if not entry.ready or entry.discarded:
+            if not entry.ready:
                 self._drop(entry)
             elif cached:
                 self._idle[entry.tokens] = entry
@@ -136,17 +135,6 @@ class PrefixCache:
                     self.rewrite(entry)
                 else:
                     self._drop(entry)
-
-    def discard(self, entry: CachedPrefix) -> None:
-        """This prefix's prefill fails on its own: new requests miss it; its pages return to
-        the pool once its last holder releases it."""
-        with self._lock:
-            entry.discarded = True
-            if self._cached(entry):
-                self._uncache(entry)
-            if entry.pins <= 0:
-                self._free.extend(entry.pages)
-                entry.pages = ()
 
     def _cached(self, entry: CachedPrefix) -> bool:
         return self._entries.get(entry.tokens) is entry

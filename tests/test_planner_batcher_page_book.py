@@ -191,12 +191,12 @@ def test_pool_book_stays_consistent_under_random_traffic():
         elif op == 2:
             held[int(rng.integers(0, len(held)))].written = 10**6  # its prefill was launched
         else:
-            cache.discard(held[int(rng.integers(0, len(held)))])  # a call writing it failed
+            cache.rewrite(held[int(rng.integers(0, len(held)))])  # a call writing it failed
         entries = list(cache._entries.values())
         assert cache.pinned == sum(e.pins > 0 for e in entries)
         assert cache._idle_pages == sum(len(e.pages) for e in entries if e.pins == 0)
-        assert all(e.ready and not e.discarded for e in entries if e.pins == 0)
-        in_use = {p for e in entries for p in e.pages} | {p for e in held if e.discarded for p in e.pages}
+        assert all(e.ready for e in entries if e.pins == 0)
+        in_use = {p for e in entries for p in e.pages}
         assert len(in_use) + cache.free_pages == cache.total_pages and not in_use & set(cache._free)
     # the idle prefixes leave in the order they were last released
     idle = [t for t in dict.fromkeys(reversed(released_order)) if t in cache and cache.pins(t) == 0][::-1]
