@@ -76,9 +76,7 @@ class Traffic:
             w1_query=args.query_tokens,
             w1_items=args.items,
             w1_item_tokens=args.item_tokens,
-            w2_query=(min(200, args.w2_max_query), args.w2_max_query),
-            w2_items=(1, args.w2_max_items),
-            w2_item_tokens=(min(5, args.w2_max_item_tokens), args.w2_max_item_tokens),
+            **wl.w2_ranges(args.w2_max_query, args.w2_max_items, args.w2_max_item_tokens),
         )
         self.args, self.target, self.tally = args, target, tally
         self.retry = None if args.no_client_retry else Retry(stream_reopens=args.stream_reopens)

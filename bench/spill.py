@@ -32,7 +32,7 @@ from typing import Any
 
 from prefixscore.bench import run as bench_run
 from prefixscore.bench import workloads as wl
-from prefixscore.bench.cluster import Envoy, Replica, progress, wait_until
+from prefixscore.bench.cluster import Envoy, Replica, loopback_renderer, progress, wait_until
 
 ROUND_ROBIN, UNBOUNDED = "round-robin", "none"
 # W5 through three tiny-qwen3 replicas: new 1,000-token queries whose 150 items come in 6
@@ -231,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="draw the trade-off into this file (svg, png; needs matplotlib)")
     p.add_argument("--from-json", default=None, help="summarise (and plot) these results; measure nothing")
     args, w5_args = p.parse_known_args(argv)
+    try:  # before the replicas' minutes of start-up, not at the first Envoy of that bound
+        for bound in args.bounds:
+            loopback_renderer().check_balance(bound)
+    except ValueError as err:
+        p.error(f"--bounds: {err}")
     if args.from_json:
         rows = summarise(json.loads(Path(args.from_json).read_text())["runs"])
     else:

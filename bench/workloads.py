@@ -82,6 +82,16 @@ class Generator:
         return int(round(math.exp(self.rng.uniform(math.log(lo), math.log(hi)))))
 
 
+def w2_ranges(max_query: int, max_items: int, max_item_tokens: int) -> dict[str, tuple[int, int]]:
+    """Sizes' W2 ranges (log-uniform) capped at the given maxima: queries from 200 tokens, 1 item
+    and more, items from 5 tokens (or each maximum, when it is below that floor)."""
+    return {
+        "w2_query": (min(200, max_query), max_query),
+        "w2_items": (1, max_items),
+        "w2_item_tokens": (min(5, max_item_tokens), max_item_tokens),
+    }
+
+
 def w1(gen: Generator, sizes: Sizes, labels: list[int], cold: bool, runs: int) -> list[Request]:
     """W1: a 2,000-token query, 500 items x 20 tokens. cold: a new query every request."""
     query = gen.tokens(sizes.w1_query)
