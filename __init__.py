@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["CrossEncoder", "Scorer", "Usage"]
-__version__ = "0.1.0"
+__all__ = ["CrossEncoder", "Scorer", "Usage", "__version__"]
+from prefixscore.version import __version__
 
 if TYPE_CHECKING:
     from prefixscore.engine.scorer import Scorer, Usage

@@ -564,21 +564,20 @@ class Bench:
         self.remote: Remote | None = Remote(args.target) if args.target else None
         if self.remote is None:
             from prefixscore import Scorer
-            from prefixscore.engine.executables import MeshPlacement, ScoringEngine
-            from prefixscore.model.loader import load_model
+            from prefixscore.engine.build import EngineSpec, build_engine
 
-            # each weight to its shards as it is read, as the server does
-            placement = MeshPlacement(args.dtype, args.devices, args.tp_size, args.dp_size)
-            loaded = load_model(args.model, args.dtype, placement)
-            engine = ScoringEngine(
-                loaded.cfg,
-                loaded.params,
+            spec = EngineSpec(
+                args.model,
                 args.dtype,
                 attn_impl=args.attention,
-                mesh=placement.for_model(loaded.cfg),
-                compile_cache_dir=args.compile_cache,
+                devices=args.devices,
+                tp_size=args.tp_size,
+                dp_size=args.dp_size,
+                compile_cache=args.compile_cache,
             )
-            self.scorer = Scorer(loaded, engine)
+            built = build_engine(spec)
+            loaded = built.model
+            self.scorer = Scorer(loaded, built.engine)
             self.cfg = loaded.cfg
             self.tokenizer = loaded.tokenizer
         else:
@@ -757,7 +756,7 @@ class Bench:
         return thread_cpu(self.metrics_target) if self.metrics_target else None
 
     def one(self, workload: str, mode: str, gen: wl.Generator) -> dict[str, Any]:
-        from prefixscore.engine.executables import CompileCounter
+        from prefixscore.telemetry.compiles import CompileCounter
 
         args = self.args
         target = self.target(workload, mode)

@@ -42,7 +42,7 @@ from typing import Any, Literal
 import grpc
 from grpc._cython import cygrpc  # the one error type grpcio's aio half-close leaks unwrapped
 
-from prefixscore.service import prefix_key
+from prefixscore import prefix_key
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
@@ -319,7 +319,7 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
 
 def _keyed(metadata: tuple[tuple[str, str], ...] | None, key: str | None) -> tuple[tuple[str, str], ...] | None:
     """A call's metadata with its prefix key: a router (deploy/envoy) sends every call over one
-    query to the replica that caches it (service/prefix_key.py). None: the client sends none."""
+    query to the replica that caches it (prefix_key.py). None: the client sends none."""
     return (*(metadata or ()), (prefix_key.HEADER, key)) if key is not None else metadata
 
 

@@ -35,8 +35,9 @@ import numpy as np
 
 from prefixscore.engine import isolation
 from prefixscore.engine.batcher import Batcher, Call, NonFiniteScores, WorkUnit, take_results
-from prefixscore.engine.executables import CompileCounter, ScoringEngine
 from prefixscore.engine.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
+from prefixscore.engine.scoring_engine import ScoringEngine
+from prefixscore.telemetry.compiles import CompileCounter
 from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import ServiceMetrics
 

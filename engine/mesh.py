@@ -21,7 +21,7 @@ decided here from the logical axes alone:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +31,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from prefixscore.engine.buckets import round_up
-from prefixscore.model.config import ModelConfig
+from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.shards import DataReplicas, ModelShards
-from prefixscore.model.weights import Weights, flat_weights, place_all, weight_axes, weights_from_flat
+from prefixscore.model.weights import Weights, flat_weights, place_all, weight_axes, weight_bytes, weights_from_flat
 
 DATA, MODEL = "data", "model"
 # logical axis -> mesh axis; a logical axis not named here is replicated
@@ -217,3 +217,55 @@ class Layout:
             "kv_heads_per_device": self.local_kv_heads,
             "kv_head_copies": self.kv_repeats,
         }
+
+
+def default_layout(
+    cfg: ModelConfig,
+    dtype: str,
+    devices: int | Sequence[jax.Device] | None = None,
+    mesh: MeshShape | None = None,
+    *,
+    tp: int | None = None,
+    dp: int | None = None,
+) -> Layout:
+    """The layout on `devices` (all local ones by default; an int: the first that many):
+    `mesh` if given, else tp / dp as asked, the rest chosen (engine/mesh.choose_mesh: the
+    smallest model axis the weights fit with room for the pool, the rest data)."""
+    if devices is None:
+        devices = jax.local_devices()
+    elif isinstance(devices, int):
+        devices = jax.local_devices()[:devices]
+    devices = list(devices)
+    if mesh is None:
+        need = weight_bytes(cfg, DTYPES[dtype])
+        mesh = choose_mesh(cfg, len(devices), tp, dp, weight_bytes=need, device_bytes=device_memory(devices[0]))
+    return Layout(cfg, mesh, devices)
+
+
+class MeshPlacement:
+    """`load_model`'s place_for: once the model's config is read, the layout is chosen
+    (default_layout: tp / dp as asked, the rest chosen) and each weight goes to its shards as
+    it is read; `layout` is then the one to build the engine on."""
+
+    def __init__(
+        self,
+        dtype: str,
+        devices: int | Sequence[jax.Device] | None = None,
+        tp: int | None = None,
+        dp: int | None = None,
+    ) -> None:
+        self.dtype, self.devices, self.tp, self.dp = dtype, devices, tp, dp
+        self.layout: Layout | None = None
+
+    def __call__(self, cfg: ModelConfig) -> Callable[[str, np.ndarray], jax.Array]:
+        self.layout = default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp)
+        return self.layout.place
+
+    def for_model(self, cfg: ModelConfig) -> Layout:
+        """The layout the weights were placed on (or, for weights loaded elsewhere, a new one)."""
+        return self.layout or default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp)
+
+
+def device_memory(device: jax.Device) -> int | None:
+    """A device's memory in bytes, where the backend reports it (not on CPUs)."""
+    return (device.memory_stats() or {}).get("bytes_limit")

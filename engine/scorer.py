@@ -13,11 +13,12 @@ import numpy as np
 from prefixscore.engine import heads
 from prefixscore.engine.batcher import Batcher, WorkUnit
 from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import DeviceWorker
-from prefixscore.engine.executables import MeshPlacement, ScoringEngine
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
-from prefixscore.model.loader import LoadedModel, load_model
+from prefixscore.model.loader import LoadedModel
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.telemetry.metrics import ServiceMetrics
 
@@ -80,11 +81,11 @@ class Scorer:
         template: the reranker prompt of `rerank` (see engine/templates.py).
         tp_size, dp_size: the device mesh (engine/mesh.py; default: the smallest model axis
         the weights fit, the rest data)."""
-        placement = MeshPlacement(dtype, tp=tp_size, dp=dp_size)
-        loaded = load_model(model, dtype, placement)
-        mesh = placement.for_model(loaded.cfg)
-        engine = ScoringEngine(loaded.cfg, loaded.params, dtype, buckets, attn_impl, mesh=mesh, pool_bytes=pool_bytes)
-        return cls(loaded, engine, template=template)
+        spec = EngineSpec(
+            model, dtype, buckets, attn_impl, tp_size=tp_size, dp_size=dp_size, pool_bytes=pool_bytes
+        )
+        built = build_engine(spec)
+        return cls(built.model, built.engine, template=template)
 
     @property
     def cfg(self):

@@ -1,5 +1,5 @@
 """The one device call (per device): prefill chunks of new queries and items of many queries,
-over the paged prefix pool. engine/executables.py wraps it in `shard_map` and `jit`, one executable
+over the paged prefix pool. engine/scoring_engine.py wraps it in `shard_map` and `jit`, one executable
 per CallShape (engine/planner.py lays out its inputs).
 
 Per layer: the projections of every token of the stream; the prefill region's K/V written

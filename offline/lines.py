@@ -19,7 +19,7 @@ import json
 import uuid
 from typing import Any
 
-from prefixscore.service import prefix_key
+from prefixscore import prefix_key
 
 # the HTTP API's routes (service/http_api.py) -> what they do
 ROUTES = {"/v1/score": "score", "/v1/rerank": "rerank", "/v2/rerank": "rerank", "/rerank": "rerank"}
@@ -37,7 +37,7 @@ class BatchLine:
 
     @property
     def key(self) -> str:
-        """The prefix key (service/prefix_key.py) of the query the line scores against: lines with
+        """The prefix key (prefix_key.py) of the query the line scores against: lines with
         one key share one prefill; "" when the body has no usable query (it fails validation)."""
         query = self.body.get("query")
         if self.kind == "rerank":

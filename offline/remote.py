@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
+from prefixscore import prefix_key
 from prefixscore.offline.lines import BatchLine, answered, failed
-from prefixscore.service import prefix_key
 
 PATHS = {"score": "/v1/score", "rerank": "/v1/rerank"}
 RETRY_STATUS = (429, 503)  # queue full, loading or draining: the same request succeeds later

@@ -32,6 +32,7 @@ import grpc
 
 from prefixscore.engine.batcher import WorkUnit
 from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import (
     DeadlineExpired,
     DeviceWorker,
@@ -41,12 +42,13 @@ from prefixscore.engine.device_loop import (
     WorkerStopped,
     run_on_done,
 )
-from prefixscore.engine.executables import CompileCounter, MeshPlacement, ScoringEngine, WarmupStage
+from prefixscore.engine.scoring_engine import ScoringEngine, WarmupStage
 from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate
 from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, TokenizedRequest, Validator
-from prefixscore.model.loader import LoadedModel, load_model
+from prefixscore.model.loader import LoadedModel
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.telemetry import request_ids
+from prefixscore.telemetry.compiles import CompileCounter
 from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import ServiceMetrics
 
@@ -123,6 +125,20 @@ class ServerConfig:
     auth_tokens_file: str | None = None  # bearer tokens, one a line: every call but health needs one
     loaded: LoadedModel | None = None  # a model already in memory (tests, embedding): `model` is not loaded
     engine: ScoringEngine | None = None  # with `loaded`: an engine already built (and compiled) for it
+
+    def engine_spec(self) -> EngineSpec:
+        """The engine this configuration serves (engine/build.py)."""
+        return EngineSpec(
+            self.model,
+            self.dtype,
+            self.buckets,
+            self.attn_impl,
+            tp_size=self.tp_size,
+            dp_size=self.dp_size,
+            pool_bytes=self.pool_bytes,
+            pool_memory_fraction=self.pool_memory_fraction,
+            compile_cache=self.compile_cache,
+        )
 
 
 class StartupFailed(RuntimeError):
@@ -260,26 +276,14 @@ class ScoringService:
     def _startup(self) -> ScoringEngine:
         """On the device thread: load weights, build the engine, compile the buckets."""
         cfg = self.config
-        started = time.monotonic()
-        # the mesh is chosen once the config is read, before any weight: each goes to its shards
-        placement = MeshPlacement(cfg.dtype, tp=cfg.tp_size, dp=cfg.dp_size)
-        loaded = cfg.loaded or load_model(cfg.model, cfg.dtype, placement)
-        loaded_at = time.monotonic()
-        if cfg.engine is not None:
-            engine = cfg.engine
+        if cfg.engine is not None:  # built (and compiled) by the caller, for its `loaded`
+            if cfg.loaded is None:
+                raise StartupFailed("ServerConfig.engine is given without the model it was built for (loaded)")
+            loaded, engine, load_seconds = cfg.loaded, cfg.engine, 0.0
         else:
-            buckets = cfg.buckets(loaded.cfg.context_length) if callable(cfg.buckets) else cfg.buckets
-            engine = ScoringEngine(
-                loaded.cfg,
-                loaded.params,
-                loaded.dtype,
-                buckets,
-                cfg.attn_impl,
-                compile_cache_dir=cfg.compile_cache,
-                pool_bytes=cfg.pool_bytes,
-                pool_memory_fraction=cfg.pool_memory_fraction,
-                mesh=placement.for_model(loaded.cfg),
-            )
+            built = build_engine(cfg.engine_spec(), cfg.loaded)
+            loaded, engine, load_seconds = built.model, built.engine, built.load_seconds
+        loaded_at = time.monotonic()
 
         self.devices = [f"{d.platform}:{d.id}" for d in engine.devices]
         # a template the model cannot serve (no chat template, labels not single tokens) fails startup
@@ -299,7 +303,7 @@ class ScoringService:
             # stacked weight (each is sent to its shards as it is read), not the whole model
             peak_host_memory_bytes=peak_host_memory(),
             attention=engine.attn_impl,
-            seconds=round(loaded_at - started, 3),
+            seconds=round(load_seconds, 3),
             buckets=dataclasses.asdict(engine.buckets),
             pool_pages=engine.pool_pages,
             pool_bytes=engine.pool_bytes,

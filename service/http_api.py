@@ -38,6 +38,7 @@ from pydantic_core import to_json
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from prefixscore import prefix_key
 from prefixscore.engine import heads
 from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import (
@@ -49,7 +50,6 @@ from prefixscore.engine.validation import (
     Validated,
     ValidatedRerank,
 )
-from prefixscore.service import prefix_key
 from prefixscore.service.core import Failure, ScoringService, internal_failure, validated
 from prefixscore.service.security import TokenFile
 from prefixscore.telemetry import request_ids
@@ -303,7 +303,7 @@ def _encoded(body: BaseModel, key: str | None = None) -> Response:
 
 def _json(encoded: str | bytes, key: str | None = None) -> Response:
     """An encoded JSON body; `key`: the request's prefix key, echoed as a header
-    (service/prefix_key.py)."""
+    (prefix_key.py)."""
     headers = {prefix_key.HEADER: key} if key else None
     return Response(encoded, media_type="application/json", headers=headers)
 
@@ -513,7 +513,7 @@ class _BearerTokens:
 
 def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastAPI:
     """The FastAPI application over the service's core (its validation and device loop)."""
-    from prefixscore import __version__
+    from prefixscore.version import __version__
 
     app = FastAPI(
         title="prefixscore",

@@ -23,12 +23,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixscore import prefix_key
 from prefixscore.engine import heads
 from prefixscore.engine.batcher import WorkUnit
 from prefixscore.engine.device_loop import StreamPin
 from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import InvalidInput, StreamSpec
-from prefixscore.service import prefix_key, security
+from prefixscore.service import security
 from prefixscore.service.core import (
     Failure,
     ScoringService,
@@ -58,7 +59,7 @@ def _trailers(failure: Failure) -> tuple[tuple[str, str], ...]:
 
 class _InitialMetadata:
     """An RPC's initial metadata: its request id, and its prefix key once the request is parsed
-    (service/prefix_key.py). Sent once, before the first response or the status: a stream
+    (prefix_key.py). Sent once, before the first response or the status: a stream
     sends it at its open, as soon as it knows the key; a unary call's goes with its answer or
     its status (the wrapper), so that the call has no headers while it runs (retryable)."""
 
@@ -336,7 +337,7 @@ class GrpcServer:
         validator = self.service.accepting()  # draining: UNAVAILABLE like every call, so clients go elsewhere
         service = self.service
         assert service.loaded is not None
-        from prefixscore import __version__
+        from prefixscore.version import __version__
 
         cfg = self.config
 

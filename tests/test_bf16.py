@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.executables import ScoringEngine
 from prefixscore.engine.scorer import EngineRunner
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.validation import TokenizedRequest
 
 # a 200-token query takes two 128-token prefill chunks

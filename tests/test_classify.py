@@ -30,7 +30,7 @@ from conftest import ONE_SHAPE_BUCKETS
 from service_testing import scrape, server_config
 
 from prefixscore import Scorer
-from prefixscore.engine.executables import ScoringEngine
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.validation import ClassifyInput, InvalidInput
 from prefixscore.model import presets
 from prefixscore.model.loader import LoadedModel

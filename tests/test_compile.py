@@ -16,10 +16,11 @@ import pytest
 from conftest import SMALL_QWEN3
 
 from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.executables import CompileCounter, ScoringEngine
 from prefixscore.engine.scorer import EngineRunner
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.model.weights import random_params
+from prefixscore.telemetry.compiles import CompileCounter
 
 CFG = dataclasses.replace(SMALL_QWEN3, name="compile-test")
 BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)
@@ -76,7 +77,7 @@ def test_persistent_cache_makes_restart_compile_nothing(tmp_path) -> None:
         import json, jax.numpy as jnp
         from prefixscore.engine.buckets import Buckets
         from prefixscore.model.config import ModelConfig
-        from prefixscore.engine.executables import ScoringEngine
+        from prefixscore.engine.scoring_engine import ScoringEngine
         from prefixscore.model.weights import random_params
         cfg = ModelConfig(**{CFG.__dict__!r})
         params = random_params(cfg, 0, jnp.float32)

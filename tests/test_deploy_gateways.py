@@ -34,7 +34,7 @@ import yaml
 from deploy_helpers import K8S, TOOLS, metric_types, missing, run, service_exposition, tool
 from test_deploy_k8s import by_kind, kustomize, kv, one, versions
 
-from prefixscore.service import prefix_key
+from prefixscore import prefix_key
 
 HERE = Path(__file__).resolve().parent
 INFERENCEPOOL_CRD = HERE / "data" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"

@@ -13,11 +13,11 @@ import transformers
 from conftest import ONE_SHAPE_BUCKETS, make_torch_model, torch_label_probs
 
 from prefixscore import Scorer
-from prefixscore.engine.executables import CompileCounter
 from prefixscore.engine.validation import InvalidInput
 from prefixscore.model.config import UnsupportedModelError
 from prefixscore.model.config_inventory import CLASSIFIERS, FAMILIES, Effect, family_fields
 from prefixscore.model.weights import weight_axes
+from prefixscore.telemetry.compiles import CompileCounter
 
 TOLERANCE = 1e-5  # float32 against transformers' eager float32
 # one item bucket, one prefill bucket: two small executables per model

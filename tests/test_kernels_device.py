@@ -80,8 +80,8 @@ def test_engine_on_device_matches_cpu(model: str, hf_checkpoints) -> None:
     sequences. tiny-qwen3 (its weights without its tokenizer, which token ids do not need) and a
     Gemma 3 checkpoint: a 48-token window on one layer, soft caps, a query scale."""
     from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.engine.validation import TokenizedRequest
     from prefixscore.model import presets
     from prefixscore.model.loader import load_model

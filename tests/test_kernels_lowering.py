@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.executables import ScoringEngine
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import presets
 from prefixscore.model.call_inputs import CallShape

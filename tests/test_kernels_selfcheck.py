@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL_BUCKETS
 from jax.experimental.pallas import tpu as pltpu
 
-from prefixscore.engine.executables import ScoringEngine
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.kernels import dispatch, selfcheck, xla
 from prefixscore.kernels.paged import causal_by_region
 from prefixscore.model.loader import load_model

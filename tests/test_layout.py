@@ -15,7 +15,7 @@ MAY_IMPORT = {
     "telemetry": set(),
     "engine": {"model", "kernels", "telemetry"},
     "service": {"engine", "model", "telemetry", "v1"},
-    "client": {"service", "v1"},  # service/prefix_key.py: the key the client sends is the server's
+    "client": {"v1"},
 }
 PRODUCT = {*MAY_IMPORT, "bench", "cli", "v1"}
 

@@ -213,10 +213,11 @@ def part_engine() -> dict:
     import numpy as np
 
     from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.executables import CompileCounter, ScoringEngine
     from prefixscore.engine.mesh import MeshShape
     from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.model.weights import random_params
+    from prefixscore.telemetry.compiles import CompileCounter
 
     cfg = _model()
     # 128-token prefill chunks, up to 4 in a call's prefill region; 256-token item regions
@@ -262,9 +263,9 @@ def part_heads() -> dict:
     import numpy as np
 
     from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.mesh import MeshShape
     from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.engine.validation import TokenizedRequest
     from prefixscore.model.weights import random_params
 
@@ -314,8 +315,8 @@ def part_collectives() -> dict:
 
     from prefixscore.bench.collectives import format_traffic, traffic
     from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.model.weights import flat_weights, random_params
 
     cfg = _model()
@@ -372,9 +373,9 @@ def part_kernels() -> dict:
     import numpy as np
 
     from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.mesh import MeshShape
     from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.model.weights import random_params
 
     buckets = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=512)
@@ -417,9 +418,9 @@ def part_load() -> dict:
     from test_gguf import Q, write_gguf
 
     from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.executables import ScoringEngine
     from prefixscore.engine.mesh import Layout, MeshShape
     from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.engine.validation import TokenizedRequest
     from prefixscore.model.loader import load_model
     from prefixscore.model.weights import flat_weights

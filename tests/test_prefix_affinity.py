@@ -22,10 +22,10 @@ import yaml
 from conftest import SMALL_BUCKETS
 from service_testing import LABELS, server_config, wait_for
 
+from prefixscore import prefix_key
 from prefixscore.bench.cluster import envoy_binary, loopback_renderer
 from prefixscore.client import ScoreClient
-from prefixscore.engine.executables import ScoringEngine
-from prefixscore.service import prefix_key
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.service.process import ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc

@@ -18,9 +18,10 @@ from service_testing import LABELS, scrape, server_config, wait_for
 from prefixscore.client import ScoreClient
 from prefixscore.engine import compile_cache
 from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.executables import CompileCounter, ScoringEngine
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.model.call_inputs import CallShape
 from prefixscore.service.process import ServerThread
+from prefixscore.telemetry.compiles import CompileCounter
 
 QUERY = list(range(100, 160))  # 60 token ids
 SHORT = [list(range(200 + k, 230 + k)) for k in range(6)]  # 30 tokens each: the first stage's bucket

@@ -1,5 +1,5 @@
 -- The prefix key of an HTTP request that came without one (the cohere SDK, LangChain, curl):
--- the same function as prefixscore's own (service/prefix_key.py), CRC-32 of
+-- the same function as prefixscore's own (prefix_key.py), CRC-32 of
 -- "<kind>\n<instruction>\n<query>" as 8 lowercase hex digits, computed from the `query` and
 -- `instruction` the json_to_metadata filter before this one read from the JSON body. A query
 -- of token ids (a list) is not read there: such a request is routed without a key.

@@ -31,14 +31,15 @@ from jax.sharding import PartitionSpec as P
 
 from prefixscore.engine import compile_cache
 from prefixscore.engine.buckets import Buckets, round_up
-from prefixscore.engine.mesh import Layout, MeshShape, choose_mesh
+from prefixscore.engine.mesh import Layout, MeshShape, default_layout
 from prefixscore.engine.planner import CallBuilder, CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import packed_baseline, step
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
 from prefixscore.model.config import DTYPES, ModelConfig
-from prefixscore.model.weights import Weights, weight_bytes
+from prefixscore.model.weights import Weights
+from prefixscore.telemetry.compiles import CompileCounter
 
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -57,55 +58,6 @@ POOL_CONTEXTS = 64
 def _all_fields(region: type, value: Any) -> Any:
     """`region` (a call-input dataclass) with every field set to `value` (one sharding for all)."""
     return region(**{field.name: value for field in dataclasses.fields(region)})
-
-
-class CompileCounter:
-    """Counts XLA compilations process-wide (jax.monitoring), to prove steady state compiles nothing.
-
-    An executable loaded from the persistent compilation cache is not a compilation:
-    jax times cache loads under the same event, so cache hits are subtracted.
-    seconds() is the time spent obtaining executables either way.
-    """
-
-    _lock = threading.Lock()
-    _events = 0
-    _hits = 0
-    _seconds = 0.0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        with cls._lock:
-            if cls._installed:
-                return
-            cls._installed = True
-
-        def on_duration(event: str, duration: float, **_: object) -> None:
-            if event == "/jax/core/compile/backend_compile_duration":
-                with cls._lock:
-                    cls._events += 1
-                    cls._seconds += duration
-
-        def on_event(event: str, **_: object) -> None:
-            if event == "/jax/compilation_cache/cache_hits":
-                with cls._lock:
-                    cls._hits += 1
-
-        jax.monitoring.register_event_duration_secs_listener(on_duration)
-        jax.monitoring.register_event_listener(on_event)
-
-    @classmethod
-    def count(cls) -> int:
-        with cls._lock:
-            return cls._events - cls._hits
-
-    @classmethod
-    def cache_hits(cls) -> int:
-        return cls._hits
-
-    @classmethod
-    def seconds(cls) -> float:
-        return cls._seconds
 
 
 def _niced(nice: int) -> None:
@@ -134,58 +86,6 @@ def page_bytes(cfg: ModelConfig, dtype: str, page_tokens: int, kv_heads: int) ->
     """Bytes of one page on one device: keys and values of page_tokens tokens in every layer,
     for the `kv_heads` KV heads that device stores."""
     return 2 * cfg.num_layers * kv_heads * page_tokens * cfg.head_dim * jnp.dtype(DTYPES[dtype]).itemsize
-
-
-def default_layout(
-    cfg: ModelConfig,
-    dtype: str,
-    devices: int | Sequence[jax.Device] | None = None,
-    mesh: MeshShape | None = None,
-    *,
-    tp: int | None = None,
-    dp: int | None = None,
-) -> Layout:
-    """The layout on `devices` (all local ones by default; an int: the first that many):
-    `mesh` if given, else tp / dp as asked, the rest chosen (engine/mesh.choose_mesh: the
-    smallest model axis the weights fit with room for the pool, the rest data)."""
-    if devices is None:
-        devices = jax.local_devices()
-    elif isinstance(devices, int):
-        devices = jax.local_devices()[:devices]
-    devices = list(devices)
-    if mesh is None:
-        need = weight_bytes(cfg, DTYPES[dtype])
-        mesh = choose_mesh(cfg, len(devices), tp, dp, weight_bytes=need, device_bytes=device_memory(devices[0]))
-    return Layout(cfg, mesh, devices)
-
-
-class MeshPlacement:
-    """`load_model`'s place_for: once the model's config is read, the layout is chosen
-    (default_layout: tp / dp as asked, the rest chosen) and each weight goes to its shards as
-    it is read; `layout` is then the one to build the engine on."""
-
-    def __init__(
-        self,
-        dtype: str,
-        devices: int | Sequence[jax.Device] | None = None,
-        tp: int | None = None,
-        dp: int | None = None,
-    ) -> None:
-        self.dtype, self.devices, self.tp, self.dp = dtype, devices, tp, dp
-        self.layout: Layout | None = None
-
-    def __call__(self, cfg: ModelConfig) -> Callable[[str, np.ndarray], jax.Array]:
-        self.layout = default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp)
-        return self.layout.place
-
-    def for_model(self, cfg: ModelConfig) -> Layout:
-        """The layout the weights were placed on (or, for weights loaded elsewhere, a new one)."""
-        return self.layout or default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp)
-
-
-def device_memory(device: jax.Device) -> int | None:
-    """A device's memory in bytes, where the backend reports it (not on CPUs)."""
-    return (device.memory_stats() or {}).get("bytes_limit")
 
 
 class ScoringEngine:

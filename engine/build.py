@@ -1,0 +1,81 @@
+"""The one way to turn a model and its serving choices into a ready ScoringEngine.
+
+The service (service/core.py), the in-process `Scorer` (engine/scorer.py), the bench and the
+offline runner all build their engine here, so a new choice (a quantization scheme, several
+hosts) is added once. The order matters and is kept here: the model's config is read first,
+then the mesh is chosen (engine/mesh.py), then each weight is read and sent to its shards as
+it arrives (the host holds about one stacked weight, never the whole model), then the engine
+sizes its pool from the memory the weights left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.mesh import MeshPlacement
+from prefixscore.engine.scoring_engine import POOL_MEMORY_FRACTION, ScoringEngine
+from prefixscore.model.loader import LoadedModel, load_model
+from prefixscore.model.presets import DEFAULT_MODEL
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What to serve and how: every choice that shapes the engine, in one record."""
+
+    model: str = DEFAULT_MODEL  # a preset, a local HF directory, a .gguf file or a hub id (model/loader.py)
+    dtype: str = "float32"  # the weights' and the pool's dtype (model/config.DTYPES)
+    # None: the engine's default for the model's context; or a function of the context
+    buckets: Buckets | Callable[[int], Buckets] | None = None
+    attn_impl: str | None = None  # kernels/dispatch.py; None: the platform's default
+    # the devices to lay the mesh over: all local ones (None), the first n, or these
+    devices: int | Sequence[jax.Device] | None = None
+    # devices on the model axis (tensor parallel) and the data axis; None: chosen (engine/mesh.py)
+    tp_size: int | None = None
+    dp_size: int | None = None
+    # the prefix pool on each device: bytes, or (None) a fraction of the device memory left
+    # after the weights
+    pool_bytes: int | None = None
+    pool_memory_fraction: float = POOL_MEMORY_FRACTION
+    compile_cache: str | None = None  # None: $PREFIXSCORE_COMPILE_CACHE_DIR or the user's cache dir; "off"
+
+    def buckets_for(self, context_length: int) -> Buckets | None:
+        """The buckets for a model of this context (None: the engine's default)."""
+        return self.buckets(context_length) if callable(self.buckets) else self.buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltEngine:
+    """A loaded model and the engine built over it (compiled shapes come later: `warmup`)."""
+
+    model: LoadedModel
+    engine: ScoringEngine
+    load_seconds: float  # reading, converting and placing the weights
+
+
+def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEngine:
+    """Load `spec.model` (unless `loaded` is a model already in memory) and build its engine.
+
+    The mesh is chosen once the config is read, before any weight, so each weight goes to its
+    shards as it is read; weights loaded elsewhere are placed by the engine on the same layout.
+    """
+    started = time.monotonic()
+    placement = MeshPlacement(spec.dtype, spec.devices, tp=spec.tp_size, dp=spec.dp_size)
+    model = loaded or load_model(spec.model, spec.dtype, placement)
+    load_seconds = time.monotonic() - started
+    engine = ScoringEngine(
+        model.cfg,
+        model.params,
+        model.dtype,
+        spec.buckets_for(model.cfg.context_length),
+        spec.attn_impl,
+        mesh=placement.for_model(model.cfg),
+        compile_cache_dir=spec.compile_cache,
+        pool_bytes=spec.pool_bytes,
+        pool_memory_fraction=spec.pool_memory_fraction,
+    )
+    return BuiltEngine(model, engine, load_seconds)
