@@ -27,12 +27,13 @@ setup-dev: $(BIN)/python
 serve: setup
 	$(BIN)/prefixscore serve --model $(MODEL)
 
-test: setup-dev
-	$(BIN)/ruff check .
+test: lint
 	$(BIN)/pytest -q
 
+# ruff, and the layers: imports only point down (pyproject.toml's import-linter contracts)
 lint: setup-dev
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 bench: setup
 	$(BIN)/prefixscore bench --model bench-cpu

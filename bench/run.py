@@ -563,7 +563,7 @@ class Bench:
             self.metrics_target, self.http_target = self.served.metrics_target, self.served.http_target
         self.remote: Remote | None = Remote(args.target) if args.target else None
         if self.remote is None:
-            from prefixscore import Scorer
+            from prefixscore.engine.scorer import Scorer
             from prefixscore.engine.build import EngineSpec, build_engine
 
             spec = EngineSpec(

@@ -1,49 +1,95 @@
-"""The layout is the architecture: data flows down one way (service -> engine -> model ->
-kernels, telemetry beside every layer), and the two transports never import each other."""
+"""The layout is the architecture: imports only point down (cli > bench, offline > service >
+engine > model > kernels; telemetry and the client apart; the leaf modules import nothing of
+the project), and the two transports never import each other. The contracts live in
+pyproject.toml and `lint-imports` (import-linter) checks them; `make lint` runs it. These tests
+run it on the tree, and on copies of the tree with one upward import planted, to show each
+contract can fail."""
 
 from __future__ import annotations
 
-import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-
-# a folder -> the product folders its modules may import from (besides itself)
-MAY_IMPORT = {
-    "kernels": set(),
-    "model": {"kernels"},
-    "telemetry": set(),
-    "engine": {"model", "kernels", "telemetry"},
-    "service": {"engine", "model", "telemetry", "v1"},
-    "client": {"v1"},
-}
-PRODUCT = {*MAY_IMPORT, "bench", "cli", "v1"}
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+# the product's folders and top-level modules (the package `prefixscore` is the repo root)
+PACKAGES = ("bench", "client", "engine", "kernels", "model", "offline", "service", "telemetry")
 
 
-def _imports(path: Path) -> set[str]:
-    """The prefixscore modules a file imports (at any depth, lazy imports too)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("prefixscore"):
-            out.add(node.module)
-            out.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names if alias.name.startswith("prefixscore"))
-    return out
+def _lint_imports(root: Path, package_parent: Path | None = None) -> subprocess.CompletedProcess:
+    """lint-imports over pyproject.toml's contracts, with `prefixscore` found under `package_parent`."""
+    env = dict(os.environ)
+    if package_parent is not None:  # ahead of the editable install's finder
+        env["PYTHONPATH"] = str(package_parent)
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", str(root / "pyproject.toml")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-def test_each_layer_imports_only_the_layers_below_it() -> None:
-    wrong = []
-    for folder, allowed in MAY_IMPORT.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            for module in _imports(path):
-                target = module.split(".")[1] if "." in module else ""
-                if target in PRODUCT and target != folder and target not in allowed:
-                    wrong.append(f"{path.relative_to(ROOT)} imports {module}")
-    assert not wrong, "\n".join(wrong)
+def test_the_tree_keeps_every_import_contract() -> None:
+    run = _lint_imports(ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 broken" in run.stdout
 
 
-def test_the_transports_do_not_import_each_other() -> None:
-    grpc_side, http_side = ROOT / "service" / "server.py", ROOT / "service" / "http_api.py"
-    assert not any(m.startswith("prefixscore.service.http_api") for m in _imports(grpc_side))
-    assert not any(m.startswith("prefixscore.service.server") for m in _imports(http_side))
+@pytest.fixture(scope="module")
+def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package's Python files copied to <tmp>/prefixscore (no tests, no deploy, no venv)."""
+    parent = tmp_path_factory.mktemp("layout")
+    package = parent / "prefixscore"
+    package.mkdir()
+    for path in ROOT.glob("*.py"):
+        shutil.copy(path, package / path.name)
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, package / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", parent / "pyproject.toml")
+    return parent
+
+
+# (the module an upward import is planted in, the import, the contract it breaks)
+PLANTED = [
+    ("model/planted.py", "from prefixscore.service import core", "cli > bench, offline > service"),
+    ("kernels/planted.py", "from prefixscore.model import config", "cli > bench, offline > service"),
+    ("engine/planted.py", "from prefixscore.offline import batch", "cli > bench, offline > service"),
+    ("client/planted.py", "from prefixscore.service import core", "the client needs only"),
+    ("telemetry/planted.py", "from prefixscore.engine import batcher", "telemetry imports no other part"),
+    ("prefix_key_planted.py", None, "the leaf modules import nothing"),
+    ("service/planted.py", None, "the two transports never import each other"),
+]
+
+
+@pytest.mark.parametrize(("where", "line", "contract"), PLANTED, ids=[p[0] for p in PLANTED])
+def test_a_planted_upward_import_breaks_its_contract(tree_copy: Path, where: str, line: str | None, contract: str):
+    package = tree_copy / "prefixscore"
+    if where == "prefix_key_planted.py":  # the leaf itself gains an import
+        target = package / "prefix_key.py"
+        original = target.read_text()
+        target.write_text(original + "\nfrom prefixscore.engine import buckets  # noqa\n")
+    elif where == "service/planted.py":  # the HTTP API gains an import of the gRPC server
+        target = package / "service" / "http_api.py"
+        original = target.read_text()
+        target.write_text(original + "\nfrom prefixscore.service import server  # noqa\n")
+    else:
+        target, original = package / where, None
+        target.write_text(line + "\n")
+    try:
+        run = _lint_imports(tree_copy, tree_copy)
+    finally:
+        if original is None:
+            target.unlink()
+        else:
+            target.write_text(original)
+    assert run.returncode != 0, run.stdout
+    broken = [line for line in run.stdout.splitlines() if line.endswith("BROKEN")]
+    # a leaf that imports upward also breaks the client's contract (the client imports the leaf)
+    assert any(name.startswith(contract) for name in broken), run.stdout
