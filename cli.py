@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.service.config import ServerConfig, flag_fields, parse_bool
 
 DEFAULT_TARGET = "localhost:50051"
 
@@ -28,136 +29,11 @@ def _env(name: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
     return default if value in (None, "") else cast(value)
 
 
-def _bool(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
-
-
-def _metrics_port(text: str) -> int | None:
-    return None if text.strip().lower() in ("off", "none", "-1") else int(text)
-
-
-_http_port = _metrics_port  # same spelling: a port, 0 for any free one, or off
-
-
 # ---- serve ---------------------------------------------------------------------------------------
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the gRPC ScoreService", description="Run the gRPC ScoreService.")
-    p.add_argument(
-        "--model",
-        default=_env("MODEL", DEFAULT_MODEL),
-        help="preset, local HF directory, .gguf file or hub id [$PREFIXSCORE_MODEL, %(default)s]",
-    )
-    p.add_argument(
-        "--dtype",
-        default=_env("DTYPE", "float32"),
-        choices=("float32", "bfloat16"),
-        help="[$PREFIXSCORE_DTYPE, %(default)s]",
-    )
-    p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="[$PREFIXSCORE_HOST, %(default)s]")
-    p.add_argument(
-        "--port",
-        type=int,
-        default=_env("PORT", 50051, int),
-        help="gRPC port; 0 picks a free one [$PREFIXSCORE_PORT, %(default)s]",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=_metrics_port,
-        default=_env("METRICS_PORT", 9090, _metrics_port),
-        help="Prometheus /metrics port; 0 picks a free one, 'off' disables [$PREFIXSCORE_METRICS_PORT, %(default)s]",
-    )
-    p.add_argument(
-        "--http-port",
-        type=_http_port,
-        default=_env("HTTP_PORT", None, _http_port),
-        help="HTTP API port (/v1/score, /v1/rerank, /v1/models, /health, /ready); 0 picks a free one; "
-        "'off' (the default) disables [$PREFIXSCORE_HTTP_PORT]",
-    )
-    p.add_argument(
-        "--template",
-        default=_env("TEMPLATE", "qwen3-reranker"),
-        choices=("qwen3-reranker", "chat", "none"),
-        help="reranker prompt template of Rerank and /v1/rerank [$PREFIXSCORE_TEMPLATE, %(default)s]",
-    )
-    p.add_argument(
-        "--classify-labels",
-        nargs="+",
-        default=[label for label in _env("CLASSIFY_LABELS", "").split(",") if label],
-        help="a causal LM's /v1/classify labels: label strings, one token each (their softmax is each input's "
-        "probs); a classifier model needs none [$PREFIXSCORE_CLASSIFY_LABELS, comma-separated]",
-    )
-    p.add_argument(
-        "--max-queue-items",
-        type=int,
-        default=_env("MAX_QUEUE_ITEMS", 65_536, int),
-        help="items waiting for the device before RESOURCE_EXHAUSTED [$PREFIXSCORE_MAX_QUEUE_ITEMS, %(default)s]",
-    )
-    p.add_argument(
-        "--max-items",
-        type=int,
-        default=_env("MAX_ITEMS", 10_000, int),
-        help="items per request or stream batch [$PREFIXSCORE_MAX_ITEMS, %(default)s]",
-    )
-    p.add_argument(
-        "--pool-bytes",
-        type=int,
-        default=_env("POOL_BYTES", None, int),
-        help="bytes of the prefix pool on each device (query KV pages, allocated once); default: "
-        "--pool-memory-fraction of the device memory left after the weights, or 1 GiB on CPU, "
-        "at most 64 full contexts [$PREFIXSCORE_POOL_BYTES]",
-    )
-    p.add_argument(
-        "--pool-memory-fraction",
-        type=float,
-        default=_env("POOL_MEMORY_FRACTION", 0.5, float),
-        help="share of the free device memory the prefix pool takes [$PREFIXSCORE_POOL_MEMORY_FRACTION, %(default)s]",
-    )
-    p.add_argument(
-        "--tp-size",
-        type=int,
-        default=_env("TP_SIZE", None, int),
-        help="devices on the mesh's model axis (tensor parallel: each holds 1/tp of the heads, MLP, "
-        "vocabulary and pool); default: the smallest the weights fit with room for the pool [$PREFIXSCORE_TP_SIZE]",
-    )
-    p.add_argument(
-        "--dp-size",
-        type=int,
-        default=_env("DP_SIZE", None, int),
-        help="devices on the mesh's data axis (replicas); default: the devices left [$PREFIXSCORE_DP_SIZE]",
-    )
-    p.add_argument(
-        "--compile-cache",
-        default=_env("COMPILE_CACHE_DIR", None),
-        help="persistent XLA compilation cache directory; 'off' disables "
-        "[$PREFIXSCORE_COMPILE_CACHE_DIR, default ~/.cache/prefixscore/jax]",
-    )
-    p.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=_env("DRAIN_SECONDS", 30.0, float),
-        help="on SIGTERM, how long in-flight RPCs may finish [$PREFIXSCORE_DRAIN_SECONDS, %(default)s]",
-    )
-    p.add_argument(
-        "--warmup",
-        type=_bool,
-        default=_env("WARMUP", True, _bool),
-        help="compile every shape bucket before SERVING [$PREFIXSCORE_WARMUP, %(default)s]",
-    )
+    add_config_flags(p)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="same as --warmup false")
-    p.add_argument(
-        "--serve-early",
-        type=_bool,
-        default=_env("SERVE_EARLY", True, _bool),
-        help="with --warmup: SERVING once the smallest shapes are compiled, the rest compiled in the background "
-        "and used as each is ready; false: all before SERVING [$PREFIXSCORE_SERVE_EARLY, %(default)s]",
-    )
-    p.add_argument(
-        "--batch-wait-ms",
-        type=float,
-        default=_env("BATCH_WAIT_MS", 0.0, float),
-        help="wait before an idle device's first batch so more requests join it "
-        "[$PREFIXSCORE_BATCH_WAIT_MS, %(default)s]",
-    )
     p.add_argument(
         "--max-batch-tokens",
         type=int,
@@ -171,78 +47,56 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="query tokens prefilled in one call (default 4096) [$PREFIXSCORE_MAX_PREFILL_TOKENS]",
     )
     p.add_argument(
-        "--attention",
-        default=_env("ATTENTION", None),
-        help="attention implementation (default: the backend's) [$PREFIXSCORE_ATTENTION]",
-    )
-    p.add_argument(
         "--log-format",
         choices=("json", "text"),
         default=_env("LOG_FORMAT", "json"),
         help="[$PREFIXSCORE_LOG_FORMAT, %(default)s]",
     )
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="[$PREFIXSCORE_LOG_LEVEL, %(default)s]")
-    _add_limits(p)
-    _add_security(p)
     p.set_defaults(func=run_serve)
 
 
-# (flag, ServerConfig field, type, help): every limit (docs/operations.md)
-LIMIT_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
-    ("--max-queue-tokens", "max_queue_tokens", int, "item tokens waiting for the device before RESOURCE_EXHAUSTED"),
-    ("--max-request-tokens", "max_request_tokens", int, "tokens of one request or stream batch"),
-    ("--max-streams", "max_streams", int, "ScoreStreams open at once"),
-    ("--max-concurrent-rpcs", "max_concurrent_rpcs", int, "RPCs in progress at once"),
-    ("--stream-idle-timeout", "stream_idle_timeout_s", float, "seconds a stream may neither send nor read"),
-    ("--max-pending-batches", "max_pending_batches", int, "batches of a stream not yet sent back before reads pause"),
-    ("--keepalive-time", "keepalive_time_s", float, "seconds between keepalive pings"),
-    ("--keepalive-timeout", "keepalive_timeout_s", float, "seconds a ping may go unanswered"),
-    ("--max-connection-idle", "max_connection_idle_s", float, "seconds a connection may have no calls"),
-    ("--max-connection-age", "max_connection_age_s", float, "seconds before a connection is recycled"),
-    ("--max-connection-age-grace", "max_connection_age_grace_s", float, "seconds calls may finish after that"),
-    ("--max-message-bytes", "max_message_bytes", int, "bytes of one gRPC message or HTTP request body"),
-]
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """A flag for each ServerConfig field that has one (service/config.py): its name, type,
+    choices and default come from the field, its environment variable overrides the default."""
+    for field, flag in flag_fields():
+        env = flag.env_name(field.name)
+        default = field.default / flag.scale if flag.scale != 1.0 else field.default
+        value = os.environ.get(env)
+        if value not in (None, ""):
+            default = flag.parse(value)
+        shown = "" if default in (None, ()) else ", %(default)s"
+        name = flag.flag_name(field.name)
+        p.add_argument(
+            name,
+            dest=field.name,
+            metavar=None if flag.choices else name[2:].replace("-", "_").upper(),
+            type=str if flag.nargs else flag.parse,
+            nargs=flag.nargs,
+            choices=flag.choices,
+            default=default,
+            help=f"{flag.help} [${env}{shown}]",
+        )
 
 
-def _add_limits(p: argparse.ArgumentParser) -> None:
-    # unset: ServerConfig's default (README lists them; GetModelInfo reports what is in force).
-    # Not read from ServerConfig here: that import costs every subcommand a second of JAX
-    for flag, field, cast, text in LIMIT_FLAGS:
-        env = flag[2:].upper().replace("-", "_")
-        p.add_argument(flag, dest=field, type=cast, default=_env(env, None, cast), help=f"{text} [$PREFIXSCORE_{env}]")
-
-
-def _add_security(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--metrics-host",
-        default=_env("METRICS_HOST", None),
-        help="address the metrics endpoint binds (default: --host) [$PREFIXSCORE_METRICS_HOST]",
-    )
-    p.add_argument(
-        "--reflection",
-        type=_bool,
-        default=_env("REFLECTION", False, _bool),
-        help="serve gRPC reflection (grpcurl without the .proto) [$PREFIXSCORE_REFLECTION, %(default)s]",
-    )
-    p.add_argument(
-        "--tls-cert", default=_env("TLS_CERT", None), help="server certificate (PEM) [$PREFIXSCORE_TLS_CERT]"
-    )
-    p.add_argument("--tls-key", default=_env("TLS_KEY", None), help="its private key (PEM) [$PREFIXSCORE_TLS_KEY]")
-    p.add_argument(
-        "--tls-client-ca",
-        default=_env("TLS_CLIENT_CA", None),
-        help="CA (PEM) client certificates must be signed by: mutual TLS [$PREFIXSCORE_TLS_CLIENT_CA]",
-    )
-    p.add_argument(
-        "--auth-tokens-file",
-        default=_env("AUTH_TOKENS_FILE", None),
-        help="accepted bearer tokens, one a line; every call but health needs one [$PREFIXSCORE_AUTH_TOKENS_FILE]",
-    )
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig the parsed `serve` flags ask for."""
+    values = {}
+    for field, flag in flag_fields():
+        value = getattr(args, field.name)
+        if flag.nargs:
+            value = tuple(value)
+        elif flag.scale != 1.0:
+            value = value * flag.scale
+        values[field.name] = value
+    return ServerConfig(**values, buckets=_buckets(args))
 
 
 def _add_client_security(p: argparse.ArgumentParser) -> None:
     """Client-side TLS and token options (score, rerank, models)."""
-    p.add_argument("--tls", action="store_true", default=_env("TLS", False, _bool), help="use TLS [$PREFIXSCORE_TLS]")
+    p.add_argument(
+        "--tls", action="store_true", default=_env("TLS", False, parse_bool), help="use TLS [$PREFIXSCORE_TLS]"
+    )
     p.add_argument("--tls-ca", default=_env("TLS_CA", None), help="CA (PEM) to verify the server; implies --tls")
     p.add_argument("--tls-client-cert", default=_env("TLS_CLIENT_CERT", None), help="client certificate: mutual TLS")
     p.add_argument("--tls-client-key", default=_env("TLS_CLIENT_KEY", None), help="its private key")
@@ -284,39 +138,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixscore.telemetry import logs
 
     logs.configure(args.log_format, args.log_level)
-    from prefixscore.service.core import ServerConfig, StartupFailed
+    from prefixscore.service.core import StartupFailed
     from prefixscore.service.process import ScoreServer
 
-    config = ServerConfig(
-        model=args.model,
-        dtype=args.dtype,
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        http_port=args.http_port,
-        template=args.template,
-        classify_labels=tuple(args.classify_labels),
-        max_queue_items=args.max_queue_items,
-        max_items=args.max_items,
-        pool_bytes=args.pool_bytes,
-        pool_memory_fraction=args.pool_memory_fraction,
-        compile_cache=args.compile_cache,
-        drain_seconds=args.drain_seconds,
-        warmup=args.warmup,
-        serve_early=args.serve_early,
-        buckets=_buckets(args),
-        attn_impl=args.attention,
-        tp_size=args.tp_size,
-        dp_size=args.dp_size,
-        batch_wait_s=args.batch_wait_ms / 1000.0,
-        **{field: getattr(args, field) for _, field, _, _ in LIMIT_FLAGS if getattr(args, field) is not None},
-        metrics_host=args.metrics_host,
-        reflection=args.reflection,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        auth_tokens_file=args.auth_tokens_file,
-    )
+    config = config_from_args(args)
 
     async def serve() -> int:
         server = ScoreServer(config)
@@ -535,13 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rerank(sub)
     add_models(sub)
     importlib.import_module("prefixscore.offline.commands").register(sub)  # batch, eval
-    try:
-        bench = importlib.import_module("prefixscore.bench.run")
-    except ModuleNotFoundError as err:  # bench.py is optional until it lands; other import errors are real
-        if err.name != "prefixscore.bench.run":
-            raise
-    else:
-        bench.register(sub)
+    importlib.import_module("prefixscore.bench.command").register(sub)
     return parser
 
 

@@ -6,7 +6,7 @@
 #   - Istio and Gateway API CRD schema validators (npm @kubernetes-models/istio, .../gateway-api)
 #   - kubernetes-validate     (PyPI, Kubernetes JSON schemas; into the project venv if not already there)
 # Tools land in $PREFIXSCORE_TOOLS (default ~/.cache/prefixscore/tools, shared with proto-tools.sh):
-# $TOOLS/bin/kubectl and $TOOLS/deploy-node/node_modules; tests/deploy_helpers.py looks there.
+# $TOOLS/bin/kubectl and $TOOLS/deploy-node/node_modules; tests/helpers/deploy.py looks there.
 # Safe to re-run: every step checks first.
 set -euo pipefail
 

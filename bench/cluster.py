@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 
-from prefixscore.bench.run import free_ports, scrape, stop_process
+from prefixscore.bench.metrics import scrape
+from prefixscore.bench.processes import free_ports, stop_process
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "deploy" / "envoy"
 GRPC_CLUSTER = "prefixscore_grpc"

@@ -38,7 +38,7 @@ import grpc
 
 from prefixscore.bench import workloads as wl
 from prefixscore.bench.cluster import Envoy, Replica, progress, wait_until
-from prefixscore.bench.run import commit, machine
+from prefixscore.bench.provenance import commit, machine
 from prefixscore.client import Retry, ScoreClient, ScoreStream
 from prefixscore.model.presets import RANDOM_PRESETS
 

@@ -43,7 +43,9 @@ import grpc
 import numpy as np
 
 from prefixscore.bench import workloads as wl
-from prefixscore.bench.run import Bench, percentile, scrape
+from prefixscore.bench.metrics import scrape
+from prefixscore.bench.session import Bench
+from prefixscore.bench.timing import percentile
 
 WARMUP_WINDOWS = 1  # the first window compiles call shapes and fills the prefix cache: not judged
 MIN_JUDGED_WINDOWS = 3  # fewer points than this make no line

@@ -30,9 +30,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixscore.bench import run as bench_run
+from prefixscore.bench import command
 from prefixscore.bench import workloads as wl
 from prefixscore.bench.cluster import Envoy, Replica, loopback_renderer, progress, wait_until
+from prefixscore.bench.measure import measure_workload
+from prefixscore.bench.provenance import commit, machine
+from prefixscore.bench.session import Bench
 
 ROUND_ROBIN, UNBOUNDED = "round-robin", "none"
 # W5 through three tiny-qwen3 replicas: new 1,000-token queries whose 150 items come in 6
@@ -56,7 +59,7 @@ GUARD_PREFILL_VS_ROUND_ROBIN = 0.50
 
 def bench_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixscore")
-    bench_run.register(parser.add_subparsers(dest="command"))
+    command.register(parser.add_subparsers(dest="command"))
     return parser
 
 
@@ -66,9 +69,9 @@ def w5_run(target: str, metrics: Sequence[str], clients: int, seed: int, w5_args
     argv = ["bench", "--target", target, "--replica-metrics", ",".join(metrics), "--workload", "w5"]
     argv += ["--concurrency", str(clients), "--seed", str(seed), "--no-progress", *w5_args]
     args = bench_parser().parse_args(argv)
-    bench = bench_run.Bench(args)
+    bench = Bench(args)
     try:
-        return bench.one("w5", "affinity", wl.Generator(bench.vocab, seed))
+        return measure_workload(bench, "w5", "affinity", wl.Generator(bench.vocab, seed))
     finally:
         bench.close()
 
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         rows = summarise(json.loads(Path(args.from_json).read_text())["runs"])
     else:
-        context = {"commit": bench_run.commit(), "machine": bench_run.machine(), "argv": sys.argv, "args": vars(args)}
+        context = {"commit": commit(), "machine": machine(), "argv": sys.argv, "args": vars(args)}
         w5_args = [*W5_ARGS, *w5_args]  # later ones win: the caller's sizes over the defaults
         with tempfile.TemporaryDirectory() as tmp:
             logs = Path(args.logs or tmp)

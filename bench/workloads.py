@@ -1,4 +1,4 @@
-"""The benchmark workloads (W1-W5, docs/benchmarks.md) as request generators (token ids).
+"""The benchmark workloads (W1-W6, docs/benchmarks.md): their names, and their requests as generators (token ids).
 
 Every size is a parameter, so CI-sized smoke runs use the same code as the
 published figures. Token ids are drawn from a fixed seed: two runs send the
@@ -16,6 +16,27 @@ import numpy as np
 QWEN_LABELS = (9454, 2753)
 QWEN_VOCAB = 151936
 W3_SUFFIX_TOKENS = 12  # "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n" after each document
+
+# the workloads `prefixscore bench --workload` runs, and the modes a request is scored in
+WORKLOADS = (
+    "w1-cold",
+    "w1-warm",
+    "w2",
+    "w3",
+    "w3-grpc",
+    "w4",
+    "host",
+    "host-rerank",
+    "w5",
+    "w6",
+    "w6-one-by-one",
+    "soak",
+)
+MODES = ("prefix", "packed", "sequential")
+# many clients at once through gRPC (host-rerank: HTTP); the server runs its prefix path only
+CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank", "w5")
+# W5 through a router, twice over new queries: clients sending the prefix key, then none
+W5_MODES = ("affinity", "no-key")
 
 
 @dataclasses.dataclass(frozen=True)

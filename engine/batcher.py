@@ -14,17 +14,18 @@ A request's query is prefilled (its chunks placed) before its items are offered;
 items may ride in the call that carries its last chunk.
 
 Isolation: work retried after a failed device call (engine/isolation.py) carries a
-`group`; a call carries one group's work and nothing else, the oldest group first, so a
+group (`lineage.group`); a call carries one group's work and nothing else, the oldest group first, so a
 request that makes calls fail can fail only the calls it rides in alone.
 
-Pure Python and not thread-safe: the device worker calls it under its lock.
+The queue's entries are WorkUnits (engine/work_unit.py), each carrying its own reply; the
+one consumer, the device thread, plans the calls. Pure Python and not thread-safe: the device
+worker calls it under its lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -32,7 +33,7 @@ import numpy as np
 from prefixscore.engine import heads
 from prefixscore.engine.planner import CallBuilder, CallPlan, Extent
 from prefixscore.engine.prefix_cache import CachedPrefix
-from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.work_unit import WorkUnit
 
 # a request without a deadline is scheduled as if due this long after it arrived
 DEFAULT_SLACK_S = 30.0
@@ -52,74 +53,10 @@ class NonFiniteScores(Exception):
     """A device call returned NaN or Inf for these rows: never answered as OK."""
 
 
-@dataclasses.dataclass(eq=False)
-class WorkUnit:
-    """Items that are answered together: one unary request, one batch of a stream, or (no
-    items) a stream's query to prefill.
-
-    items: token ids per item (for item_first, whole sequences start + item + query), one
-    flat array (lists are converted). The worker fills `scores` [len(items), len(label_ids)]
-    float32 and calls `on_done(unit)` once (through its `deliver` hook: on the server's
-    event loop) when every item is scored (or, without items, the query's prefill is
-    launched) or the unit failed (`error` set); never after `DeviceWorker.cancel(unit)`.
-    """
-
-    prefix: tuple[int, ...]
-    items: TokenRows
-    label_ids: tuple[int, ...]
-    apply_softmax: bool
-    item_first: bool
-    activation: str = ""  # a classifier's, applied to its rows as they come back (engine/heads.py)
-    on_done: Callable[[WorkUnit], None] = lambda unit: None
-    method: str = "Score"  # metrics label of the RPC this work belongs to
-    request_id: str = ""  # the client's request id, for the log when its work fails
-    counts_lookup: bool = True  # counts as a prefix-cache hit or miss (stream batches do not: their open did)
-    deadline: float | None = None  # time.monotonic() after which queued items are dropped
-    created: float = dataclasses.field(default_factory=time.monotonic)
-    # filled in by the worker and the batcher
-    entry: CachedPrefix | None = None  # the query's pages (None: item_first, no prefix)
-    scores: np.ndarray = dataclasses.field(init=False)
-    remaining: int = dataclasses.field(init=False)  # items not yet scored
-    taken: int = 0  # items handed to device calls (in order)
-    seq: int = 0  # arrival order
-    cached_tokens: int = 0  # prefix tokens served from the prefix cache
-    first_scores_at: float | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-    finished: bool = False
-    released: bool = False  # its pin on `entry` was given back
-    # isolation (engine/isolation.py): a retried piece of `parent`'s items from `parent_first` on
-    # (its scores are the parent's; the parent holds the pin), and the group a call may carry
-    # it only with; a parent's pieces still out
-    parent: WorkUnit | None = None
-    parent_first: int = 0
-    group: int | None = None
-    pieces: list[WorkUnit] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.items = TokenRows.coerce(self.items)
-        self.scores = np.zeros((len(self.items), len(self.label_ids)), np.float32)
-        self.remaining = len(self.items)
-
-    @property
-    def queued(self) -> int:
-        """Items not yet in a device call."""
-        return 0 if self.cancelled else len(self.items) - self.taken
-
-    @property
-    def tokens(self) -> int:
-        """Item tokens of the unit (the query's are prefilled once, not per item)."""
-        return self.items.total
-
-    @property
-    def queued_tokens(self) -> int:
-        """Item tokens not yet in a device call."""
-        offsets = self.items.offsets
-        return 0 if self.cancelled else int(offsets[-1] - offsets[self.taken])
-
-    @property
-    def due(self) -> float:
-        return self.deadline if self.deadline is not None else self.created + DEFAULT_SLACK_S
+def due(unit: WorkUnit) -> float:
+    """When the unit is due: its deadline, or DEFAULT_SLACK_S after it arrived."""
+    deadline = unit.ticket.deadline
+    return deadline if deadline is not None else unit.ticket.created + DEFAULT_SLACK_S
 
 
 @dataclasses.dataclass(eq=False)
@@ -169,35 +106,36 @@ class Batcher:
         self.queued_tokens = 0  # their tokens (admission control counts tokens as well as items)
 
     def add(self, unit: WorkUnit) -> None:
-        unit.seq = next(self._seq)
-        self.units[unit.seq] = unit
+        unit.progress.seq = next(self._seq)
+        self.units[unit.progress.seq] = unit
         self.depth += unit.queued
         self.queued_tokens += unit.queued_tokens
 
     def cancel(self, unit: WorkUnit) -> None:
         """Drop `unit`'s queued items."""
-        if self.units.get(unit.seq) is unit:
+        if self.units.get(unit.progress.seq) is unit:
             self.depth -= unit.queued
             self.queued_tokens -= unit.queued_tokens
-            del self.units[unit.seq]
-        unit.cancelled = True
+            del self.units[unit.progress.seq]
+        unit.progress.cancelled = True
 
     def live_units(self) -> Iterator[WorkUnit]:
-        return iter([u for u in self.units.values() if not u.cancelled])
+        return iter([u for u in self.units.values() if not u.progress.cancelled])
 
     def ready(self, opens_only: bool = False) -> bool:
         """Whether next_call would plan a call."""
-        return any(self._needs_device(u) and not (opens_only and u.items) for u in self.units.values())
+        return any(self._needs_device(u) and not (opens_only and u.payload.items) for u in self.units.values())
 
     @staticmethod
     def _needs_device(unit: WorkUnit) -> bool:
-        return unit.queued > 0 or (unit.entry is not None and not unit.entry.ready and not unit.items)
+        entry = unit.pin.entry
+        return unit.queued > 0 or (entry is not None and not entry.ready and not unit.payload.items)
 
     def prefilled(self) -> list[WorkUnit]:
         """Units without items whose query is fully written (by launched calls): done; removed."""
-        done = [u for u in self.units.values() if not u.items and u.entry is not None and u.entry.ready]
+        done = [u for u in self.units.values() if not u.payload.items and u.pin.entry is not None and u.pin.entry.ready]
         for unit in done:
-            del self.units[unit.seq]
+            del self.units[unit.progress.seq]
         return done
 
     def next_call(self, opens_only: bool = False) -> Call | None:
@@ -209,14 +147,14 @@ class Batcher:
         and the best-filled one that keeps most of the work is taken. Lower-priority requests
         only ever wait for the next call."""
         pending = sorted(
-            (u for u in self.units.values() if self._needs_device(u) and not (opens_only and u.items)),
-            key=lambda u: (u.due, u.seq),
+            (u for u in self.units.values() if self._needs_device(u) and not (opens_only and u.payload.items)),
+            key=lambda u: (due(u), u.progress.seq),
         )
         if not pending:
             return None
-        groups = [u.group for u in pending if u.group is not None]
+        groups = [u.lineage.group for u in pending if u.lineage.group is not None]
         group = min(groups) if groups else None  # the oldest isolation group goes alone, first
-        pending = [u for u in pending if u.group == group]
+        pending = [u for u in pending if u.lineage.group == group]
         best = self._fill(pending, None)
         if best.builder.empty:
             return None
@@ -248,12 +186,12 @@ class Batcher:
         for seq, took in best.offered.items():
             unit = self.units[seq]
             before = unit.queued_tokens
-            unit.taken += took
+            unit.progress.taken += took
             self.depth -= took
             self.queued_tokens -= before - unit.queued_tokens
         for unit in pending:
-            if unit.items and unit.queued == 0:
-                del self.units[unit.seq]  # all its items are in calls; the worker delivers them
+            if unit.payload.items and unit.queued == 0:
+                del self.units[unit.progress.seq]  # all its items are in calls; the worker delivers them
         return Call(plan, [entry for entry, _ in best.written.values()], group)
 
     def _fill(self, pending: list[WorkUnit], limit: int | None) -> _Fill:
@@ -263,7 +201,7 @@ class Batcher:
         fill = _Fill(builder)
         capacity = builder.item_capacity * builder.devices
         share = max(1, capacity // max(1, sum(1 for u in pending if u.queued)))
-        prefilling = sum(1 for u in pending if u.entry is not None and not u.entry.ready)
+        prefilling = sum(1 for u in pending if u.pin.entry is not None and not u.pin.entry.ready)
         prefill_share = max(self.chunk, builder.b.prefill[-1] // max(1, prefilling))
         admitted: set[int] = set()
         left_over = 0  # tokens the units admitted so far could still add in the second pass
@@ -272,20 +210,21 @@ class Batcher:
             for unit in pending:
                 if refusals >= MAX_REFUSALS:
                     break
-                if limit is not None and unit.seq not in admitted and len(admitted) >= limit:
+                seq = unit.progress.seq
+                if limit is not None and seq not in admitted and len(admitted) >= limit:
                     continue
                 chunks = len(builder.chunks)
                 ready = self._prefill(builder, unit, fill.written, prefill_share if fair else None)
                 took, refused = (0, False)
                 if ready:
-                    took, refused = self._offer(builder, unit, fill.offered.get(unit.seq, 0), share if fair else None)
-                    fill.offered[unit.seq] = fill.offered.get(unit.seq, 0) + took
+                    took, refused = self._offer(builder, unit, fill.offered.get(seq, 0), share if fair else None)
+                    fill.offered[seq] = fill.offered.get(seq, 0) + took
                 if took or len(builder.chunks) > chunks:
-                    if fair and unit.seq not in admitted:
+                    if fair and seq not in admitted:
                         left_over += self._left_over(unit, fill, took)
                         real = builder.real_tokens
                         fill.bounds.append(_Bound(real, real + left_over, builder.extent()))
-                    admitted.add(unit.seq)
+                    admitted.add(seq)
                 refusals = refusals + 1 if refused else 0
         fill.admitted = len(admitted)
         return fill
@@ -294,9 +233,9 @@ class Batcher:
     def _left_over(unit: WorkUnit, fill: _Fill, took: int) -> int:
         """Tokens of `unit` that its first-pass offer left: its query's chunks not placed and its
         items not taken."""
-        offsets = unit.items.offsets
-        items = int(offsets[-1] - offsets[unit.taken + took])  # a pending unit is never cancelled
-        entry = unit.entry
+        offsets = unit.payload.items.offsets
+        items = int(offsets[-1] - offsets[unit.progress.taken + took])  # a pending unit is never cancelled
+        entry = unit.pin.entry
         chunks = len(entry.tokens) - fill.written[id(entry)][1] if entry is not None else 0
         return items + chunks
 
@@ -305,7 +244,7 @@ class Batcher:
     ) -> bool:
         """Place the unit's query chunks not yet written (up to `share` tokens: a long query
         does not hold up every new short one); whether its items may follow in this call."""
-        entry = unit.entry
+        entry = unit.pin.entry
         if entry is None:
             return True
         start = upto = written.get(id(entry), (entry, entry.written))[1]
@@ -324,11 +263,12 @@ class Batcher:
     def _offer(builder: CallBuilder, unit: WorkUnit, already: int, share: int | None) -> tuple[int, bool]:
         """Offer the unit's next items in order (up to `share` tokens, at least one item);
         (items taken, refused: the call could not hold what was offered)."""
-        first = unit.taken + already
-        count = len(unit.items) - first
+        payload = unit.payload
+        first = unit.progress.taken + already
+        count = len(payload.items) - first
         if count <= 0:
             return 0, False
-        offsets = unit.items.offsets
+        offsets = payload.items.offsets
         if int(offsets[first + 1] - offsets[first]) > builder.b.tokens[-1]:
             # no compiled shape holds its next item yet (a staged warm-up is under way): it waits
             # for its stage without counting as a refusal, so it holds up no one behind it
@@ -338,16 +278,16 @@ class Batcher:
         if share is not None and int(offsets[-1] - offsets[first]) > SPLIT_PAST * share:
             ends = offsets[first + 1 :] - offsets[first]
             count = max(1, int(np.searchsorted(ends, share, side="right")))
-        entry = unit.entry
+        entry = unit.pin.entry
         took = builder.add_items(
             id(entry) if entry is not None else None,
             entry.pages if entry is not None else (),
             len(entry.tokens) if entry is not None else 0,
-            unit.items,
+            payload.items,
             first,
             count,
-            unit.label_ids,
-            unit.apply_softmax,
+            payload.label_ids,
+            payload.apply_softmax,
             unit,
         )
         return took, took < count
@@ -363,16 +303,16 @@ def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[Work
     broken: list[WorkUnit] = []
     for span in call.plan.spans:
         unit = span.ref
-        request = unit.parent if unit.parent is not None else unit
-        if request.finished or unit.finished or request in broken:
+        request = unit.lineage.parent if unit.lineage.parent is not None else unit
+        if request.progress.finished or unit.progress.finished or request in broken:
             continue
         rows = slice(span.row, span.row + span.count)
         if not finite[rows].all():
             broken.append(request)
             continue
-        first = unit.parent_first + span.first
-        request.scores[first : first + span.count] = heads.activate(out[rows, : span.labels], request.activation)
-        request.remaining -= span.count
-        if request.remaining == 0:
+        first, reply = unit.lineage.parent_first + span.first, request.reply
+        reply.scores[first : first + span.count] = heads.activate(out[rows, : span.labels], request.payload.activation)
+        reply.remaining -= span.count
+        if reply.remaining == 0:
             complete.append(request)
     return complete, broken

@@ -1,4 +1,4 @@
-"""The output head a model scores with, as the API reports it, and a classifier's activations.
+"""What a request asks of the model's output head (model/head.py), and a classifier's activations.
 
 A causal LM's head is its vocabulary: a request names label tokens and gets their next-token
 probabilities (the device computes them). A sequence classifier's head is its `score`
@@ -9,27 +9,89 @@ back (engine/batcher.py take_results): one compiled head serves every activation
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
-from prefixscore.model.config import ModelConfig
+from prefixscore.engine.invalid_input import InvalidInput
+from prefixscore.model.head import OutputHead
 
-CAUSAL_LM = "causal_lm"
-SEQUENCE_CLASSIFICATION = "sequence_classification"
-# a classifier request's `activation`: "auto" (the default) is a sigmoid for a one-label head
-# or a multi-label problem_type, else a softmax over the labels; "none" returns raw logits
+# a classifier request's `activation`: "auto" (the default) is the head's own (a sigmoid for a
+# one-label head or a multi-label problem_type, else a softmax over the labels); "none" returns
+# raw logits
 ACTIVATIONS = ("auto", "none", "sigmoid", "softmax")
 
-
-def head_kind(cfg: ModelConfig) -> str:
-    """CAUSAL_LM or SEQUENCE_CLASSIFICATION."""
-    return SEQUENCE_CLASSIFICATION if cfg.num_labels else CAUSAL_LM
+# a causal LM's label tokens from a request's label_token_ids and label strings, checked
+LabelTokens = Callable[[Sequence[int], Sequence[str]], tuple[int, ...]]
 
 
-def resolve(cfg: ModelConfig, activation: str) -> str:
-    """A classifier's activation for a request ("auto" resolved); the caller has checked the name."""
-    if activation != "auto":
-        return activation
-    return "sigmoid" if cfg.num_labels == 1 or cfg.multi_label else "softmax"
+@dataclasses.dataclass(frozen=True)
+class RequestHead:
+    """What one request scores: the head's rows (label token ids, or a classifier's label rows),
+    whether the device takes their softmax, and the activation the host applies ("": none, the
+    device's probabilities are the scores)."""
+
+    label_ids: tuple[int, ...]
+    apply_softmax: bool
+    activation: str
+
+
+def for_request(
+    head: OutputHead,
+    ids: Sequence[int],
+    labels: Sequence[str],
+    activation: object,
+    apply_softmax: bool,
+    label_tokens: LabelTokens,
+) -> RequestHead:
+    """A score request's head. A causal LM: its label tokens (`ids` or `labels`, resolved by
+    `label_tokens`), no activation. A classifier: every label of its head, in order, and the
+    activation resolved; label tokens sent to it are refused, naming the field."""
+    if activation in (None, ""):
+        activation = "auto"
+    if activation not in ACTIVATIONS:
+        raise InvalidInput("activation", f"{activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    if not head.own_rows:
+        if activation != "auto":
+            why = "applies to classifier models; this model's head is its vocabulary (use apply_softmax)"
+            raise InvalidInput("activation", why)
+        return RequestHead(label_tokens(ids, labels), bool(apply_softmax), "")
+    for field, sent in (("label_token_ids", ids), ("labels", labels)):
+        if sent:
+            raise InvalidInput(
+                field,
+                f"the model is a sequence classifier with {head.rows} label(s) {list(head.label_names)}: "
+                "it scores its own labels, send no label tokens",
+            )
+    if apply_softmax and activation not in ("auto", "softmax"):
+        raise InvalidInput("apply_softmax", f"contradicts activation {activation!r}; set one of them")
+    resolved = "softmax" if apply_softmax else (head.auto_activation if activation == "auto" else str(activation))
+    return RequestHead(head.own_labels, False, resolved)
+
+
+def for_rerank(head: OutputHead, template_label_ids: tuple[int, ...]) -> RequestHead:
+    """A rerank request's head: a causal LM's template labels with their softmax (relevance
+    p(yes) / (p(yes) + p(no))); a one-label classifier's sigmoid of its logit."""
+    if not head.own_rows:
+        return RequestHead(template_label_ids, True, "")
+    if head.rows != 1:
+        raise InvalidInput("documents", f"rerank needs a one-label classifier; this one has {head.rows}")
+    return RequestHead(head.own_labels, False, "sigmoid")
+
+
+def for_classify(
+    head: OutputHead, labels: Sequence[str], activation: object, label_tokens: LabelTokens
+) -> tuple[RequestHead, tuple[str, ...]]:
+    """A classify request's head and its columns' names: a classifier's own labels, or (a causal
+    LM) the softmax over the label strings the server was started with."""
+    if head.own_rows:
+        return for_request(head, (), (), activation, False, label_tokens), head.label_names
+    if not labels:
+        raise InvalidInput(
+            "input", "the model is a causal LM and the server has no classify labels (serve --classify-labels)"
+        )
+    return for_request(head, (), labels, activation, True, label_tokens), tuple(labels)
 
 
 def activate(logits: np.ndarray, activation: str) -> np.ndarray:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from prefixscore.engine.batcher import Call, WorkUnit
+from prefixscore.engine.batcher import Call
+from prefixscore.engine.work_unit import WorkUnit
 
 # a failed call over at most this many queries retries each query alone rather than in halves
 ONE_BY_ONE = 4
@@ -56,7 +57,7 @@ class Verdict:
 
 
 def root(unit: WorkUnit) -> WorkUnit:
-    return unit.parent if unit.parent is not None else unit
+    return unit.lineage.parent if unit.lineage.parent is not None else unit
 
 
 def pieces_of(call: Call) -> list[Piece]:
@@ -64,15 +65,15 @@ def pieces_of(call: Call) -> list[Piece]:
     out = []
     for span in call.plan.spans:
         unit = span.ref
-        if unit.finished or root(unit).finished:
+        if unit.progress.finished or root(unit).progress.finished:
             continue
-        out.append(Piece(root(unit), unit.parent_first + span.first, span.count))
+        out.append(Piece(root(unit), unit.lineage.parent_first + span.first, span.count))
     return out
 
 
 def _key(unit: WorkUnit) -> int:
     """Work over one query shares its pages: it is retried, and found at fault, together."""
-    return id(unit.entry) if unit.entry is not None else id(root(unit))
+    return id(unit.pin.entry) if unit.pin.entry is not None else id(root(unit))
 
 
 def by_query(pieces: Sequence[Piece], queued: Sequence[WorkUnit] = ()) -> list[Retry]:

@@ -209,14 +209,6 @@ class Layout:
                 array = xp.pad(array, pad)
         return array
 
-    def describe(self) -> dict[str, int]:
-        """The mesh in the field's words (logs, GetModelInfo, /v1/models)."""
-        return {
-            "tp_size": self.shape.model,
-            "dp_size": self.shape.data,
-            "kv_heads_per_device": self.local_kv_heads,
-            "kv_head_copies": self.kv_repeats,
-        }
 
 
 def default_layout(

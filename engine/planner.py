@@ -36,8 +36,8 @@ from prefixscore.engine.buckets import Buckets, round_up
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
 
-if TYPE_CHECKING:  # the batcher plans with this module: its units are the handles here
-    from prefixscore.engine.batcher import WorkUnit
+if TYPE_CHECKING:  # the batcher plans with this module: its queue's units are the handles here
+    from prefixscore.engine.work_unit import WorkUnit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,13 +11,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from prefixscore.engine import heads
-from prefixscore.engine.batcher import Batcher, WorkUnit
+from prefixscore.engine.batcher import Batcher
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import DeviceWorker
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
+from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.loader import LoadedModel
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.telemetry.metrics import ServiceMetrics
@@ -223,13 +224,10 @@ class EngineRunner:
         """Scores [items, labels] and prefix tokens served from the cache, per request. The
         requests are queued together before the loop plans, so their prefills and items share
         calls; the first failure is raised (QueueFull when the prefix pool cannot hold them)."""
-        units = [
-            WorkUnit(r.prefix, r.items, r.label_ids, r.apply_softmax, r.item_first, r.activation, method="InProcess")
-            for r in reqs
-        ]
+        units = [WorkUnit(r, Ticket(method="InProcess")) for r in reqs]
         left = threading.Semaphore(0)
         for unit in units:
-            unit.on_done = lambda _: left.release()
+            unit.reply.on_done = lambda _: left.release()
         submitted = []
         try:
             with self.worker.paused():  # plan once everything is queued
@@ -243,6 +241,6 @@ class EngineRunner:
         for _ in units:
             left.acquire()
         for unit in units:
-            if unit.error is not None:
-                raise unit.error
-        return [unit.scores for unit in units], [unit.cached_tokens for unit in units]
+            if unit.reply.error is not None:
+                raise unit.reply.error
+        return [unit.reply.scores for unit in units], [unit.reply.cached_tokens for unit in units]

@@ -18,21 +18,12 @@ from itertools import chain
 import numpy as np
 
 from prefixscore.engine import heads
+from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.model.config import ModelConfig
+from prefixscore.model.head import output_head
 from prefixscore.model.tokenizer import TextTokenizer
-
-
-class InvalidInput(ValueError):
-    """Bad request input; `field` names what is wrong. `too_large`: a size limit was exceeded
-    (HTTP 413) rather than a malformed input (HTTP 400); gRPC says INVALID_ARGUMENT for both."""
-
-    def __init__(self, field: str, message: str, too_large: bool = False) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.too_large = too_large
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +123,7 @@ class RequestTokenizer:
 
     def __init__(self, cfg: ModelConfig, tokenizer: TextTokenizer | None, limits: Limits | None = None) -> None:
         self.cfg = cfg
+        self.head = output_head(cfg)
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
         self.start_ids: list[int] = tokenizer.start_ids if tokenizer else []
@@ -255,7 +247,7 @@ class RequestTokenizer:
             if totals[j] > context:
                 raise InvalidInput(f"items[{j}]", f"query + item is {totals[j]} tokens, over the limit of {context}")
             raise InvalidInput(f"items[{j}]", f"{lengths[j]} tokens, over the item limit of {max_item}")
-        pad = self.cfg.pad_token_id
+        pad = self.head.pad_token_id
         if pad is not None and len(items):  # a classifier: transformers would read past a trailing pad
             ends = np.full(len(items), query[-1]) if item_first and query else items.flat[items.offsets[1:] - 1]
             if (ends == pad).any():
@@ -398,30 +390,9 @@ class Validator:
     # ---- pieces ----------------------------------------------------------------------------------
     def head(
         self, ids: Sequence[int], labels: Sequence[str], activation: object, apply_softmax: bool
-    ) -> tuple[tuple[int, ...], bool, str]:
-        """(label ids, apply_softmax, activation) of a request. A causal LM: its label tokens
-        (`labels`), no activation. A classifier: every label of its head, in order, and the
-        activation resolved; label tokens sent to it are refused, naming the field."""
-        cfg = self.requests.cfg
-        if activation in (None, ""):
-            activation = "auto"
-        _choice("activation", activation, heads.ACTIVATIONS)
-        if not cfg.num_labels:
-            if activation != "auto":
-                why = "applies to classifier models; this model's head is its vocabulary (use apply_softmax)"
-                raise InvalidInput("activation", why)
-            return self.labels(ids, labels), bool(apply_softmax), ""
-        for field, sent in (("label_token_ids", ids), ("labels", labels)):
-            if sent:
-                raise InvalidInput(
-                    field,
-                    f"the model is a sequence classifier with {cfg.num_labels} label(s) {list(cfg.label_names)}: "
-                    "it scores its own labels, send no label tokens",
-                )
-        if apply_softmax and activation not in ("auto", "softmax"):
-            raise InvalidInput("apply_softmax", f"contradicts activation {activation!r}; set one of them")
-        resolved = "softmax" if apply_softmax else heads.resolve(cfg, str(activation))
-        return tuple(range(cfg.num_labels)), False, resolved
+    ) -> heads.RequestHead:
+        """What a request asks of the model's head (engine/heads.py)."""
+        return heads.for_request(self.requests.head, ids, labels, activation, apply_softmax, self.labels)
 
     def labels(self, ids: Sequence[int], labels: Sequence[str]) -> tuple[int, ...]:
         """label_token_ids, or label strings resolved to single tokens; checked against the vocabulary."""
@@ -481,7 +452,7 @@ class Validator:
         """A score request -> token ids, truncated as asked; raises InvalidInput naming the field."""
         if inp.messages is not None:
             inp = self._candidate_turns(inp)
-        labels, softmax, activation = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
+        asked = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         truncate = _choice("truncate", inp.truncate, TRUNCATE)
         how = _choice("query_truncation", inp.query_truncation, QUERY_TRUNCATION)
         keep = _count("max_query_tokens", inp.max_query_tokens)
@@ -503,7 +474,9 @@ class Validator:
         if truncate == "end":
             items, cut = self._cut_items(items, self._room(len(self.requests.start_ids) + len(query)))
             report = dataclasses.replace(cut, query_tokens=query_cut)
-        req = self.requests.assemble(query, items, labels, softmax, bool(inp.item_first), activation)
+        req = self.requests.assemble(
+            query, items, asked.label_ids, asked.apply_softmax, bool(inp.item_first), asked.activation
+        )
         return Validated(req, report, joined)
 
     def rerank(self, inp: RerankInput) -> ValidatedRerank:
@@ -555,14 +528,10 @@ class Validator:
                 raise InvalidInput(
                     f"documents[{j}]", f"{docs.lengths[j]} tokens, over the {room} that fit (truncate none)"
                 )
-        labels, softmax, activation = template.label_ids, True, ""
-        if self.requests.cfg.num_labels:  # a classifier: relevance = the sigmoid of its one logit
-            if self.requests.cfg.num_labels != 1:
-                raise InvalidInput(
-                    "documents", f"rerank needs a one-label classifier; this one has {self.requests.cfg.num_labels}"
-                )
-            labels, softmax, activation = (0,), False, "sigmoid"
-        req = self.requests.assemble(prefix, docs.with_suffix(suffix), labels, softmax, False, activation)
+        asked = heads.for_rerank(self.requests.head, template.label_ids)
+        req = self.requests.assemble(
+            prefix, docs.with_suffix(suffix), asked.label_ids, asked.apply_softmax, False, asked.activation
+        )
         return ValidatedRerank(Validated(req, report, joined), list(inp.documents), top_n)
 
     def classify(self, inp: ClassifyInput) -> ValidatedClassify:
@@ -570,17 +539,7 @@ class Validator:
         the softmax over the configured label tokens. The inputs' longest common token prefix,
         rounded down to whole pages of the pool (and leaving every input at least one token), is
         the shared prefix, prefilled once; the rest of each input is its item."""
-        cfg = self.requests.cfg
-        if cfg.num_labels:
-            label_ids, softmax, activation = self.head((), (), inp.activation, False)
-            names = cfg.label_names
-        elif inp.labels:
-            label_ids, softmax, activation = self.head((), inp.labels, inp.activation, True)
-            names = tuple(inp.labels)
-        else:
-            raise InvalidInput(
-                "input", "the model is a causal LM and the server has no classify labels (serve --classify-labels)"
-            )
+        asked, names = heads.for_classify(self.requests.head, inp.labels, inp.activation, self.labels)
         if (inp.input is None) == (inp.messages is None):
             raise InvalidInput("input", "set either input or messages")
         raw = inp.input if inp.messages is None else self._conversations(inp.messages)
@@ -616,7 +575,9 @@ class Validator:
         prompt_tokens = sum(len(start) + len(ids) for ids in inputs)
         items = TokenRows.from_lists([ids[shared:] for ids in inputs])
         try:  # without a shared prefix the inputs are whole sequences (start + input)
-            req = self.requests.assemble(first[:shared], items, label_ids, softmax, not shared, activation)
+            req = self.requests.assemble(
+                first[:shared], items, asked.label_ids, asked.apply_softmax, not shared, asked.activation
+            )
         except InvalidInput as err:
             raise InvalidInput(err.field.replace("items", "input", 1), err.message, err.too_large) from err
         return ValidatedClassify(req, names, prompt_tokens, tuple(cut))
@@ -666,12 +627,16 @@ class Validator:
 
     def stream_open(self, inp: ScoreInput) -> StreamSpec:
         """A stream's query, labels and options (no items yet)."""
-        labels, softmax, activation = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
+        asked = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         ids = self.requests.query_ids(inp.query)
         # no items yet: this checks the query leaves room for one and gives the prefix
-        opened = self.requests.assemble(ids, TokenRows.coerce([]), labels, softmax, bool(inp.item_first))
+        opened = self.requests.assemble(
+            ids, TokenRows.coerce([]), asked.label_ids, asked.apply_softmax, bool(inp.item_first)
+        )
         kind = "text" if isinstance(inp.query, str) else "ids"
-        return StreamSpec(ids, kind, labels, opened.apply_softmax, opened.item_first, opened.prefix, activation)
+        return StreamSpec(
+            ids, kind, asked.label_ids, opened.apply_softmax, opened.item_first, opened.prefix, asked.activation
+        )
 
     def stream_batch(self, spec: StreamSpec, items: object) -> TokenizedRequest:
         """One batch of an open stream, over the stream's query."""

@@ -16,11 +16,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
+import prefixscore.model.hf_quiet  # noqa: F401  (before transformers: no torch advisory in the log)
 from prefixscore.model import config_inventory
+from prefixscore.model.families import Windows
 
 # architectures[0] in config.json -> the model type whose config class and inventory apply
 ARCHITECTURES = {
-    **{family.architecture: model_type for model_type, family in config_inventory.FAMILIES.items()},
+    **{spec.architecture: model_type for model_type, spec in config_inventory.FAMILIES.items()},
     **config_inventory.CLASSIFIERS,
 }
 
@@ -37,7 +39,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class ModelConfig:
     """Shapes and options of one decoder. Immutable and hashable: it is a static jit argument."""
 
-    family: str  # "llama" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3"
+    family: str  # the decoder (families.DECODERS): "llama" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -171,12 +173,12 @@ def _checked_values(model_type: str, raw: dict[str, Any], hf: Any, classifier: b
     return values
 
 
-def _windows(model_type: str, hf: Any) -> tuple[int | None, tuple[bool, ...]]:
-    """The sliding window and which layers slide, as transformers' modelling reads them."""
-    if model_type in ("llama", "gemma"):  # no window in their modelling (a sliding_window key is read past)
+def _windows(rule: Windows, hf: Any) -> tuple[int | None, tuple[bool, ...]]:
+    """The sliding window and which layers slide, as the model type's modelling in transformers reads them."""
+    if rule is Windows.NONE:  # a sliding_window key is read past
         return None, ()
     window = hf.sliding_window
-    if model_type == "mistral" or window is None:  # Mistral: every layer, whenever a window is set
+    if rule is Windows.EVERY_LAYER or window is None:  # every layer, whenever a window is set
         return window, ()
     slides = tuple(kind == "sliding_attention" for kind in hf.layer_types)
     return (window, slides) if any(slides) else (None, ())
@@ -221,12 +223,12 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     archs = raw.get("architectures") or []
     classifier = bool(archs) and archs[0] in config_inventory.CLASSIFIERS
     values = _checked_values(model_type, raw, hf, classifier)
-    family = config_inventory.FAMILIES[model_type].decoder
-    gemma = family in ("gemma", "gemma2", "gemma3")
-    late_gemma = family in ("gemma2", "gemma3")  # Gemma 2 and 3: scaled queries, post-norms, soft caps
+    spec = config_inventory.FAMILIES[model_type]
+    decoder = spec.decoder
     rope_theta, rope_scaling, rope_local_theta = _rope(hf)
-    window, sliding_layers = _windows(model_type, hf)
-    # Llama, Qwen3 and Gemma: attention_bias on q, k, v and o; Qwen2: on q, k, v always; Mistral: none
+    window, sliding_layers = _windows(spec.windows, hf)
+    # attention_bias: on q, k, v and o where the inventory lists it (Mistral's has none); a decoder
+    # with qkv_bias (Qwen2) has q, k, v biases always
     attention_bias = bool(values.get("attention_bias", False))
     num_heads = int(hf.num_attention_heads)
 
@@ -235,7 +237,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         return None if value is None else float(value)
 
     return ModelConfig(
-        family=family,
+        family=decoder.name,
         vocab_size=int(hf.vocab_size),
         hidden_size=int(hf.hidden_size),
         intermediate_size=int(hf.intermediate_size),
@@ -247,20 +249,20 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         rms_norm_eps=float(hf.rms_norm_eps),
         tie_word_embeddings=bool(hf.tie_word_embeddings),
         max_position_embeddings=int(hf.max_position_embeddings),
-        qkv_bias=model_type == "qwen2" or attention_bias,
+        qkv_bias=decoder.qkv_bias or attention_bias,
         out_bias=attention_bias,
-        qk_norm=family in ("qwen3", "gemma3"),
+        qk_norm=decoder.qk_norm,
         rope_scaling=rope_scaling,
         sliding_window=window,
         sliding_layers=sliding_layers,
         rope_local_theta=rope_local_theta,
         hidden_act=str(values.get("hidden_activation") or values["hidden_act"]),
-        norm_plus_one=gemma,
-        post_norms=late_gemma,
-        scale_embeddings=gemma,
-        attn_scale=float(values["query_pre_attn_scalar"]) ** -0.5 if late_gemma else None,
-        attn_softcap=optional_float("attn_logit_softcapping") if family == "gemma2" else None,
-        final_softcap=optional_float("final_logit_softcapping"),
+        norm_plus_one=decoder.norm_plus_one,
+        post_norms=decoder.post_norms,
+        scale_embeddings=decoder.scale_embeddings,
+        attn_scale=float(values["query_pre_attn_scalar"]) ** -0.5 if decoder.scaled_queries else None,
+        attn_softcap=optional_float("attn_logit_softcapping") if decoder.attn_softcap else None,
+        final_softcap=optional_float("final_logit_softcapping") if decoder.final_softcap else None,
         num_labels=int(hf.num_labels) if classifier else 0,
         label_names=tuple(str(hf.id2label[i]) for i in range(hf.num_labels)) if classifier else (),
         multi_label=classifier and hf.problem_type == "multi_label_classification",

@@ -14,9 +14,10 @@ ModelConfig exists. Each field is one of:
 A field of transformers' class that is missing here refuses the load: a new family or a
 new transformers release cannot slip a field past (tests/test_config_inventory.py checks
 the installed classes). `trials` are configurations that set the field to a non-default
-value; the inventory test builds a tiny checkpoint from each (2 layers, head_dim 16) and
-checks that it either scores exactly as transformers does or is refused, so a field added
-here is tested without another line of test code.
+value it computes, `refused` ones at values its `accepts` rejects; the inventory test builds a
+tiny checkpoint from each (2 layers, head_dim 16) and checks that a trial scores exactly as
+transformers does and a refused one is refused naming the field, so a field added here is
+tested without another line of test code, and a value that stops being computed fails it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import dataclasses
 import enum
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from prefixscore.model.families import DECODERS, GGUF_ARCHITECTURES, DecoderFamily, Windows
 
 
 class Effect(enum.Enum):
@@ -51,8 +54,11 @@ class Field:
     # LIMITED: whether a value is computed exactly, given the config read so far (a GGUF
     # file's ModelConfig, or transformers' config object)
     accepts: Callable[[Any, Any], bool] = _any
-    # configurations (config overrides) that set a non-default value, for the inventory test
+    # configurations (config overrides) that set a non-default value computed exactly: the
+    # inventory test holds each to transformers
     trials: tuple[Mapping[str, Any], ...] = ()
+    # configurations at values `accepts` rejects: the inventory test sees each refused, naming the field
+    refused: tuple[Mapping[str, Any], ...] = ()
 
     def refusal(self, value: Any, cfg: Any) -> str | None:
         """The message refusing `value`, or None when it is computed exactly (or inert)."""
@@ -106,13 +112,16 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # as model/decoder.py compu
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def _activation(name: str, trials: tuple[Mapping[str, Any], ...] = ()) -> Field:
+def _activation(
+    name: str, trials: tuple[Mapping[str, Any], ...] = (), refused: tuple[Mapping[str, Any], ...] = ()
+) -> Field:
     return Field(
         name,
         LIMITED,
         f"the MLP's activation; {', '.join(ACTIVATIONS)} are computed",
         accepts=lambda v, cfg: v in ACTIVATIONS,
         trials=trials,
+        refused=refused,
     )
 
 
@@ -138,7 +147,7 @@ _SHAPES = (
     ),
     Field("rope_parameters", COMPUTED, "a dict; each key is listed as rope_parameters.<key>"),
 )
-_LLAMA_ACT = _activation("hidden_act", trials=({"hidden_act": "gelu"}, {"hidden_act": "relu"}))
+_LLAMA_ACT = _activation("hidden_act", trials=({"hidden_act": "gelu"},), refused=({"hidden_act": "relu"},))
 
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 _YARN_RAMP = _rope(**_YARN, attention_factor=0.8, beta_fast=16.0, beta_slow=2.0, truncate=False)
@@ -158,11 +167,9 @@ def _rope_fields(prefix: str = "rope_parameters", tried: bool = True) -> tuple[F
             f"RoPE frequencies: {', '.join(ROPE_TYPES)} are computed; dynamic and longrope are not "
             "(their frequencies follow each sequence's length, so a query's cached keys would differ per item)",
             accepts=lambda v, cfg: v in ROPE_TYPES,
-            trials=trials(
-                {"rope_parameters": _LLAMA3},
-                _rope(rope_type="linear", factor=2.0),
+            trials=trials({"rope_parameters": _LLAMA3}, _rope(rope_type="linear", factor=2.0), _rope(**_YARN)),
+            refused=trials(
                 _rope(rope_type="dynamic", factor=2.0),
-                _rope(**_YARN),
                 _rope(
                     rope_type="longrope",
                     short_factor=[1.0] * 8,
@@ -178,7 +185,7 @@ def _rope_fields(prefix: str = "rope_parameters", tried: bool = True) -> tuple[F
             LIMITED,
             "RoPE on part of each head is not computed (only 1.0)",
             accepts=lambda v, cfg: v == 1.0,
-            trials=trials(_rope(partial_rotary_factor=0.5)),
+            refused=trials(_rope(partial_rotary_factor=0.5)),
         ),
         Field(f"{prefix}.factor", COMPUTED, "the scaling factor of linear, llama3 and yarn RoPE"),
         *(Field(f"{prefix}.{key}", COMPUTED, "llama3 RoPE scaling") for key in ("low_freq_factor", "high_freq_factor")),
@@ -277,11 +284,15 @@ _GEMMA2 = (
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model type the loader accepts: where its config comes from and what computes it."""
+    """One model type the loader accepts: where its config comes from and what computes it. Model
+    types share a decoder (Mistral runs Llama's), so the decoder's traits are its own record."""
 
     architecture: str  # config.json's architectures[0]
     config_class: str  # transformers' config class that parses config.json
-    decoder: str  # the decoder family that computes it (ModelConfig.family)
+    decoder: DecoderFamily  # the decoder that computes it (its name is ModelConfig.family)
+    # which layers transformers' modelling of this type slides: a property of the model type, not
+    # the decoder (Llama's reads no window, Mistral's slides every layer, Qwen's per layer_types)
+    windows: Windows
     fields: tuple[Field, ...]  # the class's fields, with the other keys its modelling code reads
 
 
@@ -289,7 +300,8 @@ FAMILIES: dict[str, Family] = {  # by model_type
     "llama": Family(
         "LlamaForCausalLM",
         "LlamaConfig",
-        "llama",
+        DECODERS["llama"],
+        Windows.NONE,
         (
             *_DECODER,
             _LLAMA_ACT,
@@ -301,7 +313,7 @@ FAMILIES: dict[str, Family] = {  # by model_type
                 LIMITED,
                 "biases on the MLP projections are not computed",
                 accepts=lambda v, cfg: not v,
-                trials=({"mlp_bias": True},),
+                refused=({"mlp_bias": True},),
             ),
             Field("pretraining_tp", INERT, "transformers 5 does not read it", trials=({"pretraining_tp": 2},)),
         ),
@@ -309,7 +321,8 @@ FAMILIES: dict[str, Family] = {  # by model_type
     "mistral": Family(  # Llama's decoder with a window
         "MistralForCausalLM",
         "MistralConfig",
-        "llama",
+        DECODERS["llama"],
+        Windows.EVERY_LAYER,
         (
             *_DECODER,
             _LLAMA_ACT,
@@ -324,12 +337,17 @@ FAMILIES: dict[str, Family] = {  # by model_type
         ),
     ),
     "qwen2": Family(
-        "Qwen2ForCausalLM", "Qwen2Config", "qwen2", (*_DECODER, _LLAMA_ACT, *_ROPE, _HEAD_DIM, *_QWEN_WINDOWS)
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        DECODERS["qwen2"],
+        Windows.PER_LAYER,
+        (*_DECODER, _LLAMA_ACT, *_ROPE, _HEAD_DIM, *_QWEN_WINDOWS),
     ),
     "qwen3": Family(
         "Qwen3ForCausalLM",
         "Qwen3Config",
-        "qwen3",
+        DECODERS["qwen3"],
+        Windows.PER_LAYER,
         (
             *_DECODER,
             _LLAMA_ACT,
@@ -341,11 +359,18 @@ FAMILIES: dict[str, Family] = {  # by model_type
     ),
     # Gemma: the tests' tiny checkpoints set every computed field to a non-default value
     # (tests/conftest.py), so these families add few trials of their own
-    "gemma": Family("GemmaForCausalLM", "GemmaConfig", "gemma", (*_GEMMA, _activation("hidden_act"), *_ROPE)),
+    "gemma": Family(
+        "GemmaForCausalLM",
+        "GemmaConfig",
+        DECODERS["gemma"],
+        Windows.NONE,
+        (*_GEMMA, _activation("hidden_act"), *_ROPE),
+    ),
     "gemma2": Family(
         "Gemma2ForCausalLM",
         "Gemma2Config",
-        "gemma2",
+        DECODERS["gemma2"],
+        Windows.PER_LAYER,
         (
             *_GEMMA,
             *_GEMMA2,
@@ -357,7 +382,8 @@ FAMILIES: dict[str, Family] = {  # by model_type
     "gemma3_text": Family(
         "Gemma3ForCausalLM",
         "Gemma3TextConfig",
-        "gemma3",
+        DECODERS["gemma3"],
+        Windows.PER_LAYER,
         (
             *_GEMMA,
             *_GEMMA2,
@@ -448,7 +474,7 @@ _LINEAR_GGUF = {"{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.facto
 # GGUF metadata keys ("{arch}." the architecture's prefix) and tensors; a key under "{arch}."
 # or outside general.*, tokenizer.*, GGUF.* that is not listed refuses the load
 GGUF_KEYS: tuple[Field, ...] = (
-    Field("general.architecture", COMPUTED, "the family: llama, qwen2, qwen3, gemma, gemma2 or gemma3"),
+    Field("general.architecture", COMPUTED, f"the family: {', '.join(GGUF_ARCHITECTURES)}"),
     Field("general.*", INERT, "names, license, file type: each tensor's own type is read and dequantized"),
     Field("GGUF.*", INERT, "the file's structure"),
     Field("tokenizer.*", INERT, "the tokenizer's; scores of token ids do not depend on them"),
@@ -469,7 +495,7 @@ GGUF_KEYS: tuple[Field, ...] = (
         LIMITED,
         "values as wide as keys (key_length) only",
         accepts=_head_dim,
-        trials=(GgufTrial({"{arch}.attention.value_length": 8}),),
+        refused=(GgufTrial({"{arch}.attention.value_length": 8}),),
     ),
     Field(
         "{arch}.context_length",
@@ -494,27 +520,26 @@ GGUF_KEYS: tuple[Field, ...] = (
         LIMITED,
         "RoPE on part of each head is not computed (only the head's width)",
         accepts=_head_dim,
-        trials=(GgufTrial({"{arch}.rope.dimension_count": 8}),),
+        refused=(GgufTrial({"{arch}.rope.dimension_count": 8}),),
     ),
     Field(
         "{arch}.rope.scaling.type",
         LIMITED,
         _NO_ROPE_SCALING,
         accepts=lambda v, cfg: v in ("none", "linear"),
-        trials=(GgufTrial({"{arch}.rope.scaling.type": "linear"}), GgufTrial({"{arch}.rope.scaling.type": "yarn"})),
+        trials=(GgufTrial({"{arch}.rope.scaling.type": "linear"}),),
+        refused=(GgufTrial({"{arch}.rope.scaling.type": "yarn"}),),
     ),
     Field(
         "{arch}.rope.scaling.factor",
         LIMITED,
         _NO_ROPE_SCALING,
         accepts=lambda v, cfg: v == 1.0 or dict(cfg.rope_scaling).get("rope_type") == "linear",
-        trials=(
-            GgufTrial({"{arch}.rope.scaling.factor": 2.0}),
-            GgufTrial(_LINEAR_GGUF, _rope(rope_type="linear", factor=2.0)),
-        ),
+        trials=(GgufTrial(_LINEAR_GGUF, _rope(rope_type="linear", factor=2.0)),),
+        refused=(GgufTrial({"{arch}.rope.scaling.factor": 2.0}),),
     ),
     *(
-        Field(key, LIMITED, _NO_ROPE_SCALING, accepts=_equals(1.0), trials=(GgufTrial({key: 2.0}),))
+        Field(key, LIMITED, _NO_ROPE_SCALING, accepts=_equals(1.0), refused=(GgufTrial({key: 2.0}),))
         for key in ("{arch}.rope.scale_linear", "{arch}.rope.scaling.attn_factor")
     ),
     *(
@@ -528,8 +553,9 @@ GGUF_KEYS: tuple[Field, ...] = (
     Field(
         "{arch}.attention.sliding_window",
         LIMITED,
-        "sliding-window attention; a Gemma 1 file's is not computed (llama.cpp's Gemma graph reads none)",
-        accepts=lambda v, cfg: cfg.family != "gemma",
+        "sliding-window attention where the architecture's graph reads one (model/families.py); a Gemma 1 "
+        "file's is not computed (llama.cpp's Gemma graph reads none)",
+        accepts=lambda v, cfg: cfg.sliding_window == (v or None),  # computed exactly when the config took it
         # the oracle slides too (Mistral's class stands in for a llama file)
         trials=(
             GgufTrial(
@@ -544,7 +570,7 @@ GGUF_KEYS: tuple[Field, ...] = (
             LIMITED,
             "mixture-of-experts layers are not computed",
             accepts=_equals(0),
-            trials=(GgufTrial({key: 4}),),
+            refused=(GgufTrial({key: 4}),),
         )
         for key in ("{arch}.expert_count", "{arch}.expert_used_count")
     ),
@@ -553,21 +579,21 @@ GGUF_KEYS: tuple[Field, ...] = (
         LIMITED,
         "clamped q/k/v projections are not computed",
         accepts=_never,
-        trials=(GgufTrial({"{arch}.attention.clamp_kqv": 8.0}),),
+        refused=(GgufTrial({"{arch}.attention.clamp_kqv": 8.0}),),
     ),
     Field(
         "{arch}.attention.layer_norm_epsilon",
         LIMITED,
         "LayerNorm (not RMSNorm) is not computed",
         accepts=_never,
-        trials=(GgufTrial({"{arch}.attention.layer_norm_epsilon": 1e-5}),),
+        refused=(GgufTrial({"{arch}.attention.layer_norm_epsilon": 1e-5}),),
     ),
     Field(
         "{arch}.attention.causal",
         LIMITED,
         "bidirectional attention is not computed",
         accepts=_equals(True),
-        trials=(GgufTrial({"{arch}.attention.causal": False}),),
+        refused=(GgufTrial({"{arch}.attention.causal": False}),),
     ),
     *(
         Field(
@@ -575,7 +601,7 @@ GGUF_KEYS: tuple[Field, ...] = (
             LIMITED,
             "scaled logits, embeddings or residuals are not computed",
             accepts=_equals(1.0),
-            trials=(GgufTrial({key: 2.0}),),
+            refused=(GgufTrial({key: 2.0}),),
         )
         for key in ("{arch}.logit_scale", "{arch}.embedding_scale", "{arch}.residual_scale")
     ),
@@ -584,21 +610,21 @@ GGUF_KEYS: tuple[Field, ...] = (
         LIMITED,
         "an attention scale other than 1/sqrt(head width) is not computed",
         accepts=_never,
-        trials=(GgufTrial({"{arch}.attention.scale": 0.5}),),
+        refused=(GgufTrial({"{arch}.attention.scale": 0.5}),),
     ),
     Field(
         "{arch}.pooling_type",
         LIMITED,
         "embedding models (pooled outputs) are not scored",
         accepts=_equals(0),
-        trials=(GgufTrial({"{arch}.pooling_type": 1}),),
+        refused=(GgufTrial({"{arch}.pooling_type": 1}),),
     ),
     Field(
         "split.count",
         LIMITED,
         "split GGUF files are not read; merge them first",
         accepts=_equals(1),
-        trials=(GgufTrial({"split.count": 2}),),
+        refused=(GgufTrial({"split.count": 2}),),
     ),
     Field("split.*", INERT, "the position of a file in a split set of one"),
     Field(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from prefixscore.model.config import ModelConfig
+from prefixscore.model.head import output_head
 from prefixscore.model.rope import rope_tables
 from prefixscore.model.shards import UNSPLIT, ModelShards
 from prefixscore.model.weights import AttentionWeights, LayerWeights, MlpWeights, Weights
@@ -177,14 +178,14 @@ def label_probs(
     apply_softmax=False: full-vocabulary probability exp(log_softmax(logits)[label]),
     which needs the whole vocabulary projection, but only at these b positions.
     apply_softmax=True: softmax over the valid label logits only, so only the
-    label rows of the projection are computed. A classifier (cfg.num_labels): the raw logits of
-    its score rows label_ids. Returns [b, labels] float32.
+    label rows of the projection are computed. A head that scores its own rows (a classifier's,
+    model/head.py): the raw logits of its rows label_ids. Returns [b, labels] float32.
     """
+    head = output_head(cfg)
     h = norm(cfg, h_last, params.final_norm)
-    if cfg.num_labels:  # a classifier: its raw logits (label_ids index its score rows)
-        assert params.score is not None
-        return jnp.einsum("bh,lh->bl", h, params.score[label_ids], preferred_element_type=jnp.float32)
-    w = params.output
+    w = head.projection(params)
+    if head.own_rows:
+        return jnp.einsum("bh,lh->bl", h, w[label_ids], preferred_element_type=jnp.float32)
     if apply_softmax:
         logits = softcap(
             jnp.einsum("bh,lh->bl", h, w[label_ids], preferred_element_type=jnp.float32), cfg.final_softcap

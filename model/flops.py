@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prefixscore.model.config import ModelConfig
+from prefixscore.model.head import output_head
 
 
 def linear_per_token(cfg: ModelConfig) -> int:
@@ -28,8 +29,8 @@ def attention_per_pair(cfg: ModelConfig) -> int:
 
 
 def head(cfg: ModelConfig, apply_softmax: bool, n_labels: int) -> int:
-    """Output projection FLOPs at one item's last token (a classifier's: its score rows only)."""
-    return 2 * cfg.hidden_size * (n_labels if apply_softmax or cfg.num_labels else cfg.vocab_size)
+    """Output projection FLOPs at one item's last token (the rows model/head.py says it multiplies)."""
+    return 2 * cfg.hidden_size * output_head(cfg).projected_rows(apply_softmax, n_labels)
 
 
 def request(

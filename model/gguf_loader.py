@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -10,42 +9,8 @@ import numpy as np
 
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
 from prefixscore.model.config_inventory import Effect, gguf_field
+from prefixscore.model.families import DECODERS, GGUF_ARCHITECTURES, DecoderFamily, GgufRules, Windows
 from prefixscore.model.weights import Place, Weights, check_all_used, on_default_device, params_from_hf_tensors
-
-GGUF_FAMILIES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma": "gemma",
-    "gemma2": "gemma2",
-    "gemma3": "gemma3",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmaRules:
-    """What llama.cpp fixes by architecture for a Gemma file rather than storing it."""
-
-    post_norms: bool  # Gemma 2/3: post-norms; ffn_norm is the pre-MLP norm
-    swa_pattern: int  # every swa_pattern-th layer attends fully, the others slide (0: none slides)
-    local_rope_theta: float | None  # the sliding layers' RoPE base (Gemma 3)
-    scaled_queries: bool  # the 27B models' query scale is 1/sqrt(hidden / heads), not 1/sqrt(head width)
-    attn_softcap: bool  # attention logits soft-capped (Gemma 2; Gemma 3's graph reads no cap)
-
-
-# llama.cpp (llama-model.cpp): Gemma 2 slides on every other layer, Gemma 3 on five of six with
-# a local base of 10,000; both scale queries by 1/sqrt(hidden / heads) in their 27B shapes only
-GEMMA_RULES = {
-    "gemma": GemmaRules(
-        post_norms=False, swa_pattern=0, local_rope_theta=None, scaled_queries=False, attn_softcap=False
-    ),
-    "gemma2": GemmaRules(post_norms=True, swa_pattern=2, local_rope_theta=None, scaled_queries=True, attn_softcap=True),
-    "gemma3": GemmaRules(
-        post_norms=True, swa_pattern=6, local_rope_theta=10000.0, scaled_queries=True, attn_softcap=False
-    ),
-}
-# the 27B shapes' layer counts, where llama.cpp switches the query scale
-GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # GGUF tensor name (inside blk.{i}.) -> HF name (inside model.layers.{i}.)
 GGUF_LAYER_NAMES = {
@@ -114,24 +79,25 @@ def _rope_freq_factors(reader) -> tuple[float, ...]:
 def gguf_config(reader, name: str = "") -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.*` keys), every key checked against the inventory."""
     arch = _field(reader, "general.architecture")
-    family = GGUF_FAMILIES.get(arch)
-    if family is None:
+    decoder = GGUF_ARCHITECTURES.get(arch)
+    if decoder is None:
         raise UnsupportedModelError(
-            f"GGUF general.architecture {arch!r} is not supported; supported: {sorted(GGUF_FAMILIES)}"
+            f"GGUF general.architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
         )
+    rules = decoder.gguf
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens") if f"{arch}.vocab_size" not in reader.fields else None
     vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     tied = "output.weight" not in {t.name for t in reader.tensors}
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    # a window the graph reads none of stays out of the config: the inventory then refuses it
+    window = _field(reader, f"{arch}.attention.sliding_window") if rules.windows is not Windows.NONE else None
     layers = int(_field(reader, f"{arch}.block_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    gemma = GEMMA_RULES.get(arch)
     linear = _field(reader, f"{arch}.rope.scaling.type") == "linear"  # other types: refused below
     factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
     cfg = ModelConfig(
-        family=family,
+        family=decoder.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
@@ -143,35 +109,47 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings=tied,
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        qkv_bias=family == "qwen2",
-        qk_norm=family in ("qwen3", "gemma3"),
+        qkv_bias=decoder.qkv_bias,
+        qk_norm=decoder.qk_norm,
         rope_freq_factors=_rope_freq_factors(reader),
         rope_scaling=(("rope_type", "linear"), ("factor", factor)) if linear else (),
         sliding_window=int(window) if window else None,
-        **(_gemma_options(reader, arch, gemma, layers, hidden // heads, head_dim) if gemma else {}),
+        sliding_layers=_sliding_layers(rules, layers),
+        rope_local_theta=rules.local_rope_theta,
+        hidden_act=decoder.activation,
+        norm_plus_one=decoder.norm_plus_one,
+        post_norms=decoder.post_norms,
+        scale_embeddings=decoder.scale_embeddings,
+        attn_scale=_attn_scale(decoder, layers, hidden // heads, head_dim),
+        attn_softcap=_soft_cap(reader, f"{arch}.attn_logit_softcapping") if decoder.attn_softcap else None,
+        final_softcap=_soft_cap(reader, f"{arch}.final_logit_softcapping") if decoder.final_softcap else None,
         name=name,
     )
     _check_metadata(reader, arch, cfg)
     return cfg
 
 
-def _gemma_options(reader, arch: str, rules: GemmaRules, layers: int, width: int, head_dim: int) -> dict:
-    """The ModelConfig options of a Gemma file: the stored soft caps and llama.cpp's fixed rules."""
-    late = rules.post_norms
-    big = rules.scaled_queries and layers == GEMMA_27B_LAYERS[arch]
-    caps = {key: _field(reader, f"{arch}.{key}_logit_softcapping") for key in ("attn", "final")}
-    slides = tuple(bool(rules.swa_pattern) and (i + 1) % rules.swa_pattern != 0 for i in range(layers))
-    return dict(
-        hidden_act="gelu_pytorch_tanh",
-        norm_plus_one=True,
-        post_norms=late,
-        scale_embeddings=True,
-        attn_scale=(width if big else head_dim) ** -0.5 if late else None,
-        attn_softcap=float(caps["attn"]) if caps["attn"] and rules.attn_softcap else None,
-        final_softcap=float(caps["final"]) if caps["final"] else None,
-        sliding_layers=slides if any(slides) else (),
-        rope_local_theta=rules.local_rope_theta,
-    )
+def _sliding_layers(rules: GgufRules, layers: int) -> tuple[bool, ...]:
+    """Which layers slide, as llama.cpp fixes it by architecture (not stored); (): every layer (or none)."""
+    if rules.windows is not Windows.PER_LAYER:
+        return ()
+    slides = tuple((i + 1) % rules.swa_pattern != 0 for i in range(layers))  # every swa_pattern-th attends fully
+    return slides if any(slides) else ()
+
+
+def _attn_scale(decoder: DecoderFamily, layers: int, width: int, head_dim: int) -> float | None:
+    """llama.cpp's query scale: 1/sqrt(head_dim), or 1/sqrt(hidden / heads) at the 27B shapes' layer
+    count; None (head_dim ** -0.5 implied) where the decoder states no scale."""
+    if not decoder.scaled_queries:
+        return None
+    wide = layers == decoder.gguf.wide_query_scale_layers
+    return (width if wide else head_dim) ** -0.5
+
+
+def _soft_cap(reader, key: str) -> float | None:
+    """A soft cap stored under `key`; None where absent or 0 (no cap)."""
+    cap = _field(reader, key)
+    return float(cap) if cap else None
 
 
 def _layer_name(gguf_name: str, post_norms: bool) -> str | None:
@@ -202,6 +180,7 @@ def load_gguf(path: str | Path, dtype: jnp.dtype, place: Place = on_default_devi
     path = Path(path)
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader, name=path.stem)
+    rules = DECODERS[cfg.family].gguf
     by_hf_name = {}
     unknown = []
     for t in reader.tensors:
@@ -219,12 +198,12 @@ def load_gguf(path: str | Path, dtype: jnp.dtype, place: Place = on_default_devi
         t = by_hf_name[name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGML lists dims innermost first
-        if cfg.family == "llama" and name.endswith("q_proj.weight"):
+        if rules.rope_permuted_qk and name.endswith("q_proj.weight"):
             w = _unpermute_rope(w, cfg.num_heads)
-        elif cfg.family == "llama" and name.endswith("k_proj.weight"):
+        elif rules.rope_permuted_qk and name.endswith("k_proj.weight"):
             w = _unpermute_rope(w, cfg.num_kv_heads)
-        elif cfg.norm_plus_one and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
+        elif rules.norms_stored_plus_one and name.endswith("norm.weight"):
+            w = w - 1.0  # back to the checkpoint's weight: the decoder adds the 1 (norm_plus_one)
         return w
 
     params = params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name, place)

@@ -23,6 +23,7 @@ from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttention
 from prefixscore.model.call_inputs import CallInputs
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, norm, run_layers, softcap
+from prefixscore.model.head import output_head
 from prefixscore.model.shards import ALONE, UNSPLIT, DataReplicas, ModelShards
 from prefixscore.model.weights import Weights
 
@@ -172,18 +173,18 @@ def row_label_probs(
     `always_lse`: no branch on a runtime value). With the vocabulary split across the model
     axis (shards), the label rows are looked up in their shards and each device reduces its
     own rows' log-sum-exp, combined across devices: the logits never leave a device.
-    A classifier (cfg.num_labels) has no vocabulary head: `labels` index its score rows (held
-    whole on every device), and each row gets its raw logits; the activation the request asked
-    for is applied on the host (engine/heads.py).
+    A head that scores its own rows (a classifier's, model/head.py) has no vocabulary: `labels`
+    index its score rows (held whole on every device), and each row gets its raw logits; the
+    activation the request asked for is applied on the host (engine/heads.py).
     Returns [rows, L] float32 (unused columns 0).
     """
+    head = output_head(cfg)
     h = norm(cfg, h_last, params.final_norm)
     valid = row_labels >= 0
-    if cfg.num_labels:
-        assert params.score is not None
-        logits = jnp.einsum("bh,lh->bl", h, jnp.take(params.score, labels, axis=0), preferred_element_type=jnp.float32)
+    w = head.projection(params)
+    if head.own_rows:
+        logits = jnp.einsum("bh,lh->bl", h, jnp.take(w, labels, axis=0), preferred_element_type=jnp.float32)
         return jnp.where(valid, jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1), 0.0)
-    w = params.output
     logits = jnp.einsum("bh,lh->bl", h, shards.take_rows(w, labels), preferred_element_type=jnp.float32)
     logits = softcap(logits, cfg.final_softcap)
     logits = jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1)  # [rows, L]

@@ -13,6 +13,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import prefixscore.model.hf_quiet  # noqa: F401  (before transformers: no torch advisory in the log)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import struct
 
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
+from prefixscore.model.head import OutputHead, output_head
 
 
 def _axes(*axes: str | None, optional: bool = False):
@@ -80,14 +81,9 @@ class Weights:
     final_norm: jax.Array = _axes("embed")  # [hidden]
     layers: LayerWeights
     lm_head: jax.Array | None = _axes("vocab", "embed", optional=True)  # [vocab, hidden]; None: tied to embed
-    # a classifier's head (ModelConfig.num_labels) instead of the vocabulary's: small, so its
+    # a classifier's head (model/head.py) instead of the vocabulary's: small, so its
     # "labels" axis has no mesh rule and every device holds it whole
     score: jax.Array | None = _axes("labels", "embed", optional=True)  # [num_labels, hidden]
-
-    @property
-    def output(self) -> jax.Array:
-        """The vocabulary projection [vocab, hidden] (the embedding when tied)."""
-        return self.embed if self.lm_head is None else self.lm_head
 
 
 def weight_axes() -> dict[str, tuple[str | None, ...]]:
@@ -232,19 +228,17 @@ def params_from_hf_tensors(
         del per_layer
     flat["embed"] = put("embed", get("model.embed_tokens.weight"))
     flat["final_norm"] = put("final_norm", get("model.norm.weight"))
-    if cfg.num_labels:  # a classifier: its score projection, and no vocabulary head
-        if not has("score.weight"):
-            raise ValueError("model weights: score.weight is missing (a *ForSequenceClassification checkpoint)")
-        flat["score"] = put("score", get("score.weight"))
-        if flat["score"].shape != (cfg.num_labels, cfg.hidden_size):
+    head = output_head(cfg)
+    if head.weight is not None:  # a projection of its own: a classifier's score rows, an untied lm_head
+        if not has(head.tensor):
+            raise ValueError(_missing_head(head))
+        projection = get(head.tensor)
+        if np.shape(projection) != head.shape:  # on the host: placement may pad a split vocabulary
             raise ValueError(
-                f"model weights: score.weight has shape {flat['score'].shape}, "
-                f"config says {(cfg.num_labels, cfg.hidden_size)} (num_labels, hidden_size)"
+                f"model weights: {head.tensor} has shape {np.shape(projection)}, "
+                f"config says {head.shape} (rows, hidden_size)"
             )
-    elif not cfg.tie_word_embeddings:
-        if not has("lm_head.weight"):
-            raise ValueError("model weights: lm_head.weight is missing and tie_word_embeddings is false")
-        flat["lm_head"] = put("lm_head", get("lm_head.weight"))
+        flat[head.weight] = put(head.weight, projection)
     if flat["embed"].shape != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(
             f"model weights: embed_tokens has shape {flat['embed'].shape}, "
@@ -295,10 +289,11 @@ def load_safetensors(
     def has(name: str) -> bool:
         return name in weight_map
 
-    if "lm_head.weight" not in weight_map and not cfg.tie_word_embeddings and not cfg.num_labels:
-        raise ValueError("model weights: lm_head.weight is missing and tie_word_embeddings is false")
+    head = output_head(cfg)
+    if head.tensor is not None and head.tensor not in weight_map:  # before reading every layer
+        raise ValueError(_missing_head(head))
     params = params_from_hf_tensors(cfg, _float32(get), dtype, has, place)
-    if cfg.tie_word_embeddings and not cfg.num_labels and "lm_head.weight" in weight_map:
+    if head.tied and "lm_head.weight" in weight_map:
         # a tied head saved anyway is harmless only when it is the embedding
         if not np.array_equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
             raise UnsupportedModelError(
@@ -306,6 +301,10 @@ def load_safetensors(
             )
     check_all_used(weight_map, used)
     return params
+
+
+def _missing_head(head: OutputHead) -> str:
+    return f"model weights: {head.tensor} is missing {head.weight_needed_because}"
 
 
 def check_all_used(names: Iterable[str], used: set[str]) -> None:
@@ -360,6 +359,7 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:
         "mlp.w_down": (L, inter, h),
     }
     keys = layer_keys(cfg)
+    head = output_head(cfg)
 
     @jax.jit
     def build(key: jax.Array) -> Weights:
@@ -374,10 +374,8 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:
         flat = {f"layers.{name}": draw(k, shapes[name], name) for name, k in zip(keys, ks[3:], strict=True)}
         flat["embed"] = draw(ks[0], (cfg.vocab_size, h), "embed")
         flat["final_norm"] = draw(ks[1], (h,), "final_norm")
-        if cfg.num_labels:
-            flat["score"] = draw(ks[2], (cfg.num_labels, h), "score")
-        elif not cfg.tie_word_embeddings:
-            flat["lm_head"] = draw(ks[2], (cfg.vocab_size, h), "lm_head")
+        if head.weight is not None:
+            flat[head.weight] = draw(ks[2], head.shape, head.weight)
         return weights_from_flat(flat)
 
     return build(jax.random.key(seed))

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from prefixscore.model.head import output_head
 from prefixscore.offline.progress import Progress
 
 if TYPE_CHECKING:
@@ -67,8 +68,10 @@ class CrossEncoder:
             model = Scorer.load(model or DEFAULT_MODEL, **load_kwargs)
         self.backend = model
         self.instruction = instruction
-        self.classifier = isinstance(model, Scorer) and model.cfg.num_labels > 0
-        self.num_labels = model.cfg.num_labels if self.classifier else 1
+        # a classifier's head scores its own label rows; a causal reranker has one output (module docstring)
+        head = output_head(model.cfg) if isinstance(model, Scorer) else None
+        self.classifier = head is not None and head.own_rows
+        self.num_labels = head.rows if head is not None and self.classifier else 1
         if self.classifier and model.model.tokenizer is None:  # type: ignore[union-attr]
             raise ValueError("a classifier scores text pairs as sentence-transformers: the model needs a tokenizer")
         if activation_fn is None and self.classifier:

@@ -1,6 +1,7 @@
 """Batch lines scored in this process by a `Scorer`: each body validated by the HTTP API's own
 pydantic models and validation pass, its response built by the API's own functions
-(service/http_api.py), so a line's body is what `POST /v1/score` or `/v1/rerank` would answer.
+(service/http_schemas.py, http_bodies.py, http_errors.py), so a line's body is what
+`POST /v1/score` or `/v1/rerank` would answer.
 What differs from sending the lines one by one is how they reach the device: a window's
 requests are queued together (`EngineRunner.score_requests`), so one query's lines share one
 prefill and their items fill the same device calls."""
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from prefixscore.engine.scorer import Scorer
 from prefixscore.engine.validation import InvalidInput, TokenizedRequest, Validated, ValidatedRerank
 from prefixscore.offline.lines import BatchLine, answered, failed
-from prefixscore.service import http_api
+from prefixscore.service import http_bodies, http_errors, http_schemas
 from prefixscore.telemetry import request_ids
 
 # the device work queued at once: a bound on the host memory of a window's scores
@@ -70,10 +71,10 @@ class ScorerBackend:
     def _validate(self, line: BatchLine) -> _Checked:
         validator = self.scorer.validator
         if line.kind == "score":
-            body = http_api.ScoringRequest.model_validate(line.body)
-            return _Checked(line, body, validator.score(http_api.score_input(body)))
-        body = http_api.RerankRequest.model_validate(line.body)
-        return _Checked(line, body, validator.rerank(http_api.rerank_input(body)))
+            body = http_schemas.ScoringRequest.model_validate(line.body)
+            return _Checked(line, body, validator.score(http_bodies.score_input(body)))
+        body = http_schemas.RerankRequest.model_validate(line.body)
+        return _Checked(line, body, validator.rerank(http_bodies.rerank_input(body)))
 
     def _run(self, chunk: list[_Checked]) -> Iterator[dict[str, Any]]:
         work = [c for c in chunk if c.request.items]
@@ -92,7 +93,7 @@ class ScorerBackend:
             scores, cached = self.scorer.runner.score_requests([c.request])
         except Exception as err:
             rid = request_ids.new_id()
-            error = http_api.ErrorResponse(message=f"{err}", type="InternalServerError", code=500)
+            error = http_schemas.ErrorResponse(message=f"{err}", type="InternalServerError", code=500)
             return failed(c.line.custom_id, rid, 500, error.model_dump())
         return self._body(c, scores[0], cached[0])
 
@@ -100,17 +101,17 @@ class ScorerBackend:
         rid = request_ids.new_id()
         model = c.body.model or self.scorer.model.name  # type: ignore[attr-defined]
         if isinstance(c.checked, ValidatedRerank):
-            body = http_api.rerank_response(c.body, c.checked, scores, cached, model, rid)  # type: ignore[arg-type]
+            body = http_bodies.rerank_response(c.body, c.checked, scores, cached, model, rid)  # type: ignore[arg-type]
         else:
             names = self.scorer.cfg.label_names
-            body = http_api.score_response(c.checked, scores, cached, model, names).model_dump(exclude_none=True)
+            body = http_bodies.score_response(c.checked, scores, cached, model, names).model_dump(exclude_none=True)
         return answered(c.line.custom_id, rid, body)
 
 
 def _error_line(line: BatchLine, err: ValidationError | InvalidInput) -> dict[str, Any]:
     """The HTTP API's 400 (or 413) for a body it would refuse, from its own error mapping."""
     if isinstance(err, ValidationError):
-        response = http_api._bad_body(RequestValidationError(err.errors()))
+        response = http_errors.bad_body(RequestValidationError(err.errors()))
     else:
-        response = http_api._invalid(err)
+        response = http_errors.invalid(err)
     return failed(line.custom_id, request_ids.new_id(), response.status_code, json.loads(bytes(response.body)))

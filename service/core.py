@@ -30,23 +30,18 @@ from typing import Any
 
 import grpc
 
-from prefixscore.engine.batcher import WorkUnit
-from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.build import EngineSpec, build_engine
-from prefixscore.engine.device_loop import (
-    DeadlineExpired,
-    DeviceWorker,
-    NonFiniteScores,
-    QueueFull,
-    StreamPin,
-    WorkerStopped,
-    run_on_done,
-)
+from prefixscore.engine.admission import QueueFull
+from prefixscore.engine.batcher import NonFiniteScores
+from prefixscore.engine.build import build_engine
+from prefixscore.engine.device_loop import DeadlineExpired, DeviceWorker, WorkerStopped, run_on_done
+from prefixscore.engine.page_pins import StreamPin
 from prefixscore.engine.scoring_engine import ScoringEngine, WarmupStage
-from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate
+from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, TokenizedRequest, Validator
+from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.loader import LoadedModel
-from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.service.config import ServerConfig
+from prefixscore.service.served_model import ServedModel
 from prefixscore.telemetry import request_ids
 from prefixscore.telemetry.compiles import CompileCounter
 from prefixscore.telemetry.logs import event
@@ -68,77 +63,6 @@ BACKGROUND_COMPILE_THREADS = 2
 def peak_host_memory() -> int:
     """The process's peak resident memory in bytes (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-@dataclasses.dataclass
-class ServerConfig:
-    """Everything `prefixscore serve` can set (see cli.py for the flags and environment variables)."""
-
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    host: str = "0.0.0.0"
-    port: int = 50051  # 0: any free port (see ScoreServer.port)
-    metrics_port: int | None = 9090  # None: no metrics endpoint; 0: any free port
-    http_port: int | None = None  # the HTTP API (service/http_api.py); None: off; 0: any free port
-    template: str = DEFAULT_TEMPLATE  # the reranker prompt template of Rerank and /v1/rerank
-    # a causal LM's /v1/classify labels (strings, one token each); a classifier model needs none
-    classify_labels: tuple[str, ...] = ()
-    max_queue_items: int = 65_536  # admission control: items waiting for the device
-    max_items: int = 10_000  # items per request or stream batch
-    # the prefix pool on each device: bytes, or (None) a fraction of the device memory left
-    # after the weights
-    pool_bytes: int | None = None
-    pool_memory_fraction: float = 0.5
-    compile_cache: str | None = None  # None: $PREFIXSCORE_COMPILE_CACHE_DIR or the user's cache dir; "off"
-    drain_seconds: float = 30.0  # how long SIGTERM waits for in-flight RPCs
-    warmup: bool = True  # compile every call shape (engine.warmup_stages) ...
-    # ... and with serve_early, report SERVING once the first stage is compiled and compile the
-    # rest in the background, each stage taken into service when it is ready; else all before
-    serve_early: bool = True
-    # None: the engine's default for the model's context; or a function of the context
-    buckets: Buckets | Callable[[int], Buckets] | None = None
-    attn_impl: str | None = None
-    # the device mesh (engine/mesh.py): devices on the model axis (tensor parallel) and the data
-    # axis (replicas); None: chosen (the smallest model axis the weights fit, the rest data)
-    tp_size: int | None = None
-    dp_size: int | None = None
-    batch_wait_s: float = 0.0  # extra wait before an idle device's first batch, to merge more requests
-    max_message_bytes: int = 64 << 20
-    # ---- limits against careless or hostile clients (docs/operations.md) ----
-    max_queue_tokens: int = 1 << 22  # admission control in item tokens, besides items
-    max_request_tokens: int = 1 << 20  # query + items of one request or stream batch
-    max_streams: int = 256  # ScoreStreams open at once (each pins its query); past it RESOURCE_EXHAUSTED
-    max_concurrent_rpcs: int = 1024  # RPCs in progress, health included; gRPC refuses past it
-    stream_idle_timeout_s: float = 120.0  # a stream that sends nothing, or reads nothing, this long is ended
-    max_pending_batches: int = 32  # per stream: batches accepted but not yet sent back; past it reading pauses
-    keepalive_time_s: float = 60.0  # server pings idle connections this often ...
-    keepalive_timeout_s: float = 20.0  # ... and closes those that do not answer within this
-    max_connection_idle_s: float = 600.0  # connections without calls are closed after this
-    max_connection_age_s: float = 3600.0  # connections are recycled (GOAWAY) after this, to rebalance ...
-    max_connection_age_grace_s: float = 60.0  # ... letting their calls finish for this long
-    # ---- security ----
-    metrics_host: str | None = None  # None: the same as `host`
-    reflection: bool = False  # gRPC server reflection (grpcurl without the .proto)
-    tls_cert: str | None = None  # PEM files; with both, TLS only (reloaded when they change)
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # mutual TLS: clients need a certificate this CA signed
-    auth_tokens_file: str | None = None  # bearer tokens, one a line: every call but health needs one
-    loaded: LoadedModel | None = None  # a model already in memory (tests, embedding): `model` is not loaded
-    engine: ScoringEngine | None = None  # with `loaded`: an engine already built (and compiled) for it
-
-    def engine_spec(self) -> EngineSpec:
-        """The engine this configuration serves (engine/build.py)."""
-        return EngineSpec(
-            self.model,
-            self.dtype,
-            self.buckets,
-            self.attn_impl,
-            tp_size=self.tp_size,
-            dp_size=self.dp_size,
-            pool_bytes=self.pool_bytes,
-            pool_memory_fraction=self.pool_memory_fraction,
-            compile_cache=self.compile_cache,
-        )
 
 
 class StartupFailed(RuntimeError):
@@ -241,7 +165,7 @@ class ScoringService:
         self.validator: Validator | None = None  # set once ready
         self.loaded: LoadedModel | None = None
         self.engine: ScoringEngine | None = None
-        self.devices: list[str] = []
+        self.served: ServedModel | None = None  # what is served, once loaded (service/served_model.py)
         self.ready = False
         self.draining = False
         self.started_at = time.time()  # /v1/models' "created"
@@ -285,29 +209,17 @@ class ScoringService:
             loaded, engine, load_seconds = built.model, built.engine, built.load_seconds
         loaded_at = time.monotonic()
 
-        self.devices = [f"{d.platform}:{d.id}" for d in engine.devices]
         # a template the model cannot serve (no chat template, labels not single tokens) fails startup
         self.template = RerankTemplate(cfg.template, loaded.tokenizer) if loaded.tokenizer is not None else None
+        self.served = ServedModel.of(loaded, engine, self.template)
         event(
             log,
             "model_loaded",
-            model=loaded.name,
-            family=loaded.cfg.family,
-            dtype=loaded.dtype,
-            context_length=loaded.cfg.context_length,
-            # a sliding-window model is served only inside its window, where it is exact
-            sliding_window=loaded.cfg.sliding_window,
-            devices=self.devices,
-            **engine.layout.describe(),
+            **self.served.log_fields(),
             # the most host memory the process has held so far: loading a checkpoint stays near one
             # stacked weight (each is sent to its shards as it is read), not the whole model
             peak_host_memory_bytes=peak_host_memory(),
-            attention=engine.attn_impl,
             seconds=round(load_seconds, 3),
-            buckets=dataclasses.asdict(engine.buckets),
-            pool_pages=engine.pool_pages,
-            pool_bytes=engine.pool_bytes,
-            tokenizer=loaded.tokenizer is not None,
         )
         compiles, compile_s = CompileCounter.count(), CompileCounter.seconds()
         stages = engine.warmup_stages() if cfg.warmup else []
@@ -404,19 +316,10 @@ class ScoringService:
             max_request_tokens=min(cfg.max_request_tokens, cfg.max_queue_tokens),
         )
         self.validator = Validator(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits), self.template)
-        mesh = self.engine.layout.shape
-        self.metrics.model_info.info(
-            dict(
-                model=loaded.name,
-                family=loaded.cfg.family,
-                dtype=loaded.dtype,
-                devices=",".join(self.devices),
-                tp_size=str(mesh.model),
-                dp_size=str(mesh.data),
-            )
-        )
-        self.metrics.mesh_devices.labels("model").set(mesh.model)
-        self.metrics.mesh_devices.labels("data").set(mesh.data)
+        assert self.served is not None
+        self.metrics.model_info.info(self.served.metric_labels())
+        self.metrics.mesh_devices.labels("model").set(self.served.tp_size)
+        self.metrics.mesh_devices.labels("data").set(self.served.dp_size)
         self.ready = True
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -480,19 +383,11 @@ class ScoringService:
         self._loop.call_soon_threadsafe(run_on_done, units)
 
     @staticmethod
-    def unit(req: TokenizedRequest, method: str, deadline: float | None) -> WorkUnit:
-        """A validated request as the device loop's unit of work (`deadline`: time.monotonic())."""
-        return WorkUnit(
-            req.prefix,
-            req.items,
-            req.label_ids,
-            req.apply_softmax,
-            req.item_first,
-            req.activation,
-            method=method,
-            deadline=deadline,
-            request_id=request_ids.current() or "",
-        )
+    def unit(req: TokenizedRequest, method: str, deadline: float | None, counts_lookup: bool = True) -> WorkUnit:
+        """A validated request as the device loop's unit of work (`deadline`: time.monotonic();
+        `counts_lookup`: False for a stream's batch, whose open counted its prefix-cache lookup)."""
+        rid = request_ids.current() or ""
+        return WorkUnit(req, Ticket(method=method, request_id=rid, deadline=deadline, counts_lookup=counts_lookup))
 
     def submit(self, unit: WorkUnit) -> None:
         """Queue `unit` (its on_done runs on this loop); raises Failure when refused."""
@@ -513,17 +408,17 @@ class ScoringService:
     async def run(self, req: TokenizedRequest, method: str, deadline: float | None = None) -> WorkUnit:
         """Score a validated request on the device loop, whatever the transport (gRPC Score and
         Rerank, HTTP /v1/score and /v1/rerank): its items join the same calls as everyone's.
-        Returns the finished unit (scores, cached_tokens); raises Failure."""
+        Returns the finished unit (its reply: scores, cached_tokens); raises Failure."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         unit = self.unit(req, method, deadline)
-        unit.on_done = lambda u: _settle(done, u)  # on this loop (_deliver)
+        unit.reply.on_done = lambda u: _settle(done, u)  # on this loop (_deliver)
         self.submit(unit)
         try:
             await done
         except asyncio.CancelledError:
             self.cancel(unit)
             raise
-        if unit.error is not None:
-            raise unit_failure(unit.error)
+        if unit.reply.error is not None:
+            raise unit_failure(unit.reply.error)
         return unit

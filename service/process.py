@@ -19,7 +19,7 @@ from typing import Any
 
 from prefixscore.service import security
 from prefixscore.service.core import ScoringService, ServerConfig
-from prefixscore.service.http_api import HttpServer
+from prefixscore.service.http_server import HttpServer
 from prefixscore.service.server import GrpcServer
 from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import serve_metrics

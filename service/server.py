@@ -24,11 +24,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixscore import prefix_key
-from prefixscore.engine import heads
-from prefixscore.engine.batcher import WorkUnit
-from prefixscore.engine.device_loop import StreamPin
+from prefixscore.engine.page_pins import StreamPin
 from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import InvalidInput, StreamSpec
+from prefixscore.engine.work_unit import WorkUnit
 from prefixscore.service import security
 from prefixscore.service.core import (
     Failure,
@@ -269,15 +268,16 @@ class GrpcServer:
         checked = await validated(len(raw), converter.score_request, msg)
         req = checked.request
         differs = checked.joined_differs or []
-        # a classifier's columns are its labels, named; a causal LM's are the label tokens
-        names = self.service.loaded.cfg.label_names if self.service.loaded else ()
-        label_ids = () if names else req.label_ids
+        # the head it was validated for: a classifier's columns are its labels, named; a causal
+        # LM's are the label tokens
+        head = converter.validator.requests.head
+        names, label_ids = head.label_names, head.label_token_ids(req.label_ids)
         if not req.items:
             return pb.ScoreResponse(usage=pb.Usage(), label_token_ids=label_ids, label_names=names)
         unit = await self.service.run(req, "Score", self._deadline(context))
         return pb.ScoreResponse(
-            scores=item_scores(unit.scores),
-            usage=usage(req, unit.cached_tokens, checked.truncation),
+            scores=item_scores(unit.reply.scores),
+            usage=usage(req, unit.reply.cached_tokens, checked.truncation),
             label_token_ids=label_ids,
             joined_tokenization_differs=differs,
             label_names=names,
@@ -303,10 +303,10 @@ class GrpcServer:
                 document=checked.documents[r.index] if msg.return_documents else "",
                 joined_tokenization_differs=bool(differs and differs[r.index]),
             )
-            for r in ranked(unit.scores, checked.top_n)
+            for r in ranked(unit.reply.scores, checked.top_n)
         ]
         return pb.RerankResponse(
-            results=results, usage=usage(req, unit.cached_tokens, checked.scored.truncation), template=template
+            results=results, usage=usage(req, unit.reply.cached_tokens, checked.scored.truncation), template=template
         )
 
     # ---- ScoreStream -----------------------------------------------------------------------------
@@ -336,23 +336,21 @@ class GrpcServer:
         parse(pb.GetModelInfoRequest, raw)
         validator = self.service.accepting()  # draining: UNAVAILABLE like every call, so clients go elsewhere
         service = self.service
-        assert service.loaded is not None
-        from prefixscore.version import __version__
-
+        served = service.served
+        assert served is not None
         cfg = self.config
-
-        loaded, limits, requests = service.loaded, validator.requests.limits, validator.requests
+        limits, requests = validator.requests.limits, validator.requests
         return pb.GetModelInfoResponse(
-            model=loaded.name,
-            family=loaded.cfg.family,
-            vocab_size=loaded.cfg.vocab_size,
-            context_length=loaded.cfg.context_length,
-            sliding_window=loaded.cfg.sliding_window or 0,
-            max_position_embeddings=loaded.cfg.max_position_embeddings,
-            tp_size=service.engine.layout.shape.model if service.engine else 0,
-            dp_size=service.engine.layout.shape.data if service.engine else 0,
-            dtype=loaded.dtype,
-            devices=service.devices,
+            model=served.name,
+            family=served.family,
+            vocab_size=served.vocab_size,
+            context_length=served.context_length,
+            sliding_window=served.sliding_window or 0,
+            max_position_embeddings=served.max_position_embeddings,
+            tp_size=served.tp_size,
+            dp_size=served.dp_size,
+            dtype=served.dtype,
+            devices=served.devices,
             limits=pb.Limits(
                 max_items=limits.max_items,
                 max_labels=limits.max_labels,
@@ -372,16 +370,17 @@ class GrpcServer:
                 max_connection_age_ms=int(cfg.max_connection_age_s * 1000),
                 max_connection_age_grace_ms=int(cfg.max_connection_age_grace_s * 1000),
                 max_message_bytes=cfg.max_message_bytes,
-                pool_bytes=service.engine.pool_bytes if service.engine else 0,
+                pool_bytes=served.pool_bytes,
             ),
-            has_tokenizer=loaded.tokenizer is not None,
-            attention=service.engine.attn_impl if service.engine else "",
-            version=__version__,
-            template=service.template.name if service.template else "",
+            has_tokenizer=served.has_tokenizer,
+            attention=served.attention,
+            version=served.version,
+            template=served.template or "",
+            # how many call shapes are compiled changes while a staged warm-up runs: read it now
             call_shapes_ready=service.engine.shapes_ready if service.engine else 0,
             call_shapes=service.call_shapes,
-            head=heads.head_kind(loaded.cfg),
-            label_names=loaded.cfg.label_names,
+            head=served.head,
+            label_names=served.label_names,
         )
 
 
@@ -463,9 +462,9 @@ class _StreamSession:
             elif isinstance(happened, _Scored):
                 unit = happened.unit
                 self.outstanding.pop(id(unit), None)
-                if unit.error is not None:
-                    raise unit_failure(unit.error)
-                batch = pb.BatchScores(batch_id=happened.batch_id, scores=item_scores(unit.scores))
+                if unit.reply.error is not None:
+                    raise unit_failure(unit.reply.error)
+                batch = pb.BatchScores(batch_id=happened.batch_id, scores=item_scores(unit.reply.scores))
                 await self._write(pb.ScoreStreamResponse(batch=batch))
                 self._answered(happened.batch_id)
             elif isinstance(happened, _Ended):
@@ -577,7 +576,7 @@ class _StreamSession:
         opened = pb.StreamOpened(
             prefix_tokens=len(spec.prefix),
             cached_tokens=self.cached_tokens,
-            label_token_ids=() if spec.activation else spec.label_ids,  # a classifier scores its own labels
+            label_token_ids=self.converter.validator.requests.head.label_token_ids(spec.label_ids),
         )
         self.events.put_nowait(_Write(pb.ScoreStreamResponse(opened=opened)))
 
@@ -598,9 +597,9 @@ class _StreamSession:
             answer = pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))
             self.events.put_nowait(_Answer(answer, batch_id))
             return
-        unit = self.service.unit(req, "ScoreStream", self.server._deadline(self.context))
-        unit.counts_lookup = False  # the open counted this stream's prefix-cache lookup
-        unit.on_done = lambda u: self.events.put_nowait(_Scored(u, batch_id))  # on this loop (_deliver)
+        # the open counted this stream's prefix-cache lookup
+        unit = self.service.unit(req, "ScoreStream", self.server._deadline(self.context), counts_lookup=False)
+        unit.reply.on_done = lambda u: self.events.put_nowait(_Scored(u, batch_id))  # on this loop (_deliver)
         self.outstanding[id(unit)] = unit
         try:
             self.service.submit(unit)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -10,9 +9,13 @@ import threading
 import time
 
 import pytest
+from helpers import tools
+from helpers.bench import parse
 
-from prefixscore.bench import run as bench
+from prefixscore.bench import command as bench
+from prefixscore.bench import reports
 from prefixscore.bench import workloads as wl
+from prefixscore.bench.session import Bench
 from prefixscore.model import flops
 from prefixscore.model.presets import RANDOM_PRESETS
 from prefixscore.telemetry import host_cost
@@ -113,12 +116,6 @@ SHARES = [
 ]
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="prefixscore")
-    bench.register(parser.add_subparsers(dest="command"))
-    return parser.parse_args(argv)
-
-
 def test_flops_match_design_accounting() -> None:
     """docs/benchmarks.md: Qwen3-0.6B, W1: ~13.4 TFLOP items, ~2.2 TFLOP prefill, ~0.16 TFLOP head."""
     cfg = RANDOM_PRESETS["qwen3-0.6b-random"][0]
@@ -137,9 +134,9 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
     assert args.func(args) == 0
     records = json.loads(out.read_text())
     got = {(r["workload"], r["mode"]) for r in records}
-    want = {(w, m) for w in ("w1-cold", "w1-warm", "w3") for m in bench.MODES} | {
+    want = {(w, m) for w in ("w1-cold", "w1-warm", "w3") for m in wl.MODES} | {
         (w, "prefix")
-        for w in bench.CONCURRENT
+        for w in wl.CONCURRENT
         if w != "w5"  # "all" but w5: it needs a router (test_prefix_affinity)
     }
     assert got == want
@@ -176,9 +173,9 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
     assert by[("w4", "prefix")]["transport"].startswith("grpc ") and by[("w4", "prefix")]["requests"] == 6
     assert by[("w3-grpc", "prefix")]["transport"].startswith("grpc ") and by[("w3-grpc", "prefix")]["requests"] == 4
     for w in ("w2", "w3", "w3-grpc", "w4"):
-        assert by[(w, "prefix")][bench.SHARE_KEY] > 0
+        assert by[(w, "prefix")][reports.SHARE_KEY] > 0
     assert by[("host-rerank", "prefix")]["transport"].startswith("http ") and by[("host", "prefix")]["requests"] == 4
-    assert bench.SHARE_KEY not in by[("w1-cold", "prefix")] and bench.SHARE_KEY not in by[("w1-warm", "prefix")]
+    assert reports.SHARE_KEY not in by[("w1-cold", "prefix")] and reports.SHARE_KEY not in by[("w1-warm", "prefix")]
     assert by[("w1-cold", "prefix")]["transport"] == "in-process"
     assert by[("w1-warm", "prefix")]["prefix_cache_hit_rate"] == 1.0
     assert by[("w1-cold", "prefix")]["prefix_cache_hit_rate"] == 0.0
@@ -226,14 +223,14 @@ def test_bench_flop_rate_shares_of_w1_cold(tmp_path, capsys) -> None:
         assert r["transport"].startswith("grpc ") and r["concurrency"] == clients and r["requests"] == requests, w
         assert items is None or r["items"] == items, w
         assert r["items_per_s"] > 0 and r["achieved_flops_per_s"] > 0, w
-        assert r[bench.SHARE_KEY] > 0, w
-        assert r[bench.SHARE_KEY] == pytest.approx(r["achieved_flops_per_s"] / by["w1-cold"]["achieved_flops_per_s"])
+        assert r[reports.SHARE_KEY] > 0, w
+        assert r[reports.SHARE_KEY] == pytest.approx(r["achieved_flops_per_s"] / by["w1-cold"]["achieved_flops_per_s"])
         assert r["padding_share"] is None or 0 <= r["padding_share"] < 1, w
         assert 0 <= r["prefix_cache_hit_rate"] <= 1, w
     assert by["w4"]["prefix_cache_hit_rate"] == 0.0  # every W4 query is new
     printed = capsys.readouterr().out
     for name in ("W4", "W2", "W3-grpc"):
-        assert f"{name} {by[name.lower()][bench.SHARE_KEY]:.2f} of W1-cold's model FLOP rate" in printed
+        assert f"{name} {by[name.lower()][reports.SHARE_KEY]:.2f} of W1-cold's model FLOP rate" in printed
 
 
 def test_w6_reward_model_through_classify_against_one_by_one(tmp_path, capsys) -> None:
@@ -251,7 +248,7 @@ def test_w6_reward_model_through_classify_against_one_by_one(tmp_path, capsys) -
     assert by["w1-cold"]["transport"] == "in-process"
     for w in ("w6", "w6-one-by-one"):
         assert by[w]["transport"].startswith("http ") and by[w]["items"] == 6, w
-        assert by[w][bench.SHARE_KEY] > 0 and by[w]["steady_state_compilations"] == 0, w
+        assert by[w][reports.SHARE_KEY] > 0 and by[w]["steady_state_compilations"] == 0, w
     assert "W6 " in capsys.readouterr().out
 
 
@@ -268,8 +265,8 @@ def test_bench_rounds_take_shares_per_round_and_their_median(tmp_path, capsys) -
     shares = []
     for k in range(3):
         base, w4 = (next(r for r in records if r["round"] == k and r["workload"] == w) for w in ("w1-cold", "w4"))
-        assert w4[bench.SHARE_KEY] == pytest.approx(w4["achieved_flops_per_s"] / base["achieved_flops_per_s"])
-        shares.append(w4[bench.SHARE_KEY])
+        assert w4[reports.SHARE_KEY] == pytest.approx(w4["achieved_flops_per_s"] / base["achieved_flops_per_s"])
+        shares.append(w4[reports.SHARE_KEY])
     printed = capsys.readouterr().out
     assert "W4 (round 3) " in printed
     median = sorted(shares)[1]
@@ -295,7 +292,7 @@ def test_bench_arguments_for_the_concurrent_workloads() -> None:
         ["bench", "--workload", "all", "--w4-requests", "9", "--w4-concurrency", "5", "--w4-query-tokens", "7"]
     )
     # all but w5 (a router's), w6 (a classifier's) and the soak (alone, for its duration)
-    every = [w for w in bench.WORKLOADS if w not in ("w5", "soak") and not w.startswith("w6")]
+    every = [w for w in wl.WORKLOADS if w not in ("w5", "soak") and not w.startswith("w6")]
     assert args.workload == every and {"w3-grpc", "w4"} <= set(args.workload)
     assert (args.w4_requests, args.w4_concurrency, args.w4_query_tokens) == (9, 5, 7)
     defaults = parse(["bench"])
@@ -325,8 +322,8 @@ def test_flop_rate_shares_on_synthetic_records() -> None:
         rec("w3-grpc", "prefix", 1.5e9),
         rec("w4", "prefix", 4e8, clients=64),
     ]
-    bench._shares(records)
-    got = {(r["workload"], r["mode"]): r.get(bench.SHARE_KEY) for r in records}
+    reports.add_shares(records)
+    got = {(r["workload"], r["mode"]): r.get(reports.SHARE_KEY) for r in records}
     assert got == {
         ("w1-cold", "prefix"): None,
         ("w1-cold", "packed"): None,
@@ -337,7 +334,7 @@ def test_flop_rate_shares_on_synthetic_records() -> None:
         ("w3-grpc", "prefix"): 0.75,
         ("w4", "prefix"): 0.2,
     }
-    lines = bench.share_lines(records)
+    lines = reports.share_lines(records)
     assert lines == [
         "W2 0.50 of W1-cold's model FLOP rate (1.0 GFLOP/s, gRPC, 16 clients)",
         "W3 0.25 of W1-cold's model FLOP rate (0.5 GFLOP/s, in-process)",
@@ -347,14 +344,14 @@ def test_flop_rate_shares_on_synthetic_records() -> None:
     # no W1-cold prefix record (or no FLOP rate for it): no shares
     for base in ([], [rec("w1-cold", "prefix", None, "in-process", 1)]):
         rest = [rec("w2", "prefix", 1e9), rec("w4", "prefix", 1e9)]
-        bench._shares(base + rest)
-        assert all(bench.SHARE_KEY not in r for r in rest) and bench.share_lines(rest) == []
+        reports.add_shares(base + rest)
+        assert all(reports.SHARE_KEY not in r for r in rest) and reports.share_lines(rest) == []
 
 
 def test_flops_of_a_partial_prefix_cache_hit() -> None:
     """A hit on part of the query (W3's shared header) saves only that part's prefill."""
     cfg = RANDOM_PRESETS["qwen3-0.6b-random"][0]
-    b = object.__new__(bench.Bench)  # flops() needs only the model's shapes
+    b = object.__new__(Bench)  # flops() needs only the model's shapes
     b.cfg = cfg
     req = wl.Request(list(range(100)), [[1] * 20] * 5, [1, 2], apply_softmax=True)
     full = flops.request(cfg, 100, [20] * 5, True, 2)
@@ -417,6 +414,7 @@ def test_host_cost_of_a_served_process(tmp_path) -> None:
 def test_another_processes_python_threads_are_told_apart_from_native_ones(tmp_path) -> None:
     """--target-pid: py-spy names the interpreter's threads of a running process; the rest of
     its threads are native (XLA's, gRPC's)."""
+    tools.py_spy()  # an absent py-spy fails in CI; one the sandbox forbids to attach is skipped below
     ready = tmp_path / "tids"
     code = (
         "import threading, time, pathlib\n"

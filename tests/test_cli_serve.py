@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_testing import LABELS, SERVE, scrape, serve_process, wait_for
+from helpers.service import LABELS, SERVE, scrape, serve_process, wait_for
 
 from prefixscore import cli
 from prefixscore.client import ScoreClient
@@ -245,3 +245,34 @@ def test_sigterm_during_a_background_compile_exits_within_a_second(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_serve_flags_are_server_config_fields_with_its_defaults(monkeypatch):
+    """`serve` with no flags and no environment is ServerConfig() (service/config.py states each
+    default once); each flagged field is set by its flag and by its environment variable."""
+    from prefixscore.model.config import DTYPES
+    from prefixscore.service.config import DTYPE_NAMES, ServerConfig, flag_fields
+
+    assert DTYPE_NAMES == tuple(DTYPES)
+    for field, flag in flag_fields():
+        monkeypatch.delenv(flag.env_name(field.name), raising=False)
+    defaults = cli.config_from_args(cli.build_parser().parse_args(["serve"]))
+    assert defaults == ServerConfig()
+    # a value unlike the default for each flag, as the flag's text and the config's value
+    samples = {int: ("7", 7), float: ("0.25", 0.25), str: ("x.gguf", "x.gguf")}
+    for field, flag in flag_fields():
+        if flag.choices:
+            text = value = flag.choices[-1]
+        elif flag.nargs:
+            text, value = "yes", ("yes",)
+        elif flag.parse in samples:
+            text, value = samples[flag.parse]
+        else:  # booleans and ports-or-off: the opposite of the default
+            text = "off" if field.default not in (None, False) else ("1" if field.default is False else "8080")
+            value = flag.parse(text)
+        value = value * flag.scale if flag.scale != 1.0 else value
+        by_flag = cli.config_from_args(cli.build_parser().parse_args(["serve", flag.flag_name(field.name), text]))
+        monkeypatch.setenv(flag.env_name(field.name), text)
+        by_env = cli.config_from_args(cli.build_parser().parse_args(["serve"]))
+        monkeypatch.delenv(flag.env_name(field.name))
+        assert getattr(by_flag, field.name) == getattr(by_env, field.name) == value != field.default, field.name

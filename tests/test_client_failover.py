@@ -17,10 +17,11 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from service_testing import LABELS, SERVE, scrape, serve_process, wait_for
+from helpers.service import LABELS, SERVE, scrape, serve_process, wait_for
 
 from prefixscore.client import AsyncScoreClient, Retry, ScoreClient
-from prefixscore.client.score_client import _channel_options, _lost, ring_hash_service_config, service_config
+from prefixscore.client.channel import channel_options, ring_hash_service_config, service_config
+from prefixscore.client.errors import replica_lost
 
 QUERY = "Is this sentence about rivers?"
 BATCHES = [
@@ -169,10 +170,10 @@ def test_one_service_config_carries_ring_hash_and_the_retry_policy() -> None:
     assert method["retryPolicy"]["maxAttempts"] == 4
     assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
     assert service_config(None, None) is None
-    options = dict(_channel_options((), None, Retry()))
+    options = dict(channel_options((), None, Retry()))
     assert options["grpc.enable_retries"] == 1 and "loadBalancingConfig" not in options["grpc.service_config"]
     with pytest.raises(ValueError, match="grpc.service_config"):
-        _channel_options([("grpc.service_config", "{}")], None, Retry())
+        channel_options([("grpc.service_config", "{}")], None, Retry())
     with pytest.raises(ValueError, match="attempts"):
         Retry(attempts=6)  # gRPC would silently cap it at 5
 
@@ -193,10 +194,10 @@ def test_a_stream_reset_under_it_counts_as_its_replica_lost() -> None:
     headers went through: the stream re-opens on that, as on UNAVAILABLE; a status the server
     sent (INTERNAL in the trailers) or any other code does not (bench/failover.py runs it)."""
     reset = "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))"
-    assert _lost(_Failed(grpc.StatusCode.UNAVAILABLE, "Connection reset"))
-    assert _lost(_Failed(grpc.StatusCode.INTERNAL, reset))
-    assert not _lost(_Failed(grpc.StatusCode.INTERNAL, "Score failed (request id 1)"))
-    assert not _lost(_Failed(grpc.StatusCode.CANCELLED, reset))
+    assert replica_lost(_Failed(grpc.StatusCode.UNAVAILABLE, "Connection reset"))
+    assert replica_lost(_Failed(grpc.StatusCode.INTERNAL, reset))
+    assert not replica_lost(_Failed(grpc.StatusCode.INTERNAL, "Score failed (request id 1)"))
+    assert not replica_lost(_Failed(grpc.StatusCode.CANCELLED, reset))
 
 
 def test_a_unary_call_reset_under_it_is_sent_again_with_retry_only() -> None:

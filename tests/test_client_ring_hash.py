@@ -11,16 +11,10 @@ import socket
 
 import grpc
 import pytest
-from service_testing import LABELS
-from test_prefix_affinity import ITEMS, serving_replicas
+from helpers.service import ITEMS, LABELS, serving_replicas
 
-from prefixscore.client.score_client import (
-    RING_HASH_ENV,
-    AsyncScoreClient,
-    ScoreClient,
-    _channel_options,
-    ring_hash_service_config,
-)
+from prefixscore.client.channel import RING_HASH_ENV, channel_options, ring_hash_service_config
+from prefixscore.client.score_client import AsyncScoreClient, ScoreClient
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
@@ -158,6 +152,6 @@ def test_the_environment_variable(replicas, monkeypatch) -> None:
 
 def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="affinity"):
-        _channel_options((), "round_robin")  # type: ignore[arg-type]
+        channel_options((), "round_robin")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="grpc.lb_policy_name"):
-        _channel_options([("grpc.lb_policy_name", "round_robin")], "ring_hash")
+        channel_options([("grpc.lb_policy_name", "round_robin")], "ring_hash")

@@ -1,30 +1,34 @@
 """Never a silently wrong score: every configuration in the inventory (model/config_inventory.py)
-either scores exactly as transformers' eager model does or is refused, naming its field.
+that a field computes scores exactly as transformers' eager model does, and every one at a value
+its `accepts` rejects is refused, naming the field.
 
 The trials come from the inventory itself, so a field added there is tested here without
 another line. Each trial is a tiny checkpoint written by transformers (or a GGUF file written
-from one) with the field set to a non-default value, scored with a query longer than any
-window (trials' windows are 48 tokens) and a short one, items of several lengths: every
-sequence inside the served context must match within 1e-5 (float32), every sequence past it
-must get the context-length error, and the short ones must fit.
+from one) with the field set to a non-default value. A computed one is scored with a query
+longer than any window (trials' windows are 48 tokens) and a short one, items of several
+lengths: every sequence inside the served context must match within 1e-5 (float32), every
+sequence past it must get the context-length error, and the short ones must fit. A refused one
+must fail its load with that field's own refusal: a value the inventory lists as computed
+(llama3 RoPE, `hidden_act: gelu`, a GGUF window) can never pass by being refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
 import transformers
 from conftest import FAMILY_OPTIONS, ONE_SHAPE_BUCKETS, TINY_SHAPES, make_torch_model, torch_label_probs
 from gguf import GGMLQuantizationType as Q
-from test_gguf import write_gguf
+from helpers.gguf_files import write_gguf
 
 from prefixscore import Scorer
 from prefixscore.engine.validation import InvalidInput
 from prefixscore.model.config import UnsupportedModelError
-from prefixscore.model.config_inventory import FAMILIES, GGUF_KEYS, Effect, family_fields
+from prefixscore.model.config_inventory import FAMILIES, GGUF_KEYS, Effect, Field, family_fields
 
 TOLERANCE = 1e-5  # float32, against transformers' eager float32 forward pass
 # one page size, one item bucket, one prefill bucket: each trial compiles two small executables
@@ -35,13 +39,21 @@ ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 5, 13, 27)]
 LABELS = [3, 77, 319]
 
 
+def _field_trials(fields) -> list[tuple[str, object, bool]]:
+    """(field name, trial, whether it must be refused) for each trial of `fields`."""
+    return [(f.name, t, False) for f in fields for t in f.trials] + [
+        (f.name, t, True) for f in fields for t in f.refused
+    ]
+
+
 def _dedupe(trials):
-    """(key, trial, fields it tries) with identical configurations merged: one compile each."""
-    merged: dict[str, tuple[object, list[str]]] = {}
-    for name, trial in trials:
-        key = json.dumps(dataclasses.asdict(trial) if dataclasses.is_dataclass(trial) else trial, sort_keys=True)
-        merged.setdefault(key, (trial, []))[1].append(name)
-    return [(trial, names) for trial, names in merged.values()]
+    """(trial, refused, fields it tries) with identical configurations merged: one compile each."""
+    merged: dict[str, tuple[object, bool, list[str]]] = {}
+    for name, trial, refused in trials:
+        config = dataclasses.asdict(trial) if dataclasses.is_dataclass(trial) else trial
+        key = json.dumps([config, refused], sort_keys=True)
+        merged.setdefault(key, (trial, refused, []))[2].append(name)
+    return list(merged.values())
 
 
 # Fields the config classes read their own way (Qwen2's and Qwen3's windows): tried in every
@@ -52,21 +64,25 @@ PER_FAMILY = {"use_sliding_window", "sliding_window", "max_window_layers", "laye
 
 def _hf_trials() -> list:
     owners: dict[str, list[str]] = {}  # trial -> the families whose inventory has it
-    trials: dict[str, tuple[object, list[str]]] = {}
+    trials: dict[str, tuple[object, bool, list[str]]] = {}
     for model_type, family in FAMILIES.items():
-        for trial, names in _dedupe((f.name, t) for f in family.fields for t in f.trials):
-            key = json.dumps([trial, names], sort_keys=True)
+        for trial, refused, names in _dedupe(_field_trials(family.fields)):
+            key = json.dumps([trial, refused, names], sort_keys=True)
             key = f"{model_type}:{key}" if PER_FAMILY & set(names) else key
             owners.setdefault(key, []).append(model_type)
-            trials[key] = (trial, names)
+            trials[key] = (trial, refused, names)
     return [
         pytest.param(
             families[i % len(families)],
             *trials[key],
-            id=f"{families[i % len(families)]}-{'+'.join(trials[key][1])}-{i}",
+            id=_trial_id(families[i % len(families)], trials[key][2], trials[key][1], i),
         )
         for i, (key, families) in enumerate(owners.items())
     ]
+
+
+def _trial_id(owner: str, names: list[str], refused: bool, i: int) -> str:
+    return f"{owner}-{'+'.join(names)}{'-refused' if refused else ''}-{i}"
 
 
 HF_TRIALS = _hf_trials()
@@ -75,8 +91,8 @@ HF_TRIALS = _hf_trials()
 # one is for all; the architectures' own tensors are in tests/test_gguf.py
 GGUF_ARCHES = ("llama", "qwen2", "qwen3")
 GGUF_TRIALS = [
-    pytest.param(GGUF_ARCHES[i % len(GGUF_ARCHES)], trial, names, id=f"{GGUF_ARCHES[i % 3]}-{'+'.join(names)}-{i}")
-    for i, (trial, names) in enumerate(_dedupe((f.name, t) for f in GGUF_KEYS for t in f.trials))
+    pytest.param(GGUF_ARCHES[i % 3], trial, refused, names, id=_trial_id(GGUF_ARCHES[i % 3], names, refused, i))
+    for i, (trial, refused, names) in enumerate(_dedupe(_field_trials(GGUF_KEYS)))
 ]
 
 
@@ -86,8 +102,8 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXSCORE_CACHE", str(tmp_path / "cache"))
 
 
-def _score_or_refuse(path: str, torch_model) -> None:
-    """Load `path` and hold it to transformers, or accept a refusal (the caller checks it)."""
+def _scores_exactly(path: str, torch_model) -> None:
+    """Load `path` and hold it to transformers."""
     scorer = Scorer.load(path, buckets=BUCKETS)
     context = scorer.cfg.context_length
     assert context >= len(QUERIES[0]) + len(ITEMS[-1]), "the cap refuses even short sequences"
@@ -105,40 +121,43 @@ def _score_or_refuse(path: str, torch_model) -> None:
             assert err <= TOLERANCE, (len(query), apply_softmax, err)
 
 
-def _named(message: str, names: list[str], refusable: bool) -> None:
-    assert refusable, f"a computed field was refused: {message}"
-    assert any(name.replace("{arch}.", "") in message for name in names), message
+def _refused_by_accepts(path: str, fields: list[Field], arch: str = "") -> None:
+    """Loading `path` fails with one of `fields`' own refusals (Field.refusal: its `accepts`
+    rejected the value), not any other error."""
+    with pytest.raises(UnsupportedModelError) as refusal:
+        Scorer.load(path, buckets=BUCKETS)
+    message = str(refusal.value)
+    patterns = [re.escape(f.name.replace("{arch}", arch)) + "=.* is not supported: " + re.escape(f.why) for f in fields]
+    assert any(re.search(pattern, message) for pattern in patterns), message
 
 
-@pytest.mark.parametrize("model_type,trial,names", HF_TRIALS)
-def test_every_config_field_scores_exactly_or_is_refused(tmp_path, model_type, trial, names):
+@pytest.mark.parametrize("model_type,trial,refused,names", HF_TRIALS)
+def test_every_config_field_scores_exactly_or_is_refused(tmp_path, model_type, trial, refused, names):
     inventory = family_fields(model_type)
     torch_model = make_torch_model(model_type, seed=5, **trial)
     torch_model.save_pretrained(tmp_path)
-    refusable = any(inventory[n].effect is Effect.LIMITED for n in names)
-    if all(inventory[n].effect is Effect.INERT for n in names):  # inert: the very config of the base
+    if refused:
+        _refused_by_accepts(str(tmp_path), [inventory[n] for n in names])
+    elif all(inventory[n].effect is Effect.INERT for n in names):  # inert: the very config of the base
         base = tmp_path / "base"
         make_torch_model(model_type, seed=5).save_pretrained(base)
         assert Scorer.load(str(tmp_path), buckets=BUCKETS).cfg == Scorer.load(str(base), buckets=BUCKETS).cfg
-        return
-    try:
-        _score_or_refuse(str(tmp_path), torch_model)
-    except UnsupportedModelError as err:
-        _named(str(err), [n.removeprefix("rope_parameters.") for n in names], refusable)
+    else:
+        _scores_exactly(str(tmp_path), torch_model)
 
 
-@pytest.mark.parametrize("arch,trial,names", GGUF_TRIALS)
-def test_every_gguf_key_scores_exactly_or_is_refused(tmp_path, arch, trial, names):
+@pytest.mark.parametrize("arch,trial,refused,names", GGUF_TRIALS)
+def test_every_gguf_key_scores_exactly_or_is_refused(tmp_path, arch, trial, refused, names):
     # transformers' Llama has no window: Mistral's decoder is Llama's with one
     oracle = "mistral" if arch == "llama" and "sliding_window" in trial.hf else arch
     torch_model = make_torch_model(oracle, seed=6, **trial.hf)
     path = tmp_path / "trial.gguf"
     write_gguf(torch_model, arch, path, Q.F32, dict(trial.metadata))
-    by_name = {f.name: f for f in GGUF_KEYS}
-    try:
-        _score_or_refuse(str(path), torch_model)
-    except UnsupportedModelError as err:
-        _named(str(err), names, any(by_name[n].effect is Effect.LIMITED for n in names))
+    if refused:
+        by_name = {f.name: f for f in GGUF_KEYS}
+        _refused_by_accepts(str(path), [by_name[n] for n in names], arch)
+    else:
+        _scores_exactly(str(path), torch_model)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -200,7 +219,7 @@ def test_a_window_is_computed_and_reported(tmp_path):
     served; gRPC and HTTP report the window beside it, and a query longer than the window
     scores as transformers does over both."""
     import httpx
-    from service_testing import server_config
+    from helpers.service import server_config
 
     from prefixscore.client import ScoreClient
     from prefixscore.service.process import ServerThread

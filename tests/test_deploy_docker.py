@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_helpers import DEPLOY, K8S, ROOT, SERVE_COMMAND, missing, run, tool
+from helpers.deploy import DEPLOY, K8S, ROOT, SERVE_COMMAND, deploy_tool_missing, run, tool
 
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 DOCKERIGNORE = DEPLOY / "docker" / "Dockerfile.dockerignore"
@@ -27,7 +27,7 @@ def instructions():
     try:
         import dockerfile
     except ImportError:
-        missing("the `dockerfile` package (BuildKit's Dockerfile parser)")
+        deploy_tool_missing("the `dockerfile` package (BuildKit's Dockerfile parser)")
     return dockerfile.parse_file(str(DOCKERFILE))
 
 
@@ -199,7 +199,7 @@ def test_build_context_installs_the_package(tmp_path):
         "prefixscore/kernels/__init__.py",
         "prefixscore/telemetry/metrics.py",
         "prefixscore/client/__init__.py",
-        "prefixscore/bench/run.py",
+        "prefixscore/bench/command.py",
         "prefixscore/v1/score_service_pb2.py",
     ):
         assert module in names, f"{module} missing from the image's install"

@@ -31,8 +31,20 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import K8S, TOOLS, metric_types, missing, run, service_exposition, tool
-from test_deploy_k8s import by_kind, kustomize, kv, one, versions
+from helpers.deploy import (
+    K8S,
+    TOOLS,
+    by_kind,
+    deploy_tool_missing,
+    kustomize,
+    kv,
+    metric_types,
+    one,
+    run,
+    service_exposition,
+    tool,
+    versions,
+)
 
 from prefixscore import prefix_key
 
@@ -195,7 +207,7 @@ def node_validate(docs: list[dict]) -> tuple[bool, str]:
     """Validate `docs` with the npm packages' schemas (strict, see the module docstring)."""
     for package in ("istio", "gateway-api"):
         if not (MODELS / package).is_dir():
-            missing(f"{MODELS / package}")
+            deploy_tool_missing(f"{MODELS / package}")
     items = [{"doc": d, "schema": NODE_SCHEMAS[(d["apiVersion"], d["kind"])]} for d in docs]
     result = run([tool("node"), "-e", _STRICT_NODE], input=json.dumps(items), env={**os.environ, "MODELS": str(MODELS)})
     assert result.returncode in (0, 1), result.stdout + result.stderr

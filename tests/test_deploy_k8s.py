@@ -13,7 +13,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_helpers import K8S, TOOLS, in_ci, metric_types, missing, run, service_exposition, tool
+from helpers.deploy import (
+    K8S,
+    TOOLS,
+    by_kind,
+    deploy_tool_missing,
+    kustomize,
+    kv,
+    metric_types,
+    one,
+    run,
+    service_exposition,
+    tool,
+    versions,
+)
+from helpers.prerequisites import in_ci
 
 OVERLAYS = ["tpu-v6e-1x1", "tpu-v6e-2x2", "tpu-v6e-2x4", "tpu-v5e-2x2", "tpu-v5e-2x4", "gpu", "gpu-x8", "cpu", "local"]
 # accelerator label value, topology, chips (single-host slices)
@@ -26,17 +40,9 @@ TPU = {
 }
 # the mesh an overlay pins (tp, dp): an 8B model split over a v5e slice, a small one data parallel
 MESHES = {"tpu-v5e-2x2": ("4", "1"), "tpu-v5e-2x4": ("8", "1"), "tpu-v6e-2x2": ("1", "4")}
-# Oldest Kubernetes minor we support (GKE's oldest in standard support) and the newest schema set.
-K8S_VERSIONS = ("1.31.0", "latest")
 HEALTH_SERVICE = "prefixscore.v1.ScoreService"
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 50051, 8080, 9090
 GKE_QUEUE_METRIC = "prometheus.googleapis.com|prefixscore_queue_depth|gauge"
-
-
-def kustomize(path: Path) -> list[dict]:
-    result = run([tool("kubectl"), "kustomize", str(path)])
-    assert result.returncode == 0, f"kubectl kustomize {path} failed:\n{result.stderr}"
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
 @pytest.fixture(scope="module")
@@ -77,28 +83,6 @@ def extra_renders(tmp_path_factory) -> dict[str, list[dict]]:
         )
         out[name] = kustomize(overlay)
     return out
-
-
-def kv():
-    try:
-        import kubernetes_validate
-    except ImportError:
-        missing("the kubernetes-validate package")
-    return kubernetes_validate
-
-
-def versions(kubernetes_validate) -> list[str]:
-    return [kubernetes_validate.utils.latest_version() if v == "latest" else v for v in K8S_VERSIONS]
-
-
-def by_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind]
-
-
-def one(docs: list[dict], kind: str) -> dict:
-    found = by_kind(docs, kind)
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
-    return found[0]
 
 
 def container(docs: list[dict]) -> dict:
@@ -383,7 +367,7 @@ def test_crds_against_the_prometheus_operator_schemas(rendered, extra_renders):
     (npm @kubernetes-models/prometheus-operator, run by node)."""
     package = TOOLS / "deploy-node" / "node_modules" / "@kubernetes-models" / "prometheus-operator"
     if not package.is_dir():
-        missing(f"{package}")
+        deploy_tool_missing(f"{package}")
     node = tool("node")
     renders = {**rendered, **extra_renders}
     docs = [d for _, d in monitors(renders, "ServiceMonitor") + monitors(renders, "PrometheusRule")]
@@ -399,7 +383,7 @@ def test_crds_against_the_prometheus_operator_schemas(rendered, extra_renders):
 
 def test_rule_resources_match_the_rule_files(rendered):
     """GMP Rules and the operator's PrometheusRule carry exactly deploy/prometheus/*.rules.yml."""
-    from deploy_helpers import DEPLOY, load_rules
+    from helpers.deploy import DEPLOY, load_rules
 
     result = run([sys.executable, str(DEPLOY / "prometheus" / "sync_k8s_rules.py"), "--check"])
     assert result.returncode == 0, f"stale: run python deploy/prometheus/sync_k8s_rules.py\n{result.stdout}"
@@ -573,7 +557,7 @@ def test_yaml_and_json_are_clean():
     try:
         import yamllint  # noqa: F401
     except ImportError:
-        missing("the yamllint package")
+        deploy_tool_missing("the yamllint package")
     deploy = K8S.parent
     result = run([sys.executable, "-m", "yamllint", "--strict", "-d", YAMLLINT, str(deploy)])
     assert result.returncode == 0, result.stdout + result.stderr

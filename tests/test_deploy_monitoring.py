@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_helpers import (
+from helpers.deploy import (
     DASHBOARD,
     DEPLOY,
     K8S,
@@ -37,7 +37,6 @@ from deploy_helpers import (
     dashboard_queries,
     load_dashboard,
     load_rules,
-    missing,
     referenced_series,
     run,
     sample_names,
@@ -46,6 +45,7 @@ from deploy_helpers import (
     tool,
     with_bool,
 )
+from helpers.prerequisites import missing
 
 RULE_TESTS = sorted((DEPLOY / "prometheus" / "tests").glob("*.test.yml"))
 SCRAPE_LABELS = {"cluster": "e2e", "namespace": "prefixscore-e2e", "pod": "prefixscore-e2e-0"}
@@ -191,7 +191,7 @@ def http_get(url: str, timeout: float = 10) -> bytes:
 def serve_binary() -> str:
     path = Path(sys.executable).parent / SERVE_COMMAND[0]
     if not path.is_file():
-        missing(f"the `{SERVE_COMMAND[0]}` command (pip install -e .)")
+        missing(f"the `{SERVE_COMMAND[0]}` command", "pip install -e .")
     return str(path)
 
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from helpers.service import LABELS, scrape, server_config, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from service_testing import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import BatchRefused, retry_after_ms
 from prefixscore.service.process import ServerThread
@@ -195,7 +195,7 @@ def test_a_request_that_fails_calls_fails_alone(server, stub, tiny_scorer, monke
     launch, carried = engine.launch, []
 
     def faulty(plan):
-        requests = {root(span.ref).prefix for span in plan.spans}
+        requests = {root(span.ref).payload.prefix for span in plan.spans}
         carried.append(len(requests))
         if culprit not in requests:
             return launch(plan)
@@ -255,7 +255,7 @@ def test_a_request_that_fails_calls_fails_alone(server, stub, tiny_scorer, monke
 def test_a_device_whose_calls_keep_failing_goes_not_serving(tiny_scorer):
     """Every call fails, whatever it carries: after MAX_FAILED_CALLS_IN_A_ROW the loop stops,
     every request is answered (none left hanging) and the process exits 1."""
-    from prefixscore.engine.device_loop import MAX_FAILED_CALLS_IN_A_ROW
+    from prefixscore.engine.recovery import MAX_FAILED_CALLS_IN_A_ROW
 
     srv = ServerThread(server_config(tiny_scorer, metrics_port=None)).start()
     try:

@@ -11,7 +11,6 @@ import io
 import json
 import logging
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,10 +18,11 @@ import cohere
 import grpc
 import httpx
 import pytest
-from service_testing import scrape, server_config
+from helpers import tools
+from helpers.service import scrape, server_config
 
 from prefixscore.client import ScoreClient
-from prefixscore.service.http_api import RerankResponse
+from prefixscore.service.http_schemas import RerankResponse
 from prefixscore.service.process import ServerThread
 from prefixscore.telemetry import logs
 from prefixscore.v1 import score_service_pb2 as pb
@@ -134,7 +134,7 @@ def test_http_and_grpc_items_share_device_calls(server, http, grpc_client):
 
 
 def wait_queued(server, items: int) -> None:
-    from service_testing import wait_for
+    from helpers.service import wait_for
 
     wait_for(lambda: server.server.service.worker.depth >= items, what=f"{items} items queued")
 
@@ -301,14 +301,15 @@ def readme_curl_commands() -> list[str]:
     return ["curl " + c for c in commands]
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_readme_curl_commands_work(server):
+    curl = tools.curl()
     commands = readme_curl_commands()
     assert [shlex.split(c)[2].rsplit("/", 2)[-2:] for c in commands] == [["v1", "score"], ["v1", "rerank"]]
     port = str(server.server.http_port)
     outputs = []
     for command in commands:
         argv = [a.replace("localhost:8000", f"127.0.0.1:{port}") for a in shlex.split(command)]
+        argv[0] = curl
         outputs.append(json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout))
     scored, reranked = outputs
     assert scored["object"] == "scoring" and len(scored["scores"]) == 3

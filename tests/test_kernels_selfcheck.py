@@ -53,7 +53,7 @@ def test_implementations_pass(impl: str, shape: tuple[int, int, int], dtype: str
 
 
 def test_a_wrong_merge_is_caught():
-    import broken_attention
+    from helpers import broken_attention
 
     errors = selfcheck.check(broken_attention, *BENCH_CPU, "float32")
     assert set(errors) == CALLS
@@ -74,7 +74,7 @@ def test_nan_fails():
 
 
 def test_server_with_wrong_kernels_never_serves(monkeypatch):
-    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "broken", "broken_attention")
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "broken", "helpers.broken_attention")
     loaded = load_model("tiny-qwen3", "float32")
     engine = ScoringEngine(loaded.cfg, loaded.params, "float32", SMALL_BUCKETS, attn_impl="broken")
     assert engine.attn_impl == "broken" and engine.segment_align == xla.SEGMENT_ALIGN

@@ -64,7 +64,8 @@ PLANTED = [
     ("client/planted.py", "from prefixscore.service import core", "the client needs only"),
     ("telemetry/planted.py", "from prefixscore.engine import batcher", "telemetry imports no other part"),
     ("prefix_key_planted.py", None, "the leaf modules import nothing"),
-    ("service/planted.py", None, "the two transports never import each other"),
+    ("service/planted.py", None, "the two transports never import each other: HTTP imports no gRPC"),
+    ("service/planted_grpc.py", None, "the two transports never import each other: gRPC imports no HTTP"),
 ]
 
 
@@ -75,10 +76,14 @@ def test_a_planted_upward_import_breaks_its_contract(tree_copy: Path, where: str
         target = package / "prefix_key.py"
         original = target.read_text()
         target.write_text(original + "\nfrom prefixscore.engine import buckets  # noqa\n")
-    elif where == "service/planted.py":  # the HTTP API gains an import of the gRPC server
-        target = package / "service" / "http_api.py"
+    elif where == "service/planted.py":  # an HTTP module gains an import of the gRPC wire mapping
+        target = package / "service" / "http_bodies.py"
         original = target.read_text()
-        target.write_text(original + "\nfrom prefixscore.service import server  # noqa\n")
+        target.write_text(original + "\nfrom prefixscore.service import wire  # noqa\n")
+    elif where == "service/planted_grpc.py":  # the gRPC server gains an import of the HTTP schemas
+        target = package / "service" / "server.py"
+        original = target.read_text()
+        target.write_text(original + "\nfrom prefixscore.service import http_schemas  # noqa\n")
     else:
         target, original = package / where, None
         target.write_text(line + "\n")

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_testing import LABELS, scrape, server_config, wait_for
+from helpers.service import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import AsyncScoreClient, AsyncScoreStream
 from prefixscore.client.score_client import stream_open

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import SMALL_BUCKETS
-from service_testing import scrape, server_config, wait_for
+from helpers.service import scrape, server_config, wait_for
 
 from prefixscore.service.core import ServerConfig
 from prefixscore.service.process import ServerThread

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from service_testing import server_config
+from helpers.service import server_config
 
 from prefixscore import CrossEncoder
 from prefixscore.service.process import ServerThread

@@ -9,7 +9,7 @@ import math
 import random
 
 import pytest
-from service_testing import server_config
+from helpers.service import server_config
 
 from prefixscore.cli import main
 from prefixscore.offline import trec

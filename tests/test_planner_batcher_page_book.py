@@ -7,11 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from prefixscore.engine.batcher import Batcher, WorkUnit, take_results
+from prefixscore.engine.batcher import Batcher, take_results
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.planner import CallBuilder
 from prefixscore.engine.prefix_cache import PoolExhausted, PrefixCache
 from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.validation import TokenizedRequest
+from prefixscore.engine.work_unit import Ticket, WorkUnit
 
 BUCKETS = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256, page_tokens=128)
 POOL_PAGES = 64
@@ -23,10 +25,11 @@ def setup(devices: int = 1, align: int = 1) -> tuple[Batcher, PrefixCache]:
     return batcher, cache
 
 
-def unit(cache, prefix=(1, 2, 3), lengths=(3,), labels=(5, 6), softmax=False, item_first=False, **kw) -> WorkUnit:
-    u = WorkUnit(tuple(prefix), [[7] * n for n in lengths], tuple(labels), softmax, item_first, **kw)
+def unit(cache, prefix=(1, 2, 3), lengths=(3,), labels=(5, 6), softmax=False, item_first=False, **ticket) -> WorkUnit:
+    req = TokenizedRequest(tuple(prefix), [[7] * n for n in lengths], tuple(labels), softmax, item_first)
+    u = WorkUnit(req, Ticket(**ticket))
     if not item_first:
-        u.entry, _ = cache.acquire(u.prefix)
+        u.pin.entry, _ = cache.acquire(u.payload.prefix)
     return u
 
 
@@ -69,12 +72,12 @@ def test_chunks_before_items_and_a_long_query_spans_calls():
     short = unit(cache, prefix=(8,) * 10, lengths=(2,))
     b.add(short)
     first = b.next_call()
-    assert first.plan.chunks == 2 and long_one.entry.written == 128 and short.entry.ready
+    assert first.plan.chunks == 2 and long_one.pin.entry.written == 128 and short.pin.entry.ready
     assert units_of(first) == [short]
     second = b.next_call()
-    assert second.plan.chunks == 2 and not units_of(second) and long_one.entry.written == 384
+    assert second.plan.chunks == 2 and not units_of(second) and long_one.pin.entry.written == 384
     third = b.next_call()
-    assert third.plan.chunks == 2 and long_one.entry.written == 600 and units_of(third) == [long_one]
+    assert third.plan.chunks == 2 and long_one.pin.entry.written == 600 and units_of(third) == [long_one]
     positions = third.plan.inputs.prefill.positions[0]  # one device: one prefill stream
     assert positions.max() == 599
 
@@ -85,7 +88,7 @@ def test_prefill_chunk_layout_writes_its_pages():
     b.add(u)
     call = b.next_call()
     pre = jax.tree.map(lambda a: a[0], call.plan.inputs.prefill)  # one device: one prefill stream
-    pages = u.entry.pages
+    pages = u.pin.entry.pages
     real = pre.write_pages < POOL_PAGES
     assert real.sum() == 200  # every query token written once, padding dropped
     np.testing.assert_array_equal(pre.positions[real], np.arange(200))
@@ -240,7 +243,7 @@ def _plans(batcher: Batcher) -> list[tuple]:
     """Every call the queue becomes: its shape and, per span, (unit, first item, count, row)."""
     out = []
     while (call := batcher.next_call()) is not None:
-        out.append((call.plan.shape, [(s.ref.seq, s.first, s.count, s.row) for s in call.plan.spans]))
+        out.append((call.plan.shape, [(s.ref.progress.seq, s.first, s.count, s.row) for s in call.plan.spans]))
     return out
 
 
@@ -300,7 +303,7 @@ def test_an_earlier_segment_growing_is_appended_not_laid_out_again():
     first = unit(cache, prefix=(1,) * 30, lengths=(4, 5))
     other = unit(cache, prefix=(2,) * 20, lengths=(3,))
     again = unit(cache, prefix=(1,) * 30, lengths=(6,))
-    assert again.entry is first.entry
+    assert again.pin.entry is first.pin.entry
     for u in (first, other, again):
         b.add(u)
     call = b.next_call()
@@ -352,7 +355,7 @@ def test_spans_cover_every_item_once_across_devices():
             seen[id(span.ref)] += range(span.first, span.first + span.count)
             dev, row = divmod(span.row, call.plan.shape.rows)
             for k in range(span.count):  # each row's last token is its item's last token
-                n = len(span.ref.items[span.first + k])
+                n = len(span.ref.payload.items[span.first + k])
                 at = items.read_at[dev, row + k] - call.plan.inputs.prefill.tokens.shape[1]
                 assert items.item_ids[dev, at] == row + k and items.positions[dev, at] == 10 + n - 1
     assert all(sorted(v) == list(range(12)) for v in seen.values())
@@ -368,14 +371,14 @@ def test_results_split_per_span_and_a_nan_fails_only_its_request():
     out[:3, :2] = [[0.1, 0.2], [0.3, 0.4], [np.nan, 0.5]]
     complete, broken = take_results(call, out)
     assert complete == [good] and broken == [bad]
-    np.testing.assert_array_equal(good.scores, np.float32([[0.1, 0.2], [0.3, 0.4]]))
+    np.testing.assert_array_equal(good.reply.scores, np.float32([[0.1, 0.2], [0.3, 0.4]]))
 
 
 # ---- isolation: what a failed call's work becomes (engine/isolation.py) ----------------------------
 def _failed_call(batcher, units, group=None):
     """The call the batcher plans for `units` (their queries prefilled), as if it failed."""
     for u in units:
-        u.entry.written = len(u.entry.tokens)
+        u.pin.entry.written = len(u.pin.entry.tokens)
         batcher.add(u)
     call = batcher.next_call()
     call.group = group

@@ -19,20 +19,17 @@ import grpc
 import httpx
 import pytest
 import yaml
-from conftest import SMALL_BUCKETS
-from service_testing import LABELS, server_config, wait_for
+from helpers.service import ITEMS, LABELS, server_config, serving_replicas, wait_for
 
 from prefixscore import prefix_key
 from prefixscore.bench.cluster import envoy_binary, loopback_renderer
 from prefixscore.client import ScoreClient
-from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.service.process import ServerThread
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_DIR = ROOT / "deploy" / "envoy"
-ITEMS = [[7, 8, 9], [100, 101], [250, 251, 252, 253]]
 DOCS = ["Paris is the capital of France.", "The Seine flows through Paris.", "Bananas are yellow."]
 
 
@@ -162,21 +159,6 @@ def render_for_loopback(
 
 
 @contextlib.contextmanager
-def serving_replicas(scorer, n: int = 3) -> Iterator[list[ServerThread]]:
-    """`n` replicas of tiny-qwen3, each with its own engine and prefix pool."""
-    m = scorer.model
-    servers: list[ServerThread] = []
-    try:
-        for _ in range(n):
-            engine = ScoringEngine(m.cfg, m.params, m.dtype, SMALL_BUCKETS)
-            servers.append(ServerThread(server_config(scorer, engine=engine, http_port=0)).start())
-        yield servers
-    finally:
-        for srv in servers:
-            srv.stop()
-
-
-@contextlib.contextmanager
 def envoy_in_front(
     replicas: list[ServerThread], tmp: Path, grpc_ports: list[int] | None = None, balance: str = "envoy.yaml"
 ) -> Iterator[dict[str, int]]:
@@ -251,7 +233,7 @@ def test_bench_w5_through_envoy_affinity_against_no_key(replicas, envoy, tmp_pat
     together can pass Envoy's load bound and spill to a second replica (a miss), by design."""
     import argparse
 
-    from prefixscore.bench import run as bench
+    from prefixscore.bench import command as bench
 
     parser = argparse.ArgumentParser(prog="prefixscore")
     bench.register(parser.add_subparsers(dest="command"))
@@ -504,8 +486,7 @@ def test_the_kustomize_component_runs_this_configuration(tmp_path) -> None:
     the Kubernetes schemas (strict), its ConfigMap carries deploy/envoy's files as they are, the
     configuration reaches the base's headless Service on the server's ports, and Envoy itself
     accepts it (`envoy --mode validate`) with the Lua file where the pod mounts it."""
-    from deploy_helpers import K8S
-    from test_deploy_k8s import by_kind, kustomize, kv, versions
+    from helpers.deploy import K8S, by_kind, kustomize, kv, versions
 
     (tmp_path / "k8s").symlink_to(K8S)
     overlay = tmp_path / "combo"

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from helpers import tools
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "protos"
 PACKAGE_DIR = PROTO_DIR / "prefixscore" / "v1"
-TOOLS_DIR = Path(os.environ.get("PREFIXSCORE_TOOLS", Path.home() / ".cache/prefixscore/tools"))
-TOOLS_BUF = TOOLS_DIR / "node_modules/.bin/buf"
 
 # lines that carry the generator's version, not the API: compared without the numbers
 VERSION_PATTERNS = [
@@ -56,17 +52,8 @@ def test_committed_stubs_match_the_proto(tmp_path):
         )
 
 
-def _buf() -> str | None:
-    for candidate in (os.environ.get("PREFIXSCORE_BUF"), str(TOOLS_BUF), shutil.which("buf")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
 def test_buf_lint_is_clean():
-    buf = _buf()
-    if buf is None:
-        pytest.skip("buf is not installed: run `bash .ci/proto-tools.sh` (CI does)")
+    buf = tools.buf()
     result = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     listed = subprocess.run([buf, "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout

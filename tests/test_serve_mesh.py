@@ -11,7 +11,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from service_testing import LABELS, scrape, serve_process, wait_for
+from helpers.service import LABELS, scrape, serve_process, wait_for
 
 from prefixscore.client import ScoreClient
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from service_testing import LABELS, scrape, server_config, wait_for
+from helpers.service import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import AsyncScoreClient, BatchRefused, ScoreClient, retry_after_ms
 from prefixscore.engine.scoring_engine import ScoringEngine
@@ -177,7 +177,7 @@ def test_one_call_is_answered_in_one_hand_off_to_the_event_loop(server, monkeypa
     deliver = worker._deliver
 
     def recording(units):
-        handed.append([u.method for u in units])
+        handed.append([u.ticket.method for u in units])
         deliver(units)
 
     monkeypatch.setattr(worker, "_deliver", recording)

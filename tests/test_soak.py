@@ -7,9 +7,9 @@ import json
 
 import numpy as np
 import pytest
-from test_bench import parse
+from helpers.bench import parse
 
-from prefixscore.bench import run as bench
+from prefixscore.bench import command as bench
 from prefixscore.bench import soak
 
 # W2 as small as it goes: the 2 cores of CI keep up with 4 clients and the windows fill with requests

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import SMALL_BUCKETS
-from service_testing import LABELS, scrape, server_config, wait_for
+from helpers.service import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import ScoreClient
 from prefixscore.engine import compile_cache

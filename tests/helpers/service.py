@@ -1,19 +1,26 @@
-"""Helpers for the gRPC service tests (imported by tests/test_service_*.py and tests/test_cli*.py)."""
+"""Serving in tests: in-process servers and replicas over a tiny model, `prefixscore serve` as a
+subprocess, scraping its metrics, and waiting for a condition."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from prefixscore.bench import run as bench
+from conftest import SMALL_BUCKETS
+
+from prefixscore.bench import metrics
+from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.service.core import ServerConfig
+from prefixscore.service.process import ServerThread
 
 LABELS = [28, 1017]  # two token ids of the tiny-qwen3 (SmolLM2) vocabulary
+ITEMS = [[7, 8, 9], [100, 101], [250, 251, 252, 253]]  # three items of token ids, of three lengths
 # `prefixscore serve` of tiny-qwen3 on free loopback ports, small buckets, no warm-up: up in seconds
 SERVE = [
     "--model",
@@ -45,9 +52,24 @@ def server_config(scorer, **overrides) -> ServerConfig:
     return ServerConfig(**{**base, **overrides})
 
 
+@contextlib.contextmanager
+def serving_replicas(scorer, n: int = 3) -> Iterator[list[ServerThread]]:
+    """`n` replicas of the scorer's model, each with its own engine and prefix pool."""
+    m = scorer.model
+    servers: list[ServerThread] = []
+    try:
+        for _ in range(n):
+            engine = ScoringEngine(m.cfg, m.params, m.dtype, SMALL_BUCKETS)
+            servers.append(ServerThread(server_config(scorer, engine=engine, http_port=0)).start())
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
 def scrape(port: int) -> dict[str, float]:
     """GET /metrics -> {"name{label=value,...}": value} for every sample."""
-    return bench.scrape(f"127.0.0.1:{port}")
+    return metrics.scrape(f"127.0.0.1:{port}")
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> object:

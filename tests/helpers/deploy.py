@@ -1,8 +1,9 @@
-"""Shared by tests/test_deploy_*.py: where deploy/ lives, the external tools the deploy tests
-run (installed by `.ci/deploy-tools.sh`), and metric names referenced by PromQL.
+"""Shared by tests/test_deploy_*.py (and the prefix-affinity component's test): where deploy/
+lives, the external tools the deploy tests run (installed by `.ci/deploy-tools.sh`), rendering
+and validating the Kubernetes manifests, and metric names referenced by PromQL.
 
 A missing tool skips a test on a developer's machine but fails it in CI (CI=true): nothing
-that CI is meant to check may silently not run.
+that CI is meant to check may silently not run (helpers/prerequisites.py).
 """
 
 from __future__ import annotations
@@ -14,31 +15,29 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NoReturn
 
-import pytest
+import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from .prerequisites import missing
+
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 RULE_FILES = sorted((DEPLOY / "prometheus").glob("*.rules.yml"))
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "prefixscore.json"
 TOOLS = Path(os.environ.get("PREFIXSCORE_TOOLS") or Path.home() / ".cache" / "prefixscore" / "tools")
 INSTALL_HINT = "run `bash .ci/deploy-tools.sh`"
+# Oldest Kubernetes minor we support (GKE's oldest in standard support) and the newest schema set.
+K8S_VERSIONS = ("1.31.0", "latest")
 
 # The command the image's ENTRYPOINT runs and the end-to-end test starts.
 SERVE_COMMAND = ("prefixscore", "serve")
 
 
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
-
-
-def missing(what: str) -> None:
-    """Skip locally, fail in CI."""
-    message = f"{what} is not available ({INSTALL_HINT})"
-    if in_ci():
-        pytest.fail(message)
-    pytest.skip(message)
+def deploy_tool_missing(what: str) -> NoReturn:
+    """A tool or package `.ci/deploy-tools.sh` installs is absent: skip locally, fail in CI."""
+    missing(what, INSTALL_HINT)
 
 
 def tool(name: str) -> str:
@@ -49,12 +48,43 @@ def tool(name: str) -> str:
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
             return candidate
-    missing(f"`{name}`")
-    raise AssertionError("unreachable")
+    deploy_tool_missing(f"`{name}`")
 
 
 def run(cmd: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+# ---- rendered manifests ----------------------------------------------------------------
+def kustomize(path: Path) -> list[dict]:
+    """`kubectl kustomize PATH`: the documents it renders."""
+    result = run([tool("kubectl"), "kustomize", str(path)])
+    assert result.returncode == 0, f"kubectl kustomize {path} failed:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def kv():
+    """The kubernetes_validate module (the Kubernetes JSON schemas)."""
+    try:
+        import kubernetes_validate
+    except ImportError:
+        deploy_tool_missing("the kubernetes-validate package")
+    return kubernetes_validate
+
+
+def versions(kubernetes_validate) -> list[str]:
+    """K8S_VERSIONS with "latest" resolved to the newest schema set the package has."""
+    return [kubernetes_validate.utils.latest_version() if v == "latest" else v for v in K8S_VERSIONS]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
 
 
 # ---- metric names in PromQL ----------------------------------------------------------
@@ -120,8 +150,6 @@ def service_exposition() -> str:
 
 # ---- rules and dashboard -------------------------------------------------------------
 def load_rules() -> list[dict]:
-    import yaml
-
     rules = []
     for path in RULE_FILES:
         for group in yaml.safe_load(path.read_text())["groups"]:

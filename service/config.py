@@ -1,0 +1,192 @@
+"""`ServerConfig`: everything `prefixscore serve` can set, each field's default and its flag.
+
+The CLI's `serve` flags are derived from these fields (cli.py `add_config_flags`): the flag's
+name, its environment variable (PREFIXSCORE_<NAME>), its type, its choices and its default
+come from here, so a default is stated once. This module imports nothing heavy (no JAX, no
+gRPC): the CLI reads it for every subcommand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prefixscore.engine.templates import DEFAULT_TEMPLATE, TEMPLATES
+from prefixscore.model.presets import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.build import EngineSpec
+    from prefixscore.engine.scoring_engine import ScoringEngine
+    from prefixscore.model.loader import LoadedModel
+
+# `--dtype`'s choices: the names of model/config.DTYPES (tests/test_cli_serve.py checks they agree)
+DTYPE_NAMES = ("float32", "bfloat16")
+
+
+def parse_bool(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def parse_port_or_off(text: str) -> int | None:
+    """A port, 0 for any free one, or off (None)."""
+    return None if text.strip().lower() in ("off", "none", "-1") else int(text)
+
+
+def parse_list(text: str) -> tuple[str, ...]:
+    """A comma-separated list (an environment variable's spelling of a repeated flag)."""
+    return tuple(part for part in text.split(",") if part)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How a ServerConfig field is set from the command line and the environment."""
+
+    help: str
+    parse: Callable[[str], Any]  # the text of a flag or an environment variable -> the value
+    name: str = ""  # the flag without its dashes; "": the field's name with dashes
+    env: str = ""  # the environment variable after PREFIXSCORE_; "": the flag's name in capitals
+    choices: tuple[str, ...] | None = None
+    nargs: str | None = None  # "+": the flag takes several values (a tuple field)
+    # the flag's unit against the field's, e.g. milliseconds for a field in seconds: field = flag * scale
+    scale: float = 1.0
+
+    def flag_name(self, field: str) -> str:
+        return "--" + (self.name or field.replace("_", "-"))
+
+    def env_name(self, field: str) -> str:
+        return "PREFIXSCORE_" + (self.env or self.flag_name(field)[2:].replace("-", "_").upper())
+
+
+def _flag(default: Any, help: str, parse: Callable[[str], Any] = str, **how: Any) -> Any:
+    """A ServerConfig field with its default and its flag (see Flag)."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, parse, **how)})
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Everything `prefixscore serve` can set; each field with a Flag is a `serve` flag."""
+
+    model: str = _flag(DEFAULT_MODEL, "preset, local HF directory, .gguf file or hub id")
+    dtype: str = _flag("float32", "the weights' and the pool's dtype", choices=DTYPE_NAMES)
+    host: str = _flag("0.0.0.0", "address the gRPC (and HTTP) server binds")
+    port: int = _flag(50051, "gRPC port; 0 picks a free one", int)  # 0: see ScoreServer.port
+    metrics_port: int | None = _flag(
+        9090, "Prometheus /metrics port; 0 picks a free one, 'off' disables", parse_port_or_off
+    )
+    http_port: int | None = _flag(
+        None,
+        "HTTP API port (/v1/score, /v1/rerank, /v1/classify, /v1/models, /health, /ready); 0 picks a free one; "
+        "'off' (the default) disables",
+        parse_port_or_off,
+    )
+    template: str = _flag(DEFAULT_TEMPLATE, "reranker prompt template of Rerank and /v1/rerank", choices=TEMPLATES)
+    classify_labels: tuple[str, ...] = _flag(
+        (),
+        "a causal LM's /v1/classify labels: label strings, one token each (their softmax is each input's "
+        "probs); a classifier model needs none (environment: comma-separated)",
+        parse_list,
+        nargs="+",
+    )
+    max_queue_items: int = _flag(65_536, "items waiting for the device before RESOURCE_EXHAUSTED", int)
+    max_items: int = _flag(10_000, "items per request or stream batch", int)
+    pool_bytes: int | None = _flag(
+        None,
+        "bytes of the prefix pool on each device (query KV pages, allocated once); default: "
+        "--pool-memory-fraction of the device memory left after the weights, or 1 GiB on CPU, "
+        "at most 64 full contexts",
+        int,
+    )
+    pool_memory_fraction: float = _flag(0.5, "share of the free device memory the prefix pool takes", float)
+    compile_cache: str | None = _flag(
+        None,
+        "persistent XLA compilation cache directory; 'off' disables (default: ~/.cache/prefixscore/jax)",
+        env="COMPILE_CACHE_DIR",
+    )
+    drain_seconds: float = _flag(30.0, "on SIGTERM, how long in-flight RPCs may finish", float)
+    warmup: bool = _flag(True, "compile every shape bucket before SERVING", parse_bool)
+    serve_early: bool = _flag(
+        True,
+        "with --warmup: SERVING once the smallest shapes are compiled, the rest compiled in the background "
+        "and used as each is ready; false: all before SERVING",
+        parse_bool,
+    )
+    # None: the engine's default for the model's context; or a function of the context (the
+    # CLI's --max-batch-tokens and --max-prefill-tokens make one)
+    buckets: Buckets | Callable[[int], Buckets] | None = None
+    attn_impl: str | None = _flag(None, "attention implementation (default: the backend's)", name="attention")
+    # the device mesh (engine/mesh.py): devices on the model axis (tensor parallel) and the data
+    # axis (replicas); None: chosen (the smallest model axis the weights fit, the rest data)
+    tp_size: int | None = _flag(
+        None,
+        "devices on the mesh's model axis (tensor parallel: each holds 1/tp of the heads, MLP, "
+        "vocabulary and pool); default: the smallest the weights fit with room for the pool",
+        int,
+    )
+    dp_size: int | None = _flag(None, "devices on the mesh's data axis (replicas); default: the devices left", int)
+    batch_wait_s: float = _flag(
+        0.0,
+        "milliseconds to wait before an idle device's first batch so more requests join it",
+        float,
+        name="batch-wait-ms",
+        scale=1e-3,
+    )
+    # ---- limits against careless or hostile clients (docs/operations.md) ----
+    max_message_bytes: int = _flag(64 << 20, "bytes of one gRPC message or HTTP request body", int)
+    max_queue_tokens: int = _flag(1 << 22, "item tokens waiting for the device before RESOURCE_EXHAUSTED", int)
+    max_request_tokens: int = _flag(1 << 20, "tokens of one request or stream batch (query + items)", int)
+    # each ScoreStream pins its query; past it RESOURCE_EXHAUSTED
+    max_streams: int = _flag(256, "ScoreStreams open at once", int)
+    max_concurrent_rpcs: int = _flag(1024, "RPCs in progress at once, health included", int)
+    stream_idle_timeout_s: float = _flag(
+        120.0, "seconds a stream may neither send nor read before it is ended", float, name="stream-idle-timeout"
+    )
+    max_pending_batches: int = _flag(
+        32, "batches of a stream accepted but not yet sent back before its reads pause", int
+    )
+    keepalive_time_s: float = _flag(
+        60.0, "seconds between keepalive pings of idle connections", float, name="keepalive-time"
+    )
+    keepalive_timeout_s: float = _flag(
+        20.0, "seconds a ping may go unanswered before the connection is closed", float, name="keepalive-timeout"
+    )
+    max_connection_idle_s: float = _flag(
+        600.0, "seconds a connection may have no calls", float, name="max-connection-idle"
+    )
+    max_connection_age_s: float = _flag(
+        3600.0, "seconds before a connection is recycled (GOAWAY), to rebalance", float, name="max-connection-age"
+    )
+    max_connection_age_grace_s: float = _flag(
+        60.0, "seconds calls may finish after that", float, name="max-connection-age-grace"
+    )
+    # ---- security ----
+    metrics_host: str | None = _flag(None, "address the metrics endpoint binds (default: --host)")
+    reflection: bool = _flag(False, "serve gRPC reflection (grpcurl without the .proto)", parse_bool)
+    tls_cert: str | None = _flag(None, "server certificate (PEM); with --tls-key, TLS only (reloaded on change)")
+    tls_key: str | None = _flag(None, "its private key (PEM)")
+    tls_client_ca: str | None = _flag(None, "CA (PEM) client certificates must be signed by: mutual TLS")
+    auth_tokens_file: str | None = _flag(None, "accepted bearer tokens, one a line; every call but health needs one")
+    loaded: LoadedModel | None = None  # a model already in memory (tests, embedding): `model` is not loaded
+    engine: ScoringEngine | None = None  # with `loaded`: an engine already built (and compiled) for it
+
+    def engine_spec(self) -> EngineSpec:
+        """The engine this configuration serves (engine/build.py)."""
+        from prefixscore.engine.build import EngineSpec
+
+        return EngineSpec(
+            self.model,
+            self.dtype,
+            self.buckets,
+            self.attn_impl,
+            tp_size=self.tp_size,
+            dp_size=self.dp_size,
+            pool_bytes=self.pool_bytes,
+            pool_memory_fraction=self.pool_memory_fraction,
+            compile_cache=self.compile_cache,
+        )
+
+
+def flag_fields() -> list[tuple[dataclasses.Field, Flag]]:
+    """ServerConfig's fields that are `serve` flags, in order, with their Flag."""
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(ServerConfig) if "flag" in f.metadata]

@@ -1,0 +1,224 @@
+"""The HTTP API's JSON bodies as pydantic models: SGLang's /v1/score, the Cohere/Jina/vLLM
+rerank shape, vLLM's and SGLang's /v1/classify, /v1/models, the probes and SGLang's error
+body. The routes (service/http_api.py) declare them, so they are also the OpenAPI document's
+schemas; `prefixscore batch` (offline/) validates its lines with the same models."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ErrorResponse(BaseModel):
+    """SGLang's (and vLLM's) error body."""
+
+    object: Literal["error"] = "error"
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ScoringRequest(BaseModel):
+    """SGLang's /v1/score request, field for field, plus prefixscore's options (all optional)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    query: str | list[int] | None = Field(None, description="Query text or token ids.")
+    items: str | list[str] | list[list[int]] | None = Field(
+        None, description="Item text(s) or token-id lists; a single string is one item."
+    )
+    label_token_ids: list[int] | None = Field(None, description="Token ids whose next-token probability is returned.")
+    apply_softmax: bool = Field(False, description="Softmax over the label logits only (else full vocabulary).")
+    item_first: bool = Field(False, description="Score item + query instead of query + item.")
+    model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
+    labels: list[str] | None = Field(None, description="Label strings (one token each) instead of label_token_ids.")
+    truncate: Literal["none", "end"] = Field(
+        "none", description="An item too long for the context: 'none' rejects (SGLang), 'end' keeps its start."
+    )
+    query_truncation: Literal["none", "left", "right"] = Field(
+        "none", description="A query over max_query_tokens (or the context): 'left' keeps its end, 'right' its start."
+    )
+    max_query_tokens: int | None = Field(None, ge=0, description="With query_truncation: the most query tokens kept.")
+    check_tokenization: bool = Field(
+        False,
+        description="Text inputs: report per item whether tokenizing query + item as one string (as SGLang does) "
+        "gives other tokens than prefixscore's separate tokenization.",
+    )
+    messages: list[dict[str, Any]] | None = Field(
+        None,
+        description="Instead of query: a conversation; each item is a candidate next assistant turn (a reward "
+        "model's candidates), rendered by the model's chat template. The conversation is the shared prefix.",
+    )
+    activation: Literal["auto", "none", "sigmoid", "softmax"] | None = Field(
+        None,
+        description="A classifier model (see /v1/models `head`): its logits as they are ('none'), each label's "
+        "sigmoid, or their softmax; 'auto' (default): sigmoid for one label, softmax for several. Send no "
+        "label_token_ids to a classifier.",
+    )
+
+
+class CachedTokens(BaseModel):
+    cached_tokens: int
+
+
+class ScoringUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: CachedTokens
+    items: int
+    truncated_query_tokens: int
+    truncated_items: list[int]
+    truncated_item_tokens: int
+
+
+class ScoringResponse(BaseModel):
+    """SGLang's /v1/score response."""
+
+    scores: list[list[float]]
+    model: str
+    usage: ScoringUsage | None = None
+    object: Literal["scoring"] = "scoring"
+    joined_tokenization_differs: list[bool] | None = None
+    label_names: list[str] | None = None  # a classifier: the name of each score column
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="allow")  # Cohere/Jina document objects may carry more fields
+
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """Cohere / Jina / vLLM rerank request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(None, ge=0, description="Return the top_n most relevant documents (0 or absent: all).")
+    return_documents: bool = Field(True, description="Echo each document in its result.")
+    max_tokens_per_doc: int | None = Field(None, ge=0, description="Cut each document to this many tokens.")
+    instruction: str | None = Field(None, description="The template's task instruction (default: web search).")
+    truncate: Literal["none", "end"] = Field("end", description="A document too long to fit: 'end' cuts it.")
+    check_tokenization: bool = False
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+    joined_tokenization_differs: bool | None = None
+
+
+class RerankUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    cached_tokens: int
+    documents: int
+    truncated_documents: list[int]
+    truncated_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefixscore"
+    max_model_len: int  # the longest query + item served
+    # the sliding layers' attention window (None: no layer slides)
+    sliding_window: int | None = None
+    max_position_embeddings: int  # what the model's configuration declares
+    # the device mesh: devices on the model axis (tensor parallel) and the data axis (replicas)
+    tp_size: int
+    dp_size: int
+    template: str | None = None
+    # the output head: causal_lm (label tokens' probabilities) or sequence_classification
+    head: str
+    label_names: list[str] | None = None  # a classifier's labels (id2label), in score column order
+
+
+class ClassifyRequest(BaseModel):
+    """vLLM's and SGLang's /v1/classify request, plus prefixscore's `activation`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
+    input: str | list[str] | list[int] | list[list[int]] | None = Field(
+        None, description="Text(s) or token ids to classify; inputs sharing a leading run of tokens share its prefill."
+    )
+    messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = Field(
+        None,
+        description="Instead of input: a conversation (vLLM's chat form), or several (one result each; e.g. one "
+        "conversation with each candidate assistant turn), rendered by the model's chat template.",
+    )
+    truncate_prompt_tokens: int | None = Field(None, description="Keep each input's last n tokens (-1: all that fit).")
+    user: str | None = Field(None, description="Accepted and ignored (OpenAI's end-user id).")
+    use_activation: bool | None = Field(None, description="vLLM's: false returns raw logits (activation 'none').")
+    activation: Literal["auto", "none", "sigmoid", "softmax"] | None = Field(
+        None, description="As in /v1/score: a classifier's activation (default auto)."
+    )
+
+
+class ClassifyData(BaseModel):
+    index: int
+    label: str  # the label of the highest output
+    probs: list[float]  # one per label, in label order
+    num_classes: int
+
+
+class ClassifyUsage(BaseModel):
+    prompt_tokens: int  # every input whole, as a plain forward pass of each would see it
+    total_tokens: int
+    completion_tokens: int = 0
+    # the inputs' shared leading tokens (start tokens included, whole pool pages), prefilled once
+    # for all of them rather than once per input
+    prefix_tokens: int
+    prompt_tokens_details: CachedTokens  # of prefix_tokens, those already in the prefix cache
+    truncated_inputs: list[int]  # indices of the inputs truncate_prompt_tokens cut
+
+
+class ClassifyResponse(BaseModel):
+    """vLLM's and SGLang's /v1/classify response."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassifyData]
+    usage: ClassifyUsage
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Status(BaseModel):
+    status: str
+    # /ready: device call shapes compiled so far, of those warm-up compiles (the rest compile in
+    # the background while requests are served in the compiled ones)
+    call_shapes_ready: int | None = None
+    call_shapes: int | None = None
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in [
+        (400, "Bad input; `message` starts with the field at fault"),
+        (413, "Over a size limit (items or tokens per request, body bytes)"),
+        (429, "The queue is full; retry after the Retry-After header"),
+        (503, "The model is loading or the server is draining"),
+        (504, "The deadline passed before the items were scored"),
+    ]
+}

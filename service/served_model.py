@@ -1,0 +1,88 @@
+"""One description of the served model, made once at start-up and rendered by every surface:
+the `model_loaded` log line, the `prefixscore_model_info` metric, gRPC's GetModelInfo and
+HTTP's /v1/models. A field added here reaches them all alike; none assembles its own."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from prefixscore.engine.scoring_engine import ScoringEngine
+from prefixscore.engine.templates import RerankTemplate
+from prefixscore.model.head import output_head
+from prefixscore.model.loader import LoadedModel
+from prefixscore.version import __version__
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What is served and how: the model, its head, the mesh, the kernels and the pool."""
+
+    name: str
+    family: str
+    dtype: str
+    vocab_size: int
+    context_length: int  # the longest sequence served
+    sliding_window: int | None  # a sliding-window model is served only inside its window, where it is exact
+    max_position_embeddings: int
+    head: str  # model/head.py: causal_lm or sequence_classification
+    label_names: tuple[str, ...]  # a classifier's labels, in row order
+    has_tokenizer: bool
+    template: str | None  # the reranker prompt of Rerank and /v1/rerank (None: no tokenizer)
+    devices: tuple[str, ...]  # "platform:id" of each device the mesh covers
+    tp_size: int  # devices on the mesh's model axis
+    dp_size: int  # ... and on its data axis
+    kv_heads_per_device: int  # the pool's KV heads each device stores
+    kv_head_copies: int  # how often each KV head is stored across the model axis (tp > kv_heads)
+    attention: str  # the attention implementation (kernels/dispatch.py)
+    buckets: dict[str, Any]  # the engine's buckets (engine/buckets.py), as plain values
+    pool_pages: int
+    pool_bytes: int  # the prefix pool's bytes on each device
+    version: str = __version__
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, engine: ScoringEngine, template: RerankTemplate | None) -> ServedModel:
+        cfg, mesh, head = loaded.cfg, engine.layout.shape, output_head(loaded.cfg)
+        return cls(
+            name=loaded.name,
+            family=cfg.family,
+            dtype=loaded.dtype,
+            vocab_size=cfg.vocab_size,
+            context_length=cfg.context_length,
+            sliding_window=cfg.sliding_window,
+            max_position_embeddings=cfg.max_position_embeddings,
+            head=head.kind,
+            label_names=head.label_names,
+            has_tokenizer=loaded.tokenizer is not None,
+            template=template.name if template else None,
+            devices=tuple(f"{d.platform}:{d.id}" for d in engine.devices),
+            tp_size=mesh.model,
+            dp_size=mesh.data,
+            kv_heads_per_device=engine.layout.local_kv_heads,
+            kv_head_copies=engine.layout.kv_repeats,
+            attention=engine.attn_impl,
+            buckets=dataclasses.asdict(engine.buckets),
+            pool_pages=engine.pool_pages,
+            pool_bytes=engine.pool_bytes,
+        )
+
+    def log_fields(self) -> dict[str, Any]:
+        """The `model_loaded` event's description of the model (JSON values)."""
+        fields = dataclasses.asdict(self)
+        fields["model"] = fields.pop("name")
+        fields["tokenizer"] = fields.pop("has_tokenizer")
+        fields["devices"] = list(self.devices)
+        fields["label_names"] = list(self.label_names)
+        return fields
+
+    def metric_labels(self) -> dict[str, str]:
+        """The `prefixscore_model_info` labels: the few a dashboard groups by (dashboards key on
+        these names, so the set stays as it is)."""
+        return dict(
+            model=self.name,
+            family=self.family,
+            dtype=self.dtype,
+            devices=",".join(self.devices),
+            tp_size=str(self.tp_size),
+            dp_size=str(self.dp_size),
+        )
