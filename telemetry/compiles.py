@@ -48,6 +48,13 @@ class CompileCounter:
             return cls._events - cls._hits
 
     @classmethod
+    def obtained(cls) -> int:
+        """Executables obtained so far, compiled or loaded from the persistent cache: steady state
+        obtains none, whether or not the cache holds the shape (count() misses a cache load)."""
+        with cls._lock:
+            return cls._events
+
+    @classmethod
     def cache_hits(cls) -> int:
         return cls._hits
 

@@ -48,7 +48,7 @@ def test_steady_state_traffic_compiles_nothing(engine: ScoringEngine) -> None:
     item counts and lengths, label sets and counts, softmax both ways, item_first: zero compilations."""
     rng = np.random.default_rng(1)
     runner = EngineRunner(engine)
-    before, slots = CompileCounter.count(), len(engine._slots)
+    before, slots = CompileCounter.obtained(), len(engine._slots)
     hot = rng.integers(0, CFG.vocab_size, 300).tolist()
     for step in range(6):
         reqs = []
@@ -65,7 +65,7 @@ def test_steady_state_traffic_compiles_nothing(engine: ScoringEngine) -> None:
         scores, _ = runner.score_requests(reqs)
         for req, probs in zip(reqs, scores, strict=True):
             assert probs.shape == (len(req.items), len(req.label_ids)) and np.isfinite(probs).all()
-    assert CompileCounter.count() == before, "steady-state traffic compiled"
+    assert CompileCounter.obtained() == before, "steady-state traffic compiled"
     assert len(engine._slots) == slots
 
 

@@ -45,12 +45,6 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-def executables_built() -> int:
-    """XLA compilations plus persistent-cache loads so far: with a warm compile cache a new
-    executable is a cache hit, which CompileCounter.count() leaves out."""
-    return CompileCounter.count() + CompileCounter.cache_hits()
-
-
 def torch_logits(model, sequences) -> np.ndarray:
     """transformers' *ForSequenceClassification on each whole sequence: [n, num_labels] float64."""
     with torch.no_grad():
@@ -80,8 +74,8 @@ def test_classifier_matches_transformers_with_every_activation(tmp_path, family)
         assert got.shape == (len(items), n)
         np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=TOLERANCE)
         if k == 0:
-            after_first_call = executables_built()
-    assert executables_built() == after_first_call, "a classifier request compiled in steady state"
+            after_first_call = CompileCounter.obtained()
+    assert CompileCounter.obtained() == after_first_call, "a classifier request compiled in steady state"
 
 
 def test_causal_lm_converted_to_a_one_logit_classifier_gives_the_template_relevance(tmp_path):
