@@ -21,6 +21,7 @@ from prefixscore.engine.mesh import MeshPlacement
 from prefixscore.engine.scoring_engine import POOL_MEMORY_FRACTION, ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.model.quant_choice import AUTO, QuantizeChoice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class EngineSpec:
     pool_bytes: int | None = None
     pool_memory_fraction: float = POOL_MEMORY_FRACTION
     compile_cache: str | None = None  # None: $PREFIXSCORE_COMPILE_CACHE_DIR or the user's cache dir; "off"
+    # 8-bit projections (model/quant_choice.py): auto | none | int8 | fp8, and auto | dynamic | none
+    quantize: str = AUTO
+    activations: str = AUTO
 
     def buckets_for(self, context_length: int) -> Buckets | None:
         """The buckets for a model of this context (None: the engine's default)."""
@@ -64,8 +68,9 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
     shards as it is read; weights loaded elsewhere are placed by the engine on the same layout.
     """
     started = time.monotonic()
-    placement = MeshPlacement(spec.dtype, spec.devices, tp=spec.tp_size, dp=spec.dp_size)
-    model = loaded or load_model(spec.model, spec.dtype, placement)
+    choice = QuantizeChoice(spec.quantize, spec.activations)
+    placement = MeshPlacement(spec.dtype, spec.devices, tp=spec.tp_size, dp=spec.dp_size, quantize=choice)
+    model = loaded or load_model(spec.model, spec.dtype, placement, choice)
     load_seconds = time.monotonic() - started
     engine = ScoringEngine(
         model.cfg,

@@ -32,8 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 from prefixscore.engine.buckets import round_up
 from prefixscore.model.config import DTYPES, ModelConfig
+from prefixscore.model.quant_choice import QuantizeChoice
 from prefixscore.model.shards import DataReplicas, ModelShards
-from prefixscore.model.weights import Weights, flat_weights, place_all, weight_axes, weight_bytes, weights_from_flat
+from prefixscore.model.weights import Weights, leaf_axes, place_all, weight_bytes
 
 DATA, MODEL = "data", "model"
 # logical axis -> mesh axis; a logical axis not named here is replicated
@@ -153,7 +154,6 @@ class Layout:
         self.vocab_rows = round_up(cfg.vocab_size, shape.model)
         self.shards = ModelShards(MODEL, shape.model, cfg.vocab_size)
         self.replicas = DataReplicas(DATA, shape.data)
-        self._axes = weight_axes()
         self.replicated = NamedSharding(self.mesh, P())
         self.items = NamedSharding(self.mesh, P(DATA))  # leading axis: one entry per data replica
         self.pool = NamedSharding(self.mesh, self.spec(POOL_AXES))
@@ -174,19 +174,20 @@ class Layout:
     def spec(axes: Sequence[str | None]) -> P:
         return P(*(RULES.get(axis) if axis else None for axis in axes))
 
-    def weight_spec(self, name: str) -> P:
-        """One weight's PartitionSpec, by its flat name ("layers.attn.wq")."""
-        return self.spec(self._axes[name])
+    def weight_spec(self, name: str, shape: tuple[int, ...]) -> P:
+        """One weight's PartitionSpec, by its flat name ("layers.attn.wq", "layers.attn.wq.scale")."""
+        return self.spec(leaf_axes(name, shape))
 
     def weight_specs(self, weights: Weights) -> Weights:
         """A PartitionSpec per weight (the tree `weights` has): shard_map's in_specs."""
-        return weights_from_flat({name: self.weight_spec(name) for name in flat_weights(weights)})
+        return place_all(weights, lambda name, array: self.weight_spec(name, array.shape))
 
     def place(self, name: str, array: np.ndarray | jax.Array) -> jax.Array:
         """One weight (flat name, checkpoint layout) onto its shards: KV heads replicated and
         the vocabulary padded as the mesh needs, then each device sent only its slice."""
-        array = self._mesh_layout(array, self._axes[name])
-        return jax.device_put(array, NamedSharding(self.mesh, self.weight_spec(name)))
+        axes = leaf_axes(name, array.shape)
+        array = self._mesh_layout(array, axes)
+        return jax.device_put(array, NamedSharding(self.mesh, self.spec(axes)))
 
     def place_weights(self, weights: Weights) -> Weights:
         """Every weight onto its shards (`place` leaves one already there as it is)."""
@@ -210,7 +211,6 @@ class Layout:
         return array
 
 
-
 def default_layout(
     cfg: ModelConfig,
     dtype: str,
@@ -219,17 +219,19 @@ def default_layout(
     *,
     tp: int | None = None,
     dp: int | None = None,
+    eight_bit: bool = False,
 ) -> Layout:
     """The layout on `devices` (all local ones by default; an int: the first that many):
     `mesh` if given, else tp / dp as asked, the rest chosen (engine/mesh.choose_mesh: the
-    smallest model axis the weights fit with room for the pool, the rest data)."""
+    smallest model axis the weights fit with room for the pool, the rest data; eight_bit: the
+    projections take a byte per weight)."""
     if devices is None:
         devices = jax.local_devices()
     elif isinstance(devices, int):
         devices = jax.local_devices()[:devices]
     devices = list(devices)
     if mesh is None:
-        need = weight_bytes(cfg, DTYPES[dtype])
+        need = weight_bytes(cfg, DTYPES[dtype], eight_bit)
         mesh = choose_mesh(cfg, len(devices), tp, dp, weight_bytes=need, device_bytes=device_memory(devices[0]))
     return Layout(cfg, mesh, devices)
 
@@ -245,17 +247,23 @@ class MeshPlacement:
         devices: int | Sequence[jax.Device] | None = None,
         tp: int | None = None,
         dp: int | None = None,
+        quantize: QuantizeChoice | None = None,
     ) -> None:
         self.dtype, self.devices, self.tp, self.dp = dtype, devices, tp, dp
+        self.quantize = quantize or QuantizeChoice()
         self.layout: Layout | None = None
 
     def __call__(self, cfg: ModelConfig) -> Callable[[str, np.ndarray], jax.Array]:
-        self.layout = default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp)
+        self.layout = self._layout(cfg)
         return self.layout.place
 
     def for_model(self, cfg: ModelConfig) -> Layout:
         """The layout the weights were placed on (or, for weights loaded elsewhere, a new one)."""
-        return self.layout or default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp)
+        return self.layout or self._layout(cfg)
+
+    def _layout(self, cfg: ModelConfig) -> Layout:
+        eight_bit = self.quantize.eight_bit(checkpoint_8bit=bool(cfg.quant_weights))
+        return default_layout(cfg, self.dtype, self.devices, tp=self.tp, dp=self.dp, eight_bit=eight_bit)
 
 
 def device_memory(device: jax.Device) -> int | None:

@@ -77,13 +77,25 @@ class Scorer:
         template: str = DEFAULT_TEMPLATE,
         tp_size: int | None = None,
         dp_size: int | None = None,
+        quantize: str = "auto",
+        activations: str = "auto",
     ) -> Scorer:
         """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py).
         template: the reranker prompt of `rerank` (see engine/templates.py).
         tp_size, dp_size: the device mesh (engine/mesh.py; default: the smallest model axis
-        the weights fit, the rest data)."""
+        the weights fit, the rest data).
+        quantize, activations: 8-bit projections (auto | none | int8 | fp8) and how they are
+        multiplied (auto | dynamic | none): model/quant_choice.py."""
         spec = EngineSpec(
-            model, dtype, buckets, attn_impl, tp_size=tp_size, dp_size=dp_size, pool_bytes=pool_bytes
+            model,
+            dtype,
+            buckets,
+            attn_impl,
+            tp_size=tp_size,
+            dp_size=dp_size,
+            pool_bytes=pool_bytes,
+            quantize=quantize,
+            activations=activations,
         )
         built = build_engine(spec)
         return cls(built.model, built.engine, template=template)

@@ -159,6 +159,16 @@ class ScoringEngine:
         """The pool's bytes on each device (its KV heads' share)."""
         return self.pool_pages * self.page_bytes
 
+    @property
+    def weight_bytes_per_device(self) -> int:
+        """The weights' bytes on the device that holds the most (8-bit projections: a byte a
+        weight, with their scales), counted from the placed shards themselves."""
+        held = {device: 0 for device in self.devices}
+        for leaf in jax.tree.leaves(self.params):
+            for shard in leaf.addressable_shards:
+                held[shard.device] += shard.data.nbytes
+        return max(held.values())
+
     def _pool_shape(self) -> tuple[int, ...]:
         """The whole pool (every stored KV head; each device holds its model shard's)."""
         c = self.cfg

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 import prefixscore.model.hf_quiet  # noqa: F401  (before transformers: no torch advisory in the log)
 from prefixscore.model import config_inventory
+from prefixscore.model.compressed import CompressedScheme, CompressedTensorsError, read_scheme
 from prefixscore.model.families import Windows
 
 # architectures[0] in config.json -> the model type whose config class and inventory apply
@@ -89,6 +90,12 @@ class ModelConfig:
     pad_token_id: int | None = dataclasses.field(default=None, compare=False)
     # the name is not math: configs that differ only by name share compiled executables
     name: str = dataclasses.field(default="", compare=False)
+    # a compressed-tensors checkpoint's 8-bit projections (model/compressed.py): "int8" | "fp8", ""
+    # for a full-precision one; and its activation scheme ("dynamic" | "static" | "none"). The
+    # weights themselves say how they are multiplied (model/quant.py), so these are not math either
+    quant_weights: str = dataclasses.field(default="", compare=False)
+    quant_activations: str = dataclasses.field(default="", compare=False)
+    quant_ignore: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # its full-precision Linears
 
     @property
     def context_length(self) -> int:
@@ -111,6 +118,7 @@ class ModelConfig:
         fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
         fields["sliding_layers"] = tuple(fields["sliding_layers"])
         fields["label_names"] = tuple(fields.get("label_names", ()))
+        fields["quant_ignore"] = tuple(fields.get("quant_ignore", ()))
         return cls(**fields)
 
 
@@ -225,6 +233,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     values = _checked_values(model_type, raw, hf, classifier)
     spec = config_inventory.FAMILIES[model_type]
     decoder = spec.decoder
+    scheme = _compressed_scheme(raw.get("quantization_config"))
     rope_theta, rope_scaling, rope_local_theta = _rope(hf)
     window, sliding_layers = _windows(spec.windows, hf)
     # attention_bias: on q, k, v and o where the inventory lists it (Mistral's has none); a decoder
@@ -268,7 +277,20 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         multi_label=classifier and hf.problem_type == "multi_label_classification",
         pad_token_id=hf.pad_token_id if classifier else None,
         name=name,
+        quant_weights=scheme.weights if scheme else "",
+        quant_activations=scheme.activations if scheme else "",
+        quant_ignore=scheme.ignore if scheme else (),
     )
+
+
+def _compressed_scheme(quantization_config: dict[str, Any] | None) -> CompressedScheme | None:
+    """A compressed-tensors checkpoint's scheme, every key checked (model/compressed.py); None: full precision."""
+    if not quantization_config:
+        return None
+    try:
+        return read_scheme(quantization_config)
+    except CompressedTensorsError as err:
+        raise UnsupportedModelError(str(err)) from err
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

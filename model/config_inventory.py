@@ -445,10 +445,125 @@ EXTRA_KEYS: tuple[Field, ...] = (
     Field(
         "quantization_config",
         LIMITED,
-        "quantized checkpoints (GPTQ, AWQ, bitsandbytes, FP8) are not dequantized; use GGUF or float weights",
-        accepts=_never,
+        "compressed-tensors checkpoints are read (model/compressed.py: each of their keys is in "
+        "QUANTIZATION_KEYS); other methods (GPTQ, AWQ, bitsandbytes, fp8) are not",
+        accepts=lambda v, cfg: isinstance(v, dict) and v.get("quant_method") == "compressed-tensors",
     ),
     Field("auto_map", LIMITED, "custom modelling code is not run", accepts=_never),
+)
+
+
+# compressed-tensors' quantization_config (model/compressed.py), every key its 0.20 models define:
+# top-level ones, a config group's ("config_groups.*.<key>") and its quantization arguments'
+# ("config_groups.*.weights.<key>", "config_groups.*.input_activations.<key>"). `accepts` gets
+# the value and every key of the config by these names. Tested by tests/test_quantization_loading.py.
+_FORMATS_8BIT = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
+
+
+def _group_count(v: Any, flat: Any) -> bool:
+    return isinstance(v, dict) and len(v) == 1 and all(isinstance(g, dict) for g in v.values())
+
+
+def _none_or_empty(v: Any, flat: Any) -> bool:
+    return not v
+
+
+def _weights_type(flat: Any) -> str:
+    return str((flat.get("config_groups.*.weights") or {}).get("type", "int")).lower()
+
+
+def _args_fields(prefix: str, why: str, strategies: tuple[str, ...], dynamic: Callable[[Any, Any], bool]) -> tuple:
+    return (
+        Field(f"{prefix}.num_bits", LIMITED, f"{why}: 8 bits only (int4 and fp4 are not computed)", accepts=_equals(8)),
+        Field(
+            f"{prefix}.type",
+            LIMITED,
+            f"{why}: int (int8) or float (fp8 e4m3); activations of the weights' type",
+            accepts=lambda v, flat: (
+                str(v).lower() in ("int", "float")
+                and (prefix.endswith("weights") or str(v).lower() == _weights_type(flat))
+            ),
+        ),
+        Field(f"{prefix}.symmetric", LIMITED, f"{why}: symmetric only (no zero point)", accepts=_equals(True)),
+        Field(
+            f"{prefix}.strategy",
+            LIMITED,
+            f"{why}: {' or '.join(strategies)} only (group, block and tensor_group scales are not computed)",
+            accepts=lambda v, flat: str(v).lower() in strategies,
+        ),
+        Field(
+            f"{prefix}.group_size",
+            LIMITED,
+            f"{why}: no groups (null, or -1: per channel)",
+            accepts=lambda v, flat: v in (None, -1),
+        ),
+        Field(f"{prefix}.block_structure", LIMITED, f"{why}: no blocks", accepts=_none_or_empty),
+        Field(f"{prefix}.dynamic", LIMITED, f"{why}: {dynamic.__doc__}", accepts=dynamic),
+        Field(f"{prefix}.actorder", LIMITED, f"{why}: no activation ordering (GPTQ)", accepts=_none_or_empty),
+        Field(f"{prefix}.scale_dtype", LIMITED, f"{why}: scales in a float dtype as stored", accepts=_none_or_empty),
+        Field(f"{prefix}.zp_dtype", LIMITED, f"{why}: no zero point", accepts=_none_or_empty),
+        Field(f"{prefix}.observer", INERT, "how calibration chose the scales; the stored scales are read"),
+        Field(f"{prefix}.observer_kwargs", INERT, "the calibration observer's settings"),
+    )
+
+
+def _weights_dynamic(v: Any, flat: Any) -> bool:
+    """stored scales (dynamic false) only"""
+    return v is False
+
+
+def _inputs_dynamic(v: Any, flat: Any) -> bool:
+    """per-token scales at run time (dynamic true, strategy token) or one stored scale (false, tensor)"""
+    strategy = str(flat.get("config_groups.*.input_activations.strategy", "")).lower()
+    return (v is True and strategy == "token") or (v is False and strategy == "tensor")
+
+
+QUANTIZATION_KEYS: tuple[Field, ...] = (
+    Field("quant_method", LIMITED, "compressed-tensors only", accepts=_equals("compressed-tensors")),
+    Field(
+        "format",
+        LIMITED,
+        f"8-bit formats: {', '.join(_FORMATS_8BIT)} (pack-quantized at 8 bits)",
+        accepts=lambda v, flat: v in _FORMATS_8BIT,
+    ),
+    Field(
+        "quantization_status",
+        LIMITED,
+        "weights saved compressed (or frozen) only",
+        accepts=lambda v, flat: v in ("compressed", "frozen"),
+    ),
+    Field("global_compression_ratio", INERT, "a statistic of the compression"),
+    Field("version", INERT, "the compressed-tensors version that wrote the checkpoint"),
+    Field("ignore", COMPUTED, "the Linear modules kept in full precision, held to the tensors"),
+    Field(
+        "kv_cache_scheme", LIMITED, "an 8-bit KV cache is not served: the pool stays in --dtype", accepts=_none_or_empty
+    ),
+    Field("sparsity_config", LIMITED, "sparse weights are not computed", accepts=_none_or_empty),
+    Field("moe_sparsity_config", LIMITED, "expert pruning is not computed", accepts=_none_or_empty),
+    Field("transform_config", LIMITED, "rotations (Hadamard transforms) are not computed", accepts=_none_or_empty),
+    Field("config_groups", LIMITED, "one group, written out (not a preset's name)", accepts=_group_count),
+    Field(
+        "config_groups.*.targets",
+        LIMITED,
+        "every Linear layer (the ignore list excepted)",
+        accepts=lambda v, flat: list(v or ()) == ["Linear"],
+    ),
+    Field(
+        "config_groups.*.format",
+        LIMITED,
+        f"8-bit formats: {', '.join(_FORMATS_8BIT)}",
+        accepts=lambda v, flat: v is None or v in _FORMATS_8BIT,
+    ),
+    Field(
+        "config_groups.*.weights",
+        LIMITED,
+        "8-bit weights (a group without them is not quantized)",
+        accepts=lambda v, flat: isinstance(v, dict),
+    ),
+    Field("config_groups.*.input_activations", COMPUTED, "none (W8A16), per token at run time, or a stored scale"),
+    Field("config_groups.*.output_activations", LIMITED, "outputs are not quantized", accepts=_none_or_empty),
+    *_args_fields("config_groups.*.weights", "weights", ("channel", "tensor"), _weights_dynamic),
+    *_args_fields("config_groups.*.input_activations", "activations", ("token", "tensor"), _inputs_dynamic),
 )
 
 

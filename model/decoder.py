@@ -20,6 +20,7 @@ from flax import struct
 
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.head import output_head
+from prefixscore.model.quant import matmul
 from prefixscore.model.rope import rope_tables
 from prefixscore.model.shards import UNSPLIT, ModelShards
 from prefixscore.model.weights import AttentionWeights, LayerWeights, MlpWeights, Weights
@@ -71,9 +72,9 @@ def _qkv(
     """Projections, biases, q/k norms and RoPE. x: [b, t, hidden] -> q [b,t,heads,hd], k, v [b,t,kv,hd]
     (this device's heads)."""
     b, t, _ = x.shape
-    q = x @ attn.wq
-    k = x @ attn.wk
-    v = x @ attn.wv
+    q = matmul(x, attn.wq)
+    k = matmul(x, attn.wk)
+    v = matmul(x, attn.wv)
     if cfg.qkv_bias:
         q, k, v = q + attn.bq, k + attn.bk, v + attn.bv
     # heads from the projections' widths: under tensor parallelism a device holds only its own
@@ -94,12 +95,15 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def mlp(w: MlpWeights, y: jax.Array, act: str = "silu") -> jax.Array:
-    """The gated MLP. y: [..., hidden] (normalised) -> [..., hidden]."""
-    return (_ACTIVATIONS[act](y @ w.w_gate) * (y @ w.w_up)) @ w.w_down
+def mlp(w: MlpWeights, y: jax.Array, act: str = "silu", shards: ModelShards = UNSPLIT) -> jax.Array:
+    """The gated MLP. y: [..., hidden] (normalised) -> [..., hidden] (this device's partial sum
+    when the MLP columns are split across `shards`)."""
+    return matmul(_ACTIVATIONS[act](matmul(y, w.w_gate)) * matmul(y, w.w_up), w.w_down, shards)
 
 
-def tiled_mlp(w: MlpWeights, y: jax.Array, tile: int | None, act: str = "silu") -> jax.Array:
+def tiled_mlp(
+    w: MlpWeights, y: jax.Array, tile: int | None, act: str = "silu", shards: ModelShards = UNSPLIT
+) -> jax.Array:
     """mlp() over `tile` tokens at a time (a loop), when tile divides the tokens.
 
     y: [b, t, hidden]. On a CPU the [tokens, intermediate] activations of a whole call (30 MB
@@ -108,8 +112,9 @@ def tiled_mlp(w: MlpWeights, y: jax.Array, tile: int | None, act: str = "silu") 
     W4 5%. Accelerators want the whole product (tile None)."""
     b, t, hidden = y.shape
     if tile is None or t <= tile or (b * t) % tile:
-        return mlp(w, y, act)
-    return jax.lax.map(lambda part: mlp(w, part, act), y.reshape(b * t // tile, tile, hidden)).reshape(b, t, hidden)
+        return mlp(w, y, act, shards)
+    parts = y.reshape(b * t // tile, tile, hidden)
+    return jax.lax.map(lambda part: mlp(w, part, act, shards), parts).reshape(b, t, hidden)
 
 
 def run_layers(
@@ -143,12 +148,12 @@ def run_layers(
             q, k, v = _qkv(lw.attn, cfg, norm(cfg, h, lw.attn_norm), positions, rope)
             out, st = attend(q, k, v, index, st)
             b, t = h.shape[:2]
-            attn_out = shards.sum(out.reshape(b, t, -1) @ lw.attn.wo)
+            attn_out = shards.sum(matmul(out.reshape(b, t, -1), lw.attn.wo, shards))
             if cfg.out_bias:
                 attn_out = attn_out + lw.attn.bo
             h = h + (norm(cfg, attn_out, lw.attn_post_norm) if cfg.post_norms else attn_out)
         with jax.named_scope("mlp"):
-            mlp_out = shards.sum(tiled_mlp(lw.mlp, norm(cfg, h, lw.mlp_norm), mlp_tile, cfg.hidden_act))
+            mlp_out = shards.sum(tiled_mlp(lw.mlp, norm(cfg, h, lw.mlp_norm), mlp_tile, cfg.hidden_act, shards))
             h = h + (norm(cfg, mlp_out, lw.mlp_post_norm) if cfg.post_norms else mlp_out)
         return (h, st), None
 

@@ -1,4 +1,9 @@
-"""GGUF checkpoints (llama.cpp): config from metadata, dequantized tensors under HF names."""
+"""GGUF checkpoints (llama.cpp): config from metadata, tensors under HF names.
+
+A projection in a block format model/gguf_blocks.py splits (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K,
+Q6_K) is read as its 8-bit values and block scales, exactly: kept so on the device unless
+`--quantize none` (model/quant_choice.py). Every other tensor (norms, the embedding, the output
+head, other formats) is dequantized to float as llama.cpp's own dequantization computes it."""
 
 from __future__ import annotations
 
@@ -10,7 +15,21 @@ import numpy as np
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
 from prefixscore.model.config_inventory import Effect, gguf_field
 from prefixscore.model.families import DECODERS, GGUF_ARCHITECTURES, DecoderFamily, GgufRules, Windows
-from prefixscore.model.weights import Place, Weights, check_all_used, on_default_device, params_from_hf_tensors
+from prefixscore.model.gguf_blocks import split_blocks
+from prefixscore.model.quant import QuantizedMatrix
+from prefixscore.model.quant_choice import ProjectionConverter
+from prefixscore.model.weights import (
+    LAYER_TENSORS,
+    HostTensor,
+    Place,
+    Weights,
+    check_all_used,
+    on_default_device,
+    params_from_hf_tensors,
+)
+
+# the HF names (inside model.layers.{i}.) of the projections: the tensors that may stay 8-bit
+PROJECTIONS = frozenset(name for name, projection in LAYER_TENSORS.values() if projection)
 
 # GGUF tensor name (inside blk.{i}.) -> HF name (inside model.layers.{i}.)
 GGUF_LAYER_NAMES = {
@@ -161,19 +180,28 @@ def _layer_name(gguf_name: str, post_norms: bool) -> str | None:
     return None
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved -> HF rotate-half layout). w: [out, in].
+def _unpermute_rope(w: HostTensor, n_heads: int) -> HostTensor:
+    """Undo llama.cpp's q/k row permutation (interleaved -> HF rotate-half layout). w: [out, in]
+    (8-bit: its values, scales and offsets, all by output row).
 
     convert_hf_to_gguf.py reshapes rows to [heads, 2, hd/2] and swaps the last two;
     the inverse reshapes to [heads, hd/2, 2] and swaps back.
     """
+    if isinstance(w, QuantizedMatrix):
+        offset = None if w.offset is None else _unpermute_rope(w.offset, n_heads)
+        return w.replace(
+            values=_unpermute_rope(w.values, n_heads), scale=_unpermute_rope(w.scale, n_heads), offset=offset
+        )
     out = w.shape[0]
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path, dtype: jnp.dtype, place: Place = on_default_device) -> tuple[ModelConfig, Weights]:
-    """Read a GGUF file: F32/F16/BF16 and quantized (Q4_0, Q4_1, Q8_0, K-quants...) tensors are
-    dequantized, each handed to `place` (model/weights.py) as it is assembled."""
+def load_gguf(
+    path: str | Path, dtype: jnp.dtype, place: Place = on_default_device, convert: ProjectionConverter | None = None
+) -> tuple[ModelConfig, Weights]:
+    """Read a GGUF file, each weight handed to `place` (model/weights.py) as it is assembled:
+    projections in a block format as 8-bit blocks (then as `convert` decides), everything else
+    dequantized (F32/F16/BF16, and the formats without an 8-bit layout here)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -193,11 +221,15 @@ def load_gguf(path: str | Path, dtype: jnp.dtype, place: Place = on_default_devi
     check_all_used(unknown, set())  # a tensor no HF name maps to is never read
     used: set[str] = set()
 
-    def get(name: str) -> np.ndarray:
+    def get(name: str) -> HostTensor:
         used.add(name)
         t = by_hf_name[name]
-        w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGML lists dims innermost first
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists dims innermost first
+        blocks = split_blocks(t.data, t.tensor_type, shape) if name.split(".", 3)[-1] in PROJECTIONS else None
+        if blocks is not None:
+            w: HostTensor = QuantizedMatrix(values=blocks.values, scale=blocks.scale, offset=blocks.offset)
+        else:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
         if rules.rope_permuted_qk and name.endswith("q_proj.weight"):
             w = _unpermute_rope(w, cfg.num_heads)
         elif rules.rope_permuted_qk and name.endswith("k_proj.weight"):
@@ -206,6 +238,6 @@ def load_gguf(path: str | Path, dtype: jnp.dtype, place: Place = on_default_devi
             w = w - 1.0  # back to the checkpoint's weight: the decoder adds the 1 (norm_plus_one)
         return w
 
-    params = params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name, place)
+    params = params_from_hf_tensors(cfg, get, dtype, lambda n: n in by_hf_name, place, convert)
     check_all_used(by_hf_name, used)
     return cfg, params

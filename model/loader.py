@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 from prefixscore.model import presets, weights_cache
 from prefixscore.model.config import DTYPES, ModelConfig, load_config
 from prefixscore.model.gguf_loader import load_gguf
+from prefixscore.model.quant import NONE
+from prefixscore.model.quant_choice import ProjectionConverter, QuantizeChoice
 from prefixscore.model.tokenizer import TextTokenizer, has_tokenizer_files, load_tokenizer
 from prefixscore.model.weights import (
     Place,
@@ -20,8 +23,13 @@ from prefixscore.model.weights import (
     on_default_device,
     on_host,
     place_all,
+    quantization_of,
+    quantized_at_load,
     random_params,
+    with_activation_scheme,
 )
+
+log = logging.getLogger("prefixscore.model")
 
 # given the model's config, where each weight goes (a mesh's Layout.place); None: one device
 PlaceFor = Callable[[ModelConfig], Place]
@@ -34,6 +42,8 @@ class LoadedModel:
     params: Weights
     tokenizer: TextTokenizer | None  # None: token-id inputs only
     dtype: str
+    # what is 8-bit and how it is multiplied (weights.quantization_of); {"weights": "none"}: nothing
+    quantization: dict[str, object] = dataclasses.field(default_factory=lambda: {"weights": NONE})
 
 
 def _dtype(dtype: str) -> jnp.dtype:
@@ -42,45 +52,88 @@ def _dtype(dtype: str) -> jnp.dtype:
     return DTYPES[dtype]
 
 
-def load_model(model: str, dtype: str = "float32", place_for: PlaceFor | None = None) -> LoadedModel:
+def load_model(
+    model: str,
+    dtype: str = "float32",
+    place_for: PlaceFor | None = None,
+    quantize: QuantizeChoice | None = None,
+) -> LoadedModel:
     """Load `model`: a preset name, a local directory, a .gguf file, or a hub id (downloads only then).
 
     place_for(cfg): where each weight goes once read (a mesh sends each device its slice, so
-    a model larger than one device loads); None: whole on the default device."""
+    a model larger than one device loads); None: whole on the default device.
+    quantize: what the projections become (model/quant_choice.py; None: as published)."""
     jdtype = _dtype(dtype)
+    choice = quantize or QuantizeChoice()
     where = place_for or (lambda cfg: on_default_device)
     if model in presets.RANDOM_PRESETS:
         cfg, tok_source = presets.RANDOM_PRESETS[model]
         tokenizer = load_tokenizer(presets.smollm2_tokenizer_dir()) if tok_source == "smollm2" else None
         params = random_params(cfg, presets.RANDOM_SEED, jdtype)  # test models: built whole, then placed
-        return LoadedModel(model, cfg, place_all(params, where(cfg)), tokenizer, dtype)
+        if choice.at_load:
+            params = quantized_at_load(params, choice.at_load)
+        return _loaded(model, cfg, params, tokenizer, dtype, choice, NONE, where)
     if model == "smollm2-135m":
         gguf = presets.smollm2_gguf_path()
-        cfg, params = weights_cache.cached(gguf, dtype, lambda: load_gguf(gguf, jdtype, on_host))
-        cfg = dataclasses.replace(cfg, name=model)
+        cfg, params = _converted_gguf(gguf, dtype, choice)
         tokenizer = load_tokenizer(presets.smollm2_tokenizer_dir())
-        return LoadedModel(model, cfg, place_all(params, where(cfg)), tokenizer, dtype)
+        return _loaded(model, dataclasses.replace(cfg, name=model), params, tokenizer, dtype, choice, NONE, where)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"model: GGUF file {path} does not exist")
-        # converted on the host (and cached there), then placed
-        cfg, params = weights_cache.cached(path, dtype, lambda: load_gguf(path, jdtype, on_host))
-        return LoadedModel(path.stem, cfg, place_all(params, where(cfg)), _gguf_tokenizer(path), dtype)
+        cfg, params = _converted_gguf(path, dtype, choice)
+        return _loaded(path.stem, cfg, params, _gguf_tokenizer(path), dtype, choice, NONE, where)
     if path.is_dir():
-        return _load_dir(path, path.name, dtype, where)
+        return _load_dir(path, path.name, dtype, where, choice)
     if "/" in model and not model.startswith((".", "/")) and model.count("/") == 1:
-        return _load_dir(_hub_snapshot(model), model, dtype, where)
+        return _load_dir(_hub_snapshot(model), model, dtype, where, choice)
     raise ValueError(
         f"model {model!r} is not a preset ({', '.join(presets.PRESETS)}), a directory, a .gguf file or a hub id"
     )
 
 
-def _load_dir(path: Path, name: str, dtype: str, place_for: PlaceFor) -> LoadedModel:
+def _converted_gguf(path: Path, dtype: str, choice: QuantizeChoice) -> tuple[ModelConfig, Weights]:
+    """A GGUF file converted on the host (and cached there under the dtype and the choice), to be placed."""
+    convert = ProjectionConverter(choice)
+
+    def conversion() -> tuple[ModelConfig, Weights]:
+        cfg, params = load_gguf(path, _dtype(dtype), on_host, convert)
+        if convert.became:
+            log.info("gguf projections of %s: %s", path.name, convert.summary())
+        return cfg, params
+
+    return weights_cache.cached(path, f"{dtype}/quantize={choice.quantize}", conversion)
+
+
+def _loaded(
+    name: str,
+    cfg: ModelConfig,
+    params: Weights,
+    tokenizer: TextTokenizer | None,
+    dtype: str,
+    choice: QuantizeChoice,
+    checkpoint_activations: str,
+    where: PlaceFor,
+) -> LoadedModel:
+    """The model with its activation scheme chosen, placed (weights already placed stay)."""
+    params = with_activation_scheme(params, choice.activations_for(checkpoint_activations))
+    return LoadedModel(name, cfg, place_all(params, where(cfg)), tokenizer, dtype, quantization_of(params))
+
+
+def _load_dir(path: Path, name: str, dtype: str, place_for: PlaceFor, choice: QuantizeChoice) -> LoadedModel:
     cfg = dataclasses.replace(load_config(path), name=name)
-    params = load_safetensors(path, cfg, _dtype(dtype), place_for(cfg))
+    convert = ProjectionConverter(choice)
+    params = load_safetensors(path, cfg, _dtype(dtype), place_for(cfg), convert)
+    if convert.became:
+        log.info("projections of %s: %s", name, convert.summary())
     tokenizer = load_tokenizer(path) if has_tokenizer_files(path) else None
-    return LoadedModel(name, cfg, params, tokenizer, dtype)
+    return _loaded(name, cfg, params, tokenizer, dtype, choice, cfg.quant_activations or NONE, lambda c: _kept)
+
+
+def _kept(name: str, array):
+    """Weights already on their devices (placed as they were read) stay where they are."""
+    return array
 
 
 def _gguf_tokenizer(path: Path) -> TextTokenizer | None:

@@ -11,17 +11,26 @@ converted weights stores (model/weights_cache.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import struct
 
+from prefixscore.model.compressed import CompressedScheme, projection_reader
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
 from prefixscore.model.head import OutputHead, output_head
+from prefixscore.model.quant import NONE, QuantizationError, QuantizedMatrix, quantize_per_channel, with_activations
+from prefixscore.model.quant import stack_layers as _stack
+from prefixscore.model.quant_choice import ProjectionConverter, QuantizeChoice
+
+# a projection: full precision in the served dtype, or 8-bit values with scales (model/quant.py)
+Projection = jax.Array | QuantizedMatrix
 
 
 def _axes(*axes: str | None, optional: bool = False):
@@ -36,10 +45,10 @@ def _axes(*axes: str | None, optional: bool = False):
 class AttentionWeights:
     """One projection each of q, k, v and the output, stacked over layers."""
 
-    wq: jax.Array = _axes("layers", "embed", "q_heads")  # [layers, hidden, heads * hd]
-    wk: jax.Array = _axes("layers", "embed", "kv_heads")  # [layers, hidden, kv_heads * hd]
-    wv: jax.Array = _axes("layers", "embed", "kv_heads")  # [layers, hidden, kv_heads * hd]
-    wo: jax.Array = _axes("layers", "q_heads", "embed")  # [layers, heads * hd, hidden]
+    wq: Projection = _axes("layers", "embed", "q_heads")  # [layers, hidden, heads * hd]
+    wk: Projection = _axes("layers", "embed", "kv_heads")  # [layers, hidden, kv_heads * hd]
+    wv: Projection = _axes("layers", "embed", "kv_heads")  # [layers, hidden, kv_heads * hd]
+    wo: Projection = _axes("layers", "q_heads", "embed")  # [layers, heads * hd, hidden]
     # projection biases (ModelConfig.qkv_bias)
     bq: jax.Array | None = _axes("layers", "q_heads", optional=True)  # [layers, heads * hd]
     bk: jax.Array | None = _axes("layers", "kv_heads", optional=True)  # [layers, kv_heads * hd]
@@ -55,9 +64,9 @@ class AttentionWeights:
 class MlpWeights:
     """The gated MLP, stacked over layers."""
 
-    w_gate: jax.Array = _axes("layers", "embed", "mlp")  # [layers, hidden, inter]
-    w_up: jax.Array = _axes("layers", "embed", "mlp")  # [layers, hidden, inter]
-    w_down: jax.Array = _axes("layers", "mlp", "embed")  # [layers, inter, hidden]
+    w_gate: Projection = _axes("layers", "embed", "mlp")  # [layers, hidden, inter]
+    w_up: Projection = _axes("layers", "embed", "mlp")  # [layers, hidden, inter]
+    w_down: Projection = _axes("layers", "mlp", "embed")  # [layers, inter, hidden]
 
 
 @struct.dataclass
@@ -86,6 +95,7 @@ class Weights:
     score: jax.Array | None = _axes("labels", "embed", optional=True)  # [num_labels, hidden]
 
 
+@functools.cache
 def weight_axes() -> dict[str, tuple[str | None, ...]]:
     """Every weight's logical axes by its flat name ("layers.attn.wq": ("layers", "embed", "q_heads"))."""
 
@@ -151,13 +161,91 @@ def layer_keys(cfg: ModelConfig) -> list[str]:
     return keys
 
 
-def weights_from_flat(flat: Mapping[str, jax.Array]) -> Weights:
-    """The tree from flat names ("embed", "layers.attn.wq", ...); absent optional ones are None."""
+# the leaves of a QuantizedMatrix under a projection's flat name ("layers.attn.wq.values")
+QUANTIZED_LEAVES = ("values", "scale", "offset", "input_scale")
 
-    def group(prefix: str) -> dict[str, jax.Array]:
+
+def leaf_axes(name: str, shape: tuple[int, ...]) -> tuple[str | None, ...]:
+    """The logical axes of one leaf by its flat name: a weight's own, or a quantized projection's
+    part. Values take the projection's axes; scales and offsets too, with their block axis
+    (per-block scales split with their input rows; one scale per channel is on every device);
+    a static input scale has one per layer."""
+    axes = weight_axes()
+    if name in axes:
+        return axes[name]
+    base, _, part = name.rpartition(".")
+    if part not in QUANTIZED_LEAVES or base not in axes:
+        raise KeyError(f"weights: no leaf named {name!r}")
+    projection = axes[base]
+    if part == "values":
+        return projection
+    if part == "input_scale":
+        return projection[:1]
+    return (*projection[:-2], projection[-2] if shape[-2] > 1 else None, projection[-1])
+
+
+def projections(weights: Weights) -> dict[str, Projection]:
+    """The seven projections of the layers by flat name ("layers.attn.wq")."""
+    return {
+        **{f"layers.attn.{n}": getattr(weights.layers.attn, n) for n in ("wq", "wk", "wv", "wo")},
+        **{f"layers.mlp.{n}": getattr(weights.layers.mlp, n) for n in ("w_gate", "w_up", "w_down")},
+    }
+
+
+def _with_projections(weights: Weights, new: dict[str, Projection]) -> Weights:
+    attn = weights.layers.attn.replace(**{k.rpartition(".")[2]: v for k, v in new.items() if ".attn." in k})
+    mlp = weights.layers.mlp.replace(**{k.rpartition(".")[2]: v for k, v in new.items() if ".mlp." in k})
+    return weights.replace(layers=weights.layers.replace(attn=attn, mlp=mlp))
+
+
+def with_activation_scheme(weights: Weights, activations: str) -> Weights:
+    """Every 8-bit projection multiplied with `activations` (model/quant.py: NONE is W8A16);
+    refused naming the projection where it cannot be, and where nothing is 8-bit."""
+    quantized = {k: w for k, w in projections(weights).items() if isinstance(w, QuantizedMatrix)}
+    if activations != NONE and not quantized:
+        raise QuantizationError(
+            f"--activations {activations} needs 8-bit weights, and this checkpoint is full precision: "
+            "add --quantize int8 or fp8"
+        )
+    return _with_projections(weights, {k: with_activations(w, activations, k) for k, w in quantized.items()})
+
+
+def quantized_at_load(weights: Weights, kind: str) -> Weights:
+    """A full-precision tree (random presets, built whole on the device) with every projection
+    quantized per output channel on the host, layer by layer."""
+    new = {}
+    for name, w in projections(weights).items():
+        stacked = np.asarray(jax.device_get(w), dtype=np.float32)
+        new[name] = jax.tree.map(jnp.asarray, _stack([quantize_per_channel(layer, kind) for layer in stacked]))
+    return _with_projections(weights, new)
+
+
+def quantization_of(weights: Weights) -> dict[str, object]:
+    """What is 8-bit and how it is multiplied, for the start-up log and the model info:
+    {"weights": "none"} or {"weights": "int8", "activations": "dynamic", "projections": {name: what}}."""
+    quantized = {k: w for k, w in projections(weights).items() if isinstance(w, QuantizedMatrix)}
+    if not quantized:
+        return {"weights": NONE}
+    return {
+        "weights": "+".join(sorted({w.kind for w in quantized.values()})),
+        "activations": "+".join(sorted({w.activations for w in quantized.values()})),
+        "projections": {k: w.describe() for k, w in quantized.items()},
+    }
+
+
+def weights_from_flat(flat: Mapping[str, jax.Array]) -> Weights:
+    """The tree from flat names ("embed", "layers.attn.wq", "layers.attn.wq.values", ...); absent
+    optional ones are None. A quantized projection comes back multiplied as W8A16
+    (quant.with_activations chooses otherwise)."""
+
+    def group(prefix: str) -> dict[str, jax.Array | QuantizedMatrix]:
         """The arrays named `prefix` + a field name (not those of a deeper group)."""
         fields = {name[len(prefix) :]: array for name, array in flat.items() if name.startswith(prefix)}
-        return {field: array for field, array in fields.items() if "." not in field}
+        out: dict[str, jax.Array | QuantizedMatrix] = {f: a for f, a in fields.items() if "." not in f}
+        for field in {f.split(".")[0] for f in fields if f.endswith(".values") and f.count(".") == 1}:
+            parts = {part: fields.get(f"{field}.{part}") for part in QUANTIZED_LEAVES}
+            out[field] = QuantizedMatrix(**parts)
+        return out
 
     return Weights(
         embed=flat["embed"],
@@ -191,41 +279,59 @@ def on_host(name: str, array: np.ndarray) -> np.ndarray:
 
 
 def place_all(weights: Weights, place: Place) -> Weights:
-    """Every weight of a tree through `place` (by its flat name)."""
-    return weights_from_flat({name: place(name, array) for name, array in flat_weights(weights).items()})
+    """Every weight of a tree through `place` (by its flat name); the tree keeps its structure."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(weights)
+    return jax.tree.unflatten(treedef, [place(".".join(k.name for k in path), a) for path, a in leaves])
+
+
+# a checkpoint tensor as a source reads it: float, or (a projection) 8-bit values with scales
+# in the checkpoint's [out, in] layout
+HostTensor = np.ndarray | QuantizedMatrix
 
 
 def params_from_hf_tensors(
     cfg: ModelConfig,
-    get: Callable[[str], np.ndarray],
+    get: Callable[[str], HostTensor],
     dtype: jnp.dtype,
     has: Callable[[str], bool],
     place: Place = on_default_device,
+    convert: ProjectionConverter | None = None,
 ) -> Weights:
     """Assemble the weights from HF-named tensors ([out, in] linear weights).
 
-    get(name) returns a float numpy array; has(name) says whether it exists. Each weight is
+    get(name) returns a float numpy array, or for a projection possibly a QuantizedMatrix
+    [out, in]; has(name) says whether it exists. `convert` decides what each projection becomes
+    (model/quant_choice.py; None: as the checkpoint holds it, 8-bit kept). Each weight is
     cast to `dtype` on the host and handed to `place` as soon as it is assembled (a mesh
     sends each device only its slice), so peak host memory stays at one stacked weight.
     """
     host_dtype = jnp.dtype(dtype)
+    convert = convert or ProjectionConverter(QuantizeChoice())
 
-    def put(name: str, a: np.ndarray) -> jax.Array | np.ndarray:
+    def put(name: str, a: HostTensor) -> jax.Array | np.ndarray | QuantizedMatrix:
         # C order: a stack of transposed layers keeps their strides, which a file writer or a
         # device transfer would otherwise read as the wrong layout
+        if isinstance(a, QuantizedMatrix):
+            parts = {part: getattr(a, part) for part in QUANTIZED_LEAVES if getattr(a, part) is not None}
+            placed = {part: place(f"{name}.{part}", np.ascontiguousarray(v)) for part, v in parts.items()}
+            return a.replace(**placed)
         return place(name, np.ascontiguousarray(np.asarray(a).astype(host_dtype)))
 
-    flat: dict[str, jax.Array | np.ndarray] = {}
-    for key, (name, transpose) in layer_tensors(cfg).items():
-        per_layer = []
+    flat: dict[str, jax.Array | np.ndarray | QuantizedMatrix] = {}
+    for key, (name, projection) in layer_tensors(cfg).items():
+        per_layer: list[HostTensor] = []
         for i in range(cfg.num_layers):
             full = f"model.layers.{i}.{name}"
             if not has(full):
                 raise ValueError(f"model weights: tensor {full!r} is missing")
-            t = np.asarray(get(full), dtype=np.float32)
-            per_layer.append((t.T if transpose else t).astype(host_dtype))
-        flat[f"layers.{key}"] = put(f"layers.{key}", np.stack(per_layer))
-        del per_layer
+            t = get(full)
+            if projection:  # the linear weights, and only they, may be 8-bit
+                per_layer.append(convert.layer(_transposed(t)))
+            else:
+                per_layer.append(np.asarray(t, dtype=np.float32).astype(host_dtype))
+        stacked = convert.stack(f"layers.{key}", per_layer) if projection else np.stack(per_layer)
+        flat[f"layers.{key}"] = put(f"layers.{key}", stacked)
+        del per_layer, stacked
     flat["embed"] = put("embed", get("model.embed_tokens.weight"))
     flat["final_norm"] = put("final_norm", get("model.norm.weight"))
     head = output_head(cfg)
@@ -247,13 +353,33 @@ def params_from_hf_tensors(
     return weights_from_flat(flat)
 
 
+# safetensors dtypes its numpy reader (and every framework's, through it) cannot return: the fp8
+# weights of compressed-tensors checkpoints, read by _read_raw as ml_dtypes arrays
+NUMPY_LACKS = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_raw(path: Path, name: str) -> np.ndarray:
+    """One tensor by the safetensors layout itself: an 8-byte little-endian header length, a JSON
+    header (dtype, shape, data_offsets from the end of the header), then the data."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + size + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, dtype=NUMPY_LACKS[entry["dtype"]]).reshape(entry["shape"])
+
 # checkpoint tensors transformers itself drops on load: RoPE tables that older Llama
 # checkpoints saved as buffers (recomputed from the config, as here)
 IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_safetensors(
-    model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype, place: Place = on_default_device
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: jnp.dtype,
+    place: Place = on_default_device,
+    convert: ProjectionConverter | None = None,
 ) -> Weights:
     """Load `model.safetensors` or a sharded `model.safetensors.index.json` checkpoint.
 
@@ -284,7 +410,10 @@ def load_safetensors(
 
     def get(name: str) -> np.ndarray:
         used.add(name)
-        return handle(weight_map[name]).get_tensor(name)
+        file = handle(weight_map[name])
+        if file.get_slice(name).get_dtype() in NUMPY_LACKS:
+            return _read_raw(model_dir / weight_map[name], name)
+        return file.get_tensor(name)
 
     def has(name: str) -> bool:
         return name in weight_map
@@ -292,7 +421,11 @@ def load_safetensors(
     head = output_head(cfg)
     if head.tensor is not None and head.tensor not in weight_map:  # before reading every layer
         raise ValueError(_missing_head(head))
-    params = params_from_hf_tensors(cfg, _float32(get), dtype, has, place)
+    read: Callable[[str], HostTensor] = _float32(get)
+    if cfg.quant_weights:  # a compressed-tensors checkpoint: its projections' values and scales
+        scheme = CompressedScheme(cfg.quant_weights, cfg.quant_activations, cfg.quant_ignore)
+        read, has = projection_reader(scheme, get, has)
+    params = params_from_hf_tensors(cfg, read, dtype, has, place, convert)
     if head.tied and "lm_head.weight" in weight_map:
         # a tied head saved anyway is harmless only when it is the embedding
         if not np.array_equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
@@ -318,6 +451,17 @@ def check_all_used(names: Iterable[str], used: set[str]) -> None:
         )
 
 
+def _transposed(t: HostTensor) -> HostTensor:
+    """A checkpoint's [out, in] projection as [in, out] (float32 unless 8-bit)."""
+    if isinstance(t, QuantizedMatrix):
+        return t.replace(
+            values=np.asarray(t.values).T,
+            scale=np.asarray(t.scale, np.float32).T,
+            offset=None if t.offset is None else np.asarray(t.offset, np.float32).T,
+        )
+    return np.asarray(t, dtype=np.float32).T
+
+
 def _float32(get: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
     """safetensors returns bf16 as a numpy dtype only through ml_dtypes; widen everything to f32."""
 
@@ -327,10 +471,16 @@ def _float32(get: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
     return wrapped
 
 
-def weight_bytes(cfg: ModelConfig, dtype: jnp.dtype) -> int:
-    """Bytes of the whole model's weights in `dtype` (from the shapes alone, nothing built)."""
+def weight_bytes(cfg: ModelConfig, dtype: jnp.dtype, eight_bit: bool = False) -> int:
+    """Bytes of the whole model's weights in `dtype` (from the shapes alone, nothing built);
+    eight_bit: the projections as a byte per weight and a float32 scale per output channel."""
     shapes = jax.eval_shape(lambda: random_params(cfg, 0, dtype))
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    if eight_bit:
+        for w in projections(shapes).values():
+            layers, _, n_out = w.shape
+            total -= w.size * (w.dtype.itemsize - 1) - layers * n_out * 4
+    return total
 
 
 def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:

@@ -21,7 +21,17 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixscore.model import config, config_inventory, families, gguf_loader, head, weights
+from prefixscore.model import (
+    config,
+    config_inventory,
+    families,
+    gguf_blocks,
+    gguf_loader,
+    head,
+    quant,
+    quant_choice,
+    weights,
+)
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.presets import cache_dir
 from prefixscore.model.weights import Weights, flat_weights, weights_from_flat
@@ -48,7 +58,8 @@ def _key(source: Path, dtype: str) -> str:
     digest = hashlib.sha256()
     for part in (FORMAT, source.resolve(), stat.st_size, stat.st_mtime_ns, dtype):
         digest.update(f"{part}\0".encode())
-    for module in (config, config_inventory, families, gguf_loader, head, weights):  # the conversion itself
+    conversion = (config, config_inventory, families, gguf_blocks, gguf_loader, head, quant, quant_choice, weights)
+    for module in conversion:  # the conversion itself
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:32]
 

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 # `--dtype`'s choices: the names of model/config.DTYPES (tests/test_cli_serve.py checks they agree)
 DTYPE_NAMES = ("float32", "bfloat16")
+# `--quantize` and `--activations`: model/quant_choice.py's choices (the same test checks them)
+QUANTIZE_NAMES = ("auto", "none", "int8", "fp8")
+ACTIVATION_NAMES = ("auto", "dynamic", "none")
 
 
 def parse_bool(text: str) -> bool:
@@ -70,6 +73,18 @@ class ServerConfig:
 
     model: str = _flag(DEFAULT_MODEL, "preset, local HF directory, .gguf file or hub id")
     dtype: str = _flag("float32", "the weights' and the pool's dtype", choices=DTYPE_NAMES)
+    quantize: str = _flag(
+        "auto",
+        "8-bit projections: auto keeps a checkpoint's as published (GGUF blocks, compressed-tensors), none "
+        "serves them in --dtype, int8|fp8 quantize every projection per channel at load",
+        choices=QUANTIZE_NAMES,
+    )
+    activations: str = _flag(
+        "auto",
+        "8-bit activations of 8-bit projections: dynamic per token (W8A8), none (W8A16); auto follows the "
+        "checkpoint (dynamic for --quantize int8|fp8)",
+        choices=ACTIVATION_NAMES,
+    )
     host: str = _flag("0.0.0.0", "address the gRPC (and HTTP) server binds")
     port: int = _flag(50051, "gRPC port; 0 picks a free one", int)  # 0: see ScoreServer.port
     metrics_port: int | None = _flag(
@@ -184,6 +199,8 @@ class ServerConfig:
             pool_bytes=self.pool_bytes,
             pool_memory_fraction=self.pool_memory_fraction,
             compile_cache=self.compile_cache,
+            quantize=self.quantize,
+            activations=self.activations,
         )
 
 

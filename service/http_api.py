@@ -219,6 +219,10 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             template=served.template,
             head=served.head,
             label_names=list(served.label_names) or None,
+            quantization=served.quantization,
+            activation_quantization=served.activation_quantization or None,
+            quantized_projections=served.quantized_projections or None,
+            weight_bytes_per_device=served.weight_bytes_per_device,
         )
         return ModelList(data=[card])
 

@@ -146,6 +146,13 @@ class ModelCard(BaseModel):
     # the output head: causal_lm (label tokens' probabilities) or sequence_classification
     head: str
     label_names: list[str] | None = None  # a classifier's labels (id2label), in score column order
+    # the projections' weights: none, int8 or fp8 (the embedding, attention, pool and head stay
+    # in the served dtype); how 8-bit ones are multiplied (none: W8A16, dynamic, static); each
+    # 8-bit projection's layout ("int8 per channel", "int8 blocks of 32 with a minimum")
+    quantization: str = "none"
+    activation_quantization: str | None = None
+    quantized_projections: dict[str, str] | None = None
+    weight_bytes_per_device: int  # the weights' bytes on the device holding the most
 
 
 class ClassifyRequest(BaseModel):

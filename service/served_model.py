@@ -38,6 +38,13 @@ class ServedModel:
     buckets: dict[str, Any]  # the engine's buckets (engine/buckets.py), as plain values
     pool_pages: int
     pool_bytes: int  # the prefix pool's bytes on each device
+    pool_tokens: int  # tokens of K/V the pool holds (its pages x the page's tokens)
+    # the projections' 8-bit scheme (model/quant.py): "none", "int8" or "fp8"; how they are
+    # multiplied ("none": W8A16, "dynamic", "static"; "" when nothing is 8-bit); each one's layout
+    quantization: str
+    activation_quantization: str
+    quantized_projections: dict[str, str]
+    weight_bytes_per_device: int  # the weights' bytes on the device holding the most
     version: str = __version__
 
     @classmethod
@@ -64,6 +71,11 @@ class ServedModel:
             buckets=dataclasses.asdict(engine.buckets),
             pool_pages=engine.pool_pages,
             pool_bytes=engine.pool_bytes,
+            pool_tokens=engine.pool_pages * engine.buckets.page_tokens,
+            quantization=str(loaded.quantization["weights"]),
+            activation_quantization=str(loaded.quantization.get("activations", "")),
+            quantized_projections=dict(loaded.quantization.get("projections", {})),
+            weight_bytes_per_device=engine.weight_bytes_per_device,
         )
 
     def log_fields(self) -> dict[str, Any]:

@@ -381,6 +381,10 @@ class GrpcServer:
             call_shapes=service.call_shapes,
             head=served.head,
             label_names=served.label_names,
+            quantization=served.quantization,
+            activation_quantization=served.activation_quantization,
+            quantized_projections=served.quantized_projections,
+            weight_bytes_per_device=served.weight_bytes_per_device,
         )
 
 

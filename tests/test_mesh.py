@@ -323,7 +323,9 @@ def part_collectives() -> dict:
         report = traffic(engine, shape)
         found = report["collectives"]
         printed = format_traffic(report)  # what `prefixscore bench --collectives` prints
-        split = {n: a for n, a in flat_weights(engine.params).items() if "model" in engine.layout.weight_spec(n)}
+        split = {
+            n: a for n, a in flat_weights(engine.params).items() if "model" in engine.layout.weight_spec(n, a.shape)
+        }
         replicated = [n for n in flat_weights(engine.params) if n not in split]
         pools = engine._pool  # keys and values
         out[f"dp{dp}xtp{tp}"] = {
@@ -449,7 +451,7 @@ def part_load() -> dict:
 
             loaded = load_model(str(path), "float32", place_for)
             weights = flat_weights(loaded.params)
-            split = [a for n, a in weights.items() if "model" in layouts[-1].weight_spec(n)]
+            split = [a for n, a in weights.items() if "model" in layouts[-1].weight_spec(n, a.shape)]
             engine = ScoringEngine(loaded.cfg, loaded.params, "float32", buckets, mesh=layouts[-1])
             vocab = loaded.cfg.vocab_size
             query = rng.integers(0, vocab, 150).tolist()
