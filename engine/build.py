@@ -11,6 +11,7 @@ sizes its pool from the memory the weights left.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,6 +23,8 @@ from prefixscore.engine.scoring_engine import POOL_MEMORY_FRACTION, ScoringEngin
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.model.quant_choice import AUTO, QuantizeChoice
+
+log = logging.getLogger("prefixscore.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,4 +86,17 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
         pool_bytes=spec.pool_bytes,
         pool_memory_fraction=spec.pool_memory_fraction,
     )
+    if "fp8" in str(model.quantization["weights"]) and not has_fp8_units(engine.devices[0]):
+        log.warning(
+            "fp8 weights on %s, which has no fp8 matrix units: the fp8 matmuls run emulated (XLA widens "
+            "the operands), with the same results and memory, but not faster than bfloat16",
+            engine.devices[0].device_kind,
+        )
     return BuiltEngine(model, engine, load_seconds)
+
+
+def has_fp8_units(device: jax.Device) -> bool:
+    """Whether the device multiplies fp8 natively: NVIDIA compute capability 8.9 and newer (Ada,
+    Hopper, Blackwell). CPUs and the TPUs served here (v5e, v6e) have int8 units, not fp8."""
+    capability = getattr(device, "compute_capability", None)
+    return device.platform == "gpu" and capability is not None and float(capability) >= 8.9

@@ -369,6 +369,7 @@ def _read_raw(path: Path, name: str) -> np.ndarray:
         data = f.read(end - start)
     return np.frombuffer(data, dtype=NUMPY_LACKS[entry["dtype"]]).reshape(entry["shape"])
 
+
 # checkpoint tensors transformers itself drops on load: RoPE tables that older Llama
 # checkpoints saved as buffers (recomputed from the config, as here)
 IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -29,7 +29,18 @@ from helpers.deploy import (
 )
 from helpers.prerequisites import in_ci
 
-OVERLAYS = ["tpu-v6e-1x1", "tpu-v6e-2x2", "tpu-v6e-2x4", "tpu-v5e-2x2", "tpu-v5e-2x4", "gpu", "gpu-x8", "cpu", "local"]
+OVERLAYS = [
+    "tpu-v6e-1x1",
+    "tpu-v6e-2x2",
+    "tpu-v6e-2x4",
+    "tpu-v5e-2x2",
+    "tpu-v5e-2x4",
+    "tpu-v5e-1x1-int8",
+    "gpu",
+    "gpu-x8",
+    "cpu",
+    "local",
+]
 # accelerator label value, topology, chips (single-host slices)
 TPU = {
     "tpu-v6e-1x1": ("tpu-v6e-slice", "1x1", 1),
@@ -37,6 +48,7 @@ TPU = {
     "tpu-v6e-2x4": ("tpu-v6e-slice", "2x4", 8),
     "tpu-v5e-2x2": ("tpu-v5-lite-podslice", "2x2", 4),
     "tpu-v5e-2x4": ("tpu-v5-lite-podslice", "2x4", 8),
+    "tpu-v5e-1x1-int8": ("tpu-v5-lite-podslice", "1x1", 1),
 }
 # the mesh an overlay pins (tp, dp): an 8B model split over a v5e slice, a small one data parallel
 MESHES = {"tpu-v5e-2x2": ("4", "1"), "tpu-v5e-2x4": ("8", "1"), "tpu-v6e-2x2": ("1", "4")}
@@ -467,6 +479,14 @@ def test_tpu_overlays_select_the_slice_and_request_every_chip(rendered):
         assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         assert container(docs)["image"].endswith(":tpu")
         assert config(docs)["PREFIXSCORE_DTYPE"] == "bfloat16"
+
+
+def test_int8_overlay_quantizes_and_only_it(rendered):
+    """The single-chip v5e overlay serves an 8B model in int8 (four chips in bfloat16); no other
+    overlay quantizes: a full-precision model stays full precision unless an overlay says so."""
+    assert config(rendered["tpu-v5e-1x1-int8"])["PREFIXSCORE_QUANTIZE"] == "int8"
+    for name in set(OVERLAYS) - {"tpu-v5e-1x1-int8"}:
+        assert "PREFIXSCORE_QUANTIZE" not in config(rendered[name]), name
 
 
 def test_overlay_meshes_use_every_chip(rendered):
