@@ -322,6 +322,7 @@ def test_models_health_ready(server, http):
     models = ok(http.get("/v1/models"))
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-qwen3"
     assert models["data"][0]["template"] == "qwen3-reranker"
+    assert models["data"][0]["quantization"] == "none" and models["data"][0]["quantized_projections"] is None
     assert ok(http.get("/health"))["status"] == "ok"
     assert ok(http.get("/ready"))["status"] == "ready"
     info = ScoreClient(server.target).model_info(timeout=30)

@@ -12,6 +12,7 @@ import random
 import threading
 
 import grpc
+import jax
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -357,6 +358,9 @@ def test_model_info(client, tiny_scorer):
     assert info.limits.max_items == MAX_QUEUE and info.limits.max_queue_items == MAX_QUEUE
     assert info.limits.max_sequence_tokens == tiny_scorer.engine.buckets.context
     assert info.limits.max_item_tokens == tiny_scorer.engine.buckets.context
+    # full precision: nothing 8-bit, every weight's bytes on the one device
+    assert (info.quantization, info.activation_quantization, dict(info.quantized_projections)) == ("none", "", {})
+    assert info.weight_bytes_per_device == sum(leaf.nbytes for leaf in jax.tree.leaves(tiny_scorer.model.params))
 
 
 def test_health_serving_and_reflection_lists_services(server):
