@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 from prefixscore.bench.runner import run_workloads
 from prefixscore.bench.workloads import MODES, WORKLOADS
+from prefixscore.service.config import ACTIVATION_NAMES, QUANTIZE_NAMES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,6 +48,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="bench-cpu", help="preset, directory, .gguf or hub id [%(default)s]")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="[%(default)s]")
+    p.add_argument(
+        "--quantize",
+        default="auto",
+        choices=QUANTIZE_NAMES,
+        help="8-bit projections, as `serve --quantize` (in process and --serve-process) [%(default)s]",
+    )
+    p.add_argument(
+        "--activations",
+        default="auto",
+        choices=ACTIVATION_NAMES,
+        help="8-bit activations of 8-bit projections, as `serve --activations`: dynamic (W8A8) or none "
+        "(W8A16) [%(default)s]",
+    )
     p.add_argument("--attention", default=None, help="attention implementation (default: the backend's)")
     p.add_argument("--devices", type=int, default=None, help="devices to use in process (default: all)")
     p.add_argument("--tp-size", type=int, default=None, help="in process: devices on the model axis (default: chosen)")

@@ -24,6 +24,7 @@ class ServedProcess:
         cmd = [sys.executable, "-c", "from prefixscore.cli import main; main()", "serve"]
         cmd += ["--model", args.model, "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--log-level", "warning"]
+        cmd += ["--quantize", args.quantize, "--activations", args.activations]
         if args.attention:
             cmd += ["--attention", args.attention]
         if args.compile_cache:

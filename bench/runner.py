@@ -64,8 +64,12 @@ def run_workloads(args: argparse.Namespace) -> int:
         reports.add_speedups([r for r in records if r["round"] == round_])
         reports.add_shares([r for r in records if r["round"] == round_])
     ctx = records[0] if records else {}
+    served = ctx.get("quantization") or {}
+    weights = f" | projections {served['weights']}" if served.get("weights") else ""
+    if served.get("activations"):
+        weights += f", activations {served['activations']}"
     print(
-        f"model {ctx.get('model')} {ctx.get('dtype')} | {ctx.get('backend')} x{ctx.get('devices')} "
+        f"model {ctx.get('model')} {ctx.get('dtype')}{weights} | {ctx.get('backend')} x{ctx.get('devices')} "
         f"({ctx.get('device_kind', '')}) | attention {ctx.get('attention')} | commit {ctx.get('commit')}"
     )
     if peak:

@@ -47,6 +47,8 @@ class Bench:
                 tp_size=args.tp_size,
                 dp_size=args.dp_size,
                 compile_cache=args.compile_cache,
+                quantize=args.quantize,
+                activations=args.activations,
             )
             built = build_engine(spec)
             loaded = built.model
@@ -98,6 +100,7 @@ class Bench:
             return {
                 "model": self.args.model,
                 "dtype": self.args.dtype,
+                **quantization(self.args.quantize, self.args.activations, self.scorer.model.quantization),
                 "backend": jax.default_backend(),
                 "device_kind": jax.devices()[0].device_kind,
                 "devices": engine.n_devices,
@@ -114,6 +117,7 @@ class Bench:
         return {
             "model": info.model,
             "dtype": info.dtype,
+            **quantization(None, None, _served_quantization(info)),
             "backend": "remote",
             "device_kind": ", ".join(info.devices),
             "devices": len(info.devices),
@@ -237,3 +241,23 @@ class Bench:
             self.remote.close()
         if self.served is not None:
             self.served.close()
+
+
+def quantization(quantize: str | None, activations: str | None, served: dict[str, Any]) -> dict[str, Any]:
+    """What a record says of the projections: the --quantize and --activations asked for (None:
+    a remote server's, not known) and what the load made of them ({"weights": "int8",
+    "activations": "dynamic"}; {"weights": "none"}: nothing 8-bit)."""
+    return {
+        "quantize": quantize,
+        "activations": activations,
+        "quantization": {k: v for k, v in served.items() if k in ("weights", "activations")},
+    }
+
+
+def _served_quantization(info: Any) -> dict[str, Any]:
+    """A remote server's quantization from its GetModelInfo (an older server reports none)."""
+    weights = getattr(info, "quantization", "") or "none"
+    served: dict[str, Any] = {"weights": weights}
+    if getattr(info, "activation_quantization", ""):
+        served["activations"] = info.activation_quantization
+    return served

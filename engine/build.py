@@ -89,7 +89,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
     if "fp8" in str(model.quantization["weights"]) and not has_fp8_units(engine.devices[0]):
         log.warning(
             "fp8 weights on %s, which has no fp8 matrix units: the fp8 matmuls run emulated (XLA widens "
-            "the operands), with the same results and memory, but not faster than bfloat16",
+            "the operands), with the same results and memory, without the speed of fp8 units",
             engine.devices[0].device_kind,
         )
     return BuiltEngine(model, engine, load_seconds)

@@ -68,6 +68,7 @@ def load_model(
     where = place_for or (lambda cfg: on_default_device)
     if model in presets.RANDOM_PRESETS:
         cfg, tok_source = presets.RANDOM_PRESETS[model]
+        choice.check_checkpoint(checkpoint_8bit=False)
         tokenizer = load_tokenizer(presets.smollm2_tokenizer_dir()) if tok_source == "smollm2" else None
         params = random_params(cfg, presets.RANDOM_SEED, jdtype)  # test models: built whole, then placed
         if choice.at_load:
@@ -123,6 +124,7 @@ def _loaded(
 
 def _load_dir(path: Path, name: str, dtype: str, place_for: PlaceFor, choice: QuantizeChoice) -> LoadedModel:
     cfg = dataclasses.replace(load_config(path), name=name)
+    choice.check_checkpoint(checkpoint_8bit=bool(cfg.quant_weights))
     convert = ProjectionConverter(choice)
     params = load_safetensors(path, cfg, _dtype(dtype), place_for(cfg), convert)
     if convert.became:

@@ -68,7 +68,18 @@ class QuantizeChoice:
         """The activation scheme served, given the checkpoint's (NONE for a full-precision one)."""
         if self.activations != AUTO:
             return self.activations
+        if self.quantize == NONE:  # dequantized: nothing is left to multiply in 8 bits
+            return NONE
         return DYNAMIC if self.at_load else checkpoint_activations
+
+    def check_checkpoint(self, checkpoint_8bit: bool) -> None:
+        """Refuses, before any weight is read, 8-bit activations for projections that will not be
+        8-bit (a full-precision checkpoint without --quantize int8|fp8)."""
+        if self.activations == DYNAMIC and not self.eight_bit(checkpoint_8bit):
+            raise QuantizationError(
+                "--activations dynamic needs 8-bit weights, and this checkpoint is full precision: "
+                "add --quantize int8 or fp8"
+            )
 
 
 class ProjectionConverter:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.service.config import ACTIVATION_NAMES, QUANTIZE_NAMES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +27,7 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="in process: preset, HF directory, .gguf or hub id")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="in process")
+    _add_quantize(p)
     p.add_argument(
         "--template",
         default="qwen3-reranker",
@@ -35,6 +37,22 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="with --target: requests in flight")
     p.add_argument(
         "--token-file", default=None, help="with --target: file holding the bearer token (or $PREFIXSCORE_TOKEN)"
+    )
+
+
+def _add_quantize(p: argparse.ArgumentParser) -> None:
+    """In process: the 8-bit projections, as `serve --quantize` and `--activations`."""
+    p.add_argument(
+        "--quantize",
+        default="auto",
+        choices=QUANTIZE_NAMES,
+        help="in process: 8-bit projections, as `serve --quantize` [%(default)s]",
+    )
+    p.add_argument(
+        "--activations",
+        default="auto",
+        choices=ACTIVATION_NAMES,
+        help="in process: 8-bit activations of 8-bit projections, as `serve --activations` [%(default)s]",
     )
 
 
@@ -50,7 +68,10 @@ def backend_from(args: argparse.Namespace) -> Any:
     from prefixscore.engine.scorer import Scorer
     from prefixscore.offline.inprocess import ScorerBackend
 
-    return ScorerBackend(Scorer.load(args.model, args.dtype, template=args.template))
+    scorer = Scorer.load(
+        args.model, args.dtype, template=args.template, quantize=args.quantize, activations=args.activations
+    )
+    return ScorerBackend(scorer)
 
 
 def add_batch(sub: argparse._SubParsersAction) -> None:
@@ -122,6 +143,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="in process: preset, HF directory, .gguf or hub id")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="in process")
+    _add_quantize(p)
     p.add_argument(
         "--template", default="qwen3-reranker", choices=("qwen3-reranker", "chat", "none"), help="in process"
     )
@@ -149,7 +171,14 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if args.target:
         encoder = CrossEncoder(target=args.target, instruction=args.instruction)
     else:
-        encoder = CrossEncoder(args.model, instruction=args.instruction, dtype=args.dtype, template=args.template)
+        encoder = CrossEncoder(
+            args.model,
+            instruction=args.instruction,
+            dtype=args.dtype,
+            template=args.template,
+            quantize=args.quantize,
+            activations=args.activations,
+        )
     reranked = rerank(run, queries, docs, encoder, args.depth, progress=sys.stderr.isatty())
     if args.output:
         trec.write_run(args.output, reranked, args.tag)

@@ -201,6 +201,26 @@ def test_bench_over_grpc_target(tmp_path) -> None:
     records = json.loads(out.read_text())
     assert [(r["workload"], r["mode"]) for r in records] == [("w1-cold", "prefix"), ("w2", "prefix")]
     assert all(r["target"] == server.target and r["backend"] == "remote" and r["items_per_s"] > 0 for r in records)
+    # what the server serves, from its model info (the flags it was started with are its own)
+    assert all(r["quantization"] == {"weights": "none"} and r["quantize"] is None for r in records)
+
+
+def test_bench_records_what_it_quantized(tmp_path, capsys) -> None:
+    """--quantize and --activations reach the model load, and each record says what it measured:
+    the flags asked for and what the load made of them."""
+    defaults = parse(["bench"])
+    assert (defaults.quantize, defaults.activations) == ("auto", "auto")
+    out = tmp_path / "int8.json"
+    small = ["--query-tokens", "32", "--items", "4", "--item-tokens", "4", "--runs", "1", "--no-progress"]
+    args = parse(["bench", "--model", "tiny-qwen3", *small, "--quantize", "int8", "--activations", "none"])
+    args.json_path = str(out)
+    assert args.func(args) == 0
+    (record,) = json.loads(out.read_text())
+    assert (record["quantize"], record["activations"]) == ("int8", "none")
+    assert record["quantization"] == {"weights": "int8", "activations": "none"}
+    assert "projections int8, activations none" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parse(["bench", "--quantize", "int4"])
 
 
 def test_bench_flop_rate_shares_of_w1_cold(tmp_path, capsys) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 from helpers.service import server_config
@@ -113,3 +114,38 @@ def test_eval_command_reranks_a_beir_dataset_over_a_server(tmp_path, tiny_scorer
     mean = next(line for line in report.splitlines() if line.startswith("mean (2)") and "nDCG@10" in line)
     assert mean.split()[3:5] == [f"{before.mean['nDCG@10']:.4f}", f"{after.mean['nDCG@10']:.4f}"]
     assert sum(line.startswith("1 ") for line in report.splitlines()) == 4  # per query: 4 measures
+
+
+def test_eval_and_batch_in_process_load_with_quantize(tmp_path, monkeypatch, capsys):
+    """--quantize and --activations of `eval` and `batch` reach Scorer.load (in process)."""
+    from conftest import SMALL_BUCKETS
+
+    from prefixscore.cli import build_parser
+    from prefixscore.engine.scorer import Scorer
+    from prefixscore.offline.commands import backend_from
+
+    loads = []
+    load = Scorer.load.__func__
+
+    def recorded(cls, model, dtype="float32", **kwargs):
+        loads.append(kwargs)
+        return load(cls, model, dtype, **{"buckets": SMALL_BUCKETS, **kwargs})
+
+    monkeypatch.setattr(Scorer, "load", classmethod(recorded))
+    parser = build_parser()
+    for argv in (["eval", "--run", "r"], ["batch", "i", "-o", "o"]):
+        defaults = parser.parse_args(argv)
+        assert (defaults.quantize, defaults.activations) == ("auto", "auto")
+    beir = Path(__file__).resolve().parent.parent / "docs" / "examples" / "beir-mini"
+    args = ["eval", "--beir", str(beir), "--run", str(beir / "bm25.trec"), "--model", "tiny-qwen3", "--depth", "2"]
+    assert main([*args, "--quantize", "int8", "--activations", "none"]) == 0
+    assert (loads[-1]["quantize"], loads[-1]["activations"]) == ("int8", "none")
+    assert "nDCG@10" in capsys.readouterr().out
+    batch = parser.parse_args(
+        ["batch", "in.jsonl", "-o", str(tmp_path / "out"), "--model", "tiny-qwen3", "--quantize", "fp8"]
+    )
+    backend = backend_from(batch)
+    assert backend.scorer.model.quantization["weights"] == "fp8"
+    assert backend.scorer.model.quantization["activations"] == "dynamic"  # auto: dynamic for --quantize fp8
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "--run", "r", "--activations", "static"])

@@ -87,6 +87,17 @@ def test_w8a16_matches_transformers_dequantized(checkpoints, served, scheme):
     assert served(scheme, "auto").model.quantization["activations"] == published
 
 
+def test_quantize_none_serves_a_w8a8_checkpoint_dequantized(checkpoints, causal_lm):
+    """--quantize none: every projection in the served dtype (and so no 8-bit activations either)."""
+    path = checkpoints["int8-w8a8"]
+    scorer = Scorer.load(str(path), buckets=SMALL_BUCKETS, quantize="none")
+    assert scorer.model.quantization == {"weights": "none"}
+    assert not isinstance(scorer.model.params.layers.attn.wq, QuantizedMatrix)
+    got = np.array(scorer.score(QUERY, ITEMS, LABELS))
+    want = torch_label_probs(dequantized_oracle(path, transformers.Qwen3ForCausalLM), _sequences(), LABELS, False)
+    assert np.abs(got - want).max() <= 1e-5
+
+
 @pytest.mark.parametrize("scheme", ["fp8-w8a8", "fp8-tensor-static"])
 def test_fp8_w8a8_matches_transformers_fake_quantized(checkpoints, served, scheme):
     """fp8 activations as the checkpoint specifies (per token: max |x| / 448; static: its
