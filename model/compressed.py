@@ -104,10 +104,18 @@ def unpack_int8(packed: np.ndarray, shape: Iterable[int]) -> np.ndarray:
 
 
 def projection_reader(
-    scheme: CompressedScheme, get: Callable[[str], np.ndarray], has: Callable[[str], bool]
+    scheme: CompressedScheme,
+    get: Callable[[str], np.ndarray],
+    has: Callable[[str], bool],
+    projections: frozenset[str],
 ) -> tuple[Callable[[str], np.ndarray | QuantizedMatrix], Callable[[str], bool]]:
     """`get` and `has` for model/weights.params_from_hf_tensors: an 8-bit projection's "<module>.weight"
-    comes back as its values and scales ([out, in], the checkpoint's layout); anything else as stored."""
+    comes back as its values and scales ([out, in], the checkpoint's layout); anything else as stored.
+    projections: the projections' tensor names inside a layer ("self_attn.q_proj.weight", weights.PROJECTIONS)."""
+
+    def _is_projection(module: str) -> bool:
+        parts = module.split(".", 3)  # model, layers, {i}, the name inside the layer
+        return len(parts) == 4 and parts[:2] == ["model", "layers"] and f"{parts[3]}.weight" in projections
 
     def eight_bit(module: str) -> bool:
         return has(f"{module}.weight_scale")
@@ -155,10 +163,3 @@ def projection_reader(
         )
 
     return read, exists
-
-
-_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
-
-
-def _is_projection(module: str) -> bool:
-    return _PROJECTION.match(module) is not None

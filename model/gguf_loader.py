@@ -19,7 +19,7 @@ from prefixscore.model.gguf_blocks import split_blocks
 from prefixscore.model.quant import QuantizedMatrix
 from prefixscore.model.quant_choice import ProjectionConverter
 from prefixscore.model.weights import (
-    LAYER_TENSORS,
+    PROJECTIONS,
     HostTensor,
     Place,
     Weights,
@@ -27,9 +27,6 @@ from prefixscore.model.weights import (
     on_default_device,
     params_from_hf_tensors,
 )
-
-# the HF names (inside model.layers.{i}.) of the projections: the tensors that may stay 8-bit
-PROJECTIONS = frozenset(name for name, projection in LAYER_TENSORS.values() if projection)
 
 # GGUF tensor name (inside blk.{i}.) -> HF name (inside model.layers.{i}.)
 GGUF_LAYER_NAMES = {

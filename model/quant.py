@@ -98,16 +98,17 @@ class QuantizedMatrix:
         return f"{self.kind} {where}" + (" with a minimum" if self.offset is not None else "")
 
 
-def dequantize(w: QuantizedMatrix, dtype: jnp.dtype) -> jax.Array:
-    """The matrix in `dtype` ([..., in, out]): values x scale (+ offset) in float32, then cast, as a
-    dequantizing loader computes it."""
+def dequantize(w: QuantizedMatrix, dtype: jnp.dtype, xp=jnp) -> jax.Array | np.ndarray:
+    """The matrix in `dtype` ([..., in, out]): values x scale (+ offset) in float32, rounded to the
+    checkpoint's scale dtype, then cast, as a dequantizing loader computes it. xp: jax.numpy in the
+    step, numpy on the host (a load that serves full precision)."""
     *lead, n_in, n_out = w.values.shape
     blocks = w.scale.shape[-2]
-    values = w.values.astype(jnp.float32).reshape(*lead, blocks, n_in // blocks, n_out)
-    full = values * w.scale[..., :, None, :]
+    values = xp.asarray(w.values).astype(xp.float32).reshape(*lead, blocks, n_in // blocks, n_out)
+    full = values * xp.asarray(w.scale)[..., :, None, :]
     if w.offset is not None:
-        full = full + w.offset[..., :, None, :]
-    return full.reshape(*lead, n_in, n_out).astype(w.product).astype(dtype)
+        full = full + xp.asarray(w.offset)[..., :, None, :]
+    return full.reshape(*lead, n_in, n_out).astype(jnp.dtype(w.product)).astype(dtype)
 
 
 def matmul(x: jax.Array, w: jax.Array | QuantizedMatrix, split: ModelShards = UNSPLIT) -> jax.Array:
@@ -152,14 +153,8 @@ def quantize_per_channel(w: np.ndarray, kind: str) -> QuantizedMatrix:
 
 
 def host_dequantize(w: QuantizedMatrix) -> np.ndarray:
-    """`dequantize` on the host (numpy float32), for a load that serves full precision."""
-    *lead, n_in, n_out = w.values.shape
-    blocks = w.scale.shape[-2]
-    full = np.asarray(w.values).astype(np.float32).reshape(*lead, blocks, n_in // blocks, n_out)
-    full = full * np.asarray(w.scale)[..., :, None, :]
-    if w.offset is not None:
-        full = full + np.asarray(w.offset)[..., :, None, :]
-    return full.reshape(*lead, n_in, n_out).astype(jnp.dtype(w.product)).astype(np.float32)
+    """`dequantize` on the host, in float32."""
+    return dequantize(w, np.float32, np)
 
 
 def stack_layers(layers: Sequence[QuantizedMatrix]) -> QuantizedMatrix:

@@ -25,8 +25,14 @@ from flax import struct
 from prefixscore.model.compressed import CompressedScheme, projection_reader
 from prefixscore.model.config import ModelConfig, UnsupportedModelError
 from prefixscore.model.head import OutputHead, output_head
-from prefixscore.model.quant import NONE, QuantizationError, QuantizedMatrix, quantize_per_channel, with_activations
-from prefixscore.model.quant import stack_layers as _stack
+from prefixscore.model.quant import (
+    NONE,
+    QuantizationError,
+    QuantizedMatrix,
+    quantize_per_channel,
+    stack_layers,
+    with_activations,
+)
 from prefixscore.model.quant_choice import ProjectionConverter, QuantizeChoice
 
 # a projection: full precision in the served dtype, or 8-bit values with scales (model/quant.py)
@@ -132,6 +138,8 @@ LAYER_TENSORS: dict[str, tuple[str, bool]] = {
     "mlp.w_up": ("mlp.up_proj.weight", True),
     "mlp.w_down": ("mlp.down_proj.weight", True),
 }
+# the projections' HF names inside a layer: the tensors that may be 8-bit (model/quant.py)
+PROJECTIONS = frozenset(name for name, projection in LAYER_TENSORS.values() if projection)
 # Gemma 2/3 name their norms by place: post_attention_layernorm is the attention output's norm
 # there (Llama's pre-MLP norm elsewhere); the pre-MLP norm is pre_feedforward_layernorm
 POST_NORM_TENSORS: dict[str, tuple[str, bool]] = {
@@ -216,7 +224,7 @@ def quantized_at_load(weights: Weights, kind: str) -> Weights:
     new = {}
     for name, w in projections(weights).items():
         stacked = np.asarray(jax.device_get(w), dtype=np.float32)
-        new[name] = jax.tree.map(jnp.asarray, _stack([quantize_per_channel(layer, kind) for layer in stacked]))
+        new[name] = jax.tree.map(jnp.asarray, stack_layers([quantize_per_channel(layer, kind) for layer in stacked]))
     return _with_projections(weights, new)
 
 
@@ -425,7 +433,7 @@ def load_safetensors(
     read: Callable[[str], HostTensor] = _float32(get)
     if cfg.quant_weights:  # a compressed-tensors checkpoint: its projections' values and scales
         scheme = CompressedScheme(cfg.quant_weights, cfg.quant_activations, cfg.quant_ignore)
-        read, has = projection_reader(scheme, get, has)
+        read, has = projection_reader(scheme, get, has, PROJECTIONS)
     params = params_from_hf_tensors(cfg, read, dtype, has, place, convert)
     if head.tied and "lm_head.weight" in weight_map:
         # a tied head saved anyway is harmless only when it is the embedding
