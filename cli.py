@@ -135,13 +135,25 @@ def _buckets(args: argparse.Namespace) -> Callable[[int], Any] | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
     from prefixscore.telemetry import logs
 
     logs.configure(args.log_format, args.log_level)
+    from prefixscore.engine.hosts import HostGroupError
     from prefixscore.service.core import StartupFailed
-    from prefixscore.service.process import ScoreServer
+    from prefixscore.service.follower import FollowerHost
+    from prefixscore.service.process import ScoreServer, exit_now
 
     config = config_from_args(args)
+    try:
+        group = config.host_group()
+    except HostGroupError as err:
+        print(f"prefixscore serve: {err}", file=sys.stderr)
+        return 2
+    if not group.leader:
+        # no interpreter shutdown: JAX's would wait for every host at a barrier
+        exit_now(FollowerHost(config, group).run())
 
     async def serve() -> int:
         server = ScoreServer(config)
@@ -157,26 +169,16 @@ def run_serve(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             pass  # drained before it was ready
         await server.wait_stopped()
-        if server.service.compiling_in_background:
+        if server.service.compiling_in_background or group.several:
             # an XLA compile cannot be interrupted, and the interpreter joins the compiling
-            # threads at exit (5-15 s after "stopped"); everything is drained and logged: go now
-            _exit_now(server.exit_code)
+            # threads at exit (5-15 s after "stopped"); a group's JAX runtime waits at exit for
+            # every host at a barrier; everything is drained and logged: go now
+            why = "background compile" if server.service.compiling_in_background else "host group"
+            logs.event(logging.getLogger("prefixscore.serve"), "exiting", code=server.exit_code, abandoned=why)
+            exit_now(server.exit_code)
         return server.exit_code  # non-zero when the device loop broke: the orchestrator restarts us
 
     return asyncio.run(serve())
-
-
-def _exit_now(code: int) -> None:
-    """End the process at once, after flushing what was written (no interpreter shutdown)."""
-    import logging
-
-    from prefixscore.telemetry import logs
-
-    logs.event(logging.getLogger("prefixscore.serve"), "exiting", code=code, abandoned="background compile")
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
 
 
 # ---- score ---------------------------------------------------------------------------------------

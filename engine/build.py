@@ -2,7 +2,8 @@
 
 The service (service/core.py), the in-process `Scorer` (engine/scorer.py), the bench and the
 offline runner all build their engine here, so a new choice (a quantization scheme, several
-hosts) is added once. The order matters and is kept here: the model's config is read first,
+hosts) is added once. The order matters and is kept here: a host of a group joins the group's
+JAX runtime first (engine/hosts.py), then the model's config is read,
 then the mesh is chosen (engine/mesh.py), then each weight is read and sent to its shards as
 it arrives (the host holds about one stacked weight, never the whole model), then the engine
 sizes its pool from the memory the weights left.
@@ -18,8 +19,10 @@ from collections.abc import Callable, Sequence
 import jax
 
 from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.hosts import HostGroup, join
 from prefixscore.engine.mesh import MeshPlacement
 from prefixscore.engine.scoring_engine import POOL_MEMORY_FRACTION, ScoringEngine
+from prefixscore.engine.step_channel import StepLeader
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.model.quant_choice import AUTO, QuantizeChoice
@@ -49,6 +52,8 @@ class EngineSpec:
     # 8-bit projections (model/quant_choice.py): auto | none | int8 | fp8, and auto | dynamic | none
     quantize: str = AUTO
     activations: str = AUTO
+    # several hosts as one replica (engine/hosts.py): this process's place in the group
+    hosts: HostGroup = HostGroup()
 
     def buckets_for(self, context_length: int) -> Buckets | None:
         """The buckets for a model of this context (None: the engine's default)."""
@@ -71,6 +76,9 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
     shards as it is read; weights loaded elsewhere are placed by the engine on the same layout.
     """
     started = time.monotonic()
+    join(spec.hosts)  # before any device is touched: the mesh spans every host's devices
+    # the leader listens before the weights load, so followers connect while it loads
+    steps = StepLeader(spec.hosts) if spec.hosts.several and spec.hosts.leader else None
     choice = QuantizeChoice(spec.quantize, spec.activations)
     placement = MeshPlacement(spec.dtype, spec.devices, tp=spec.tp_size, dp=spec.dp_size, quantize=choice)
     model = loaded or load_model(spec.model, spec.dtype, placement, choice)
@@ -85,6 +93,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
         compile_cache_dir=spec.compile_cache,
         pool_bytes=spec.pool_bytes,
         pool_memory_fraction=spec.pool_memory_fraction,
+        steps=steps,
     )
     if "fp8" in str(model.quantization["weights"]) and not has_fp8_units(engine.devices[0]):
         log.warning(

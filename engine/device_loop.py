@@ -200,6 +200,15 @@ class DeviceWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def abandon(self, error: WorkerStopped) -> None:
+        """Fail every unit now, queued or on the device, and take no more work: another host of
+        the group is gone, so the calls on the device will never complete (the device thread may
+        be waiting in one of their collectives; it is not waited for)."""
+        with self._cv:
+            self._stopping = True
+            self._wake()
+        self._fail_all(error)
+
     @property
     def depth(self) -> int:
         with self._cv:

@@ -130,11 +130,19 @@ def check_model_size(cfg: ModelConfig, tp: int, devices: int) -> None:
 def device_grid(shape: MeshShape, devices: list[jax.Device]) -> np.ndarray:
     """The devices as a [data, model] grid. On a TPU slice jax's mesh_utils orders them so the
     model axis, which carries an all-reduce per layer, runs over neighbouring chips' ICI links;
-    elsewhere (CPU, GPU) and for a subset it cannot place, in the order given."""
+    elsewhere (CPU, GPU) and for a subset it cannot place, host by host: a row of the model axis
+    holds one host's devices where the host has that many, so its all-reduces stay off the
+    network between hosts and only the data axis (a gather per call) crosses it."""
     try:
         return mesh_utils.create_device_mesh((shape.data, shape.model), devices, allow_split_physical_axes=True)
     except (ValueError, NotImplementedError):
-        return np.array(devices).reshape(shape.data, shape.model)
+        by_host = sorted(devices, key=lambda d: (d.process_index, d.id))
+        return np.array(by_host).reshape(shape.data, shape.model)
+
+
+def hosts_per_row(grid: np.ndarray) -> int:
+    """The most hosts one row of the model axis spans (1: every all-reduce stays within a host)."""
+    return max(len({d.process_index for d in row}) for row in grid)
 
 
 class Layout:
@@ -160,7 +168,22 @@ class Layout:
 
     @property
     def devices(self) -> list[jax.Device]:
+        """Every device of the mesh, on every host."""
         return list(self.mesh.devices.flat)
+
+    @property
+    def local_devices(self) -> list[jax.Device]:
+        """The mesh's devices this process drives (all of them, on one host)."""
+        return [d for d in self.devices if d.process_index == jax.process_index()]
+
+    @property
+    def hosts(self) -> int:
+        return len({d.process_index for d in self.devices})
+
+    @property
+    def model_axis_hosts(self) -> int:
+        """The most hosts a row of the model axis spans (1: its all-reduces stay within a host)."""
+        return hosts_per_row(self.mesh.devices)
 
     @property
     def local_kv_heads(self) -> int:
@@ -221,18 +244,19 @@ def default_layout(
     dp: int | None = None,
     eight_bit: bool = False,
 ) -> Layout:
-    """The layout on `devices` (all local ones by default; an int: the first that many):
+    """The layout on `devices` (every device of every host by default; an int: the first that many):
     `mesh` if given, else tp / dp as asked, the rest chosen (engine/mesh.choose_mesh: the
     smallest model axis the weights fit with room for the pool, the rest data; eight_bit: the
     projections take a byte per weight)."""
     if devices is None:
-        devices = jax.local_devices()
+        devices = jax.devices()
     elif isinstance(devices, int):
-        devices = jax.local_devices()[:devices]
+        devices = jax.devices()[:devices]
     devices = list(devices)
     if mesh is None:
         need = weight_bytes(cfg, DTYPES[dtype], eight_bit)
-        mesh = choose_mesh(cfg, len(devices), tp, dp, weight_bytes=need, device_bytes=device_memory(devices[0]))
+        here = [d for d in devices if d.process_index == jax.process_index()] or devices
+        mesh = choose_mesh(cfg, len(devices), tp, dp, weight_bytes=need, device_bytes=device_memory(here[0]))
     return Layout(cfg, mesh, devices)
 
 

@@ -34,6 +34,7 @@ from prefixscore.engine.buckets import Buckets, round_up
 from prefixscore.engine.mesh import Layout, MeshShape, default_layout
 from prefixscore.engine.planner import CallBuilder, CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
+from prefixscore.engine.step_channel import StepLeader
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import packed_baseline, step
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
@@ -104,6 +105,7 @@ class ScoringEngine:
         compile_cache_dir: str | None = None,
         pool_bytes: int | None = None,
         pool_memory_fraction: float = POOL_MEMORY_FRACTION,
+        steps: StepLeader | None = None,
     ) -> None:
         CompileCounter.install()
         self.compile_cache_dir = compile_cache.enable(compile_cache_dir)
@@ -139,6 +141,13 @@ class ScoringEngine:
         self._lock = threading.Lock()
         # device tokens launched and the real ones among them (padding share = 1 - real / device)
         self.stats = {"calls": 0, "device_tokens": 0, "tokens": 0, "items": 0, "prefill_tokens": 0}
+        # several hosts, on the leader: every call (and pool reset) is sent to the followers
+        # before it launches here, so every host runs the same step (engine/step_channel.py)
+        self.steps = steps
+        # a call's inputs as the step channel carries them: their leaves, in this tree, of these dtypes
+        specs = self._call_specs(self.buckets.call_shapes()[0])
+        self._inputs_tree = jax.tree.structure(specs)
+        self._input_dtypes = [spec.dtype for spec in jax.tree.leaves(specs)]
 
     @property
     def n_devices(self) -> int:
@@ -163,7 +172,7 @@ class ScoringEngine:
     def weight_bytes_per_device(self) -> int:
         """The weights' bytes on the device that holds the most (8-bit projections: a byte a
         weight, with their scales), counted from the placed shards themselves."""
-        held = {device: 0 for device in self.devices}
+        held = {device: 0 for device in self.layout.local_devices}
         for leaf in jax.tree.leaves(self.params):
             for shard in leaf.addressable_shards:
                 held[shard.device] += shard.data.nbytes
@@ -179,7 +188,7 @@ class ScoringEngine:
         DEFAULT_POOL_BYTES, either capped at POOL_CONTEXTS full contexts."""
         if pool_bytes:
             return pool_bytes
-        stats = self.devices[0].memory_stats() or {}
+        stats = self.layout.local_devices[0].memory_stats() or {}
         if "bytes_limit" in stats:
             budget = int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
         else:
@@ -400,6 +409,8 @@ class ScoringEngine:
         plan.spans say which rows are whose. The pool's pages written by the call's prefill
         chunks are visible to every later call (calls run in launch order)."""
         exe = self._executable(plan.shape)
+        if self.steps is not None:  # compiled first: a follower never waits for the leader's compile
+            self.steps.call(plan.shape, jax.tree.leaves(plan.inputs))
         # numpy in: the executable ships it by its input shardings, about a quarter of the host
         # time a separate jax.device_put of the pytree takes (measured: 0.26 vs 1.0 ms a call)
         probs, *self._pool = exe(self.params, *self._pool, plan.inputs)
@@ -408,6 +419,16 @@ class ScoringEngine:
         self.stats["tokens"] += plan.prefill_tokens + plan.item_tokens
         self.stats["prefill_tokens"] += plan.prefill_tokens
         self.stats["items"] += plan.items
+        return probs
+
+    def run_sent(self, shape: CallShape, arrays: Sequence[np.ndarray]) -> jax.Array:
+        """On a follower: launch the call the leader sent (its shape and its inputs' leaves), as
+        the leader launched it; returns the probabilities (replicated: every host has them)."""
+        exe = self._executable(shape)
+        # the leader's Python scalars travel as int64: the executable takes its own dtypes
+        leaves = [a if a.dtype == t else a.astype(t) for a, t in zip(arrays, self._input_dtypes, strict=True)]
+        probs, *self._pool = exe(self.params, *self._pool, jax.tree.unflatten(self._inputs_tree, leaves))
+        self.stats["calls"] += 1
         return probs
 
     def pool_lost(self) -> bool:
@@ -423,6 +444,8 @@ class ScoringEngine:
 
     def reset_pool(self) -> None:
         """A new, zeroed pool after pool_lost (every prefix must be prefilled again)."""
+        if self.steps is not None:
+            self.steps.reset()
         self._pool = (self._zeros(), self._zeros())
 
     # ---- packed baseline ------------------------------------------------------------
@@ -433,8 +456,8 @@ class ScoringEngine:
 
         A baseline: compiled on first use per length (multiples of packed_baseline.PACKED_ALIGN), not warmed up;
         on one device's whole model (a model axis of 1)."""
-        if self.layout.shape.model > 1:
-            raise ValueError("the packed baseline runs the whole model on each device: use a mesh with tp-size 1")
+        if self.layout.shape.model > 1 or self.steps is not None:
+            raise ValueError("the packed baseline runs the whole model on each device of one host: use tp-size 1")
         total = len(query_ids) + sum(len(it) for it in items)
         s = round_up(total, packed_baseline.PACKED_ALIGN)
         tokens = np.zeros(s, np.int32)

@@ -18,6 +18,7 @@ from prefixscore.model.presets import DEFAULT_MODEL
 if TYPE_CHECKING:
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.build import EngineSpec
+    from prefixscore.engine.hosts import HostGroup
     from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.model.loader import LoadedModel
 
@@ -140,6 +141,23 @@ class ServerConfig:
         int,
     )
     dp_size: int | None = _flag(None, "devices on the mesh's data axis (replicas); default: the devices left", int)
+    # several hosts as one replica (engine/hosts.py): every host runs serve with the same flags
+    # and its own --host-index; unset on a multi-host TPU slice: the slice's, from its environment
+    num_hosts: int | None = _flag(
+        None, "hosts serving this model together, one process each (JAX's multi-controller runtime)", int
+    )
+    host_index: int | None = _flag(
+        None, "this host's index in the group: 0 is the leader (the API, planning); others follow", int
+    )
+    coordinator: str | None = _flag(
+        None, "HOST:PORT of the leader: JAX's coordination service on PORT, the step channel on PORT+1"
+    )
+    host_timeout_s: float = _flag(
+        10.0,
+        "seconds a host of the group may be silent, or leave a call unfinished, before the group fails",
+        float,
+        name="host-timeout",
+    )
     batch_wait_s: float = _flag(
         0.0,
         "milliseconds to wait before an idle device's first batch so more requests join it",
@@ -201,7 +219,14 @@ class ServerConfig:
             compile_cache=self.compile_cache,
             quantize=self.quantize,
             activations=self.activations,
+            hosts=self.host_group(),
         )
+
+    def host_group(self) -> HostGroup:
+        """This process's place in its group of hosts (engine/hosts.py); raises HostGroupError."""
+        from prefixscore.engine.hosts import HostGroup
+
+        return HostGroup.from_flags(self.num_hosts, self.host_index, self.coordinator, self.host_timeout_s)
 
 
 def flag_fields() -> list[tuple[dataclasses.Field, Flag]]:

@@ -33,7 +33,7 @@ import grpc
 from prefixscore.engine.admission import QueueFull
 from prefixscore.engine.batcher import NonFiniteScores
 from prefixscore.engine.build import build_engine
-from prefixscore.engine.device_loop import DeadlineExpired, DeviceWorker, WorkerStopped, run_on_done
+from prefixscore.engine.device_loop import DeadlineExpired, DeviceWorker, WorkerFailed, WorkerStopped, run_on_done
 from prefixscore.engine.page_pins import StreamPin
 from prefixscore.engine.scoring_engine import ScoringEngine, WarmupStage
 from prefixscore.engine.templates import RerankTemplate
@@ -170,6 +170,8 @@ class ScoringService:
         self.draining = False
         self.started_at = time.time()  # /v1/models' "created"
         self.exit_code = 0  # non-zero: the process must be restarted (the device loop broke)
+        self.group_lost: str | None = None  # several hosts: why the group can run no more calls
+        self._failing = False  # the device loop broke (or the group was lost): stopping once
         self.call_shapes = 0  # call shapes warm-up compiles (engine.shapes_ready: how many are)
         self.inflight = 0
         self._idle = asyncio.Event()
@@ -232,6 +234,7 @@ class ScoringService:
         self.metrics.call_shapes.labels("all").set(self.call_shapes)
         # the kernels against the oracle on this very device: never serve a miscompiled kernel
         event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=engine.check_attention())
+        self._wait_for_hosts(engine)
         warmed = _warmup_report(engine, report, compiles, compile_s, loaded_at)
         if later:
             event(log, "serving_early", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes, **warmed)
@@ -240,6 +243,35 @@ class ScoringService:
             event(log, "warmed_up", warmup=cfg.warmup, **warmed)
         self.loaded = loaded
         return engine
+
+    def _wait_for_hosts(self, engine: ScoringEngine) -> None:
+        """Several hosts, on the leader: watch the group (a host lost fails it, _group_lost), and
+        wait until every follower is loaded, compiled and checked: the leader is ready only then."""
+        steps = engine.steps
+        hosts = 1 if steps is None else steps.group.hosts
+        self.metrics.hosts.labels("group").set(hosts)
+        if steps is None:
+            self.metrics.hosts.labels("ready").set(1)
+            return
+        steps.on_sent = lambda seconds, size: (
+            self.metrics.step_send_seconds.observe(seconds),
+            self.metrics.step_send_bytes.inc(size),
+        )
+        steps.watch(self._group_lost)
+        event(log, "waiting_for_hosts", hosts=hosts, timeout_s=steps.timeout)
+        reports = steps.wait_ready()
+        self.metrics.hosts.labels("ready").set(hosts)
+        event(log, "hosts_ready", hosts=hosts, followers=reports)
+
+    def _group_lost(self, reason: str) -> None:
+        """From the step channel's thread: a host of the group is gone or stuck, so no call can
+        complete. Every request queued or on the device fails now with UNAVAILABLE (the device
+        thread may be waiting in a collective that never completes), and the process stops with
+        a non-zero exit, so the whole group is restarted."""
+        self.group_lost = reason
+        error = WorkerFailed(f"a host of this replica's group was lost ({reason}); retry on another replica")
+        self.worker.abandon(error)
+        self._on_worker_failure(error)
 
     def _warm_in_background(self, engine: ScoringEngine, stages: list[WarmupStage]) -> None:
         """Compile the later warm-up stages on a thread of their own while serving; each stage
@@ -289,6 +321,9 @@ class ScoringService:
         """From the device thread: the device loop broke. Not serving any more: the process
         stops with a non-zero exit so the orchestrator restarts it."""
         assert self._loop is not None
+        if self._failing:  # a lost group fails the loop too: stop once
+            return
+        self._failing = True
 
         async def fail() -> None:
             self.exit_code = 1
@@ -334,11 +369,17 @@ class ScoringService:
         """Stop taking work and stop the device loop (what is queued fails UNAVAILABLE)."""
         self.draining = True
         self._warming_stop.set()
-        await asyncio.to_thread(self.worker.stop, 30.0)
+        # a lost group's device thread may wait in a collective forever: do not wait for it
+        await asyncio.to_thread(self.worker.stop, 1.0 if self.group_lost else 30.0)
+        steps = self.worker.engine.steps if self.worker.engine is not None else None
+        if steps is not None and not self.group_lost:
+            await asyncio.to_thread(steps.stop)  # the followers exit with the leader
 
     def probe(self, path: str) -> str | None:
         """The admin port's probes: None when `path` ("/health": liveness, "/ready": readiness)
         passes, else the reason it does not."""
+        if self.group_lost:
+            return f"failed: a host of the group was lost ({self.group_lost}); the process is exiting"
         if self.exit_code:
             return "failed: the device loop broke; the process is exiting"
         if path == "/ready":

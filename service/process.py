@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 from collections.abc import Awaitable
 from typing import Any
@@ -25,6 +27,27 @@ from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import serve_metrics
 
 log = logging.getLogger("prefixscore.server")
+
+
+# a leader whose group lost a host exits at most this long after noticing: requests in flight
+# are answered UNAVAILABLE at once, the rest is the servers' shutdown
+GROUP_EXIT_S = 5.0
+
+
+def exit_now(code: int) -> None:
+    """End the process at once, after flushing what was written: no interpreter shutdown, whose
+    hooks (joining compile threads, JAX's runtime shutdown barrier with every host) could wait."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def exit_after(seconds: float, code: int) -> None:
+    """exit_now(code) in `seconds`, unless the process ended first (a backstop)."""
+    timer = threading.Timer(seconds, exit_now, (code,))
+    timer.daemon = True
+    timer.start()
 
 
 class ScoreServer:
@@ -84,7 +107,11 @@ class ScoreServer:
         event(log, "ready", model=self.service.loaded.name, port=self.port, metrics_port=self.metrics_port)
 
     async def _failed(self, error: BaseException) -> None:
-        """The device loop broke: health NOT_SERVING at once, then stop (exit_code is 1)."""
+        """The device loop broke: health NOT_SERVING at once, then stop (exit_code is 1). A host
+        of the group lost: whatever still waits (a collective that never completes), the process
+        ends within GROUP_EXIT_S."""
+        if self.service.group_lost:
+            exit_after(GROUP_EXIT_S, self.service.exit_code or 1)
         await self.grpc.set_serving(False)
         await self.stop()
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 import socket
 import socketserver
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from prefixscore.telemetry.host_cost import ThreadCpuCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a call sent to the followers: tens of microseconds on loopback, more over a network
+STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -170,6 +174,58 @@ class ServiceMetrics:
         self.compile_seconds = Counter(
             "prefixscore_compile_seconds_total", "Seconds spent in XLA compilation since start.", registry=r
         )
+        self.hosts = Gauge(
+            "prefixscore_hosts",
+            "Hosts (processes) serving this model together: the group's size, and those ready (a replica of "
+            "one host: 1 and 1).",
+            ["state"],
+            registry=r,
+        )
+        self.step_send_seconds = Histogram(
+            "prefixscore_step_send_seconds",
+            "Several hosts, on the leader: seconds to send one call to every follower before it launches.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.step_send_bytes = Counter(
+            "prefixscore_step_send_bytes_total",
+            "Several hosts, on the leader: bytes of the calls sent, one follower's copy.",
+            registry=r,
+        )
+
+
+class FollowerMetrics:
+    """What a follower host exports (it serves no API): its place in the group, readiness, the
+    calls it ran, its compilations (steady state compiles nothing here either) and the bytes its
+    devices hold. `stats()` is read at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        r.register(ThreadCpuCollector())
+        self.host = Info("prefixscore_host", "This host's place in its group.", registry=r)
+        self.ready = Gauge("prefixscore_host_ready", "1 once loaded, compiled and checked.", registry=r)
+        r.register(_StatsCollector(stats))
+
+
+class _StatsCollector(Collector):
+    """A follower's counters and gauges, read from its loop's stats when scraped."""
+
+    KINDS = {
+        "calls": ("prefixscore_host_calls", "counter", "Device calls run as the leader sent them."),
+        "compilations": ("prefixscore_compilations", "counter", "XLA compilations since start."),
+        "weight_bytes": ("prefixscore_weight_bytes_per_device", "gauge", "Bytes of weights on the fullest device."),
+        "device_bytes_in_use": ("prefixscore_device_memory_in_use_bytes", "gauge", "Device memory in use (max)."),
+    }
+
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        for key, value in self._stats().items():
+            name, kind, doc = self.KINDS[key]
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, doc, value=value)
 
 
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
