@@ -26,9 +26,10 @@ import jax
 
 log = logging.getLogger("prefixscore.hosts")
 
-# JAX's default coordinator port on a TPU slice (jax._src.clusters); the step channel is the next
+# JAX's coordinator port on a TPU slice it detects (jax._src.clusters.cloud_tpu_cluster; 8476 is
+# the TPU runtime's own); the step channel listens on the next port
 STEP_PORT_OFFSET = 1
-TPU_COORDINATOR_PORT = 8476
+TPU_COORDINATOR_PORT = 8482
 # how long a host waits for the others to join (JAX's coordination service, the step channel)
 JOIN_TIMEOUT_S = 300
 
@@ -98,6 +99,8 @@ def join(group: HostGroup) -> None:
         return
     # CPU processes exchange their collectives over gloo (TCP); accelerators use their own links
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service takes SIGTERM for its own sync points; the server drains on it
+    jax.config.update("jax_enable_preemption_service", False)
     heartbeat = max(10, int(3 * group.timeout_s))
     if group.detected:
         jax.distributed.initialize(initialization_timeout=JOIN_TIMEOUT_S, heartbeat_timeout_seconds=heartbeat)

@@ -210,7 +210,13 @@ class Layout:
         the vocabulary padded as the mesh needs, then each device sent only its slice."""
         axes = leaf_axes(name, array.shape)
         array = self._mesh_layout(array, axes)
-        return jax.device_put(array, NamedSharding(self.mesh, self.spec(axes)))
+        sharding = NamedSharding(self.mesh, self.spec(axes))
+        if not sharding.is_fully_addressable:
+            # a mesh over several hosts: this host sends only its own devices' slices (device_put
+            # would first compare the whole array across hosts, a collective per weight)
+            host = np.asarray(array)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return jax.device_put(array, sharding)
 
     def place_weights(self, weights: Weights) -> Weights:
         """Every weight onto its shards (`place` leaves one already there as it is)."""

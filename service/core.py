@@ -269,6 +269,7 @@ class ScoringService:
         thread may be waiting in a collective that never completes), and the process stops with
         a non-zero exit, so the whole group is restarted."""
         self.group_lost = reason
+        self.draining = True  # what arrives from now on (a client's retry, too) is refused UNAVAILABLE
         error = WorkerFailed(f"a host of this replica's group was lost ({reason}); retry on another replica")
         self.worker.abandon(error)
         self._on_worker_failure(error)

@@ -142,6 +142,9 @@ class ModelCard(BaseModel):
     # the device mesh: devices on the model axis (tensor parallel) and the data axis (replicas)
     tp_size: int
     dp_size: int
+    # several hosts as one replica: how many, and the most a row of the model axis spans
+    hosts: int = 1
+    model_axis_hosts: int = 1
     template: str | None = None
     # the output head: causal_lm (label tokens' probabilities) or sequence_classification
     head: str

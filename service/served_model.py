@@ -32,6 +32,8 @@ class ServedModel:
     devices: tuple[str, ...]  # "platform:id" of each device the mesh covers
     tp_size: int  # devices on the mesh's model axis
     dp_size: int  # ... and on its data axis
+    hosts: int  # processes (hosts) the mesh spans: 1, or a group's (engine/hosts.py)
+    model_axis_hosts: int  # the most hosts a row of the model axis spans (1: its all-reduces stay on a host)
     kv_heads_per_device: int  # the pool's KV heads each device stores
     kv_head_copies: int  # how often each KV head is stored across the model axis (tp > kv_heads)
     attention: str  # the attention implementation (kernels/dispatch.py)
@@ -65,6 +67,8 @@ class ServedModel:
             devices=tuple(f"{d.platform}:{d.id}" for d in engine.devices),
             tp_size=mesh.model,
             dp_size=mesh.data,
+            hosts=engine.layout.hosts,
+            model_axis_hosts=engine.layout.model_axis_hosts,
             kv_heads_per_device=engine.layout.local_kv_heads,
             kv_head_copies=engine.layout.kv_repeats,
             attention=engine.attn_impl,

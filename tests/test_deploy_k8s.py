@@ -41,6 +41,8 @@ OVERLAYS = [
     "cpu",
     "local",
 ]
+# Overlays with no Deployment (a LeaderWorkerSet instead): tests/test_deploy_lws.py checks them.
+LWS_OVERLAYS = ["tpu-v5e-4x4-multihost"]
 # accelerator label value, topology, chips (single-host slices)
 TPU = {
     "tpu-v6e-1x1": ("tpu-v6e-slice", "1x1", 1),
@@ -116,7 +118,7 @@ def config(docs: list[dict]) -> dict[str, str]:
 
 # ---- rendering and schemas -----------------------------------------------------------
 def test_every_overlay_exists_and_renders(rendered):
-    assert sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir()) == sorted(OVERLAYS)
+    assert sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir()) == sorted(OVERLAYS + LWS_OVERLAYS)
     for name, docs in rendered.items():
         kinds = sorted(d["kind"] for d in docs)
         for kind in ("ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"):

@@ -160,13 +160,17 @@ def render_for_loopback(
 
 @contextlib.contextmanager
 def envoy_in_front(
-    replicas: list[ServerThread], tmp: Path, grpc_ports: list[int] | None = None, balance: str = "envoy.yaml"
+    replicas: list[ServerThread],
+    tmp: Path,
+    grpc_ports: list[int] | None = None,
+    balance: str = "envoy.yaml",
+    http_ports: list[int] | None = None,
 ) -> Iterator[dict[str, int]]:
     """The real Envoy with deploy/envoy's configuration over `replicas` (their gRPC at
-    `grpc_ports` when given; `balance` as deploy/envoy/loopback.py's); its ports once it has
-    health-checked every replica."""
+    `grpc_ports` and HTTP at `http_ports` when given: replicas in other processes; `balance` as
+    deploy/envoy/loopback.py's); its ports once it has health-checked every replica."""
     grpc_ports = grpc_ports or [srv.server.port for srv in replicas]
-    http_ports = [srv.server.http_port for srv in replicas]
+    http_ports = http_ports or [srv.server.http_port for srv in replicas]
     config, ports = render_for_loopback(grpc_ports, http_ports, tmp, balance)
     log_path = config.with_suffix(".log")
     log = open(log_path, "w")  # noqa: SIM115 - closed below
@@ -177,7 +181,7 @@ def envoy_in_front(
     )
     try:
         wait_for(
-            lambda: healthy_hosts(ports, proc, log_path) == 2 * len(replicas),
+            lambda: healthy_hosts(ports, proc, log_path) == 2 * len(grpc_ports),
             60,
             "Envoy's health checks",
         )

@@ -1,0 +1,344 @@
+"""Several hosts as one replica: groups of real `prefixscore serve` processes on loopback, 4
+simulated CPU devices each, one JAX runtime over gloo collectives (engine/hosts.py).
+
+- Meshes over two hosts (2x4, 8x1, 1x8) and three (3x4) score unary, stream, rerank and
+  classify requests within 1e-5 of one process (an in-process server over one device);
+- the prefix cache hits across calls, and steady state compiles nothing on any host;
+- a follower SIGKILLed under load: the leader goes NOT_SERVING and exits non-zero within the
+  bound, and every request ends with a status; behind Envoy with a second group, nothing is
+  lost; the leader gone, its followers exit; the leader drained (SIGTERM), they exit 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from helpers.service import LABELS, scrape, serve_process, server_config, wait_for
+from test_prefix_affinity import envoy_in_front
+
+from prefixscore.client import ScoreClient
+from prefixscore.service.process import GROUP_EXIT_S, ServerThread
+
+DEVICES = 4  # per host
+QUERY = "Is this sentence about rivers?"
+ITEMS = ["The Seine flows through Paris.", "Cats sleep a lot.", "The Rhine rises in the Alps."]
+DOCS = ["The Loire is the longest river in France.", "Bread is baked in ovens.", "Rivers flow to the sea."]
+CLASSIFY = ["The Seine is a river. Answer:", "The Seine is a cat. Answer:"]
+CLASSIFY_LABELS = ("yes", "no")
+HOST_TIMEOUT = 10.0
+# a leader whose follower was SIGKILLed notices at once (its connection closes) and exits within
+# GROUP_EXIT_S; a loaded 2-core machine gets the same again
+EXIT_BOUND_S = 2 * GROUP_EXIT_S
+SERVE = [
+    "--model", "tiny-qwen3", "--host", "127.0.0.1", "--metrics-port", "0",
+    "--max-prefill-tokens", "256", "--max-batch-tokens", "256", "--drain-seconds", "30",
+    "--host-timeout", str(HOST_TIMEOUT), "--template", "qwen3-reranker", "--warmup", "false",
+    "--classify-labels", *CLASSIFY_LABELS,
+]  # fmt: skip
+
+
+def _coordinator_port() -> int:
+    """A free port whose successor (the step channel) is free too."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+class Group:
+    """`hosts` serve processes forming one replica; host 0 (the leader) serves the API."""
+
+    def __init__(self, hosts: int, *flags: str, model: list[str] | None = None) -> None:
+        coordinator = f"127.0.0.1:{_coordinator_port()}"
+        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"}
+        common = [*SERVE, *(model or []), "--num-hosts", str(hosts), "--coordinator", coordinator, *flags]
+        self.hosts: list[tuple[subprocess.Popen, list[dict]]] = []
+        for index in range(hosts):
+            api = ["--port", "0", "--http-port", "0"] if index == 0 else []
+            self.hosts.append(serve_process([*common, *api, "--host-index", str(index)], env))
+
+    @property
+    def leader(self) -> subprocess.Popen:
+        return self.hosts[0][0]
+
+    def event(self, name: str, host: int = 0) -> dict | None:
+        return next((e for e in list(self.hosts[host][1]) if e.get("event") == name), None)
+
+    def wait_ready(self) -> None:
+        wait_for(lambda: self.event("ready") or any(p.poll() is not None for p, _ in self.hosts), 600, "ready")
+        for index, (proc, events) in enumerate(self.hosts):
+            assert proc.poll() is None, f"host {index} exited: {events[-20:]}"
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.event('listening')['port']}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.event('listening')['http_port']}"
+
+    def metrics(self, host: int = 0) -> dict[str, float]:
+        return scrape(self.event("listening", host)["metrics_port"])
+
+    def stop(self) -> None:
+        for proc, _ in self.hosts:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def _answers(target: str, http: str) -> dict[str, np.ndarray]:
+    """What one replica answers: unary and stream scores, rerank relevance, classify probs."""
+    with ScoreClient(target) as client:
+        unary = client.score(QUERY, ITEMS, LABELS).scores
+        with client.stream(QUERY, LABELS) as stream:
+            streamed = stream.send(ITEMS[:2]) + stream.send(ITEMS[2:])
+        ranked = client.rerank(QUERY, DOCS)
+    relevance = sorted((r.index, r.relevance_score) for r in ranked.results)
+    classified = _post(f"{http}/v1/classify", {"input": CLASSIFY})["data"]
+    return {
+        "unary": np.asarray(unary),
+        "stream": np.asarray(streamed),
+        "rerank": np.asarray([score for _, score in relevance]),
+        "classify": np.asarray([row["probs"] for row in classified]),
+    }
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_scorer) -> dict[str, np.ndarray]:
+    """The same requests to one process on one device (an in-process server)."""
+    config = server_config(tiny_scorer, http_port=0, template="qwen3-reranker", classify_labels=CLASSIFY_LABELS)
+    with ServerThread(config).start() as srv:
+        return _answers(srv.target, f"http://127.0.0.1:{srv.server.http_port}")
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """Two groups of two hosts, started together: 2x4 (the model axis within each host) and 8x1
+    (every device a replica), compiling each shape on first use (warm-up is each host's own
+    compile, tests/test_compile.py proves it; here it would only cost the suite time)."""
+    started = {"2x4": Group(2, "--tp-size", "4"), "8x1": Group(2, "--dp-size", "8")}
+    try:
+        for group in started.values():
+            group.wait_ready()
+        yield started
+    finally:
+        for group in started.values():
+            group.stop()
+
+
+def _assert_like(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=key)
+
+
+def test_a_group_reports_its_hosts_and_its_mesh(groups):
+    group = groups["2x4"]
+    loaded = group.event("model_loaded")
+    assert (loaded["tp_size"], loaded["dp_size"], len(loaded["devices"])) == (4, 2, 8)
+    assert loaded["hosts"] == 2 and loaded["model_axis_hosts"] == 1  # each host one row of the model axis
+    assert group.event("hosts_ready")["hosts"] == 2
+    metrics = group.metrics()
+    assert metrics["prefixscore_hosts{state=group}"] == metrics["prefixscore_hosts{state=ready}"] == 2
+    follower = group.metrics(1)
+    assert follower["prefixscore_host_ready"] == 1
+    assert follower["prefixscore_host_info{host_index=1,hosts=2}"] == 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{group.event('listening', 1)['metrics_port']}/ready") as ready:
+        assert ready.status == 200
+    loaded_8x1 = groups["8x1"].event("model_loaded")
+    assert (loaded_8x1["tp_size"], loaded_8x1["dp_size"], loaded_8x1["model_axis_hosts"]) == (1, 8, 1)
+
+
+@pytest.mark.parametrize("mesh", ["2x4", "8x1"])
+def test_meshes_over_two_hosts_answer_like_one_process(groups, one_process, mesh):
+    group = groups[mesh]
+    _assert_like(_answers(group.target, group.http), one_process)
+    sent = group.metrics()
+    assert sent["prefixscore_step_send_seconds_count"] > 0 and sent["prefixscore_step_send_bytes_total"] > 0
+    assert group.metrics(1)["prefixscore_host_calls_total"] == sent["prefixscore_step_send_seconds_count"]
+
+
+def test_the_prefix_cache_hits_across_calls_and_steady_state_compiles_nothing_on_any_host(groups):
+    """Traffic of every kind twice (new queries, cache hits, streams, long items): the first
+    round compiles the shapes it needs on every host (the group runs without warm-up here), the
+    second compiles nothing on any host."""
+    group = groups["2x4"]
+    query = list(range(3000, 3200))  # two pages: a prefill, then hits
+
+    def traffic(client: ScoreClient, round: int) -> None:
+        for n in range(3):
+            client.score(query, [[7, 8, 9], list(range(10 + n, 300 + n))], LABELS)
+            client.score(list(range(4000 + 300 * n + round, 4200 + 300 * n)), [[5, 6]] * (n + 1), LABELS)
+            with client.stream(query, LABELS) as stream:
+                stream.send([[1, 2, 3]] * 4)
+
+    with ScoreClient(group.target) as client:
+        first = client.score(query, [[7, 8, 9]], LABELS)
+        traffic(client, 0)
+        before = [group.metrics(h) for h in (0, 1)]
+        traffic(client, 1)
+        again = client.score(query, [[7, 8, 9]], LABELS)
+    after = [group.metrics(h) for h in (0, 1)]
+    assert first.usage.cached_tokens == 0 and again.usage.cached_tokens >= 128
+    np.testing.assert_allclose(again.scores, first.scores, atol=1e-6)
+    assert after[0]["prefixscore_prefix_cache_hits_total"] > before[0]["prefixscore_prefix_cache_hits_total"]
+    for host in (0, 1):
+        assert after[host]["prefixscore_compilations_total"] == before[host]["prefixscore_compilations_total"], host
+    assert after[1]["prefixscore_host_calls_total"] > before[1]["prefixscore_host_calls_total"]
+
+
+def _exited_within(proc: subprocess.Popen, since: float, bound: float) -> float:
+    proc.wait(bound + 30)
+    took = time.monotonic() - since
+    assert took <= bound, f"took {took:.1f} s, bound {bound} s"
+    return took
+
+
+def test_behind_envoy_a_group_losing_a_host_loses_no_request(groups, tmp_path):
+    """Envoy in front of two groups' leaders; one group's follower SIGKILLed under load: its
+    leader answers what it held UNAVAILABLE and exits, Envoy retries those on the other group,
+    and every request is answered."""
+    victim, other = groups["8x1"], groups["2x4"]
+    ports = [int(g.target.rsplit(":", 1)[1]) for g in (victim, other)]
+    http_ports = [int(g.http.rsplit(":", 1)[1]) for g in (victim, other)]
+    with envoy_in_front([], tmp_path, ports, http_ports=http_ports) as front:
+        with ScoreClient(f"127.0.0.1:{front['grpc']}") as client:
+            queries = [list(range(9000 + 41 * q, 9000 + 41 * q + 32)) for q in range(24)]
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                calls = [pool.submit(client.score, q, [[7, 8, 9]] * 16, LABELS, timeout=120) for q in queries * 3]
+                wait_for(lambda: sum(c.done() for c in calls) >= 6, 120, "traffic through Envoy")
+                victim.hosts[1][0].send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                for call in calls:
+                    assert len(call.result(120).scores) == 16
+    _exited_within(victim.leader, killed, EXIT_BOUND_S)
+    assert victim.leader.returncode != 0
+    assert victim.event("worker_failed") is not None
+
+
+def test_a_follower_killed_under_load_fails_the_group_fast(groups):
+    """SIGKILL a follower while requests run: the leader reports NOT_SERVING, answers every
+    request with a status (scores or UNAVAILABLE; none hangs) and exits non-zero in the bound."""
+    group = groups["2x4"]
+    channel = grpc.insecure_channel(group.target)
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel)
+    with ScoreClient(group.target) as client:
+        queries = [list(range(5000 + 37 * q, 5000 + 37 * q + 64)) for q in range(48)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            calls = [pool.submit(client.score, q, [[7, 8, 9]] * 32, LABELS, timeout=120) for q in queries]
+            wait_for(lambda: sum(c.done() for c in calls) >= 4, 120, "requests under way")
+            group.hosts[1][0].send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            statuses = []
+            for call in calls:
+                try:
+                    call.result(EXIT_BOUND_S + 60)
+                    statuses.append("OK")
+                except grpc.RpcError as err:
+                    statuses.append(err.code().name)
+        try:
+            serving = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        except grpc.RpcError:
+            serving = None  # already gone
+    channel.close()
+    took = _exited_within(group.leader, killed, EXIT_BOUND_S)
+    assert group.leader.returncode != 0
+    assert serving != health_pb2.HealthCheckResponse.SERVING
+    assert "UNAVAILABLE" in statuses and set(statuses) <= {"OK", "UNAVAILABLE"}, collections.Counter(statuses)
+    lost = group.event("worker_failed")
+    assert "host 1" in lost["error"], lost
+    print(f"leader exited {took:.2f} s after its follower was killed; statuses {statuses}")
+
+
+def _eight_head_checkpoint(directory: Path) -> Path:
+    """A tiny Qwen3 checkpoint written by transformers with 8 query heads: tp 8 splits it."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def test_one_model_axis_over_two_hosts_scores_like_transformers_and_stops_with_its_leader(tmp_path):
+    """1x8: the model axis spans both hosts (its all-reduces cross them). Scores equal the
+    transformers forward of query + item; SIGTERM drains the leader, which stops its follower:
+    both exit 0."""
+    import torch
+    import transformers
+
+    path = _eight_head_checkpoint(tmp_path / "qwen3-8-heads")
+    group = Group(2, "--tp-size", "8", model=["--model", str(path)])
+    try:
+        group.wait_ready()
+        loaded = group.event("model_loaded")
+        assert (loaded["tp_size"], loaded["dp_size"], loaded["model_axis_hosts"]) == (8, 1, 2)
+        query, items, labels = list(range(5, 45)), [[7, 8, 9], list(range(100, 130))], [11, 12]
+        with ScoreClient(group.target) as client:
+            got = np.asarray(client.score(query, items, labels).scores)
+        oracle = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        for row, item in zip(got, items, strict=True):
+            with torch.no_grad():
+                logits = oracle(torch.tensor([query + item])).logits[0, -1]
+            want = torch.softmax(logits.double(), -1)[labels].numpy()
+            np.testing.assert_allclose(row, want, atol=1e-5)
+        group.leader.send_signal(signal.SIGTERM)
+        assert group.leader.wait(60) == 0
+        assert group.hosts[1][0].wait(30) == 0
+        assert group.event("stopped", 1)["calls"] >= 1
+    finally:
+        group.stop()
+
+
+def test_three_hosts_answer_like_one_process_and_exit_when_the_leader_is_gone(one_process):
+    """12 devices over 3 hosts (3x4); the leader SIGKILLed, both followers exit non-zero."""
+    group = Group(3, "--tp-size", "4")
+    try:
+        group.wait_ready()
+        assert (group.event("model_loaded")["dp_size"], group.event("hosts_ready")["hosts"]) == (3, 3)
+        _assert_like(_answers(group.target, group.http), one_process)
+        group.leader.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        for proc, _ in group.hosts[1:]:
+            _exited_within(proc, killed, HOST_TIMEOUT + GROUP_EXIT_S)
+            assert proc.returncode != 0
+        assert all(group.event("leader_lost", h) for h in (1, 2))
+    finally:
+        group.stop()
