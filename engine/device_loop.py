@@ -351,22 +351,29 @@ class DeviceWorker:
         engine = self.engine
         assert engine is not None
         plan = call.plan
+        with self._cv:  # on the device from now: a launch that never returns (a host of the
+            self._on_device.append(call)  # group lost in a collective) still fails its units
         try:
             probs = engine.launch(plan)
         except Exception as err:
             log.exception("device call failed to launch")
+            self._taken_off(call)
             self._call_failed(call, err)
             return None
         self._published.launched(plan)
-        self._on_device.append(call)
         return _Launched(call, probs, time.monotonic(), epochs_at_launch(plan))
+
+    def _taken_off(self, call: Call) -> None:
+        """The call is off the device (read back, or failed): unless abandon() took it already."""
+        with self._cv:  # by identity: a call's plan holds arrays
+            self._on_device[:] = [c for c in self._on_device if c is not call]
 
     def _complete(self, launched: _Launched) -> None:
         """Read one call back and deliver its rows: one slice per request, one pass for the call."""
         batcher, admission, recovery = self.batcher, self._admission, self._recovery
         assert batcher is not None and admission is not None and recovery is not None
         call = launched.call
-        self._on_device.remove(call)
+        self._taken_off(call)
         try:
             out = np.asarray(launched.probs)
         except Exception as err:

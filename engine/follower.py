@@ -50,6 +50,8 @@ def follow(engine: ScoringEngine, channel: StepFollower) -> int:
             continue
         if step.op != CALL or step.shape is None:
             raise ValueError(f"the leader sent an unknown step: {step.op!r}")
+        if not engine.compiled(step.shape):
+            channel.compiling(step.seq)
         probs = engine.run_sent(step.shape, step.arrays)
         channel.started(step.seq)
         finish()

@@ -211,6 +211,8 @@ class Layout:
         axes = leaf_axes(name, array.shape)
         array = self._mesh_layout(array, axes)
         sharding = NamedSharding(self.mesh, self.spec(axes))
+        if isinstance(array, jax.Array) and array.sharding.is_equivalent_to(sharding, array.ndim):
+            return array  # placed as it was read
         if not sharding.is_fully_addressable:
             # a mesh over several hosts: this host sends only its own devices' slices (device_put
             # would first compare the whole array across hosts, a collective per weight)

@@ -210,6 +210,12 @@ class ScoringEngine:
                 slot.exe = self._traced(shape, self.devices[0].platform).lower().compile()
         return slot.exe
 
+    def compiled(self, shape: CallShape) -> bool:
+        """Whether the call shape's executable is built (a call of it launches without compiling)."""
+        with self._lock:
+            slot = self._slots.get(shape)
+        return slot is not None and slot.exe is not None
+
     def lower_for(self, shape: CallShape, platform: str) -> jax.stages.Lowered:
         """A call shape lowered for `platform` ("cuda", "tpu") with that platform's kernels, on
         any machine: proves the kernels lower for real hardware without it."""

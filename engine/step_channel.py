@@ -9,11 +9,14 @@ nothing is unpickled, and the header is all a peer can make a host parse.
 
 Both ends watch the other, so nothing waits forever in a collective:
 - a follower sends a heartbeat every `timeout / 4`, STARTED when it has launched a call and
-  DONE when the call's outputs are ready, each for consecutive calls; the leader sends a
+  DONE when the call's outputs are ready, each for consecutive calls, and COMPILING before it
+  compiles a call's shape (no warm-up: the first calls of a shape); the leader sends a
   heartbeat when it has sent nothing for `timeout / 4`;
 - the leader declares the group lost when a follower closes its connection (it exited), sends
-  nothing for `timeout`, leaves a started call unfinished for `timeout`, or starts or finishes
-  calls out of order (it skipped one); a follower declares the leader lost on the same terms.
+  nothing for `timeout`, has not started a call `timeout` after it was sent (unless compiling
+  it: then while it beats), leaves a started call unfinished for `timeout`, or starts or
+  finishes calls out of order (it skipped one); a follower declares the leader lost when its
+  connection closes or it sends nothing for `timeout`.
 What a lost group does (health NOT_SERVING, in-flight requests UNAVAILABLE, exit) is the
 service's business (service/core.py, service/follower.py).
 """
@@ -44,7 +47,7 @@ MAX_HEADER_BYTES = 1 << 20  # a header past this is not one the leader wrote
 # leader -> follower
 CALL, RESET, STOP, HEARTBEAT = "call", "reset", "stop", "heartbeat"
 # follower -> leader (and HEARTBEAT)
-HELLO, READY, STARTED, DONE = "hello", "ready", "started", "done"
+HELLO, READY, COMPILING, STARTED, DONE = "hello", "ready", "compiling", "started", "done"
 
 
 class GroupLost(RuntimeError):
@@ -130,6 +133,7 @@ class _Follower:
     index: int
     ready: dict[str, Any] | None = None  # what it reported when ready
     started: int = 0  # the last call it launched
+    compiling: int = 0  # the call whose shape it said it compiles (its start may take long)
     done: int = 0  # the last call whose outputs it had
     started_at: collections.deque = dataclasses.field(default_factory=collections.deque)  # (seq, when)
 
@@ -150,6 +154,7 @@ class StepLeader:
         self._followers: dict[int, _Follower] = {}
         self._cv = threading.Condition()
         self._seq = 0
+        self._sent: collections.deque[tuple[int, float]] = collections.deque()  # (seq, when) not started by all
         self.lost: str | None = None
         self._on_lost: list[Callable[[str], None]] = []
         self._stopping = False
@@ -166,6 +171,7 @@ class StepLeader:
         with self._cv:
             self._seq += 1
             seq = self._seq
+            self._sent.append((seq, time.monotonic()))
         frame = encode({"op": CALL, "seq": seq, "shape": dataclasses.astuple(shape)}, arrays)
         self._send_all(frame)
         seconds = time.perf_counter() - started
@@ -301,6 +307,8 @@ class StepLeader:
                 with self._cv:
                     follower.ready = header
                     self._cv.notify_all()
+            elif op == COMPILING:
+                follower.compiling = seq
             elif op == STARTED:
                 if seq != follower.started + 1:
                     after = follower.started
@@ -316,13 +324,23 @@ class StepLeader:
                 follower.started_at.popleft()
 
     def _watch(self) -> None:
-        """Every timeout / 8: a follower silent, or with a call unfinished, for `timeout` loses
-        the group; a follower not written to for timeout / 4 gets a heartbeat."""
+        """Every timeout / 8: a follower silent, with a call sent and not started (unless it
+        compiles it) or started and not finished, for `timeout` loses the group; a follower not
+        written to for timeout / 4 gets a heartbeat."""
         beat = encode({"op": HEARTBEAT})
         while self.lost is None and not self._stopping:
             time.sleep(min(0.25, self.timeout / 8))
             now = time.monotonic()
-            for follower in self._all():
+            followers = self._all()
+            with self._cv:  # calls every follower started leave the clock
+                while self._sent and followers and all(f.started >= self._sent[0][0] for f in followers):
+                    self._sent.popleft()
+                sent = list(self._sent)
+            for follower in followers:
+                waiting = next(((seq, at) for seq, at in sent if seq > follower.started), None)
+                if waiting and waiting[0] != follower.compiling and now - waiting[1] > self.timeout:
+                    self._lose(f"host {follower.index} has not started call {waiting[0]} in {self.timeout:g} s")
+                    return
                 if now - follower.peer.heard > self.timeout:
                     self._lose(f"host {follower.index} sent nothing for {now - follower.peer.heard:.1f} s")
                     return
@@ -382,6 +400,10 @@ class StepFollower:
         """Whether a step has arrived and not been received yet."""
         readable, _, _ = select.select([self._peer.sock], [], [], 0)
         return bool(readable)
+
+    def compiling(self, seq: int) -> None:
+        """Say this host compiles call `seq`'s shape first (it starts late, not never)."""
+        self._peer.send(encode({"op": COMPILING, "seq": seq}))
 
     def started(self, seq: int) -> None:
         self._peer.send(encode({"op": STARTED, "seq": seq}))

@@ -32,6 +32,8 @@ log = logging.getLogger("prefixscore.server")
 # a leader whose group lost a host exits at most this long after noticing: requests in flight
 # are answered UNAVAILABLE at once, the rest is the servers' shutdown
 GROUP_EXIT_S = 5.0
+# ... after giving the requests it failed this long to be answered
+GROUP_ANSWER_S = 1.0
 
 
 def exit_now(code: int) -> None:
@@ -110,9 +112,16 @@ class ScoreServer:
         """The device loop broke: health NOT_SERVING at once, then stop (exit_code is 1). A host
         of the group lost: whatever still waits (a collective that never completes), the process
         ends within GROUP_EXIT_S."""
-        if self.service.group_lost:
-            exit_after(GROUP_EXIT_S, self.service.exit_code or 1)
         await self.grpc.set_serving(False)
+        if self.service.group_lost:
+            # every request held was failed UNAVAILABLE and new ones are refused so: let their
+            # answers go out, then end the process without stopping the servers (a server
+            # stopping cancels the calls that reach it meanwhile, which nobody retries); clients
+            # whose connection closes see UNAVAILABLE too
+            exit_after(GROUP_EXIT_S, 1)
+            await self.service.wait_idle(GROUP_ANSWER_S)
+            event(log, "exiting", code=1, reason="host group lost")
+            exit_now(1)
         await self.stop()
 
     def probe(self, path: str) -> str | None:
