@@ -217,6 +217,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             tp_size=served.tp_size,
             dp_size=served.dp_size,
             template=served.template,
+            template_reason=served.template_reason,
             head=served.head,
             label_names=list(served.label_names) or None,
             quantization=served.quantization,
