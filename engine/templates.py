@@ -214,9 +214,9 @@ class RerankTemplate:
             raise ValueError(f"template {self.name}: the model's tokenizer has no chat template; name another")
         self._fixed: dict[str, list[int]] = {}  # pieces without fields, tokenized once
         self._suffixes: dict[str, list[int]] = {}  # suffix pieces with fields (an instruction) -> ids
-        # kept when a document is cut from the left: the marker its piece opens with ("B:")
-        lead = record.document[: record.document.index("{document}")].rstrip()
-        self.lead_ids: list[int] = tokenizer.encode(lead) if lead else []
+        # kept when a document is cut from the left: the marker its piece opens with ("B: ")
+        lead = record.document[: record.document.index("{document}")]
+        self.lead_ids: list[int] = tokenizer.encode(lead) if lead.strip() else []
 
     @property
     def reads_logit(self) -> bool:

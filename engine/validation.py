@@ -452,8 +452,9 @@ class Validator:
         items: TokenRows, room: int, side: str = "right", lead: Sequence[int] = ()
     ) -> tuple[TokenRows, Truncation]:
         """Items longer than `room` cut to it: their end dropped (side "right"), or their start
-        (side "left"), keeping `lead` where an item opens with it (a template's document marker,
-        such as "B:", which belongs to the prompt rather than to the document)."""
+        (side "left"), keeping the ids an item shares with `lead` at its start (a template's
+        document marker, such as "B: ", which belongs to the prompt rather than to the document;
+        its last token may have merged with the document's first)."""
         lengths = items.lengths
         cut = np.flatnonzero(lengths > room)
         if not cut.size:
@@ -464,7 +465,9 @@ class Validator:
         def left(row: list[int]) -> list[int]:
             if len(row) <= room:
                 return row
-            keep = len(lead) if lead and len(lead) < room and row[: len(lead)] == lead else 0
+            keep = 0
+            while keep < min(len(lead), room - 1) and row[keep] == lead[keep]:
+                keep += 1
             return row[:keep] + row[len(row) - (room - keep) :]
 
         cut_row = left if side == "left" else (lambda row: row[:room])
