@@ -182,14 +182,14 @@ def test_mxbai_record_renders_mixedbreads_token_ids(tiny_scorer, instruction):
 
 def test_mxbai_relevance_is_the_sigmoid_of_the_difference_of_the_label_logits(tiny_scorer):
     """_compute_scores: sigmoid(logit("1") - logit("0")) at the last token. The reference: each
-    label's full-vocabulary probability from a plain forward (log p1 - log p0 = l1 - l0)."""
+    label's full-vocabulary probability at the reference's last token (log p1 - log p0 = l1 - l0)."""
     tok = tiny_scorer.model.tokenizer.hf
     one, zero = (tok("1", add_special_tokens=False)["input_ids"][0], tok("0", add_special_tokens=False)["input_ids"][0])
     req = bound(tiny_scorer, "mxbai-rerank-v2").rerank(RerankInput(QUERY, DOCS)).scored.request
     got = RerankTemplate.relevance(tiny_scorer.score_requests([req])[0])
     for j, doc in enumerate(DOCS):
         ids = mxbai_v2(tok, QUERY, doc)
-        p1, p0 = tiny_scorer.score(ids[:-1], [ids[-1:]], [one, zero], mode="sequential")[0]
+        p1, p0 = tiny_scorer.score(ids[:-1], [ids[-1:]], [one, zero])[0]
         np.testing.assert_allclose(got[j], 1 / (1 + np.exp(-(np.log(p1) - np.log(p0)))), rtol=1e-5)
 
 
