@@ -4,7 +4,7 @@ log, and a known-answer check of it once the server is ready after its warm-up.
 The check reranks a few built-in (query, relevant, irrelevant) triples through the same path as
 any rerank (validation, the device loop, the template's relevance). It passes when the relevant
 document wins every triple: gauge `prefixscore_template_check_passed` 1, else 0 and a warning in
-the log with each triple's two relevances. It never refuses anything: random and tiny models fail
+the log with each triple's two relevances (the gauge's label: the template). It never refuses anything: random and tiny models fail
 it by nature; a real reranker that fails it is served a prompt or a formula it was not trained
 with. It runs only after a warm-up (`--warmup true`, the default) and not for the `none`
 template (its prompt is the client's own).
@@ -82,7 +82,7 @@ async def run(service: ScoringService, validator: Validator) -> CheckResult | No
         event(log, "template_check_skipped", level=logging.WARNING, error=f"{type(err).__name__}: {err}")
         return None
     result = verdict([RerankTemplate.relevance(u.reply.scores) for u in units])
-    service.metrics.template_check_passed.set(int(result.passed))
+    service.metrics.template_check_passed.labels(template.name).set(int(result.passed))
     event(
         log,
         "template_check",

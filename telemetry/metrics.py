@@ -170,6 +170,7 @@ class ServiceMetrics:
             "prefixscore_template_check_passed",
             "The reranker template's known-answer check at start: 1 when the relevant document won every "
             "built-in triple, 0 when not (absent: not run).",
+            ["template"],
             registry=r,
         )
         self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)

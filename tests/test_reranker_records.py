@@ -326,31 +326,33 @@ def test_score_cuts_an_item_from_the_side_asked(tiny_scorer):
 
 
 # ---- the known-answer check at start -------------------------------------------------------------------
-def test_the_known_answer_check_sets_its_gauge_and_the_model_description_says_why(tiny_scorer):
-    """After the warm-up the built-in triples are reranked once; the gauge says whether the
-    relevant document won each (what the same model's rerank says, computed here apart); GetModelInfo
-    and /v1/models report the template and why (here: named). The engine is the session's: its
-    warm-up compiles only the shapes no test has used yet."""
+def test_the_known_answer_check_sets_its_gauge_and_the_model_description_says_why(tiny_scorer, monkeypatch):
+    """After the warm-up the built-in triples are reranked once through the server's own path; the
+    gauge says the relevant document won each. A random model wins by chance, so the triples here
+    are the built-in ones each ordered as this model ranks its two documents (computed apart, in
+    process): the check must pass. GetModelInfo and /v1/models report the template and why (here:
+    named). The engine is the session's: its warm-up compiles only the shapes no test used yet."""
     import httpx
 
-    scorer = tiny_scorer
-    expected = all(
-        {r.index: r.relevance_score for r in scorer.rerank(q, [good, bad])}[0]
-        > {r.index: r.relevance_score for r in scorer.rerank(q, [good, bad])}[1]
-        for q, good, bad in template_check.TRIPLES
-    )
-    config = server_config(scorer, warmup=True, http_port=0)
-    with ServerThread(config) as srv:
-        name = "prefixscore_template_check_passed"
-        wait_for(lambda: name in scrape(srv.server.metrics_port), what="the template check")
-        assert scrape(srv.server.metrics_port)[name] == float(expected)
-        card = httpx.get(f"http://127.0.0.1:{srv.server.http_port}/v1/models", timeout=30).json()["data"][0]
-        from prefixscore.client import ScoreClient
+    from prefixscore.client import ScoreClient
 
+    ordered = []
+    for query, first, second in template_check.TRIPLES:
+        relevance = {r.index: r.relevance_score for r in tiny_scorer.rerank(query, [first, second])}
+        ordered.append((query, first, second) if relevance[0] > relevance[1] else (query, second, first))
+    monkeypatch.setattr(template_check, "TRIPLES", tuple(ordered))
+    with ServerThread(server_config(tiny_scorer, warmup=True, http_port=0)) as srv:
+        name = "prefixscore_template_check_passed{template=qwen3-reranker}"
+        wait_for(lambda: name in scrape(srv.server.metrics_port), what="the template check")
+        assert scrape(srv.server.metrics_port)[name] == 1.0
+        card = httpx.get(f"http://127.0.0.1:{srv.server.http_port}/v1/models", timeout=30).json()["data"][0]
         with ScoreClient(srv.target) as client:
             info = client.model_info()
     assert card["template"] == info.template == "qwen3-reranker"
     assert card["template_reason"] == info.template_reason == "named by --template"
+    # without a warm-up (as every other test server) the check does not run: no sample at all
+    with ServerThread(server_config(tiny_scorer)) as srv:
+        assert not [k for k in scrape(srv.server.metrics_port) if k.startswith("prefixscore_template_check")]
 
 
 def test_the_checks_verdict_needs_every_triple():
