@@ -13,6 +13,7 @@ random Gemma in transformers (the raw logit of "Yes", squashed by a sigmoid).
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -350,8 +351,12 @@ def test_the_known_answer_check_sets_its_gauge_and_the_model_description_says_wh
             info = client.model_info()
     assert card["template"] == info.template == "qwen3-reranker"
     assert card["template_reason"] == info.template_reason == "named by --template"
-    # without a warm-up (as every other test server) the check does not run: no sample at all
-    with ServerThread(server_config(tiny_scorer)) as srv:
+    # without a warm-up (as every other test server) the check does not run: no sample at all, also
+    # once a rerank queued after where the check would be has come back
+    with ServerThread(server_config(tiny_scorer)) as srv, ScoreClient(srv.target) as client:
+        query, first, second = template_check.TRIPLES[0]
+        client.rerank(query, [first, second])
+        time.sleep(0.5)  # the check's verdict would be set on the server's loop as its calls return
         assert not [k for k in scrape(srv.server.metrics_port) if k.startswith("prefixscore_template_check")]
 
 
