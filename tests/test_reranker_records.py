@@ -109,8 +109,10 @@ def bound(scorer: Scorer, name: str) -> Validator:
     return Validator(scorer.requests, RerankTemplate(name, scorer.model.tokenizer))
 
 
-def prompt_ids(validator: Validator, docs: list[str], instruction: str | None = None, **options) -> list[list[int]]:
-    req = validator.rerank(RerankInput(QUERY, docs, instruction, **options)).scored.request
+def prompt_ids(
+    validator: Validator, docs: list[str], instruction: str | None = None, query: str = QUERY, **options
+) -> list[list[int]]:
+    req = validator.rerank(RerankInput(query, docs, instruction, **options)).scored.request
     return [list(req.prefix) + item for item in req.items]
 
 
@@ -174,11 +176,20 @@ def test_qwen3_record_renders_the_model_cards_token_ids(tiny_scorer, instruction
     )
 
 
-@pytest.mark.parametrize("instruction", [None, INSTRUCTION])
-def test_mxbai_record_renders_mixedbreads_token_ids(tiny_scorer, instruction):
+@pytest.mark.parametrize(
+    "instruction, query",
+    [
+        (None, QUERY),
+        (INSTRUCTION, QUERY),
+        # trailing spaces: tokenized with the "\n" after them they would be one whitespace token; the
+        # reference tokenizes the query and the separator apart
+        (None, "capital of France?  "),
+    ],
+)
+def test_mxbai_record_renders_mixedbreads_token_ids(tiny_scorer, instruction, query):
     tok = tiny_scorer.model.tokenizer.hf
-    ours = prompt_ids(bound(tiny_scorer, "mxbai-rerank-v2"), DOCS, instruction)
-    assert ours == [mxbai_v2(tok, QUERY, d, instruction) for d in DOCS]
+    ours = prompt_ids(bound(tiny_scorer, "mxbai-rerank-v2"), DOCS, instruction, query)
+    assert ours == [mxbai_v2(tok, query, d, instruction) for d in DOCS]
 
 
 def test_mxbai_relevance_is_the_sigmoid_of_the_difference_of_the_label_logits(tiny_scorer):
