@@ -3,10 +3,10 @@ log, and a known-answer check of it once the server is ready after its warm-up.
 
 The check reranks a few built-in (query, relevant, irrelevant) triples through the same path as
 any rerank (validation, the device loop, the template's relevance). It passes when the relevant
-document wins every triple: gauge `prefixscore_template_check_passed` 1, else 0 and a warning in
-the log with each triple's two relevances (the gauge's label: the template). It never refuses anything: random and tiny models fail
-it by nature; a real reranker that fails it is served a prompt or a formula it was not trained
-with. It runs only after a warm-up (`--warmup true`, the default) and not for the `none`
+document wins every triple: gauge `prefixscore_template_check_passed{template}` 1, else 0 and a
+warning in the log with each triple's two relevances. It never refuses anything: random and tiny
+models fail it by nature; a real reranker that fails it is served a prompt or a formula it was
+not trained with. It runs only after a warm-up (`--warmup true`, the default) and not for the `none`
 template (its prompt is the client's own).
 """
 
