@@ -25,6 +25,9 @@ class ServedProcess:
         cmd += ["--model", args.model, "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--log-level", "warning"]
         cmd += ["--quantize", args.quantize, "--activations", args.activations]
+        # host-rerank's figures are Qwen3-Reranker's prompt on any model (docs/benchmarks.md): named,
+        # as `auto` serves no rerank on a model it does not recognize (--serve-arg may name another)
+        cmd += ["--template", "qwen3-reranker"]
         if args.attention:
             cmd += ["--attention", args.attention]
         if args.compile_cache:

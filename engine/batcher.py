@@ -287,7 +287,7 @@ class Batcher:
             first,
             count,
             payload.label_ids,
-            payload.apply_softmax,
+            payload.output,
             unit,
         )
         return took, took < count

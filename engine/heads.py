@@ -35,6 +35,7 @@ class RequestHead:
     label_ids: tuple[int, ...]
     apply_softmax: bool
     activation: str
+    raw_logits: bool = False  # a causal LM's label logits as they are (the activation then applies)
 
 
 def for_request(
@@ -70,10 +71,14 @@ def for_request(
     return RequestHead(head.own_labels, False, resolved)
 
 
-def for_rerank(head: OutputHead, template_label_ids: tuple[int, ...]) -> RequestHead:
-    """A rerank request's head: a causal LM's template labels with their softmax (relevance
-    p(yes) / (p(yes) + p(no))); a one-label classifier's sigmoid of its logit."""
+def for_rerank(head: OutputHead, template_label_ids: tuple[int, ...], reads_logit: bool = False) -> RequestHead:
+    """A rerank request's head. A causal LM: what the template's relevance formula reads
+    (engine/templates.py): the softmax over its labels (p(yes) / (p(yes) + p(no))), or with
+    `reads_logit` the first label's raw logit and its sigmoid. A one-label classifier (a reranker
+    converted to one score row): the sigmoid of its logit."""
     if not head.own_rows:
+        if reads_logit:
+            return RequestHead(template_label_ids[:1], False, "sigmoid", raw_logits=True)
         return RequestHead(template_label_ids, True, "")
     if head.rows != 1:
         raise InvalidInput("documents", f"rerank needs a one-label classifier; this one has {head.rows}")

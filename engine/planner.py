@@ -12,8 +12,8 @@ Pure host code (numpy), no device. A call (model/step.py) has two regions:
   query per device (the query's pages, prefix = the query's length); whole
   sequences (item_first, the sequential baseline) in segment 0, which has no prefix.
 
-Each row (item) carries its own label set and softmax flag, so requests with
-different labels share a call. Segment starts sit at multiples of the attention
+Each row (item) carries its own label set and output (model/call_inputs.py OUTPUT_*), so
+requests with different labels share a call. Segment starts sit at multiples of the attention
 implementation's SEGMENT_ALIGN, so a kernel's query block never meets two
 segments; the gap before an aligned start continues the previous segment.
 
@@ -93,7 +93,7 @@ class _Offer:
     first: int
     count: int
     label_set: int
-    softmax: bool
+    output: int  # model/call_inputs.py OUTPUT_*
     ref: WorkUnit  # whose items
 
 
@@ -238,7 +238,7 @@ class CallBuilder:
         first: int,
         count: int,
         label_ids: tuple[int, ...],
-        apply_softmax: bool,
+        output: int,
         ref: WorkUnit,
     ) -> int:
         """Items first .. first + count - 1 of `rows` over the prefix `key` (pages, prefix_len;
@@ -260,7 +260,7 @@ class CallBuilder:
             return 0
         set_index, new_labels = labels
         seg = 0 if prefix_len == 0 else self._segments.get(key, len(self._segments) + 1)
-        offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, apply_softmax, ref)
+        offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, output, ref)
         taken = self._layout.place(offer, ends, self._row_budget())
         if not taken:
             return 0
@@ -411,7 +411,7 @@ class CallBuilder:
         item_ids = np.broadcast_to(-1 - np.arange(ti, dtype=np.int32), (d, ti)).copy()
         read_at = np.zeros((d, r), np.int32)
         label_set = np.zeros((d, r), np.int32)
-        softmax = np.zeros((d, r), bool)
+        output = np.zeros((d, r), np.int8)
         n_rows = np.zeros(d, np.int32)
         max_len = np.ones(d, np.int32)
         end = np.zeros(d, np.int64)  # each device's stream end so far
@@ -445,7 +445,7 @@ class CallBuilder:
             item_ids[dev, where] = np.repeat(np.arange(piece.row, piece.row + piece.count, dtype=np.int32), lengths)
             read_at[dev, rows] = shape.prefill_tokens + start + ends - 1
             label_set[dev, rows] = offer.label_set
-            softmax[dev, rows] = offer.softmax
+            output[dev, rows] = offer.output
             max_len[dev] = max(int(max_len[dev]), int(lengths.max()))
             n_rows[dev] = piece.row + piece.count
             spans.append(
@@ -456,5 +456,5 @@ class CallBuilder:
             if end[dev]:
                 tail = min(round_up(int(end[dev]), self.align), ti)
                 segment_ids[dev, end[dev] : tail] = segment_ids[dev, end[dev] - 1]
-        region = ItemRegion(tokens, positions, segment_ids, item_ids, read_at, label_set, softmax, n_rows, max_len)
+        region = ItemRegion(tokens, positions, segment_ids, item_ids, read_at, label_set, output, n_rows, max_len)
         return region, spans

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prefixscore.engine import heads
+from prefixscore.engine import heads, template_choice
 from prefixscore.engine.batcher import Batcher
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import DeviceWorker
 from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.templates import DEFAULT_TEMPLATE, RerankTemplate, ranked
+from prefixscore.engine.templates import DEFAULT_TEMPLATE, ranked
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
 from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.loader import LoadedModel
@@ -59,8 +59,10 @@ class Scorer:
         self.model = model
         self.engine = engine
         self.requests = RequestTokenizer(model.cfg, model.tokenizer, limits or Limits.for_engine(engine))
-        self.template = RerankTemplate(template, model.tokenizer) if model.tokenizer is not None else None
-        self.validator = Validator(self.requests, self.template)  # the service's one validation pass
+        # `auto`: the published reranker recognized from the checkpoint, else none (rerank refused)
+        self.template, self.template_choice = template_choice.bind(template, model)
+        refusal = self.template_choice.refusal() if model.tokenizer is not None else ""
+        self.validator = Validator(self.requests, self.template, refusal)  # the service's one validation pass
         self.runner = EngineRunner(engine)
         self.last_usage = Usage(0, 0, 0)
         self._lock = threading.Lock()
@@ -81,7 +83,8 @@ class Scorer:
         activations: str = "auto",
     ) -> Scorer:
         """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py).
-        template: the reranker prompt of `rerank` (see engine/templates.py).
+        template: the reranker prompt of `rerank`: auto (the published reranker recognized from
+        the checkpoint, else `rerank` refuses), or a record's name (engine/templates.py).
         tp_size, dp_size: the device mesh (engine/mesh.py; default: the smallest model axis
         the weights fit, the rest data).
         quantize, activations: 8-bit projections (auto | none | int8 | fp8) and how they are
@@ -157,12 +160,19 @@ class Scorer:
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         truncate: str = "end",
+        truncation_side: str = "right",
     ) -> list[RerankResult]:
         """Documents sorted by the template's relevance to `query`, highest first (the `top_n`
         first when given), as the gRPC Rerank and HTTP /v1/rerank return them."""
         checked = self.validator.rerank(
             RerankInput(
-                query, list(documents), instruction, top_n, max_tokens_per_doc=max_tokens_per_doc, truncate=truncate
+                query,
+                list(documents),
+                instruction,
+                top_n,
+                max_tokens_per_doc=max_tokens_per_doc,
+                truncate=truncate,
+                truncation_side=truncation_side,
             )
         )
         req = checked.scored.request
@@ -177,16 +187,17 @@ class Scorer:
     def score_tokens(self, req: TokenizedRequest, mode: str = "prefix") -> np.ndarray:
         """Score an already validated request -> [items, labels] float32."""
         labels, softmax = req.label_ids, req.apply_softmax
-        if mode == "packed" and not req.item_first:
+        # the packed baseline returns probabilities only: a request for raw logits runs sequentially
+        if mode == "packed" and not req.item_first and not req.raw_logits:
             with self._lock:
                 probs = self.engine.score_packed(req.prefix, req.items, labels, softmax)
                 self.last_usage = Usage(req.prompt_tokens, 0, len(req.items))
             return heads.activate(probs, req.activation)
-        if mode == "sequential" or (mode == "packed" and req.item_first):
+        if mode in ("sequential", "packed"):
             # one whole sequence per call: query + item (or item + query) over no prefix
             sequences = req.items if req.item_first else [list(req.prefix) + it for it in req.items]
             rows = [
-                self.score_requests([TokenizedRequest((), [s], labels, softmax, True, req.activation)])[0]
+                self.score_requests([dataclasses.replace(req, prefix=(), items=[s], item_first=True)])[0]
                 for s in sequences
             ]
             self.last_usage = Usage(req.prompt_tokens, 0, len(req.items))

@@ -230,7 +230,7 @@ class ScoringEngine:
         tp, ti, r, lb = shape.prefill_tokens, shape.item_tokens, shape.rows, shape.labels
         return CallInputs(
             prefill=PrefillRegion(*(dev(tp) for _ in range(6))),
-            items=ItemRegion(dev(ti), dev(ti), dev(ti), dev(ti), dev(r), dev(r), dev(r, t=jnp.bool_), dev(), dev()),
+            items=ItemRegion(dev(ti), dev(ti), dev(ti), dev(ti), dev(r), dev(r), dev(r, t=jnp.int8), dev(), dev()),
             page_table=rep(b.segments, b.max_pages),
             prefix_len=rep(b.segments),
             labels=rep(lb),

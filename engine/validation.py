@@ -21,6 +21,7 @@ from prefixscore.engine import heads
 from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
+from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.head import output_head
 from prefixscore.model.tokenizer import TextTokenizer
@@ -65,9 +66,17 @@ class TokenizedRequest:
     item_first: bool
     # a classifier's activation of its logits (engine/heads.py); "": a causal LM's probabilities
     activation: str = ""
+    # a causal LM: the labels' raw logits instead of probabilities (a reranker whose relevance is
+    # a function of a label's logit: engine/templates.py); apply_softmax is then False
+    raw_logits: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
+
+    @property
+    def output(self) -> int:
+        """What the device returns for each item's labels (model/call_inputs.py OUTPUT_*)."""
+        return OUTPUT_LOGIT if self.raw_logits else OUTPUT_SOFTMAX if self.apply_softmax else OUTPUT_FULL
 
     @property
     def prompt_tokens(self) -> int:
@@ -267,6 +276,8 @@ class RequestTokenizer:
 
 TRUNCATE = ("none", "end")
 QUERY_TRUNCATION = ("none", "left", "right")
+# the side an item (a document) loses tokens from when it is cut (vLLM's and LiteLLM's truncation_side)
+TRUNCATION_SIDES = ("right", "left")
 
 
 @dataclasses.dataclass
@@ -279,7 +290,8 @@ class ScoreInput:
     labels: Sequence[str] = ()  # label strings, one token each (instead of label_token_ids)
     apply_softmax: bool = False
     item_first: bool = False
-    truncate: str = "none"  # an item too long: "none" rejects, "end" keeps its first tokens
+    truncate: str = "none"  # an item too long: "none" rejects, "end" cuts it to fit
+    truncation_side: str = "right"  # the side a cut item loses tokens from: "right" (its end) or "left"
     query_truncation: str = "none"  # a query too long: "none" rejects, "left"/"right" drop from that side
     max_query_tokens: int | None = None  # with query_truncation: the most query tokens kept
     check_tokenization: bool = False
@@ -300,6 +312,7 @@ class RerankInput:
     return_documents: bool = True
     max_tokens_per_doc: int | None = None
     truncate: str = "end"  # documents: Cohere's default is to cut long ones
+    truncation_side: str = "right"  # the side a cut document loses tokens from: "right" (its end) or "left"
     check_tokenization: bool = False
 
 
@@ -381,9 +394,13 @@ def _count(field: str, value: object) -> int | None:
 class Validator:
     """Validates and tokenizes requests for one model (and its reranker template, if any)."""
 
-    def __init__(self, requests: RequestTokenizer, template: RerankTemplate | None = None) -> None:
+    def __init__(
+        self, requests: RequestTokenizer, template: RerankTemplate | None = None, no_template: str = ""
+    ) -> None:
         self.requests = requests
         self.template = template
+        # why a model with a tokenizer has no template (`--template auto` recognized none): rerank's refusal
+        self.no_template = no_template
         self.max_sequence_tokens = requests.max_sequence_tokens
         self.max_item_tokens = requests.max_item_tokens
 
@@ -431,13 +448,30 @@ class Validator:
         return kept, len(query) - budget
 
     @staticmethod
-    def _cut_items(items: TokenRows, room: int) -> tuple[TokenRows, Truncation]:
+    def _cut_items(
+        items: TokenRows, room: int, side: str = "right", lead: Sequence[int] = ()
+    ) -> tuple[TokenRows, Truncation]:
+        """Items longer than `room` cut to it: their end dropped (side "right"), or their start
+        (side "left"), keeping the ids an item shares with `lead` at its start (a template's
+        document marker, such as "B: ", which belongs to the prompt rather than to the document;
+        its last token may have merged with the document's first)."""
         lengths = items.lengths
         cut = np.flatnonzero(lengths > room)
         if not cut.size:
             return items, Truncation()
         dropped = int((lengths[cut] - room).sum())
-        return items.map_rows(lambda row: row[:room]), Truncation(items=tuple(cut.tolist()), item_tokens=dropped)
+        lead = list(lead)
+
+        def left(row: list[int]) -> list[int]:
+            if len(row) <= room:
+                return row
+            keep = 0
+            while keep < min(len(lead), room - 1) and row[keep] == lead[keep]:
+                keep += 1
+            return row[:keep] + row[len(row) - (room - keep) :]
+
+        cut_row = left if side == "left" else (lambda row: row[:room])
+        return items.map_rows(cut_row), Truncation(items=tuple(cut.tolist()), item_tokens=dropped)
 
     def _joined_differs(self, pairs: list[tuple[str, str]], separate: list[list[int]]) -> list[bool]:
         """For each (first, second) text pair: does tokenizing first + second as one string differ
@@ -454,6 +488,7 @@ class Validator:
             inp = self._candidate_turns(inp)
         asked = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         truncate = _choice("truncate", inp.truncate, TRUNCATE)
+        side = _choice("truncation_side", inp.truncation_side, TRUNCATION_SIDES)
         how = _choice("query_truncation", inp.query_truncation, QUERY_TRUNCATION)
         keep = _count("max_query_tokens", inp.max_query_tokens)
         query = self.requests.query_ids(inp.query, truncating=how != "none")
@@ -472,7 +507,7 @@ class Validator:
         query, query_cut = self._cut_query(query, how, keep)
         report = Truncation(query_tokens=query_cut)
         if truncate == "end":
-            items, cut = self._cut_items(items, self._room(len(self.requests.start_ids) + len(query)))
+            items, cut = self._cut_items(items, self._room(len(self.requests.start_ids) + len(query)), side)
             report = dataclasses.replace(cut, query_tokens=query_cut)
         req = self.requests.assemble(
             query, items, asked.label_ids, asked.apply_softmax, bool(inp.item_first), asked.activation
@@ -483,6 +518,8 @@ class Validator:
         """A rerank request -> the template's prompt in token ids (prefix = everything up to the
         document; item = document + suffix), documents cut to fit as asked."""
         template = self.template
+        if template is None and self.no_template:
+            raise InvalidInput("template", self.no_template, precondition=True)
         if template is None:
             raise InvalidInput("documents", "the model has no tokenizer, so it has no reranker template")
         if not isinstance(inp.query, str):
@@ -492,9 +529,12 @@ class Validator:
         for j, doc in enumerate(inp.documents):
             if not doc:
                 raise InvalidInput(f"documents[{j}]", "the document is empty")
-        if inp.instruction and template.name == "none":
-            raise InvalidInput("instruction", "the none template has no instruction; put it in the query")
+        if inp.instruction and not template.record.takes_instruction:
+            raise InvalidInput(
+                "instruction", f"the {template.name} template's prompt takes no instruction; put it in the query"
+            )
         truncate = _choice("truncate", inp.truncate, TRUNCATE)
+        side = _choice("truncation_side", inp.truncation_side, TRUNCATION_SIDES)
         per_doc = _count("max_tokens_per_doc", inp.max_tokens_per_doc)
         top_n = _count("top_n", inp.top_n)
         if not inp.query:
@@ -503,8 +543,7 @@ class Validator:
             limit = self.requests.limits.max_text_chars
             raise InvalidInput("query", f"text of {len(inp.query)} characters exceeds the limit of {limit}")
         prompt = template.prompt(inp.query, inp.instruction)
-        prefix = template.prefix_ids(prompt)
-        suffix = template.suffix_ids(prompt.suffix)
+        prefix, suffix = prompt.prefix_ids, prompt.suffix_ids
         texts = [template.document_text(d) for d in inp.documents]
         cutting = truncate == "end" or per_doc is not None
         docs = self.requests.item_ids(texts, "text", field="documents", truncating=cutting)
@@ -520,7 +559,7 @@ class Validator:
         if per_doc is not None and per_doc < room:
             room, truncate = per_doc, "end"  # an explicit per-document budget always cuts
         if truncate == "end":
-            docs, report = self._cut_items(docs, room)
+            docs, report = self._cut_items(docs, room, side, template.lead_ids)
         else:  # name the document, not the assembled item
             over = np.flatnonzero(docs.lengths > room)
             if over.size:
@@ -528,10 +567,12 @@ class Validator:
                 raise InvalidInput(
                     f"documents[{j}]", f"{docs.lengths[j]} tokens, over the {room} that fit (truncate none)"
                 )
-        asked = heads.for_rerank(self.requests.head, template.label_ids)
+        asked = heads.for_rerank(self.requests.head, template.label_ids, template.reads_logit)
         req = self.requests.assemble(
             prefix, docs.with_suffix(suffix), asked.label_ids, asked.apply_softmax, False, asked.activation
         )
+        if asked.raw_logits:
+            req = dataclasses.replace(req, raw_logits=True)
         return ValidatedRerank(Validated(req, report, joined), list(inp.documents), top_n)
 
     def classify(self, inp: ClassifyInput) -> ValidatedClassify:

@@ -15,6 +15,10 @@ import jax
 
 # label sets per call: rows index into a [LABEL_SETS, labels] table of the call
 LABEL_SETS = 16
+# what a causal LM's row returns for its labels (ItemRegion.output): each label's probability over
+# the whole vocabulary, the softmax over the row's labels, or the labels' raw logits (a reranker
+# whose published relevance is a function of one label's logit, engine/templates.py)
+OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -51,7 +55,7 @@ class ItemRegion:
     item_ids: Any  # [d, Ti] int32
     read_at: Any  # [d, R] int32: the stream index (prefill region included) of each row's last token
     label_set: Any  # [d, R] int32: row of label_sets
-    apply_softmax: Any  # [d, R] bool
+    output: Any  # [d, R] int8: OUTPUT_FULL, OUTPUT_SOFTMAX or OUTPUT_LOGIT
     n_rows: Any  # [d] int32: rows in use
     max_item_len: Any  # [d] int32: the longest item (a hint for the causal part)
 

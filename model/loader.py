@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -44,6 +45,10 @@ class LoadedModel:
     dtype: str
     # what is 8-bit and how it is multiplied (weights.quantization_of); {"weights": "none"}: nothing
     quantization: dict[str, object] = dataclasses.field(default_factory=lambda: {"weights": NONE})
+    # config.json's _name_or_path and architectures[0] (a reranker template is recognized by them:
+    # engine/template_choice.py); "" for presets and GGUF files
+    name_or_path: str = ""
+    architecture: str = ""
 
 
 def _dtype(dtype: str) -> jnp.dtype:
@@ -130,7 +135,11 @@ def _load_dir(path: Path, name: str, dtype: str, place_for: PlaceFor, choice: Qu
     if convert.became:
         log.info("projections of %s: %s", name, convert.summary())
     tokenizer = load_tokenizer(path) if has_tokenizer_files(path) else None
-    return _loaded(name, cfg, params, tokenizer, dtype, choice, cfg.quant_activations or NONE, lambda c: _kept)
+    loaded = _loaded(name, cfg, params, tokenizer, dtype, choice, cfg.quant_activations or NONE, lambda c: _kept)
+    raw = json.loads((path / "config.json").read_text())
+    loaded.name_or_path = str(raw.get("_name_or_path") or "")
+    loaded.architecture = str((raw.get("architectures") or [""])[0])
+    return loaded
 
 
 def _kept(name: str, array):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta
-from prefixscore.model.call_inputs import CallInputs
+from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, CallInputs
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, norm, run_layers, softcap
 from prefixscore.model.head import output_head
@@ -103,9 +103,9 @@ def score_call(
         x = embed(params, cfg, tokens[None], shards)
     h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), mlp_tile, shards)
     with jax.named_scope("head"):
-        rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.apply_softmax)
-        head = lambda h_last, sets, softmax, always_lse=False: row_label_probs(  # noqa: E731
-            params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), softmax, always_lse, shards
+        rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.output)
+        head = lambda h_last, sets, output, always_lse=False: row_label_probs(  # noqa: E731
+            params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), output, always_lse, shards
         )
         if static_head:
             probs = head(*rows, always_lse=True)
@@ -159,17 +159,18 @@ def row_label_probs(
     h_last: jax.Array,
     labels: jax.Array,
     row_labels: jax.Array,
-    apply_softmax: jax.Array,
+    output: jax.Array,
     always_lse: bool = False,
     shards: ModelShards = UNSPLIT,
 ) -> jax.Array:
     """Each row's label probabilities from its last hidden state.
 
     h_last: [rows, hidden]; labels: [L] the call's label ids; row_labels: [rows, L] indices
-    into labels (-1: unused); apply_softmax: [rows] bool. The call's label logits are one
-    [rows, L] product; a row's are gathered from it. Rows without softmax get the
-    full-vocabulary probability exp(logit - logsumexp over the vocabulary), computed in
-    cache-sized tiles, and only when some row of the step needs it (always with
+    into labels (-1: unused); output: [rows] int8, what each row returns (call_inputs.OUTPUT_*).
+    The call's label logits are one [rows, L] product; a row's are gathered from it. OUTPUT_SOFTMAX
+    rows get the softmax over their labels, OUTPUT_LOGIT rows the (soft-capped) logits as they are,
+    OUTPUT_FULL rows the full-vocabulary probability exp(logit - logsumexp over the vocabulary),
+    computed in cache-sized tiles, and only when some row of the step needs it (always with
     `always_lse`: no branch on a runtime value). With the vocabulary split across the model
     axis (shards), the label rows are looked up in their shards and each device reduces its
     own rows' log-sum-exp, combined across devices: the logits never leave a device.
@@ -197,12 +198,13 @@ def row_label_probs(
         lse = lse_all()
     else:
         lse = jax.lax.cond(
-            jnp.any(~apply_softmax),
+            jnp.any(output == OUTPUT_FULL),
             lse_all,
             lambda: jnp.zeros(h.shape[0], jnp.float32),
         )
     full = jnp.exp(logits - lse[:, None])
-    return jnp.where(valid, jnp.where(apply_softmax[:, None], soft, full), 0.0)
+    rows = output[:, None]
+    return jnp.where(valid, jnp.where(rows == OUTPUT_SOFTMAX, soft, jnp.where(rows == OUTPUT_LOGIT, logits, full)), 0.0)
 
 
 def head_sizes(big: int) -> tuple[int, ...]:

@@ -53,31 +53,6 @@ class TextTokenizer:
             return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False).input_ids]
 
-    def fixed_head(self, text: str) -> str:
-        """The longest start of `text` that ends with an added token (such as `<|im_start|>`) whose
-        ids never depend on what follows: a tokenizer splits its added tokens out of the text
-        before anything else, so `encode(head + rest) == encode(head) + encode(rest)` for any
-        `rest`. A token that matches only as a whole word, or one that a longer added token
-        begins with, could match otherwise with other text after it: it is no boundary. ""
-        when `text` holds no boundary."""
-        if self._backend is None:
-            return ""
-        added = list(self._backend.get_added_tokens_decoder().values())
-        contents = [t.content for t in added]
-        ends = [
-            (text.rfind(t.content) + len(t.content), t.content)
-            for t in added
-            if t.content in text
-            and not t.single_word
-            and not any(c != t.content and c.startswith(t.content) for c in contents)
-        ]
-        if not ends:
-            return ""
-        end, content = max(ends)
-        head = text[:end]
-        # the head's last token is the boundary itself (not a piece of an overlapping match)
-        return head if self.encode(head)[-1] == self._backend.token_to_id(content) else ""
-
     def token_id(self, label: str) -> int:
         """The single token a label string maps to; ValueError if it is not exactly one token."""
         ids = self.encode(label)

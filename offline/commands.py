@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from prefixscore.engine.templates import DEFAULT_TEMPLATE, TEMPLATE_CHOICES
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.service.config import ACTIVATION_NAMES, QUANTIZE_NAMES
 
@@ -30,9 +31,10 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
     _add_quantize(p)
     p.add_argument(
         "--template",
-        default="qwen3-reranker",
-        choices=("qwen3-reranker", "chat", "none"),
-        help="in process: the reranker template of /v1/rerank lines",
+        default=DEFAULT_TEMPLATE,
+        choices=TEMPLATE_CHOICES,
+        help="in process: the reranker template of /v1/rerank lines (auto: the published reranker recognized "
+        "from the checkpoint)",
     )
     p.add_argument("--concurrency", type=int, default=16, help="with --target: requests in flight")
     p.add_argument(
@@ -145,7 +147,10 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="in process")
     _add_quantize(p)
     p.add_argument(
-        "--template", default="qwen3-reranker", choices=("qwen3-reranker", "chat", "none"), help="in process"
+        "--template",
+        default=DEFAULT_TEMPLATE,
+        choices=TEMPLATE_CHOICES,
+        help="in process: the reranker template (auto: the published reranker recognized from the checkpoint)",
     )
     p.set_defaults(func=run_eval_command)
 

@@ -1,6 +1,6 @@
 """`CrossEncoder`: sentence-transformers' CrossEncoder interface (`predict`, `rank`) over the
-reranker of the HTTP rerank API: the same template, labels and relevance
-(p(yes) / (p(yes) + p(no)) of the next token; engine/templates.py), in process or from a server;
+reranker of the HTTP rerank API: the same template, labels and relevance (the template's
+record: engine/templates.py; `template=` in process, default `auto`), in process or from a server;
 or, for a sequence classifier loaded in process, over its head, as sentence-transformers scores it.
 
 A classifier scores each pair exactly as sentence-transformers' `CrossEncoder(model_dir)` (6.x):
@@ -10,9 +10,11 @@ the pair's token ids are the tokenizer's chat template rendered over the message
 (`config_sentence_transformers.json` or config.json's `sentence_transformers.activation_fn`, a
 torch.* class), else a sigmoid for one label and the raw logits for several.
 
-A decoder reranker has one output, like a cross-encoder with `num_labels=1`: its logit is
-log p(yes) - log p(no), and the default activation (sigmoid, as sentence-transformers uses for
-one label) turns it back into the API's relevance, which is what `predict` returns by default.
+A decoder reranker has one output, like a cross-encoder with `num_labels=1`: its logit is the one
+its template's relevance is the sigmoid of (log p(yes) - log p(no) for qwen3-reranker, the raw
+"Yes" logit for bge-reranker-v2-gemma), and the default activation (sigmoid, as
+sentence-transformers uses for one label) turns it back into the API's relevance, which is what
+`predict` returns by default.
 Pairs are scored grouped by query, so each query's prompt is prefilled once and cached for its
 documents, whatever the order of the pairs.
 """
@@ -215,7 +217,8 @@ class CrossEncoder:
 
 
 def _relevance_logits(relevance: np.ndarray) -> np.ndarray:
-    """A causal reranker's logits log p(yes) - log p(no), recovered from its relevance."""
+    """A causal reranker's logits (the sigmoid's argument: log p(yes) - log p(no), or a label's raw
+    logit), recovered from its relevance."""
     with np.errstate(divide="ignore"):
         return (np.log(relevance) - np.log1p(-relevance)).astype(np.float32)
 

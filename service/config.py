@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prefixscore.engine.templates import DEFAULT_TEMPLATE, TEMPLATES
+from prefixscore.engine.templates import DEFAULT_TEMPLATE, TEMPLATE_CHOICES
 from prefixscore.model.presets import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -97,7 +97,12 @@ class ServerConfig:
         "'off' (the default) disables",
         parse_port_or_off,
     )
-    template: str = _flag(DEFAULT_TEMPLATE, "reranker prompt template of Rerank and /v1/rerank", choices=TEMPLATES)
+    template: str = _flag(
+        DEFAULT_TEMPLATE,
+        "reranker prompt template of Rerank and /v1/rerank; auto: the published reranker recognized from the "
+        "checkpoint, else rerank is refused until one is named",
+        choices=TEMPLATE_CHOICES,
+    )
     classify_labels: tuple[str, ...] = _flag(
         (),
         "a causal LM's /v1/classify labels: label strings, one token each (their softmax is each input's "

@@ -36,10 +36,12 @@ from prefixscore.engine.build import build_engine
 from prefixscore.engine.device_loop import DeadlineExpired, DeviceWorker, WorkerFailed, WorkerStopped, run_on_done
 from prefixscore.engine.page_pins import StreamPin
 from prefixscore.engine.scoring_engine import ScoringEngine, WarmupStage
+from prefixscore.engine.template_choice import TemplateChoice
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, TokenizedRequest, Validator
 from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.loader import LoadedModel
+from prefixscore.service import template_check
 from prefixscore.service.config import ServerConfig
 from prefixscore.service.served_model import ServedModel
 from prefixscore.telemetry import request_ids
@@ -84,7 +86,8 @@ class Failure(Exception):
 def invalid(err: InvalidInput) -> Failure:
     # INVALID_ARGUMENT also past a size limit: RESOURCE_EXHAUSTED tells clients to retry, and
     # the same request can never succeed (HTTP says 413 for it, from `err.too_large`)
-    return Failure(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    code = grpc.StatusCode.FAILED_PRECONDITION if err.precondition else grpc.StatusCode.INVALID_ARGUMENT
+    return Failure(code, str(err))
 
 
 def internal_failure(what: str, err: BaseException) -> Failure:
@@ -162,6 +165,8 @@ class ScoringService:
         self.metrics = ServiceMetrics()
         self._on_failure = on_failure
         self.template: RerankTemplate | None = None
+        self.template_choice = TemplateChoice(None, "not loaded yet")
+        self._template_check: asyncio.Future | None = None  # the known-answer check, while it runs
         self.validator: Validator | None = None  # set once ready
         self.loaded: LoadedModel | None = None
         self.engine: ScoringEngine | None = None
@@ -211,9 +216,10 @@ class ScoringService:
             loaded, engine, load_seconds = built.model, built.engine, built.load_seconds
         loaded_at = time.monotonic()
 
-        # a template the model cannot serve (no chat template, labels not single tokens) fails startup
-        self.template = RerankTemplate(cfg.template, loaded.tokenizer) if loaded.tokenizer is not None else None
-        self.served = ServedModel.of(loaded, engine, self.template)
+        # `auto` recognizes a published reranker or serves rerank none; a template the model cannot
+        # serve (no chat template, labels not single tokens) fails startup
+        self.template, self.template_choice = template_check.at_start(cfg.template, loaded)
+        self.served = ServedModel.of(loaded, engine, self.template_choice)
         event(
             log,
             "model_loaded",
@@ -351,7 +357,10 @@ class ScoringService:
             max_items=min(cfg.max_items, cfg.max_queue_items),
             max_request_tokens=min(cfg.max_request_tokens, cfg.max_queue_tokens),
         )
-        self.validator = Validator(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits), self.template)
+        refusal = self.template_choice.refusal() if loaded.tokenizer is not None else ""
+        self.validator = Validator(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits), self.template, refusal)
+        if cfg.warmup:  # the template's known-answer check, once (service/template_check.py)
+            self._template_check = asyncio.ensure_future(template_check.run(self, self.validator))
         assert self.served is not None
         self.metrics.model_info.info(self.served.metric_labels())
         self.metrics.mesh_devices.labels("model").set(self.served.tp_size)
@@ -370,6 +379,8 @@ class ScoringService:
         """Stop taking work and stop the device loop (what is queued fails UNAVAILABLE)."""
         self.draining = True
         self._warming_stop.set()
+        if self._template_check is not None:
+            self._template_check.cancel()
         # a lost group's device thread may wait in a collective forever: do not wait for it
         await asyncio.to_thread(self.worker.stop, 1.0 if self.group_lost else 30.0)
         steps = self.worker.engine.steps if self.worker.engine is not None else None

@@ -219,6 +219,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             hosts=served.hosts,
             model_axis_hosts=served.model_axis_hosts,
             template=served.template,
+            template_reason=served.template_reason,
             head=served.head,
             label_names=list(served.label_names) or None,
             quantization=served.quantization,

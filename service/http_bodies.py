@@ -46,6 +46,7 @@ def score_input(body: ScoringRequest) -> ScoreInput:
         apply_softmax=body.apply_softmax,
         item_first=body.item_first,
         truncate=body.truncate,
+        truncation_side=body.truncation_side,
         query_truncation=body.query_truncation,
         max_query_tokens=body.max_query_tokens,
         check_tokenization=body.check_tokenization,
@@ -91,6 +92,7 @@ def rerank_input(body: RerankRequest) -> RerankInput:
         return_documents=body.return_documents,
         max_tokens_per_doc=body.max_tokens_per_doc,
         truncate=body.truncate,
+        truncation_side=body.truncation_side,
         check_tokenization=body.check_tokenization,
     )
 

@@ -35,7 +35,10 @@ class ScoringRequest(BaseModel):
     model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
     labels: list[str] | None = Field(None, description="Label strings (one token each) instead of label_token_ids.")
     truncate: Literal["none", "end"] = Field(
-        "none", description="An item too long for the context: 'none' rejects (SGLang), 'end' keeps its start."
+        "none", description="An item too long for the context: 'none' rejects (SGLang), 'end' cuts it to fit."
+    )
+    truncation_side: Literal["left", "right"] = Field(
+        "right", description="The side an item cut to fit loses tokens from: 'right' (its end) or 'left'."
     )
     query_truncation: Literal["none", "left", "right"] = Field(
         "none", description="A query over max_query_tokens (or the context): 'left' keeps its end, 'right' its start."
@@ -102,8 +105,14 @@ class RerankRequest(BaseModel):
     top_n: int | None = Field(None, ge=0, description="Return the top_n most relevant documents (0 or absent: all).")
     return_documents: bool = Field(True, description="Echo each document in its result.")
     max_tokens_per_doc: int | None = Field(None, ge=0, description="Cut each document to this many tokens.")
-    instruction: str | None = Field(None, description="The template's task instruction (default: web search).")
+    instruction: str | None = Field(
+        None,
+        description="The template's instruction (default: its record's); refused by a template whose prompt has none.",
+    )
     truncate: Literal["none", "end"] = Field("end", description="A document too long to fit: 'end' cuts it.")
+    truncation_side: Literal["left", "right"] = Field(
+        "right", description="The side a document cut to fit loses tokens from: 'right' (its end) or 'left'."
+    )
     check_tokenization: bool = False
 
 
@@ -145,7 +154,8 @@ class ModelCard(BaseModel):
     # several hosts as one replica: how many, and the most a row of the model axis spans
     hosts: int = 1
     model_axis_hosts: int = 1
-    template: str | None = None
+    template: str | None = None  # None: no reranker template, /v1/rerank answers 400
+    template_reason: str = ""  # why that template (named, or recognized by --template auto), or why none
     # the output head: causal_lm (label tokens' probabilities) or sequence_classification
     head: str
     label_names: list[str] | None = None  # a classifier's labels (id2label), in score column order

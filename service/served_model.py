@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.templates import RerankTemplate
+from prefixscore.engine.template_choice import TemplateChoice
 from prefixscore.model.head import output_head
 from prefixscore.model.loader import LoadedModel
 from prefixscore.version import __version__
@@ -28,7 +28,8 @@ class ServedModel:
     head: str  # model/head.py: causal_lm or sequence_classification
     label_names: tuple[str, ...]  # a classifier's labels, in row order
     has_tokenizer: bool
-    template: str | None  # the reranker prompt of Rerank and /v1/rerank (None: no tokenizer)
+    template: str | None  # the reranker prompt of Rerank and /v1/rerank (None: none, rerank is refused)
+    template_reason: str  # why that one, or why none (engine/template_choice.py)
     devices: tuple[str, ...]  # "platform:id" of each device the mesh covers
     tp_size: int  # devices on the mesh's model axis
     dp_size: int  # ... and on its data axis
@@ -50,7 +51,7 @@ class ServedModel:
     version: str = __version__
 
     @classmethod
-    def of(cls, loaded: LoadedModel, engine: ScoringEngine, template: RerankTemplate | None) -> ServedModel:
+    def of(cls, loaded: LoadedModel, engine: ScoringEngine, template: TemplateChoice) -> ServedModel:
         cfg, mesh, head = loaded.cfg, engine.layout.shape, output_head(loaded.cfg)
         return cls(
             name=loaded.name,
@@ -63,7 +64,8 @@ class ServedModel:
             head=head.kind,
             label_names=head.label_names,
             has_tokenizer=loaded.tokenizer is not None,
-            template=template.name if template else None,
+            template=template.template,
+            template_reason=template.reason,
             devices=tuple(f"{d.platform}:{d.id}" for d in engine.devices),
             tp_size=mesh.model,
             dp_size=mesh.data,

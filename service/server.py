@@ -376,6 +376,7 @@ class GrpcServer:
             attention=served.attention,
             version=served.version,
             template=served.template or "",
+            template_reason=served.template_reason,
             # how many call shapes are compiled changes while a staged warm-up runs: read it now
             call_shapes_ready=service.engine.shapes_ready if service.engine else 0,
             call_shapes=service.call_shapes,

@@ -29,6 +29,11 @@ from prefixscore.service.core import Failure
 from prefixscore.v1 import score_service_pb2 as pb
 
 TRUNCATE = {pb.TRUNCATE_NONE: "none", pb.TRUNCATE_END: "end"}
+TRUNCATION_SIDE = {
+    pb.TRUNCATION_SIDE_UNSPECIFIED: "right",
+    pb.TRUNCATION_SIDE_LEFT: "left",
+    pb.TRUNCATION_SIDE_RIGHT: "right",
+}
 QUERY_TRUNCATION = {
     pb.QUERY_TRUNCATION_UNSPECIFIED: "none",
     pb.QUERY_TRUNCATION_NONE: "none",
@@ -99,6 +104,7 @@ class RequestConverter:
                 apply_softmax=msg.apply_softmax,
                 item_first=msg.item_first,
                 truncate=_truncate(msg.truncate, "none"),
+                truncation_side=TRUNCATION_SIDE.get(msg.truncation_side, str(msg.truncation_side)),
                 query_truncation=QUERY_TRUNCATION.get(msg.query_truncation, "none"),
                 max_query_tokens=msg.max_query_tokens or None,
                 check_tokenization=msg.check_tokenization,
@@ -117,6 +123,7 @@ class RequestConverter:
                 return_documents=msg.return_documents,
                 max_tokens_per_doc=msg.max_tokens_per_doc or None,
                 truncate=_truncate(msg.truncate, "end"),
+                truncation_side=TRUNCATION_SIDE.get(msg.truncation_side, str(msg.truncation_side)),
                 check_tokenization=msg.check_tokenization,
             )
         )

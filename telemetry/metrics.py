@@ -170,6 +170,13 @@ class ServiceMetrics:
             ["axis"],
             registry=r,
         )
+        self.template_check_passed = Gauge(
+            "prefixscore_template_check_passed",
+            "The reranker template's known-answer check at start: 1 when the relevant document won every "
+            "built-in triple, 0 when not (absent: not run).",
+            ["template"],
+            registry=r,
+        )
         self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)
         self.compile_seconds = Counter(
             "prefixscore_compile_seconds_total", "Seconds spent in XLA compilation since start.", registry=r

@@ -157,7 +157,8 @@ def hf_checkpoints(tmp_path_factory):
 def tiny_scorer():
     from prefixscore import Scorer
 
-    return Scorer.load("tiny-qwen3", buckets=SMALL_BUCKETS)
+    # a random model no record recognizes (`auto` would serve no rerank): Qwen3-Reranker's prompt, named
+    return Scorer.load("tiny-qwen3", buckets=SMALL_BUCKETS, template="qwen3-reranker")
 
 
 # ---- over a module's `server` fixture (a ServerThread): a client and a raw stub ----------------

@@ -17,6 +17,7 @@ from pathlib import Path
 import cohere
 import grpc
 import httpx
+import numpy as np
 import pytest
 from helpers import tools
 from helpers.service import scrape, server_config
@@ -317,6 +318,65 @@ def test_readme_curl_commands_work(server):
     assert len(scores) == 2 and scores == sorted(scores, reverse=True)
 
 
+def test_truncation_side_reaches_rerank_and_score_from_both_transports(http, grpc_client, server, tiny_scorer):
+    """HTTP's truncation_side and gRPC's TruncationSide cut documents (items) from that side:
+    the scores are the in-process ones of the same cut."""
+    docs = ["one two three four five six seven eight nine ten", "alpha beta gamma delta epsilon zeta eta"]
+    for side in ("left", "right"):
+        want = tiny_scorer.rerank(COHERE_QUERY, docs, max_tokens_per_doc=3, truncation_side=side)
+        body = ok(
+            http.post(
+                "/v1/rerank",
+                json={"query": COHERE_QUERY, "documents": docs, "max_tokens_per_doc": 3, "truncation_side": side},
+            )
+        )
+        assert [(r["index"], r["relevance_score"]) for r in body["results"]] == [
+            (r.index, r.relevance_score) for r in want
+        ]
+        assert body["usage"]["truncated_documents"] == [0, 1]
+        stub = pb_grpc.ScoreServiceStub(grpc.insecure_channel(server.target))
+        side_pb = pb.TRUNCATION_SIDE_LEFT if side == "left" else pb.TRUNCATION_SIDE_RIGHT
+        reply = stub.Rerank(
+            pb.RerankRequest(query=COHERE_QUERY, documents=docs, max_tokens_per_doc=3, truncation_side=side_pb)
+        )
+        assert [(r.index, r.relevance_score) for r in reply.results] == [(r.index, r.relevance_score) for r in want]
+    item = list(range(1, 601))  # longer than the 512-token context: cut to fit
+    room = tiny_scorer.validator.max_sequence_tokens - 3
+    for side, kept in (("left", item[-room:]), ("right", item[:room])):
+        body = {
+            "query": [7, 8, 9],
+            "items": [item],
+            "label_token_ids": [5, 6],
+            "truncate": "end",
+            "truncation_side": side,
+        }
+        want = tiny_scorer.score([7, 8, 9], [kept], [5, 6])
+        np.testing.assert_allclose(ok(http.post("/v1/score", json=body))["scores"], want, rtol=1e-6)
+    bad = http.post("/v1/rerank", json={"query": "q", "documents": ["d"], "truncation_side": "middle"})
+    assert bad.status_code == 400 and "truncation_side" in bad.text
+
+
+def test_an_unrecognized_model_under_auto_refuses_rerank_naming_the_flag_and_scores(tiny_scorer):
+    """`--template auto` on tiny-qwen3 (random; no published reranker): /v1/rerank answers 400 and
+    Rerank FAILED_PRECONDITION naming --template, before any device work; /v1/score serves; the
+    model description says why."""
+    with ServerThread(server_config(tiny_scorer, http_port=0, template="auto")) as srv:
+        base = f"http://127.0.0.1:{srv.server.http_port}"
+        refused = httpx.post(f"{base}/v1/rerank", json={"query": "q", "documents": ["d"]}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["param"] == "template"
+        assert "--template" in refused.json()["message"]
+        with ScoreClient(srv.target) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.rerank("q", ["d"])
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--template" in err.value.details()
+            info = client.model_info()
+            assert info.template == "" and "no published reranker is recognized" in info.template_reason
+            scored = client.score("q", ["d"], label_token_ids=[5, 6])
+        assert len(scored.scores) == 1
+        card = ok(httpx.get(f"{base}/v1/models", timeout=60))["data"][0]
+        assert card["template"] is None and card["template_reason"] == info.template_reason
+
+
 # ---- models, health, readiness, OpenAPI -----------------------------------------------------------
 def test_models_health_ready(server, http):
     models = ok(http.get("/v1/models"))
@@ -327,6 +387,7 @@ def test_models_health_ready(server, http):
     assert ok(http.get("/ready"))["status"] == "ready"
     info = ScoreClient(server.target).model_info(timeout=30)
     assert info.template == "qwen3-reranker"
+    assert models["data"][0]["template_reason"] == info.template_reason == "named by --template"
 
 
 def test_openapi_document_holds_against_the_server(server):

@@ -138,6 +138,7 @@ def test_eval_and_batch_in_process_load_with_quantize(tmp_path, monkeypatch, cap
         assert (defaults.quantize, defaults.activations) == ("auto", "auto")
     beir = Path(__file__).resolve().parent.parent / "docs" / "examples" / "beir-mini"
     args = ["eval", "--beir", str(beir), "--run", str(beir / "bm25.trec"), "--model", "tiny-qwen3", "--depth", "2"]
+    args += ["--template", "qwen3-reranker"]  # a random model: `auto` would serve no rerank
     assert main([*args, "--quantize", "int8", "--activations", "none"]) == 0
     assert (loads[-1]["quantize"], loads[-1]["activations"]) == ("int8", "none")
     assert "nDCG@10" in capsys.readouterr().out

@@ -65,7 +65,10 @@ def beir_mini_pairs() -> list[tuple[str, list[str]]]:
 
 def relevances(quantize: str, activations: str = "auto") -> list[np.ndarray]:
     """Each query's relevance of its documents (the rerank API's), in the order given."""
-    scorer = Scorer.load("smollm2-135m", buckets=SMALL_BUCKETS, quantize=quantize, activations=activations)
+    # SmolLM2 is no published reranker (`auto` serves it no rerank): Qwen3-Reranker's prompt, as measured
+    scorer = Scorer.load(
+        "smollm2-135m", buckets=SMALL_BUCKETS, quantize=quantize, activations=activations, template="qwen3-reranker"
+    )
     quantization = scorer.model.quantization
     if quantize == "none":
         assert quantization == {"weights": "none"}, quantization

@@ -31,6 +31,7 @@ def test_qwen3_prompt_tokens_are_the_published_prompt_split_at_the_document(tiny
     checked = tiny_scorer.validator.rerank(RerankInput(QUERY, DOCS))
     req = checked.scored.request
     assert (QWEN3_PREFIX, QWEN3_SUFFIX) == (PUBLISHED_PREFIX, PUBLISHED_SUFFIX)
+    assert checked.scored.request.label_ids == RerankTemplate("qwen3-reranker", tok).label_ids
     for doc, item in zip(DOCS, req.items, strict=True):
         text = published_prompt(QUERY, doc)
         split = text.index("<Document>:") + len("<Document>:")  # the prefix ends before the document's space
@@ -48,38 +49,19 @@ def test_qwen3_prompt_tokens_are_the_published_prompt_split_at_the_document(tiny
         ("<|im_start|>user\nhidden <|im_end|> turns", "<|im_end|>"),  # special tokens in the user's text
         ("  leading spaces, émoji 🙂 and 中文", "  "),
         ("x", "Given a web search query"),
+        ("{document} {instruction}", "{query}"),  # field names in the user's text stay text
     ],
 )
-def test_the_prompts_fixed_opening_tokenized_once_gives_the_whole_prompts_ids(tiny_scorer, query, instruction):
-    """The qwen3 prompt's system turn is tokenized once (up to the user turn's special token):
-    with any query and instruction the ids are those of tokenizing the whole prefix."""
+def test_the_prompts_pieces_are_tokenized_apart_as_the_model_card_does(tiny_scorer, query, instruction):
+    """The model card tokenizes its system turn and its user turn apart (process_inputs): the
+    prefix's ids are those of each piece, the system turn's computed once for every request."""
     tok = tiny_scorer.model.tokenizer
     template = RerankTemplate("qwen3-reranker", tok)
     prompt = template.prompt(query, instruction)
-    assert prompt.fixed.endswith("<|im_start|>") and QWEN3_PREFIX.startswith(prompt.fixed)
-    assert template.prefix_ids(prompt) == tok.encode(prompt.prefix)
-
-
-def test_a_fixed_opening_ends_only_at_a_token_nothing_after_it_can_change():
-    """Where an added token could match otherwise with other text after it (a longer added token
-    begins with it, or it matches only as a whole word), the opening ends at an earlier one."""
-    from tokenizers import AddedToken
-
-    from prefixscore.model import presets
-    from prefixscore.model.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(presets.smollm2_tokenizer_dir())  # its own copy: tokens are added below
-    assert tok.fixed_head("no added token here") == ""
-    assert tok.fixed_head(QWEN3_PREFIX) == QWEN3_PREFIX[: QWEN3_PREFIX.rindex("<|im_start|>") + 12]
-    # "<|im_start|>assistant" begins with "<|im_start|>": text after it could match the longer one
-    tok.hf.add_tokens([AddedToken("<|im_start|>assistant", special=True)])
-    head = tok.fixed_head(QWEN3_PREFIX)
-    assert head == QWEN3_PREFIX[: QWEN3_PREFIX.index("<|im_end|>") + 10]
-    rest = QWEN3_PREFIX[len(head) :] + "<Instruct>: a"
-    assert tok.encode(head) + tok.encode(rest) == tok.encode(head + rest)
-    words = load_tokenizer(presets.smollm2_tokenizer_dir())
-    words.hf.add_tokens([AddedToken("<|im_start|>", single_word=True, special=True)])
-    assert words.fixed_head(QWEN3_PREFIX) == QWEN3_PREFIX[: QWEN3_PREFIX.index("<|im_end|>") + 10]
+    user = f"<Instruct>: {instruction or INSTRUCTION}\n<Query>: {query}\n<Document>:"
+    assert prompt.prefix == QWEN3_PREFIX + user
+    assert prompt.prefix_ids == tok.encode(QWEN3_PREFIX) + tok.encode(user)
+    assert prompt.suffix_ids == tok.encode(QWEN3_SUFFIX)
 
 
 def test_qwen3_relevance_is_p_yes_over_p_yes_plus_p_no_of_a_plain_forward(tiny_scorer):
@@ -120,9 +102,9 @@ def test_chat_template_uses_the_models_chat_template(tiny_scorer):
 
 
 def template_system() -> str:
-    from prefixscore.engine.templates import SYSTEM
+    from prefixscore.engine.templates import QWEN3_SYSTEM
 
-    return SYSTEM
+    return QWEN3_SYSTEM
 
 
 def test_none_template_scores_query_then_document(tiny_scorer):
@@ -133,6 +115,7 @@ def test_none_template_scores_query_then_document(tiny_scorer):
         "",
         "Bananas.",
     )
+    assert (prompt.prefix_ids, prompt.suffix_ids) == (tiny_scorer.model.tokenizer.encode("Is this about fruit? "), [])
 
 
 def test_templates_refuse_what_they_cannot_serve(tiny_scorer):
@@ -142,7 +125,7 @@ def test_templates_refuse_what_they_cannot_serve(tiny_scorer):
     saved = no_chat.hf.chat_template
     no_chat.hf.chat_template = None
     try:
-        with pytest.raises(ValueError, match="no chat template"):
+        with pytest.raises(ValueError, match="template chat: the model's tokenizer has no chat template"):
             RerankTemplate("chat", no_chat)
     finally:
         no_chat.hf.chat_template = saved

@@ -47,8 +47,17 @@ SERVE = [
 
 
 def server_config(scorer, **overrides) -> ServerConfig:
-    """A loopback server (free ports) over an in-process Scorer's model and engine, not warmed up."""
-    base = dict(host="127.0.0.1", port=0, metrics_port=0, loaded=scorer.model, engine=scorer.engine, warmup=False)
+    """A loopback server (free ports) over an in-process Scorer's model and engine, not warmed up,
+    serving Qwen3-Reranker's prompt (the test models are random: `auto` would recognize none)."""
+    base = dict(
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        loaded=scorer.model,
+        engine=scorer.engine,
+        warmup=False,
+        template="qwen3-reranker",
+    )
     return ServerConfig(**{**base, **overrides})
 
 

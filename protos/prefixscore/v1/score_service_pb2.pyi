@@ -20,6 +20,12 @@ class Truncate(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRUNCATE_NONE: _ClassVar[Truncate]
     TRUNCATE_END: _ClassVar[Truncate]
 
+class TruncationSide(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUNCATION_SIDE_UNSPECIFIED: _ClassVar[TruncationSide]
+    TRUNCATION_SIDE_LEFT: _ClassVar[TruncationSide]
+    TRUNCATION_SIDE_RIGHT: _ClassVar[TruncationSide]
+
 class QueryTruncation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     QUERY_TRUNCATION_UNSPECIFIED: _ClassVar[QueryTruncation]
@@ -33,6 +39,9 @@ ACTIVATION_SOFTMAX: Activation
 TRUNCATE_UNSPECIFIED: Truncate
 TRUNCATE_NONE: Truncate
 TRUNCATE_END: Truncate
+TRUNCATION_SIDE_UNSPECIFIED: TruncationSide
+TRUNCATION_SIDE_LEFT: TruncationSide
+TRUNCATION_SIDE_RIGHT: TruncationSide
 QUERY_TRUNCATION_UNSPECIFIED: QueryTruncation
 QUERY_TRUNCATION_NONE: QueryTruncation
 QUERY_TRUNCATION_LEFT: QueryTruncation
@@ -53,7 +62,7 @@ class Input(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization", "activation", "messages")
+    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization", "activation", "messages", "truncation_side")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +75,7 @@ class ScoreRequest(_message.Message):
     CHECK_TOKENIZATION_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     query: Input
     items: _containers.RepeatedCompositeFieldContainer[Input]
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -78,7 +88,8 @@ class ScoreRequest(_message.Message):
     check_tokenization: bool
     activation: Activation
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    truncation_side: TruncationSide
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -245,7 +256,7 @@ class Limits(_message.Message):
     def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ..., max_queue_tokens: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., max_streams: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., stream_idle_timeout_ms: _Optional[int] = ..., max_pending_batches: _Optional[int] = ..., keepalive_time_ms: _Optional[int] = ..., keepalive_timeout_ms: _Optional[int] = ..., max_connection_idle_ms: _Optional[int] = ..., max_connection_age_ms: _Optional[int] = ..., max_connection_age_grace_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size", "head", "label_names", "quantization", "activation_quantization", "quantized_projections", "weight_bytes_per_device")
+    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size", "head", "label_names", "quantization", "activation_quantization", "quantized_projections", "weight_bytes_per_device", "template_reason")
     class QuantizedProjectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +287,7 @@ class GetModelInfoResponse(_message.Message):
     ACTIVATION_QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     QUANTIZED_PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_PER_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_REASON_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     vocab_size: int
@@ -299,10 +311,11 @@ class GetModelInfoResponse(_message.Message):
     activation_quantization: str
     quantized_projections: _containers.ScalarMap[str, str]
     weight_bytes_per_device: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., head: _Optional[str] = ..., label_names: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., activation_quantization: _Optional[str] = ..., quantized_projections: _Optional[_Mapping[str, str]] = ..., weight_bytes_per_device: _Optional[int] = ...) -> None: ...
+    template_reason: str
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., head: _Optional[str] = ..., label_names: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., activation_quantization: _Optional[str] = ..., quantized_projections: _Optional[_Mapping[str, str]] = ..., weight_bytes_per_device: _Optional[int] = ..., template_reason: _Optional[str] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("query", "documents", "instruction", "top_n", "return_documents", "max_tokens_per_doc", "truncate", "check_tokenization")
+    __slots__ = ("query", "documents", "instruction", "top_n", "return_documents", "max_tokens_per_doc", "truncate", "check_tokenization", "truncation_side")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +324,7 @@ class RerankRequest(_message.Message):
     MAX_TOKENS_PER_DOC_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     CHECK_TOKENIZATION_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
     instruction: str
@@ -319,7 +333,8 @@ class RerankRequest(_message.Message):
     max_tokens_per_doc: int
     truncate: Truncate
     check_tokenization: bool
-    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., instruction: _Optional[str] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., max_tokens_per_doc: _Optional[int] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., check_tokenization: _Optional[bool] = ...) -> None: ...
+    truncation_side: TruncationSide
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., instruction: _Optional[str] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., max_tokens_per_doc: _Optional[int] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., check_tokenization: _Optional[bool] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "relevance_score", "document", "joined_tokenization_differs")
