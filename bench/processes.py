@@ -12,6 +12,8 @@ import tempfile
 import time
 from typing import Any
 
+from prefixscore.bench import workloads as wl
+
 
 class ServedProcess:
     """`prefixscore serve` in a process of its own, on free ports, until closed: its threads
@@ -25,9 +27,9 @@ class ServedProcess:
         cmd += ["--model", args.model, "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--log-level", "warning"]
         cmd += ["--quantize", args.quantize, "--activations", args.activations]
-        # host-rerank's figures are Qwen3-Reranker's prompt on any model (docs/benchmarks.md): named,
-        # as `auto` serves no rerank on a model it does not recognize (--serve-arg may name another)
-        cmd += ["--template", "qwen3-reranker"]
+        # host-rerank's figures are Qwen3-Reranker's prompt on any model (docs/benchmarks.md)
+        # (--serve-arg may name another)
+        cmd += ["--template", wl.RERANK_TEMPLATE]
         if args.attention:
             cmd += ["--attention", args.attention]
         if args.compile_cache:

@@ -52,7 +52,7 @@ class Bench:
             )
             built = build_engine(spec)
             loaded = built.model
-            self.scorer = Scorer(loaded, built.engine)
+            self.scorer = Scorer(loaded, built.engine, template=wl.RERANK_TEMPLATE)
             self.cfg = loaded.cfg
             self.tokenizer = loaded.tokenizer
         else:
@@ -211,6 +211,7 @@ class Bench:
                 metrics_port=None,
                 http_port=0,
                 warmup=False,
+                template=wl.RERANK_TEMPLATE,
                 loaded=self.scorer.model,
                 engine=self.scorer.engine,
             )

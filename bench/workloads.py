@@ -15,6 +15,9 @@ import numpy as np
 # "yes" / "no" in the 151936-token Qwen vocabulary (W1, docs/benchmarks.md)
 QWEN_LABELS = (9454, 2753)
 QWEN_VOCAB = 151936
+# the reranker prompt the rerank workloads (W3 over text, host-rerank) are defined by, whatever the
+# model: named, since `--template auto` serves no rerank on a model it does not recognize
+RERANK_TEMPLATE = "qwen3-reranker"
 W3_SUFFIX_TOKENS = 12  # "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n" after each document
 
 # the workloads `prefixscore bench --workload` runs, and the modes a request is scored in

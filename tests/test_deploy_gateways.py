@@ -35,6 +35,7 @@ from helpers.deploy import (
     K8S,
     TOOLS,
     by_kind,
+    closed,
     deploy_tool_missing,
     kustomize,
     kv,
@@ -267,23 +268,6 @@ def test_the_mesh_hashes_on_the_prefix_key(mesh) -> None:
 
 
 # ---- InferencePool: the upstream CRD's schema ----------------------------------------------------
-def closed(schema: Any) -> Any:
-    """An OpenAPI object schema as the API server applies it: an object with properties knows
-    only those (unknown fields are pruned, or rejected with strict field validation)."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if (
-        "properties" in out
-        and "additionalProperties" not in out
-        and not out.get("x-kubernetes-preserve-unknown-fields")
-    ):
-        out["additionalProperties"] = False
-    return out
-
-
 def _port_when_service(ref: dict) -> bool:
     return ref.get("kind", "Service") != "Service" or "port" in ref
 

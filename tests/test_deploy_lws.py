@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers.deploy import K8S, by_kind, kustomize, kv, one, versions
+from helpers.deploy import K8S, by_kind, closed, kustomize, kv, one, versions
 
 HERE = Path(__file__).resolve().parent
 OVERLAY = K8S / "overlays" / "tpu-v5e-4x4-multihost"
@@ -161,23 +161,6 @@ def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 # ---- the CRD's schema ------------------------------------------------------------------
-def closed(schema: Any) -> Any:
-    """An OpenAPI object schema as the API server applies it: an object with properties knows
-    only those (unknown fields are pruned, or rejected with strict field validation)."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if (
-        "properties" in out
-        and "additionalProperties" not in out
-        and not out.get("x-kubernetes-preserve-unknown-fields")
-    ):
-        out["additionalProperties"] = False
-    return out
-
-
 @pytest.fixture(scope="module")
 def crd() -> dict:
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # 1.3 MB: libyaml when present

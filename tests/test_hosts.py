@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from conftest import TINY_SHAPES
 from helpers.service import LABELS, scrape, serve_process, server_config, wait_for
 from test_prefix_affinity import envoy_in_front
 
@@ -281,17 +282,8 @@ def _eight_head_checkpoint(directory: Path) -> Path:
     import torch
     import transformers
 
-    config = transformers.Qwen3Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    shapes = {**TINY_SHAPES, "num_attention_heads": 8}
+    config = transformers.Qwen3Config(**shapes, head_dim=16, tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
     return directory

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import yaml
 
@@ -214,3 +214,20 @@ def with_bool(expr: str) -> str:
         out.append(expr[start:end])
         pos = end
     return "".join(out)
+
+
+def closed(schema: Any) -> Any:
+    """An OpenAPI object schema as the API server applies it: an object with properties knows
+    only those (unknown fields are pruned, or rejected with strict field validation)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
