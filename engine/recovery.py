@@ -82,7 +82,15 @@ class Recovery:
         for entry in call.written:  # what it wrote may be garbage: prefilled again
             cache.rewrite(entry)
         rewritten = {id(entry) for entry in call.written}
-        queued = [u for u in batcher.live_units() if u.pin.entry is not None and id(u.pin.entry) in rewritten]
+        # work queued over a rewritten query rides with the retry (its new prefill is isolated
+        # too), unless it is retried already: a group of its own is isolated as it is, and drawing
+        # it into this call's retry would bring a co-rider back beside the culprit at every failure
+        # (the retries never converge: every call that prefills the query again fails)
+        queued = [
+            u
+            for u in batcher.live_units()
+            if u.lineage.group is None and u.pin.entry is not None and id(u.pin.entry) in rewritten
+        ]
         verdict = isolation.judge(call, isolation.pieces_of(call), queued)
         for culprit in verdict.culprits:
             self.metrics.failed_alone()

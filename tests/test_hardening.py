@@ -252,6 +252,64 @@ def test_a_request_that_fails_calls_fails_alone(server, stub, tiny_scorer, monke
     )
 
 
+@pytest.mark.parametrize("where", ["launch", "read-back"])
+def test_a_failing_request_sharing_its_query_fails_alone(server, stub, tiny_scorer, monkeypatch, where):
+    """A culprit and three co-riders over ONE query new to the cache, several items each, in one
+    device call with the query's prefill: every call carrying the culprit's work fails (an
+    out-of-memory keyed on its labels). The culprit alone gets INTERNAL, each co-rider the scores
+    of a plain forward pass of query + item, and the server stays SERVING."""
+    worker = server.server.service.worker
+    engine = worker.engine
+    rng = np.random.default_rng({"launch": 11, "read-back": 12}[where])
+    query = rng.integers(100, 40000, 40).tolist()
+    label_sets = [[5, 9], [28, 1017], [1017, 28, 3], [44, 45]]  # the culprit's first
+    items = [[rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(1, 7, 4)] for _ in label_sets]
+    # sequential: one forward per item, no prefix cache (the query stays new to the server)
+    want = [
+        np.log(tiny_scorer.score(query, its, ls, mode="sequential")) for its, ls in zip(items, label_sets, strict=True)
+    ]
+    launch, carried = engine.launch, []
+
+    def faulty(plan):
+        riders = {tuple(span.ref.payload.label_ids) for span in plan.spans}
+        carried.append(len(riders))
+        if (5, 9) not in riders:
+            return launch(plan)
+        if where == "launch":
+            raise RuntimeError("RESOURCE_EXHAUSTED: injected out of memory")
+        launch(plan)
+        return _FailedReadBack()
+
+    before = scrape(server.server.metrics_port)
+    monkeypatch.setattr(engine, "launch", faulty)
+    with worker.paused():  # all four queued before the first call is planned
+        calls = [
+            stub.Score.future(
+                pb.ScoreRequest(
+                    query=pb.Input(token_ids=pb.TokenIds(ids=query)),
+                    items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in its],
+                    label_token_ids=ls,
+                ),
+                timeout=120,
+            )
+            for its, ls in zip(items, label_sets, strict=True)
+        ]
+        wait_for(lambda: worker.depth == 16, 30, "4 queued requests")
+    with pytest.raises(grpc.RpcError) as err:
+        calls[0].result()
+    assert err.value.code() == Code.INTERNAL and "request id" in err.value.details()
+    for k in range(1, 4):
+        got = np.log([list(s.probabilities) for s in calls[k].result().scores])
+        np.testing.assert_allclose(got, want[k], rtol=0, atol=1e-4)
+    monkeypatch.undo()
+    assert carried[0] == 4  # they did ride in one call
+    after = scrape(server.server.metrics_port)
+    assert after["prefixscore_failed_alone_total"] - before.get("prefixscore_failed_alone_total", 0) == 1
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_a_device_whose_calls_keep_failing_goes_not_serving(tiny_scorer):
     """Every call fails, whatever it carries: after MAX_FAILED_CALLS_IN_A_ROW the loop stops,
     every request is answered (none left hanging) and the process exits 1."""
