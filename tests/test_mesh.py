@@ -5,8 +5,8 @@ heads split; KV heads replicated when the axis exceeds them), data parallel on t
 Every mesh scores like one device: the same requests laid out in other calls, partial sums
 added across devices, so scores agree to float32 rounding (1e-5), not bit for bit.
 
-`--xla_force_host_platform_device_count` must be set before jax starts, so each part runs
-this file as a script in a subprocess (the main suite triggers it).
+`--xla_force_host_platform_device_count` must be set before jax starts, so the parts run in
+one subprocess, this file as a script (the module's `parts` fixture), and each test reads its part.
 """
 
 from __future__ import annotations
@@ -33,18 +33,27 @@ GPU_KERNELS = {"_prefix_kernel", "_ragged_kernel"}
 TOLERANCE = 1e-5
 
 
-def run_part(part: str, *args: str) -> dict:
+@pytest.fixture(scope="module")
+def parts() -> dict:
+    """Every part's result, from ONE subprocess (one jax start, one in-process compile cache for
+    the engines the parts share); a part that raised holds its traceback under "error"."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run([sys.executable, __file__, part, *args], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])
 
 
-def test_meshes_serve_like_one_device() -> None:
+def run_part(parts: dict, part: str) -> dict:
+    result = parts[part]
+    assert "error" not in result, result.get("error")
+    return result
+
+
+def test_meshes_serve_like_one_device(parts) -> None:
     """Mixed calls with chunked prefills, the prefix cache, label softmax or not, item_first,
     isolation and steady state, on a data-only (8x1), a 2x2 and a model-only (1x4) mesh; a
     restart on a mesh compiles nothing (the persistent cache)."""
-    result = run_part("engine")
+    result = run_part(parts, "engine")
     assert set(result) == {"8x1", "2x2", "1x4"} and "restart_compilations" in result["2x2"]
     for mesh, r in result.items():
         for case, diff in r["max_abs_diff"].items():
@@ -60,23 +69,23 @@ def test_meshes_serve_like_one_device() -> None:
         assert r["max_replicas_in_a_call"] == dp, (mesh, r)  # the item region really split
 
 
-def test_head_splits_score_like_one_device() -> None:
+def test_head_splits_score_like_one_device(parts) -> None:
     """GQA at any split: KV heads 1, 2, 4, 8 under 16 query heads, and 8 under 8 (no grouping),
     on model axes that divide the KV heads, equal them and exceed them (replicating them),
     against one device."""
-    result = run_part("heads")
+    result = run_part(parts, "heads")
     assert len(result) == len(HEAD_CASES)  # every case ran
     for case, diff in result.items():
         assert diff <= TOLERANCE, (case, diff)
 
 
-def test_collectives_and_bytes_per_device() -> None:
+def test_collectives_and_bytes_per_device(parts) -> None:
     """The compiled HLO holds exactly the collectives of the design (model/shards.py): per layer
     two all-reduces of the token stream's hidden states on the model axis (o and down
     projections), one for the embedding, the label rows and the vocabulary log-sum-exp's
     [rows] max and sum, and the probabilities gathered on the data axis; none gathers a weight
     or the pool. Each device holds 1/tp of every split weight and of the pool."""
-    result = run_part("collectives")
+    result = run_part(parts, "collectives")
     for mesh, r in result.items():
         dp, tp = (int(x) for x in re.findall(r"\d+", mesh))
         t, hidden, rows, labels = r["tokens"], r["hidden"], r["rows"], r["labels"]
@@ -111,12 +120,12 @@ def test_collectives_and_bytes_per_device() -> None:
         assert r["engine_pool_bytes"] == r["pool_bytes_per_device"], mesh  # what the engine reports
 
 
-def test_kernels_under_meshes() -> None:
+def test_kernels_under_meshes(parts) -> None:
     """The Pallas TPU and GPU kernels lower for "tpu" and "cuda" inside the sharded call on
     (2,2), (1,4) and (8,1) meshes at production head shapes (16 query heads; 8 KV heads, and 2,
     replicated under tp=4), and run in interpret mode like one device: the TPU kernels under
     (2,2), the GPU kernels under (1,4)."""
-    result = run_part("kernels")
+    result = run_part(parts, "kernels")
     assert {name.split("/")[0] for name in result["lowered"]} == {"tpu", "cuda"}
     assert len(result["lowered"]) >= 8
     for name, kernels in result["lowered"].items():
@@ -127,16 +136,29 @@ def test_kernels_under_meshes() -> None:
         assert diff <= TOLERANCE, (name, diff)
 
 
-def test_checkpoints_load_onto_their_shards_and_score_like_transformers() -> None:
+def test_checkpoints_load_onto_their_shards_and_score_like_transformers(parts) -> None:
     """A safetensors checkpoint (Llama with q/k/v/o biases, 2 KV heads under tp=4: replicated),
     a GGUF file (Qwen2) and a Gemma 3 checkpoint (sliding windows, soft caps) load straight onto
     a mesh: every weight through the layout's placement, each device holding only its slice;
     the mesh's scores equal transformers'."""
-    result = run_part("load")
+    result = run_part(parts, "load")
     for name, r in result.items():
         assert r["placed"] == r["weights"], name  # every weight went to its shards as it was read
         assert r["split_shard_fraction"] == 1 / r["tp"], name
         assert r["max_abs_diff_vs_transformers"] <= TOLERANCE, (name, r)
+
+
+def test_a_failing_request_sharing_its_query_fails_alone_on_a_mesh(parts) -> None:
+    """On a 2x2 mesh: a culprit and three co-riders over one query new to the pool, several items
+    each, in one call with its prefill; every call carrying the culprit's work fails (at launch,
+    or when read back after consuming the pool). The culprit alone fails, each co-rider gets the
+    scores of one device without the fault (log space), and the loop keeps serving."""
+    result = run_part(parts, "isolation")
+    for where, r in result.items():
+        assert r["first_call_riders"] == 4, (where, r)  # they did ride in one call
+        assert r["errors"] == ["RuntimeError", None, None, None], (where, r)
+        assert r["max_log_diff"] <= TOLERANCE, (where, r)
+        assert r["after_ok"], (where, r)
 
 
 @pytest.mark.parametrize(("tp", "dp"), [(3, None), (16, None), (2, 8)])
@@ -471,7 +493,91 @@ def part_load() -> dict:
     return out
 
 
+class _FailedReadBack:
+    """What a call that fails on the device returns: reading it raises (np.asarray)."""
+
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("injected fault: the call failed on the device")
+
+
+def part_isolation() -> dict:
+    import threading
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.device_loop import DeviceWorker
+    from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.scorer import EngineRunner
+    from prefixscore.engine.scoring_engine import ScoringEngine
+    from prefixscore.engine.validation import TokenizedRequest
+    from prefixscore.engine.work_unit import Ticket, WorkUnit
+    from prefixscore.model.weights import random_params
+    from prefixscore.telemetry.metrics import ServiceMetrics
+
+    cfg = _model()
+    buckets = Buckets(context=512, max_batch_tokens=128, prefill_chunk=128, max_prefill_tokens=256)
+    params = random_params(cfg, 0, jnp.float32)
+    rng = np.random.default_rng(4)
+    label_sets = [(5, 9), (3, 17), (17, 3, 400), (44, 45)]  # the culprit's first
+    out = {}
+    for where in ("launch", "read-back"):
+        query = tuple(rng.integers(0, cfg.vocab_size, 60).tolist())
+        requests = [
+            TokenizedRequest(query, [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 9, 4)],
+                             labels, False, False)
+            for labels in label_sets
+        ]  # fmt: skip
+        one, _ = EngineRunner(ScoringEngine(cfg, params, "float32", buckets, devices=1)).score_requests(requests[1:])
+        engine = ScoringEngine(cfg, params, "float32", buckets, mesh=MeshShape(2, 2))
+        launch, riders = engine.launch, []
+
+        def faulty(plan, launch=launch, riders=riders, where=where, engine=engine):
+            labels = {span.ref.payload.label_ids for span in plan.spans}
+            riders.append(len(labels))
+            if label_sets[0] not in labels:
+                return launch(plan)
+            if where == "launch":
+                raise RuntimeError("RESOURCE_EXHAUSTED: injected out of memory")
+            launch(plan)
+            for part in engine._pool:  # the pool it was handed (donated) is gone with the call
+                part.delete()
+            return _FailedReadBack()
+
+        engine.launch = faulty
+        started = threading.Event()
+        ready = lambda err, started=started: started.set()  # noqa: E731
+        worker = DeviceWorker(lambda engine=engine: engine, ServiceMetrics(), 1 << 20, ready)
+        worker.start()
+        started.wait()
+        units = [WorkUnit(r, Ticket(method="InProcess")) for r in requests]
+        left = threading.Semaphore(0)
+        for unit in units:
+            unit.reply.on_done = lambda _, left=left: left.release()
+        with worker.paused():
+            for unit in units:
+                worker.submit(unit)
+        for _ in units:
+            left.acquire()
+        after = WorkUnit(TokenizedRequest(query, [[1, 2, 3]], (3, 17), False, False), Ticket(method="InProcess"))
+        after.reply.on_done = lambda _, left=left: left.release()
+        worker.submit(after)
+        left.acquire()
+        worker.stop(30.0)
+        got = [np.log(u.reply.scores) for u in units[1:]]
+        out[where] = {
+            "first_call_riders": riders[0],
+            "errors": [type(u.reply.error).__name__ if u.reply.error else None for u in units],
+            "max_log_diff": max(float(np.abs(g - np.log(w)).max()) for g, w in zip(got, one, strict=True)),
+            "after_ok": after.reply.error is None and worker.failure is None,
+        }
+    return out
+
+
 def main() -> None:
+    import traceback
+
     import jax
 
     assert jax.device_count() == DEVICES, jax.devices()
@@ -481,8 +587,17 @@ def main() -> None:
         "collectives": part_collectives,
         "kernels": part_kernels,
         "load": part_load,
+        "isolation": part_isolation,
     }
-    print(json.dumps(parts[sys.argv[1]]()))
+    out = {}
+    for name, part in parts.items():
+        if sys.argv[1:] and name not in sys.argv[1:]:  # by hand: `python tests/test_mesh.py isolation`
+            continue
+        try:
+            out[name] = part()
+        except Exception:  # the other parts still run; the part's test shows why it failed
+            out[name] = {"error": traceback.format_exc()}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
