@@ -71,6 +71,10 @@ class PagePins:
             return StreamPin(entry, ready), None
 
         def done(unit: WorkUnit) -> None:
+            # the stream may have ended while its prefix was pinned: its wait was cancelled, and
+            # with it this future (asyncio.wrap_future); there is no one left to tell
+            if not ready.set_running_or_notify_cancel():
+                return
             if unit.reply.error is not None:
                 ready.set_exception(unit.reply.error)
             else:

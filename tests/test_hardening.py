@@ -9,6 +9,7 @@ and taken out again by monkeypatch. Tests that need the device to hold work use
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -73,7 +74,9 @@ def _internal_errors(server) -> float:
 
 # ---- 1. the pinned prefix of a stream cancelled while its query is prefilled ----------------------
 @pytest.mark.parametrize("end", ["cancel", "deadline"])
-def test_stream_ended_during_its_prefill_unpins(server, stub, tiny_scorer, end):
+def test_stream_ended_during_its_prefill_unpins(server, stub, tiny_scorer, end, caplog):
+    """...and its prefill, launched after the stream ended, settles nothing the stream dropped
+    (the open's cancelled future: no `on_done callback failed ... InvalidStateError`)."""
     worker, engine = server.server.service.worker, server.server.service.worker.engine
     query = ids(200, 3000 if end == "cancel" else 4000)
     prefix = tiny_scorer.requests.query_ids(query)
@@ -90,6 +93,11 @@ def test_stream_ended_during_its_prefill_unpins(server, stub, tiny_scorer, end):
     release.set()
     wait_for(lambda: worker.cache.pins(tuple(prefix)) == 0, 30, "the prefix to be unpinned")
     assert scrape(server.server.metrics_port)["prefixscore_open_streams"] == 0
+    # a request answered after it: the event loop ran the prefill's delivery before this answer's
+    item = pb.Input(token_ids=pb.TokenIds(ids=[101, 102]))
+    stub.Score(pb.ScoreRequest(query=_open(query).open.query, items=[item], label_token_ids=LABELS), timeout=60)
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("prefixscore")]
+    assert not failed, [r.getMessage() + str(r.exc_info) for r in failed]
 
 
 # ---- 2. streams are bounded: how many, how idle --------------------------------------------------
