@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.choices import DEFAULT_MODEL
 from prefixscore.service.config import ServerConfig, flag_fields, parse_bool
 
 DEFAULT_TARGET = "localhost:50051"
