@@ -56,6 +56,9 @@ class EngineSpec:
     activations: str = AUTO
     # several hosts as one replica (engine/hosts.py): this process's place in the group
     hosts: HostGroup = HostGroup()
+    # without `buckets`: the default buckets' sizes, each None (or 0) for Buckets' own
+    max_batch_tokens: int | None = None
+    max_prefill_tokens: int | None = None
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any], **rest: Any) -> EngineSpec:
@@ -66,7 +69,11 @@ class EngineSpec:
 
     def buckets_for(self, context_length: int) -> Buckets | None:
         """The buckets for a model of this context (None: the engine's default)."""
-        return self.buckets(context_length) if callable(self.buckets) else self.buckets
+        if self.buckets is not None:
+            return self.buckets(context_length) if callable(self.buckets) else self.buckets
+        sizes = {"max_batch_tokens": self.max_batch_tokens, "max_prefill_tokens": self.max_prefill_tokens}
+        sizes = {name: size for name, size in sizes.items() if size}
+        return Buckets(context=context_length, **sizes) if sizes else None
 
 
 @dataclasses.dataclass(frozen=True)

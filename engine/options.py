@@ -94,6 +94,9 @@ OPTIONS: tuple[EngineOption, ...] = (
         int,
     ),
     EngineOption("dp_size", "devices on the mesh's data axis (replicas); default: the devices left", None, int),
+    # the call shapes (engine/buckets.py's Buckets, whose defaults the help states)
+    EngineOption("max_batch_tokens", "item tokens per device in one call (default 8192)", None, int),
+    EngineOption("max_prefill_tokens", "query tokens prefilled in one call (default 4096)", None, int),
 )
 BY_NAME: dict[str, EngineOption] = {option.name: option for option in OPTIONS}
 

@@ -109,9 +109,11 @@ class ServerConfig:
         "and used as each is ready; false: all before SERVING",
         parse_bool,
     )
-    # None: the engine's default for the model's context; or a function of the context (the
-    # CLI's --max-batch-tokens and --max-prefill-tokens make one)
+    # None: the engine's default for the model's context, sized by the two flags below; or
+    # buckets (or a function of the context) given in code
     buckets: Buckets | Callable[[int], Buckets] | None = None
+    max_batch_tokens: int | None = _engine_flag("max_batch_tokens")
+    max_prefill_tokens: int | None = _engine_flag("max_prefill_tokens")
     attn_impl: str | None = _engine_flag("attn_impl")
     tp_size: int | None = _engine_flag("tp_size")
     dp_size: int | None = _engine_flag("dp_size")

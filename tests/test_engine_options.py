@@ -36,6 +36,8 @@ EXPECTED = {
     "attn_impl": ("--attention", "PREFIXSCORE_ATTENTION", None, ("reference", "xla", "pallas_tpu", "pallas_gpu")),
     "tp_size": ("--tp-size", "PREFIXSCORE_TP_SIZE", None, None),
     "dp_size": ("--dp-size", "PREFIXSCORE_DP_SIZE", None, None),
+    "max_batch_tokens": ("--max-batch-tokens", "PREFIXSCORE_MAX_BATCH_TOKENS", None, None),
+    "max_prefill_tokens": ("--max-prefill-tokens", "PREFIXSCORE_MAX_PREFILL_TOKENS", None, None),
 }
 # the bench's own defaults: its CPU-sized model and Qwen3-Reranker's prompt (docs/benchmarks.md)
 BENCH_DEFAULTS = {"model": "bench-cpu", "template": "qwen3-reranker"}
@@ -53,6 +55,8 @@ SAMPLES = {
     "attn_impl": ("pallas_gpu", "pallas_gpu"),
     "tp_size": ("3", 3),
     "dp_size": ("2", 2),
+    "max_batch_tokens": ("512", 512),
+    "max_prefill_tokens": ("256", 256),
 }
 BEIR = Path(__file__).resolve().parent.parent / "docs" / "examples" / "beir-mini"
 
@@ -123,6 +127,8 @@ def recorded(monkeypatch):
 def assert_samples(spec, template: str) -> None:
     fields = {name: getattr(spec, name) for name in EXPECTED if name != "template"}
     assert {**fields, "template": template} == {name: value for name, (_, value) in SAMPLES.items()}
+    buckets = spec.buckets_for(2048)  # the call shapes the two sizes give the engine
+    assert (buckets.max_batch_tokens, buckets.max_prefill_tokens, buckets.context) == (512, 256, 2048)
 
 
 def test_serve_maps_each_option_to_the_engine_spec(no_env):
@@ -202,6 +208,7 @@ def test_the_choice_names_are_those_the_code_gives_a_meaning():
     assert choices.ACTIVATIONS == (quant_choice.AUTO, quant.DYNAMIC, quant.NONE)
     assert choices.DEFAULT_MODEL in PRESETS
     spec = EngineSpec()
+    assert spec.buckets_for(2048) is None  # no sizes: the engine's default buckets
     assert EXPECTED["pool_memory_fraction"][2] == POOL_MEMORY_FRACTION
     for name, (_, _, default, _) in EXPECTED.items():
         assert name == "template" or getattr(spec, name) == default, name
