@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.choices import DEFAULT_MODEL
 from prefixscore.service.config import ServerConfig, flag_fields, parse_bool
 
 DEFAULT_TARGET = "localhost:50051"
@@ -34,18 +34,6 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the gRPC ScoreService", description="Run the gRPC ScoreService.")
     add_config_flags(p)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="same as --warmup false")
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=_env("MAX_BATCH_TOKENS", None, int),
-        help="item tokens per device in one call (default 8192) [$PREFIXSCORE_MAX_BATCH_TOKENS]",
-    )
-    p.add_argument(
-        "--max-prefill-tokens",
-        type=int,
-        default=_env("MAX_PREFILL_TOKENS", None, int),
-        help="query tokens prefilled in one call (default 4096) [$PREFIXSCORE_MAX_PREFILL_TOKENS]",
-    )
     p.add_argument(
         "--log-format",
         choices=("json", "text"),
@@ -89,7 +77,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         elif flag.scale != 1.0:
             value = value * flag.scale
         values[field.name] = value
-    return ServerConfig(**values, buckets=_buckets(args))
+    return ServerConfig(**values)
 
 
 def _add_client_security(p: argparse.ArgumentParser) -> None:
@@ -118,20 +106,6 @@ def _client(args: argparse.Namespace, target: str) -> Any:
         with open(args.token_file, encoding="utf-8") as f:
             token = f.read().strip()
     return ScoreClient(target, credentials=credentials, token=token)
-
-
-def _buckets(args: argparse.Namespace) -> Callable[[int], Any] | None:
-    """Buckets from the flags as a function of the model's context (unset: the engine's default)."""
-    from prefixscore.engine.buckets import Buckets
-
-    if not (args.max_batch_tokens or args.max_prefill_tokens):
-        return None
-
-    def for_context(context: int) -> Buckets:
-        sizes = {"max_batch_tokens": args.max_batch_tokens, "max_prefill_tokens": args.max_prefill_tokens}
-        return Buckets(context=context, **{k: v for k, v in sizes.items() if v})
-
-    return for_context
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -34,8 +34,8 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from prefixscore.bench.runner import run_workloads
-from prefixscore.bench.workloads import MODES, WORKLOADS
-from prefixscore.service.config import ACTIVATION_NAMES, QUANTIZE_NAMES
+from prefixscore.bench.workloads import MODES, RERANK_TEMPLATE, WORKLOADS
+from prefixscore.engine import options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,35 +46,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="bench-cpu", help="preset, directory, .gguf or hub id [%(default)s]")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="[%(default)s]")
-    p.add_argument(
-        "--quantize",
-        default="auto",
-        choices=QUANTIZE_NAMES,
-        help="8-bit projections, as `serve --quantize` (in process and --serve-process) [%(default)s]",
-    )
-    p.add_argument(
-        "--activations",
-        default="auto",
-        choices=ACTIVATION_NAMES,
-        help="8-bit activations of 8-bit projections, as `serve --activations`: dynamic (W8A8) or none "
-        "(W8A16) [%(default)s]",
-    )
-    p.add_argument("--attention", default=None, help="attention implementation (default: the backend's)")
+    # the engine's options as `serve` takes them (engine/options.py), in process and with --serve-process;
+    # the bench's own defaults: its CPU-sized model, and Qwen3-Reranker's prompt on any model for
+    # the rerank workloads (docs/benchmarks.md)
+    options.add_flags(p, defaults={"model": "bench-cpu", "template": RERANK_TEMPLATE})
     p.add_argument("--devices", type=int, default=None, help="devices to use in process (default: all)")
-    p.add_argument("--tp-size", type=int, default=None, help="in process: devices on the model axis (default: chosen)")
-    p.add_argument("--dp-size", type=int, default=None, help="in process: devices on the data axis (default: the rest)")
-    p.add_argument(
-        "--compile-cache",
-        default=None,
-        help="persistent XLA compilation cache directory [$PREFIXSCORE_COMPILE_CACHE_DIR]",
-    )
     p.add_argument("--target", default=None, help="host:port of a running server: every workload over gRPC")
     p.add_argument(
         "--serve-process",
         action="store_true",
-        help="start `prefixscore serve` (this --model, --dtype, --attention, --compile-cache) in a process of "
+        help="start `prefixscore serve` (with these engine options: --model, --dtype, ...) in a process of "
         "its own and run every workload against it: its CPU time per request, by thread kind, is the host cost",
     )
     p.add_argument("--serve-arg", action="append", default=[], help="an extra `serve` argument (repeatable)")

@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Any
 
-from prefixscore.bench import workloads as wl
+from prefixscore.engine import options
 
 
 class ServedProcess:
@@ -24,16 +24,13 @@ class ServedProcess:
         self.target, self.http_target = f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
         self.metrics_target = f"127.0.0.1:{metrics_port}"
         cmd = [sys.executable, "-c", "from prefixscore.cli import main; main()", "serve"]
-        cmd += ["--model", args.model, "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--log-level", "warning"]
-        cmd += ["--quantize", args.quantize, "--activations", args.activations]
-        # host-rerank's figures are Qwen3-Reranker's prompt on any model (docs/benchmarks.md)
-        # (--serve-arg may name another)
-        cmd += ["--template", wl.RERANK_TEMPLATE]
-        if args.attention:
-            cmd += ["--attention", args.attention]
-        if args.compile_cache:
-            cmd += ["--compile-cache", args.compile_cache]
+        # the bench's engine options, each as its serve flag (--serve-arg may override one)
+        for option in options.OPTIONS:
+            value = getattr(args, option.name)
+            if value is not None:
+                cmd += [option.flag_name, str(value)]
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([*cmd, *args.serve_arg], stdout=self._log, stderr=subprocess.STDOUT)
         try:

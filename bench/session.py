@@ -39,20 +39,10 @@ class Bench:
             from prefixscore.engine.build import EngineSpec, build_engine
             from prefixscore.engine.scorer import Scorer
 
-            spec = EngineSpec(
-                args.model,
-                args.dtype,
-                attn_impl=args.attention,
-                devices=args.devices,
-                tp_size=args.tp_size,
-                dp_size=args.dp_size,
-                compile_cache=args.compile_cache,
-                quantize=args.quantize,
-                activations=args.activations,
-            )
+            spec = EngineSpec.from_options(vars(args), devices=args.devices)
             built = build_engine(spec)
             loaded = built.model
-            self.scorer = Scorer(loaded, built.engine, template=wl.RERANK_TEMPLATE)
+            self.scorer = Scorer(loaded, built.engine, template=args.template)
             self.cfg = loaded.cfg
             self.tokenizer = loaded.tokenizer
         else:
@@ -211,7 +201,7 @@ class Bench:
                 metrics_port=None,
                 http_port=0,
                 warmup=False,
-                template=wl.RERANK_TEMPLATE,
+                template=self.args.template,
                 loaded=self.scorer.model,
                 engine=self.scorer.engine,
             )

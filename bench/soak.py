@@ -454,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
                 port=0,
                 metrics_port=0,
                 warmup=False,
-                template=wl.RERANK_TEMPLATE,
+                template=args.template,
                 loaded=bench.scorer.model,
                 engine=bench.scorer.engine,
             )

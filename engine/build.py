@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.hosts import HostGroup, join
 from prefixscore.engine.mesh import MeshPlacement
+from prefixscore.engine.options import OPTIONS
 from prefixscore.engine.scoring_engine import POOL_MEMORY_FRACTION, ScoringEngine
 from prefixscore.engine.step_channel import StepLeader
 from prefixscore.model.loader import LoadedModel, load_model
@@ -54,10 +56,24 @@ class EngineSpec:
     activations: str = AUTO
     # several hosts as one replica (engine/hosts.py): this process's place in the group
     hosts: HostGroup = HostGroup()
+    # without `buckets`: the default buckets' sizes, each None (or 0) for Buckets' own
+    max_batch_tokens: int | None = None
+    max_prefill_tokens: int | None = None
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any], **rest: Any) -> EngineSpec:
+        """The spec of engine/options.py's option values (a command's flags, Scorer.load's keywords),
+        options left out at their defaults; `rest`: the fields that are no option (buckets, devices, hosts)."""
+        fields = {o.name: values.get(o.name, o.default) for o in OPTIONS if o.engine_field}
+        return cls(**fields, **rest)
 
     def buckets_for(self, context_length: int) -> Buckets | None:
         """The buckets for a model of this context (None: the engine's default)."""
-        return self.buckets(context_length) if callable(self.buckets) else self.buckets
+        if self.buckets is not None:
+            return self.buckets(context_length) if callable(self.buckets) else self.buckets
+        sizes = {"max_batch_tokens": self.max_batch_tokens, "max_prefill_tokens": self.max_prefill_tokens}
+        sizes = {name: size for name, size in sizes.items() if size}
+        return Buckets(context=context_length, **sizes) if sizes else None
 
 
 @dataclasses.dataclass(frozen=True)

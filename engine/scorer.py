@@ -7,20 +7,21 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from prefixscore.engine import heads, template_choice
+from prefixscore import choices
+from prefixscore.engine import heads, options, template_choice
 from prefixscore.engine.batcher import Batcher
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import DeviceWorker
 from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.templates import DEFAULT_TEMPLATE, ranked
+from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
 from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.loader import LoadedModel
-from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.telemetry.metrics import ServiceMetrics
 
 MODES = ("prefix", "sequential", "packed")
@@ -54,7 +55,7 @@ class Scorer:
         model: LoadedModel,
         engine: ScoringEngine,
         limits: Limits | None = None,
-        template: str = DEFAULT_TEMPLATE,
+        template: str = choices.DEFAULT_TEMPLATE,
     ) -> None:
         self.model = model
         self.engine = engine
@@ -70,37 +71,23 @@ class Scorer:
     @classmethod
     def load(
         cls,
-        model: str = DEFAULT_MODEL,
-        dtype: str = "float32",
+        model: str = choices.DEFAULT_MODEL,
+        dtype: str = choices.DEFAULT_DTYPE,
         *,
         buckets: Buckets | None = None,
-        attn_impl: str | None = None,
-        pool_bytes: int | None = None,
-        template: str = DEFAULT_TEMPLATE,
-        tp_size: int | None = None,
-        dp_size: int | None = None,
-        quantize: str = "auto",
-        activations: str = "auto",
+        **engine_options: Any,
     ) -> Scorer:
         """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py).
-        template: the reranker prompt of `rerank`: auto (the published reranker recognized from
-        the checkpoint, else `rerank` refuses), or a record's name (engine/templates.py).
-        tp_size, dp_size: the device mesh (engine/mesh.py; default: the smallest model axis
-        the weights fit, the rest data).
-        quantize, activations: 8-bit projections (auto | none | int8 | fp8) and how they are
-        multiplied (auto | dynamic | none): model/quant_choice.py."""
-        spec = EngineSpec(
-            model,
-            dtype,
-            buckets,
-            attn_impl,
-            tp_size=tp_size,
-            dp_size=dp_size,
-            pool_bytes=pool_bytes,
-            quantize=quantize,
-            activations=activations,
-        )
+        engine_options: any option of engine/options.py by its name, as `serve`'s flags: template
+        (the reranker prompt of `rerank`: auto, the published reranker recognized from the
+        checkpoint, else `rerank` refuses; or a record's name, engine/templates.py), attn_impl,
+        tp_size and dp_size (the device mesh, engine/mesh.py), pool_bytes, pool_memory_fraction,
+        compile_cache, quantize and activations (8-bit projections, model/quant_choice.py).
+        Raises TypeError for a name that is no option."""
+        options.check_names(engine_options)
+        spec = EngineSpec.from_options({"model": model, "dtype": dtype, **engine_options}, buckets=buckets)
         built = build_engine(spec)
+        template = engine_options.get("template", options.BY_NAME["template"].default)
         return cls(built.model, built.engine, template=template)
 
     @property

@@ -27,6 +27,7 @@ import re
 
 import numpy as np
 
+from prefixscore import choices
 from prefixscore.model.tokenizer import TextTokenizer
 
 
@@ -81,7 +82,7 @@ class TemplateRecord:
         return self.instruction is not None
 
 
-AUTO = "auto"
+AUTO = choices.AUTO
 QWEN3_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 QWEN3_SYSTEM = (
     "Judge whether the Document meets the requirements based on the Query and the Instruct provided. "
@@ -173,9 +174,7 @@ RECORDS: dict[str, TemplateRecord] = {
         ),
     )
 }
-TEMPLATES = tuple(RECORDS)
-TEMPLATE_CHOICES = (AUTO, *TEMPLATES)  # `--template`
-DEFAULT_TEMPLATE = AUTO
+TEMPLATES = tuple(RECORDS)  # the leaf's choices.TEMPLATES, which the flags offer (tests/test_engine_options.py)
 _FIELD = re.compile(r"\{(query|instruction|document)\}")
 _DOC_MARK = "\x00prefixscore-document\x00"  # stands in for the document when rendering a chat template
 

