@@ -7,6 +7,18 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One persistent compile cache for the whole run: this process, pytest-xdist's workers and every
+# server, bench or mesh subprocess a test starts (they inherit the variable), so a shape compiles
+# once per run wherever it is first met. Fresh for each run unless the caller names one: a test
+# that counts compilations sees the same cache on a developer's machine as on CI.
+if "PREFIXSCORE_COMPILE_CACHE_DIR" not in os.environ:  # xdist's workers inherit the controller's
+    import atexit
+    import shutil
+    import tempfile
+
+    _RUN_CACHE = tempfile.mkdtemp(prefix="prefixscore-test-jax-cache-")
+    os.environ["PREFIXSCORE_COMPILE_CACHE_DIR"] = _RUN_CACHE
+    atexit.register(shutil.rmtree, _RUN_CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -17,8 +29,12 @@ if jax.default_backend() == "gpu":
     # (and the tests' own) float32 matmuls as TF32. float32 engines set this themselves.
     jax.config.update("jax_default_matmul_precision", "highest")
 
+from prefixscore.engine import compile_cache  # noqa: E402
 from prefixscore.engine.buckets import Buckets  # noqa: E402
 from prefixscore.model.config import ModelConfig  # noqa: E402
+
+# every jit of the run through it, the tests' own (oracles, kernels) as well as the engines'
+compile_cache.enable()
 
 # Small buckets keep compile time of the test models to seconds.
 SMALL_BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)
