@@ -161,7 +161,7 @@ def stack_layers(layers: Sequence[QuantizedMatrix]) -> QuantizedMatrix:
     """Per-layer host matrices [in, out] stacked [layers, in, out] under one scan. Files mix
     formats across layers (a Q4_K_M file holds Q6_K and Q4_K projections: blocks of 16 and 32,
     with and without a minimum), so scales are repeated to the finest block and absent offsets
-    become zeros: both exact."""
+    become -0.0: both exact (x + -0.0 is x for every x, where x + 0.0 turns a -0.0 weight into 0.0)."""
     kinds = {m.kind for m in layers}
     if len(kinds) > 1:
         raise QuantizationError(f"quantized weights: one projection mixes {sorted(kinds)} values across layers")
@@ -180,7 +180,7 @@ def stack_layers(layers: Sequence[QuantizedMatrix]) -> QuantizedMatrix:
     scale = np.stack([finer(m.scale, m) for m in layers])
     offset = None
     if with_offset:
-        offset = np.stack([finer(m.offset if m.offset is not None else np.zeros_like(m.scale), m) for m in layers])
+        offset = np.stack([finer(m.offset if m.offset is not None else np.full_like(m.scale, -0.0), m) for m in layers])
     input_scale = None if layers[0].input_scale is None else np.stack([np.float32(m.input_scale) for m in layers])
     return QuantizedMatrix(
         values=np.stack([np.asarray(m.values) for m in layers]),

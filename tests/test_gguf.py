@@ -1,4 +1,8 @@
-"""GGUF loading: metadata -> config, tensors (F32, F16; Q8_0, Q4_0, Q4_1 kept 8-bit), llama.cpp's q/k permutation."""
+"""GGUF loading: metadata -> config, tensors (F32, F16; Q8_0, Q4_0, Q4_1 kept 8-bit), llama.cpp's q/k permutation; a
+file mixing block types as Q4_K_M does (K-quants among them) served end to end; the embedded SmolLM2 served 8-bit
+(`--quantize auto`) scores as its dequantized load (`--quantize none`) bit for bit.
+
+Probabilities here are about 3e-3 (a vocabulary of 320): they are compared as log-probabilities."""
 
 from __future__ import annotations
 
@@ -8,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import SMALL_BUCKETS, make_torch_model, torch_label_probs
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
-from helpers.gguf_files import write_gguf
+from gguf import GGUFReader, GGUFWriter
+from gguf.quants import dequantize
+from helpers.gguf_files import llama_cpp_permute_inverse, write_gguf
 
 from prefixscore import Scorer
 from prefixscore.model.config import UnsupportedModelError
@@ -25,6 +30,8 @@ def _own_cache(tmp_path, monkeypatch):
 QUERY = list(range(3, 40))
 ITEMS = [[7, 8, 9], [100], [250, 251, 252, 253, 254, 255, 256, 257, 258, 259]]
 LABELS = [1, 2, 300]
+# W8A16 and float weights against transformers on the same (dequantized) weights: float32 rounding
+LOG_TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize(
@@ -50,7 +57,7 @@ def test_gguf_matches_dequantized_transformers(tmp_path, family, qtype):
     assert isinstance(scorer.model.params.layers.mlp.w_up, QuantizedMatrix) == (qtype not in (Q.F16, Q.F32))
     got = np.array(scorer.score(QUERY, ITEMS, LABELS))
     want = torch_label_probs(model, [QUERY + it for it in ITEMS], LABELS, False)
-    assert np.abs(got - want).max() <= 1e-5
+    np.testing.assert_allclose(np.log(got), np.log(want), rtol=0, atol=LOG_TOLERANCE)
     with pytest.raises(ValueError, match="query.*tokenizer"):
         scorer.score("some text", ["an item"], LABELS)
 
@@ -89,10 +96,107 @@ def test_gemma_gguf_scores_as_its_safetensors_twin(tmp_path, arch):
     from_gguf = Scorer.load(str(tmp_path / "twin.gguf"), buckets=SMALL_BUCKETS)
     from_hf = Scorer.load(str(tmp_path / "hf"), buckets=SMALL_BUCKETS)
     assert dataclasses.replace(from_gguf.cfg, rms_norm_eps=0) == dataclasses.replace(from_hf.cfg, rms_norm_eps=0)
-    got = np.array(from_gguf.score(query, ITEMS, LABELS))
-    np.testing.assert_allclose(got, np.array(from_hf.score(query, ITEMS, LABELS)), atol=1e-6)
+    got = np.log(np.array(from_gguf.score(query, ITEMS, LABELS)))
+    np.testing.assert_allclose(got, np.log(np.array(from_hf.score(query, ITEMS, LABELS))), rtol=0, atol=1e-6)
     want = torch_label_probs(model, [query + it for it in ITEMS], LABELS, False)
-    assert np.abs(got - want).max() <= 1e-5
+    np.testing.assert_allclose(got, np.log(want), rtol=0, atol=LOG_TOLERANCE)
+
+
+# A Q4_K_M-like file: llama.cpp's Q4_K_M keeps most projections Q4_K and some (attn_v, ffn_down) Q6_K, so one
+# projection's layers differ in type; every other served block type is here too. Shapes whose every projection
+# input is a multiple of 256 (a K-quant super-block).
+MIXED_SHAPES = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+MIXED_TYPES = {
+    0: dict(
+        attn_q=Q.Q4_K, attn_k=Q.Q4_K, attn_v=Q.Q6_K, attn_output=Q.Q4_K, ffn_gate=Q.Q4_K, ffn_up=Q.Q4_K, ffn_down=Q.Q6_K
+    ),
+    1: dict(
+        attn_q=Q.Q5_K, attn_k=Q.Q8_0, attn_v=Q.Q4_1, attn_output=Q.Q5_0, ffn_gate=Q.Q5_1, ffn_up=Q.Q4_0, ffn_down=Q.Q4_K
+    ),
+}
+# the served projections and their llama.cpp tensor names (the test's own table)
+PROJECTION_NAMES = {
+    ("attn", "wq"): "attn_q",
+    ("attn", "wk"): "attn_k",
+    ("attn", "wv"): "attn_v",
+    ("attn", "wo"): "attn_output",
+    ("mlp", "w_gate"): "ffn_gate",
+    ("mlp", "w_up"): "ffn_up",
+    ("mlp", "w_down"): "ffn_down",
+}
+
+
+def _mixed_type(name: str) -> Q:
+    parts = name.split(".")
+    return MIXED_TYPES[int(parts[1])][parts[2]] if parts[0] == "blk" else Q.F32
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """(the file, the transformers model holding its dequantized weights, its Scorer)."""
+    root = tmp_path_factory.mktemp("mixed")
+    model = make_torch_model("llama", seed=5, **MIXED_SHAPES)
+    write_gguf(model, "llama", root / "q4_k_m.gguf", _mixed_type)
+    with pytest.MonkeyPatch.context() as mp:  # the converted weights in this module's own cache
+        mp.setenv("PREFIXSCORE_CACHE", str(root / "cache"))
+        scorer = Scorer.load(str(root / "q4_k_m.gguf"), buckets=SMALL_BUCKETS)
+    return root / "q4_k_m.gguf", model, scorer
+
+
+def test_a_mixed_k_quant_file_is_served_with_gguf_py_weights_bit_for_bit(mixed):
+    """Every projection of every layer, as the served step dequantizes it (W8A16, inside a jitted call), is
+    gguf-py's dequantization of the file's tensor bit for bit (llama's q/k rows unpermuted)."""
+    import jax
+    import jax.numpy as jnp
+
+    from prefixscore.model.quant import dequantize as served_dequantize
+
+    path, model, scorer = mixed
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    cfg = model.config
+    for (group, field), gguf_name in PROJECTION_NAMES.items():
+        w = getattr(getattr(scorer.model.params.layers, group), field)
+        assert isinstance(w, QuantizedMatrix), (group, field)
+        served = np.asarray(jax.jit(served_dequantize, static_argnums=1)(w, jnp.float32))
+        for layer in MIXED_TYPES:
+            t = tensors[f"blk.{layer}.{gguf_name}.weight"]
+            assert t.tensor_type == MIXED_TYPES[layer][gguf_name]
+            want = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
+            if gguf_name in ("attn_q", "attn_k"):
+                heads = cfg.num_attention_heads if gguf_name == "attn_q" else cfg.num_key_value_heads
+                want = llama_cpp_permute_inverse(want, heads)
+            got = np.ascontiguousarray(served[layer].T)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"{gguf_name}[{layer}]")
+
+
+def test_a_mixed_k_quant_file_scores_as_transformers_on_its_dequantized_weights(mixed):
+    _, model, scorer = mixed
+    got = np.log(np.array(scorer.score(QUERY, ITEMS, LABELS)))
+    want = np.log(torch_label_probs(model, [QUERY + it for it in ITEMS], LABELS, False))
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOG_TOLERANCE)
+
+
+def test_smollm2_auto_scores_as_none_bit_for_bit(monkeypatch):
+    """The embedded SmolLM2 (Q4_1/Q8_0 projections): `--quantize auto` keeps them 8-bit and dequantizes inside the
+    step (W8A16), `--quantize none` dequantizes them at load; the scores are the same floats."""
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.model import weights_cache
+
+    monkeypatch.setenv(weights_cache.ENV, "off")  # no cached conversion written: a float32 copy is 0.5 GB
+    # as tests/test_smollm2.py loads it (the same executables, from the compile cache)
+    buckets = Buckets(context=256, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=128)
+    auto = Scorer.load("smollm2-135m", buckets=buckets)
+    none = Scorer.load("smollm2-135m", buckets=buckets, quantize="none")
+    try:
+        assert auto.model.quantization["weights"] != "none" and none.model.quantization == {"weights": "none"}
+        assert isinstance(auto.model.params.layers.mlp.w_up, QuantizedMatrix)
+        assert not isinstance(none.model.params.layers.mlp.w_up, QuantizedMatrix)
+        query, items, labels = list(range(5, 45)), [[100, 200, 300], [7], [4000, 4001]], [28, 1017, 49151]
+        got, want = np.array(auto.score(query, items, labels)), np.array(none.score(query, items, labels))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    finally:
+        auto.runner.close()
+        none.runner.close()
 
 
 def test_a_gemma_1_file_with_a_window_is_refused(tmp_path):

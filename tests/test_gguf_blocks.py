@@ -1,5 +1,8 @@
 """model/gguf_blocks.py: quantized GGUF tensors split into int8 values and per-block scales/offsets rebuild gguf-py's
-own dequantization bit for bit, for data gguf-py quantizes and for random K-quant blocks."""
+own dequantization bit for bit, for data gguf-py quantizes and for random K-quant blocks; and the served path
+(model/quant.py: the split as a QuantizedMatrix, stacked over layers, dequantized inside a jitted call for W8A16 and on
+the host for --quantize none) gives gguf-py's `gguf.quants.dequantize` bit for bit, for every type served and for a
+projection whose layers mix types (Q4_K_M)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from prefixscore.model.gguf_blocks import Blocks, split_blocks
+from prefixscore.model.quant import QuantizedMatrix, host_dequantize, stack_layers
+from prefixscore.model.quant import dequantize as served_dequantize
 
 # type -> (elements per scale, value range, has an offset)
 LAYOUT = {
@@ -68,6 +73,44 @@ def test_split_rebuilds_gguf_dequantization_bit_exactly(qtype):
     assert np.isfinite(want).all()
     # as bits: also tells -0.0 from 0.0
     np.testing.assert_array_equal(rebuilt(b).view(np.uint32), want.view(np.uint32))
+
+
+def served(layers: list[tuple[np.ndarray, Q]], rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each layer's GGUF data split, transposed to [in, out] and stacked as a load serves them: (the jitted
+    dequantization a W8A16 product multiplies, the host one of --quantize none), each [layers, rows, cols] float32."""
+    import jax
+    import jax.numpy as jnp
+
+    def matrix(data: np.ndarray, qtype: Q) -> QuantizedMatrix:
+        b = split_blocks(data, qtype, (rows, cols))
+        assert b is not None
+        offset = None if b.offset is None else b.offset.T
+        return QuantizedMatrix(values=b.values.T, scale=b.scale.T, offset=offset)
+
+    stacked = stack_layers([matrix(data, qtype) for data, qtype in layers])
+    on_device = np.asarray(jax.jit(served_dequantize, static_argnums=1)(stacked, jnp.float32))
+    return on_device.swapaxes(1, 2), np.asarray(host_dequantize(stacked)).swapaxes(1, 2)
+
+
+@pytest.mark.parametrize("qtype", list(LAYOUT), ids=lambda q: q.name)
+def test_served_dequantization_is_gguf_py_bit_for_bit(qtype):
+    rows, cols = 24, 768
+    data = quantized(qtype, rows, cols, seed=3)
+    want = dequantize(data, qtype).reshape(rows, cols)
+    for got in served([(data, qtype)], rows, cols):
+        np.testing.assert_array_equal(got[0].view(np.uint32), want.view(np.uint32))
+
+
+def test_served_dequantization_of_layers_mixing_types_is_gguf_py_bit_for_bit():
+    """One projection's layers in several types, as a Q4_K_M file holds them: blocks of 16 and 32, with and without
+    a minimum (stacked at the finest block, absent minimums zero)."""
+    rows, cols = 8, 512
+    qtypes = [Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q4_1, Q.Q5_0]
+    layers = [(quantized(qtype, rows, cols, seed=4 + i), qtype) for i, qtype in enumerate(qtypes)]
+    for got in served(layers, rows, cols):
+        for i, (data, qtype) in enumerate(layers):
+            want = dequantize(data, qtype).reshape(rows, cols)
+            np.testing.assert_array_equal(got[i].view(np.uint32), want.view(np.uint32), err_msg=qtype.name)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)

@@ -2,10 +2,14 @@
 the documented scheme, on one device and on meshes, what it lowers to, and what stays full
 precision.
 
-- W8A8 (int8 and fp8, dynamic activations): the scores equal a float64 forward whose every
-  projection follows the docstring of model/quant.py: per-token scale max |x| / QMAX (1 for a zero
-  token), int8 values round-half-even of x / scale clipped to [-127, 127] (fp8: clipped to +-448,
-  converted to float8_e4m3fn), products with the stored 8-bit weights, times both scales.
+- The reference (tests/helpers/quant_reference.py) quantizes the preset's original float weights
+  itself, with its own constants and its own RoPE: per-channel weight scale max |w| / 127 (fp8:
+  / 448), int8 values round-half-even, fp8 values by torch's float8_e4m3fn cast.
+- `--quantize int8|fp8` stores exactly those values and scales, bit for bit.
+- W8A8 (int8 and fp8, dynamic activations): the scores equal the reference's forward with
+  per-token scale max |x| / 127 (fp8: / 448; 1 for a zero token), int8 activations
+  round-half-even clipped to [-127, 127] (fp8: clipped to +-448, converted), products of the
+  8-bit operands times both scales.
 - W8A16 (activations none): the scores equal the same forward with plain dequantized weights.
 - Meshes (tp 2 x dp 2, tp 4 with the KV heads replicated) score like one device; the per-channel scales of column-split
   projections are split on the model axis with their columns, those of row-split ones replicated
@@ -30,6 +34,7 @@ starts so that it compiles beside the one-device engines.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -42,11 +47,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import make_torch_model
+from helpers.quant_reference import PUBLISHED_QMAX, full_precision_params, quantize_channels, reference_log_probs
+from helpers.quant_reference import reference_matmul as reference_matmul_of
 
 from prefixscore.engine.buckets import Buckets
 from prefixscore.model.presets import RANDOM_PRESETS
-from prefixscore.model.quant import FP8, INT8, NONE, QMAX, QuantizationError, QuantizedMatrix
-from prefixscore.model.rope import rope_tables
+from prefixscore.model.quant import FP8, INT8, NONE, QuantizationError, QuantizedMatrix
 
 MODEL = "tiny-qwen3"  # random Qwen3 (q/k norms, tied head), vocabulary 49152
 VOCAB = RANDOM_PRESETS[MODEL][0].vocab_size
@@ -81,100 +87,29 @@ PROJECTIONS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_
 COLUMN_SPLIT = {"attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up"}  # o and down: row-split
 
 
-# ---- the float64 reference -------------------------------------------------------------------
+# ---- the float64 reference (tests/helpers/quant_reference.py) --------------------------------
 
 
-def _quantized(scaled: np.ndarray, kind: str) -> np.ndarray:
-    if kind == INT8:
-        return np.round(scaled)  # numpy rounds half to even
-    return scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+@functools.cache
+def _full_params():
+    """The preset's full-precision weights, which `--quantize int8|fp8` quantizes at load."""
+    return full_precision_params(MODEL)
 
 
-def reference_matmul(x: np.ndarray, w: QuantizedMatrix, activations: str, near_ties: list | None = None) -> np.ndarray:
-    """x [..., in] (float64) @ one layer's 8-bit matrix [in, out], as model/quant.py documents it.
-    near_ties: gets the numbers of activations that a relative change of 1e-7 and of 1e-6 round
-    otherwise (float32 noise is about 1e-7)."""
-    values = np.asarray(w.values).astype(np.float64)
-    scale = np.asarray(w.scale, np.float64)  # [1, out]: one scale per output channel
-    assert scale.shape == (1, values.shape[1]), scale.shape
-    if activations == NONE:  # W8A16: the dequantized matrix
-        return x @ (values * scale)
-    qmax = QMAX[w.kind]
-    top = np.max(np.abs(x), axis=-1, keepdims=True)
-    x_scale = np.where(top > 0, top / qmax, 1.0)
-    scaled = np.clip(x / x_scale, -qmax, qmax)
-    if near_ties is not None:
-        for eps in (1e-7, 1e-6):
-            moved = _quantized(scaled * (1 + eps), w.kind) != _quantized(scaled * (1 - eps), w.kind)
-            near_ties.append((eps, int(moved.sum())))
-    return (_quantized(scaled, w.kind) @ values) * x_scale * scale
-
-
-def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    return np.asarray(weight, np.float64) * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
-
-
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE: x [t, heads, hd]; cos, sin [t, 1, hd]."""
-    half = x.shape[-1] // 2
-    return x * cos + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
-
-
-def reference_log_probs(cfg, params, tokens: list[int], activations: str, near_ties: list | None = None) -> np.ndarray:
-    """A plain float64 forward of one whole sequence (Qwen3: RMSNorm, q/k norms, RoPE, GQA causal
-    attention, SiLU MLP, final norm), every projection by `reference_matmul`; the full-vocabulary
-    log-softmax at the last token [vocab]. params: the served weights on the host."""
-    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    eps, t = cfg.rms_norm_eps, len(tokens)
-    heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    assert cfg.family == "qwen3" and cfg.qk_norm and not cfg.qkv_bias and cfg.attn_scale is None
-    inv_freq, rope_scale = rope_tables(cfg)
-    positions = np.arange(t, dtype=np.float64)
-    causal = np.tril(np.ones((t, t), bool))
-    layers = params.layers
-
-    def proj(x, name, layer):
-        group, field = name.split(".")
-        w = getattr(getattr(layers, group), field)
-        return reference_matmul(x, w.replace(values=w.values[layer], scale=w.scale[layer]), activations, near_ties)
-
-    h = f64(params.embed)[tokens]
-    for i in range(cfg.num_layers):
-        y = _rms_norm(h, layers.attn_norm[i], eps)
-        q = _rms_norm(proj(y, "attn.wq", i).reshape(t, heads, hd), layers.attn.q_norm[i], eps)
-        k = _rms_norm(proj(y, "attn.wk", i).reshape(t, kv_heads, hd), layers.attn.k_norm[i], eps)
-        v = proj(y, "attn.wv", i).reshape(t, kv_heads, hd)
-        freqs = positions[:, None] * f64(inv_freq[i])[None, :]
-        angles = np.concatenate([freqs, freqs], axis=-1)
-        cos, sin = (np.cos(angles) * rope_scale[i])[:, None, :], (np.sin(angles) * rope_scale[i])[:, None, :]
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)  # GQA
-        logits = np.where(causal, np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd), -np.inf)
-        weights = np.exp(logits - logits.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
-        h = h + proj(np.einsum("hqk,khd->qhd", weights, v).reshape(t, heads * hd), "attn.wo", i)
-        y = _rms_norm(h, layers.mlp_norm[i], eps)
-        gate, up = proj(y, "mlp.w_gate", i), proj(y, "mlp.w_up", i)
-        h = h + proj(gate / (1.0 + np.exp(-gate)) * up, "mlp.w_down", i)
-    last = _rms_norm(h[-1], params.final_norm, eps)
-    head = params.embed if params.lm_head is None else params.lm_head
-    logits = f64(head) @ last
-    top = logits.max()
-    return logits - top - np.log(np.exp(logits - top).sum())
-
-
-def reference_scores(scorer, activations: str, near_ties: list | None = None, query: list[int] = QUERY) -> np.ndarray:
-    """[items, labels] log-probabilities of the reference on the scorer's own weights."""
-    params = jax.device_get(scorer.model.params)
+def reference_scores(
+    kind: str, activations: str, near_ties: list | None = None, query: list[int] = QUERY
+) -> np.ndarray:
+    """[items, labels] log-probabilities of the reference, quantizing the original float weights itself."""
+    cfg = RANDOM_PRESETS[MODEL][0]
     return np.array(
-        [reference_log_probs(scorer.cfg, params, query + item, activations, near_ties)[LABELS] for item in ITEMS]
+        [reference_log_probs(cfg, _full_params(), query + item, kind, activations, near_ties)[LABELS] for item in ITEMS]
     )
 
 
-def _ties(scorer) -> str:
+def _ties(kind: str) -> str:
     """For a failure message: the W8A8 reference's activations near a rounding boundary."""
     near: list[tuple[float, int]] = []
-    reference_scores(scorer, "dynamic", near)
+    reference_scores(kind, "dynamic", near)
     counts = {eps: sum(n for e, n in near if e == eps) for eps in (1e-7, 1e-6)}
     return (
         f"activations of the reference near a rounding boundary: {counts[1e-7]} within 1e-7 (relative), "
@@ -280,15 +215,13 @@ def test_activation_rounding_is_the_documented_one() -> None:
     )
     for kind in (INT8, FP8):
         qw = quantize_per_channel(w, kind)
-        # the stored values: the weights' own per-channel rounding
-        scale = np.max(np.abs(w), axis=0, keepdims=True) / np.float32(QMAX[kind])
-        np.testing.assert_array_equal(np.asarray(qw.scale), scale)
-        if kind == INT8:
-            np.testing.assert_array_equal(np.asarray(qw.values), np.round(w / scale).astype(np.int8))
+        # the stored values and scales: the published per-channel rounding (fp8 by torch's cast)
+        values, scale = quantize_channels(w, kind)
+        np.testing.assert_array_equal(np.asarray(qw.scale, np.float64), scale, err_msg=kind)
+        np.testing.assert_array_equal(np.asarray(qw.values).astype(np.float64), values, err_msg=kind)
         for activations in (DYNAMIC, NONE):
-            m = qw.replace(activations=activations)
-            got = np.asarray(jax.jit(matmul)(x, m), np.float64)
-            want = reference_matmul(x.astype(np.float64), m, activations)
+            got = np.asarray(jax.jit(matmul)(x, qw.replace(activations=activations)), np.float64)
+            want = reference_matmul_of(x.astype(np.float64), w, kind, activations)
             atol = 1e-5 if activations == DYNAMIC else 1e-4  # W8A16: float32 sums of products up to 300
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=atol, err_msg=f"{kind}/{activations}")
         assert np.all(np.asarray(jax.jit(matmul)(x[1:2], qw.replace(activations=DYNAMIC))) == 0)
@@ -299,40 +232,38 @@ def test_activation_rounding_is_the_documented_one() -> None:
 
 
 @pytest.mark.parametrize("kind", [INT8, FP8])
-def test_w8a8_scores_equal_the_float64_forward_of_the_scheme(kind, scorers, log_scores) -> None:
+def test_w8a8_scores_equal_the_float64_forward_of_the_scheme(kind, log_scores) -> None:
     """Per-token dynamic activations: the engine's log-probabilities equal the reference's
     within 1e-4, and the reference of W8A16 is well outside that (the test sees the scheme)."""
-    scorer = scorers(kind, "dynamic")
     got = log_scores(kind, "dynamic")
-    want = reference_scores(scorer, "dynamic")
+    want = reference_scores(kind, "dynamic")
     diff = float(np.abs(got - want).max())
-    assert diff <= W8A8_TOLERANCE, (diff, _ties(scorer))
-    other_scheme = float(np.abs(reference_scores(scorer, NONE) - want).max())
+    assert diff <= W8A8_TOLERANCE, (diff, _ties(kind))
+    other_scheme = float(np.abs(reference_scores(kind, NONE) - want).max())
     assert other_scheme > 10 * W8A8_TOLERANCE, other_scheme
 
 
 def test_w8a16_scores_equal_the_float64_forward_of_the_dequantized_weights(scorers, log_scores) -> None:
     """Activations none: the dequantized model's scores (float32 rounding away from float64):
-    log-probabilities within 1e-5, probabilities (also of a softmax over the labels) within 1e-5."""
+    log-probabilities (of probabilities about 2e-5) within 1e-5, a softmax over the labels within 1e-5."""
     scorer = scorers(INT8, NONE)
     got = log_scores(INT8, NONE)
-    want = reference_scores(scorer, NONE)
+    want = reference_scores(INT8, NONE)
     assert float(np.abs(got - want).max()) <= W8A16_TOLERANCE
-    assert float(np.abs(np.exp(got) - np.exp(want)).max()) <= 1e-5
     # a softmax over the labels (probabilities of a few tenths, where 1e-5 tells), on another
     # query: a call of the same shape (the cached query would compile an items-only call)
     query = QUERY[::-1]
     softmax = np.asarray(scorer.score(query, ITEMS, LABELS, apply_softmax=True), np.float64)
-    label_logits = reference_scores(scorer, NONE, query=query)
+    label_logits = reference_scores(INT8, NONE, query=query)
     want_softmax = np.exp(label_logits) / np.exp(label_logits).sum(-1, keepdims=True)
     assert float(np.abs(softmax - want_softmax).max()) <= 1e-5
-    assert float(np.abs(reference_scores(scorer, "dynamic") - want).max()) > 10 * W8A16_TOLERANCE
+    assert float(np.abs(reference_scores(INT8, "dynamic") - want).max()) > 10 * W8A16_TOLERANCE
 
 
 # ---- 2. meshes -------------------------------------------------------------------------------
 
 
-def test_int8_on_meshes_scores_like_one_device(mesh_part, scorers, log_scores) -> None:
+def test_int8_on_meshes_scores_like_one_device(mesh_part, log_scores) -> None:
     """int8 weights, W8A8 dynamic and W8A16, on tp 2 x dp 2 and tp 4 (KV heads replicated):
     log-probabilities within 1e-5 of one device's; the placed scales of column-split projections
     split on the model axis with their columns, those of row-split ones (o, down) replicated."""
@@ -342,7 +273,7 @@ def test_int8_on_meshes_scores_like_one_device(mesh_part, scorers, log_scores) -
     for name, r in result.items():
         activations = name.split("/")[0]
         diff = float(np.abs(np.asarray(r["log_probs"]) - log_scores(INT8, activations)).max())
-        assert diff <= MESH_TOLERANCE, (name, diff, _ties(scorers(INT8, "dynamic")) if activations != NONE else "")
+        assert diff <= MESH_TOLERANCE, (name, diff, _ties(INT8) if activations != NONE else "")
         assert r["quantization"]["activations"] == activations, name
         tp = r["tp"]
         for projection in PROJECTIONS:
@@ -458,19 +389,18 @@ def _projections(params) -> dict:
     return {p: getattr(getattr(params.layers, p.split(".")[0]), p.split(".")[1]) for p in PROJECTIONS}
 
 
-def test_int8_preset_quantizes_the_seven_projections_and_nothing_else(scorers) -> None:
-    """--quantize int8 on a random preset: the seven projections are QuantizedMatrix (int8, one
-    float32 scale per output channel, within half a step of the full-precision weights); the
-    embedding (the tied head), the norms and the final norm are the full-precision model's, bit
-    for bit; quantization_of and the loaded model report the projections."""
-    import jax.numpy as jnp
+@pytest.mark.parametrize("kind", [INT8, FP8])
+def test_preset_quantizes_the_seven_projections_and_nothing_else(kind, scorers) -> None:
+    """--quantize int8|fp8 on a random preset: the seven projections are QuantizedMatrix (8-bit, one
+    float32 scale per output channel), values and scales bit for bit the published rounding of
+    the full-precision weights (tests/helpers/quant_reference.py; int8 also within half a step);
+    the embedding (the tied head), the norms and the final norm are the full-precision model's,
+    bit for bit; quantization_of and the loaded model report the projections."""
+    from prefixscore.model.weights import quantization_of
 
-    from prefixscore.model.presets import RANDOM_SEED
-    from prefixscore.model.weights import quantization_of, random_params
-
-    scorer = scorers(INT8, "dynamic")
+    scorer = scorers(kind, "dynamic")
     params = jax.device_get(scorer.model.params)
-    full = jax.device_get(random_params(scorer.cfg, RANDOM_SEED, jnp.float32))
+    full = _full_params()
     assert params.lm_head is None and params.score is None  # tied: the head is the embedding
     for name in ("embed", "final_norm"):
         got, want = getattr(params, name), getattr(full, name)
@@ -479,21 +409,29 @@ def test_int8_preset_quantizes_the_seven_projections_and_nothing_else(scorers) -
         assert np.array_equal(getattr(params.layers, name), getattr(full.layers, name)), name
     for name in ("q_norm", "k_norm"):
         assert np.array_equal(getattr(params.layers.attn, name), getattr(full.layers.attn, name)), name
+    storage = {INT8: np.dtype(np.int8), FP8: np.dtype(ml_dtypes.float8_e4m3fn)}[kind]
     for name, w in _projections(params).items():
         assert isinstance(w, QuantizedMatrix), name
         original = _projections(full)[name]
-        assert w.values.dtype == np.int8 and w.values.shape == original.shape, name
+        assert w.values.dtype == storage and w.values.shape == original.shape, name
         assert w.scale.dtype == np.float32 and w.scale.shape == (original.shape[0], 1, original.shape[2]), name
         assert w.offset is None and w.input_scale is None and w.activations == "dynamic", name
-        # one scale per output channel: its largest weight is +-127 steps
-        np.testing.assert_allclose(w.scale[:, 0, :], np.abs(original).max(axis=1) / 127.0, rtol=1e-6, err_msg=name)
-        step = w.scale.astype(np.float64)
-        error = np.abs(w.values.astype(np.float64) * step - original.astype(np.float64))
-        assert np.all(error <= step / 2 * (1 + 1e-5)), name
+        # one scale per output channel: its largest weight is +-127 (fp8: +-448) steps
+        np.testing.assert_allclose(
+            w.scale[:, 0, :], np.abs(original).max(axis=1) / PUBLISHED_QMAX[kind], rtol=1e-6, err_msg=name
+        )
+        for layer in range(original.shape[0]):
+            values, scale = quantize_channels(original[layer], kind)
+            np.testing.assert_array_equal(w.scale[layer].astype(np.float64), scale, err_msg=f"{name}[{layer}]")
+            np.testing.assert_array_equal(w.values[layer].astype(np.float64), values, err_msg=f"{name}[{layer}]")
+        if kind == INT8:
+            step = w.scale.astype(np.float64)
+            error = np.abs(w.values.astype(np.float64) * step - original.astype(np.float64))
+            assert np.all(error <= step / 2 * (1 + 1e-5)), name
     want = {
-        "weights": "int8",
+        "weights": kind,
         "activations": "dynamic",
-        "projections": {f"layers.{p}": "int8 per channel" for p in PROJECTIONS},
+        "projections": {f"layers.{p}": f"{kind} per channel" for p in PROJECTIONS},
     }
     assert quantization_of(scorer.model.params) == want
     assert scorer.model.quantization == want

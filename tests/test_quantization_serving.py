@@ -1,6 +1,8 @@
 """An 8-bit model as a server reports it: GetModelInfo and /v1/models say what is 8-bit, how it
 is multiplied and the weights' bytes on a device (fewer than full precision's), and a request
-sees no difference in the API (same fields, same validation)."""
+sees no difference in the API (same fields, same validation) and gets the scheme's scores: the
+log-probabilities of the float64 W8A8 reference (tests/helpers/quant_reference.py, quantizing the
+preset's float weights itself) within 1e-4."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import SMALL_BUCKETS
+from helpers.quant_reference import full_precision_params, reference_log_probs
 from helpers.service import ITEMS, LABELS, server_config
 
 from prefixscore import Scorer
@@ -53,11 +56,18 @@ def test_model_info_reports_the_quantization(int8_server, int8_scorer, tiny_scor
     assert card["weight_bytes_per_device"] == info.weight_bytes_per_device
 
 
-def test_requests_see_the_same_api(int8_server):
-    """Scores come back in the same shape, and bad input is refused as for any model."""
+def test_requests_see_the_same_api(int8_server, int8_scorer):
+    """Scores come back in the same shape, with the W8A8 reference's values (log-probabilities
+    of about 2e-5 within 1e-4, as tests/test_quantization.py holds the engine), and bad input is
+    refused as for any model."""
+    params = full_precision_params("tiny-qwen3")
+    want = np.array(
+        [reference_log_probs(int8_scorer.cfg, params, QUERY + item, "int8", "dynamic")[LABELS] for item in ITEMS]
+    )
     with ScoreClient(int8_server.target) as client:
-        scores = np.array(client.score(QUERY, ITEMS, LABELS).scores)
-        assert scores.shape == (len(ITEMS), len(LABELS)) and np.all(scores > 0)
+        scores = np.array(client.score(QUERY, ITEMS, LABELS).scores, np.float64)
+        assert scores.shape == (len(ITEMS), len(LABELS))
+        np.testing.assert_allclose(np.log(scores), want, rtol=0, atol=1e-4)
         with pytest.raises(grpc.RpcError) as err:
             client.score(QUERY, [[]], LABELS)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

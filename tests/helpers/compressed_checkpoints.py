@@ -205,3 +205,27 @@ def fake_quant_oracle(dst: Path, cls: type) -> torch.nn.Module:
     fake-quantizes (QDQ) the input activations in every forward, per token (dynamic) or with the
     stored input_scale (static): the arithmetic a W8A8 kernel approximates."""
     return cls.from_pretrained(dst, dtype=torch.float32, device_map="cpu", attn_implementation="eager").eval()
+
+
+# the seven projections of a decoder layer (what every scheme here quantizes)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def int8_per_token_oracle(dst: Path, cls: type) -> torch.nn.Module:
+    """`dequantized_oracle` with each projection's input fake-quantized per token as int8 W8A8 kernels
+    serve a dynamic per-token checkpoint (vLLM's `dynamic_scaled_int8_quant`): scale = max |x| / 127
+    over the token's features (1 for an all-zero token), values round-half-to-even of x / scale
+    clipped to [-127, 127]. compressed_tensors' own QDQ (`fake_quant_oracle`) scales by max |x| /
+    127.5 and clips to [-128, 127]: the calibration's picture, not the served product."""
+    model = dequantized_oracle(dst, cls)
+
+    def quantize_input(module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        top = x.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(top > 0, top / 127.0, torch.ones_like(top))
+        return (torch.round(x / scale).clamp(-127, 127) * scale, *args[1:])  # torch.round: half to even
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS):
+            module.register_forward_pre_hook(quantize_input)
+    return model

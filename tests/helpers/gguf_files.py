@@ -4,10 +4,12 @@ permutation and Gemma norm offset, not the loader's tables)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 HF_TO_GGUF_LAYER = {
@@ -55,6 +57,27 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended)).astype(np.float32)
 
 
+# gguf-py cannot quantize the K-quants: a tensor in one is random super-blocks (every bit pattern of the
+# packed values and 6-bit scales is a valid block) whose float16 super-block scales are set for weights of
+# the float tensor's size; the torch model then takes their dequantization, as for any other type.
+# type -> (offsets of the float16 fields d (and dmin), largest |value x sub-block scale|: 15 x 63, 31 x 63, 32 x 127)
+K_QUANTS = {Q.Q4_K: ((0, 2), 15 * 63), Q.Q5_K: ((0, 2), 31 * 63), Q.Q6_K: ((208,), 32 * 127)}
+
+
+def k_quant_blocks(t: np.ndarray, qtype: Q, seed: int) -> np.ndarray:
+    """[rows, bytes per row] of random `qtype` super-blocks with weights up to about max |t|."""
+    rows, cols = t.shape
+    super_block, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // super_block, type_size), dtype=np.uint8)
+    fields, reach = K_QUANTS[qtype]
+    size = float(np.abs(t).max()) / reach
+    for at in fields:  # both signs: nothing in the format makes d or dmin positive
+        d = rng.uniform(-size, size, size=(len(raw), 1)).astype(np.float16)
+        raw[:, at : at + 2] = d.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
 def _add_metadata(w: GGUFWriter, key: str, value) -> None:
     if isinstance(value, bool):
         w.add_bool(key, value)
@@ -66,10 +89,12 @@ def _add_metadata(w: GGUFWriter, key: str, value) -> None:
         w.add_string(key, value)
 
 
-def write_gguf(model, family: str, path, qtype: Q, metadata: dict | None = None) -> None:
-    """Write `model` as llama.cpp would, 2-D weights in `qtype`; load the dequantized weights back
-    into `model` so that it is the exact oracle for what the file holds. `metadata` adds or
-    replaces keys ("{arch}" stands for the architecture)."""
+def write_gguf(model, family: str, path, qtype: Q | Callable[[str], Q], metadata: dict | None = None) -> None:
+    """Write `model` as llama.cpp would, 2-D weights in `qtype` (or in `qtype(gguf tensor name)`: a
+    file of mixed types, as Q4_K_M); load the dequantized weights back into `model` so that it is the
+    exact oracle for what the file holds. `metadata` adds or replaces keys ("{arch}" stands for the
+    architecture)."""
+    type_of = qtype if callable(qtype) else lambda name: qtype
     cfg = model.config
     arch = family
     w = GGUFWriter(str(path), arch)
@@ -120,10 +145,10 @@ def write_gguf(model, family: str, path, qtype: Q, metadata: dict | None = None)
         if family in GEMMA and name.endswith("norm.weight"):  # llama.cpp stores Gemma's as 1 + weight
             w.add_tensor(gname, t + 1.0)
             back = t
-        elif t.ndim == 2 and qtype != Q.F32:
-            data = quantize(t, qtype)
-            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
-            back = dequantize(data, qtype).reshape(t.shape)
+        elif t.ndim == 2 and (q := type_of(gname)) != Q.F32:
+            data = k_quant_blocks(t, q, seed=len(state)) if q in K_QUANTS else quantize(t, q)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=q)
+            back = dequantize(data, q).reshape(t.shape)
         else:
             w.add_tensor(gname, t)
             back = t
