@@ -27,8 +27,11 @@ setup-dev: $(BIN)/python
 serve: setup
 	$(BIN)/prefixscore serve --model $(MODEL)
 
+# two workers (pytest-xdist), a test file to each at a time (its module's servers and engines stay
+# shared); the 25 slowest tests are printed
+WORKERS ?= 2
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --durations=25
 
 # ruff, and the layers: imports only point down (pyproject.toml's import-linter contracts)
 lint: setup-dev

@@ -176,29 +176,6 @@ def test_a_mixed_k_quant_file_scores_as_transformers_on_its_dequantized_weights(
     np.testing.assert_allclose(got, want, rtol=0, atol=LOG_TOLERANCE)
 
 
-def test_smollm2_auto_scores_as_none_bit_for_bit(monkeypatch):
-    """The embedded SmolLM2 (Q4_1/Q8_0 projections): `--quantize auto` keeps them 8-bit and dequantizes inside the
-    step (W8A16), `--quantize none` dequantizes them at load; the scores are the same floats."""
-    from prefixscore.engine.buckets import Buckets
-    from prefixscore.model import weights_cache
-
-    monkeypatch.setenv(weights_cache.ENV, "off")  # no cached conversion written: a float32 copy is 0.5 GB
-    # as tests/test_smollm2.py loads it (the same executables, from the compile cache)
-    buckets = Buckets(context=256, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=128)
-    auto = Scorer.load("smollm2-135m", buckets=buckets)
-    none = Scorer.load("smollm2-135m", buckets=buckets, quantize="none")
-    try:
-        assert auto.model.quantization["weights"] != "none" and none.model.quantization == {"weights": "none"}
-        assert isinstance(auto.model.params.layers.mlp.w_up, QuantizedMatrix)
-        assert not isinstance(none.model.params.layers.mlp.w_up, QuantizedMatrix)
-        query, items, labels = list(range(5, 45)), [[100, 200, 300], [7], [4000, 4001]], [28, 1017, 49151]
-        got, want = np.array(auto.score(query, items, labels)), np.array(none.score(query, items, labels))
-        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    finally:
-        auto.runner.close()
-        none.runner.close()
-
-
 def test_a_gemma_1_file_with_a_window_is_refused(tmp_path):
     """llama.cpp's Gemma 1 graph reads no window: a file carrying one is refused, not slid."""
     path = tmp_path / "gemma.gguf"

@@ -83,3 +83,24 @@ def test_the_tokenizers_core_gives_the_transformers_ids(which, smollm2, tiny_sco
     want = [list(ids) for ids in tok.hf(texts, add_special_tokens=False).input_ids]
     assert tok._backend is not None and tok.encode_many(texts) == want
     assert [tok.encode(t) for t in texts] == want
+
+
+def test_smollm2_auto_scores_as_none_bit_for_bit(smollm2, monkeypatch):
+    """The embedded SmolLM2 (Q4_1/Q8_0 projections): `--quantize auto` (the module's scorer) keeps
+    them 8-bit and dequantizes inside the step (W8A16), `--quantize none` dequantizes them at
+    load; the scores are the same floats."""
+    from prefixscore.model import weights_cache
+    from prefixscore.model.quant import QuantizedMatrix
+
+    monkeypatch.setenv(weights_cache.ENV, "off")  # no cached conversion written: a float32 copy is 0.5 GB
+    # the module's buckets: the same executables, from the compile cache
+    none = Scorer.load("smollm2-135m", buckets=smollm2.engine.buckets, quantize="none")
+    try:
+        assert smollm2.model.quantization["weights"] != "none" and none.model.quantization == {"weights": "none"}
+        assert isinstance(smollm2.model.params.layers.mlp.w_up, QuantizedMatrix)
+        assert not isinstance(none.model.params.layers.mlp.w_up, QuantizedMatrix)
+        query, items, labels = list(range(5, 45)), [[100, 200, 300], [7], [4000, 4001]], [28, 1017, 49151]
+        got, want = np.array(smollm2.score(query, items, labels)), np.array(none.score(query, items, labels))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    finally:
+        none.runner.close()
