@@ -3,7 +3,7 @@
 One TCP connection per follower to the leader (the coordinator's host, its port + 1). The
 leader sends each call's shape and its input arrays (a few KB: token ids, positions, the page
 table) as one frame, to every follower, before launching the call itself; a follower launches
-the same executable with the same inputs, in the order received (engine/follower.py), so the
+the same executable with the same inputs, in the order received (service/follower.py), so the
 collectives of every call meet. Arrays travel as raw bytes under a JSON header (dtype, shape):
 nothing is unpickled, and the header is all a peer can make a host parse.
 
@@ -18,7 +18,7 @@ Both ends watch the other, so nothing waits forever in a collective:
   finishes calls out of order (it skipped one); a follower declares the leader lost when its
   connection closes or it sends nothing for `timeout`.
 What a lost group does (health NOT_SERVING, in-flight requests UNAVAILABLE, exit) is the
-service's business (service/core.py, service/follower.py).
+service's business (service/group_watch.py, service/follower.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from prefixscore.engine.hosts import JOIN_TIMEOUT_S, HostGroup
@@ -165,9 +166,11 @@ class StepLeader:
         threading.Thread(target=self._watch, name="prefixscore-steps-watch", daemon=True).start()
 
     # ---- the device thread -----------------------------------------------------------------
-    def call(self, shape: CallShape, arrays: Sequence[np.ndarray]) -> None:
-        """Send one call to every follower (before the leader launches it). Raises GroupLost."""
+    def call(self, shape: CallShape, inputs: Any) -> None:
+        """Send one call (its shape, its inputs' leaves) to every follower, before the leader
+        launches it. Raises GroupLost."""
         started = time.perf_counter()
+        arrays = jax.tree.leaves(inputs)
         with self._cv:
             self._seq += 1
             seq = self._seq
