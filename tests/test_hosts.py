@@ -49,9 +49,9 @@ EXIT_BOUND_S = 5.0
 # over another sharding differs by about 1e-6; each comparison checks the effects it must see
 # (rows reversed, labels swapped, a constant) are far larger
 LOG_TOL = 1e-4
+PROB_TOL = 1e-5
 # the groups that fail a silent or stalling follower: short, so the tests wait little
 SHORT_HOST_TIMEOUT = 4.0
-PROB_TOL = 1e-5
 SERVE = [
     "--model", "tiny-qwen3", "--host", "127.0.0.1", "--metrics-port", "0",
     "--max-prefill-tokens", "256", "--max-batch-tokens", "256", "--drain-seconds", "30",
@@ -268,6 +268,7 @@ def test_behind_envoy_a_group_losing_a_host_loses_no_request(groups, tmp_path):
             with concurrent.futures.ThreadPoolExecutor(12) as pool:
                 calls = [pool.submit(client.score, q, [[7, 8, 9]] * 16, LABELS, timeout=120) for q in queries * 3]
                 wait_for(lambda: sum(c.done() for c in calls) >= 6, 120, "traffic through Envoy")
+                assert victim.leader.poll() is None, "the group failed before its follower was killed"
                 victim.hosts[1][0].send_signal(signal.SIGKILL)
                 killed = time.monotonic()
                 for call in calls:
@@ -290,6 +291,7 @@ def test_a_follower_killed_under_load_fails_the_group_fast(groups):
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             calls = [pool.submit(client.score, q, [[7, 8, 9]] * 32, LABELS, timeout=120) for q in queries]
             wait_for(lambda: sum(c.done() for c in calls) >= 4, 120, "requests under way")
+            assert group.leader.poll() is None, "the group failed before its follower was killed"
             group.hosts[1][0].send_signal(signal.SIGKILL)
             killed = time.monotonic()
             statuses = []
