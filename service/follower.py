@@ -70,6 +70,8 @@ def follow(engine: ScoringEngine, channel: StepFollower) -> int:
         if step.op != CALL or step.shape is None:
             raise ValueError(f"the leader sent an unknown step: {step.op!r}")
         if not engine.compiled(step.shape):
+            # the call ahead is reported done before a compile that may outlast --host-timeout
+            finish()
             channel.compiling(step.seq)
         probs = engine.run_sent(step.shape, step.arrays)
         channel.started(step.seq)
