@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.call_broadcast import ALONE
 from prefixscore.engine.hosts import HostGroup, join
 from prefixscore.engine.mesh import MeshPlacement
 from prefixscore.engine.options import OPTIONS
@@ -83,6 +84,9 @@ class BuiltEngine:
     model: LoadedModel
     engine: ScoringEngine
     load_seconds: float  # reading, converting and placing the weights
+    # the leader of several hosts: its step channel to the followers (the engine's broadcast),
+    # which the service watches (service/group_watch.py); None otherwise
+    steps: StepLeader | None = None
 
 
 def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEngine:
@@ -109,7 +113,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
         compile_cache_dir=spec.compile_cache,
         pool_bytes=spec.pool_bytes,
         pool_memory_fraction=spec.pool_memory_fraction,
-        steps=steps,
+        broadcast=steps or ALONE,
     )
     if "fp8" in str(model.quantization["weights"]) and not has_fp8_units(engine.devices[0]):
         log.warning(
@@ -117,7 +121,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
             "the operands), with the same results and memory, without the speed of fp8 units",
             engine.devices[0].device_kind,
         )
-    return BuiltEngine(model, engine, load_seconds)
+    return BuiltEngine(model, engine, load_seconds, steps)
 
 
 def has_fp8_units(device: jax.Device) -> bool:

@@ -5,7 +5,7 @@ processes join one JAX runtime (`jax.distributed.initialize`), so `jax.devices()
 host's devices and one (data, model) mesh spans them (engine/mesh.py keeps the model axis
 within a host where the sizes allow). Host 0, the leader, plans every call and sends it to the
 others before it launches (engine/step_channel.py); each follower launches the same
-executable with the same inputs in the same order (engine/follower.py), so the collectives of
+executable with the same inputs in the same order (service/follower.py), so the collectives of
 every call meet.
 
 Joining: `--num-hosts N --host-index I --coordinator HOST:PORT` on every host (JAX's

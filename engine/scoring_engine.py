@@ -31,10 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 from prefixscore.engine import compile_cache
 from prefixscore.engine.buckets import Buckets, round_up
+from prefixscore.engine.call_broadcast import ALONE, CallBroadcast
 from prefixscore.engine.mesh import Layout, MeshShape, default_layout
 from prefixscore.engine.planner import CallBuilder, CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
-from prefixscore.engine.step_channel import StepLeader
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import packed_baseline, step
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
@@ -105,7 +105,7 @@ class ScoringEngine:
         compile_cache_dir: str | None = None,
         pool_bytes: int | None = None,
         pool_memory_fraction: float = POOL_MEMORY_FRACTION,
-        steps: StepLeader | None = None,
+        broadcast: CallBroadcast = ALONE,
     ) -> None:
         CompileCounter.install()
         self.compile_cache_dir = compile_cache.enable(compile_cache_dir)
@@ -141,9 +141,9 @@ class ScoringEngine:
         self._lock = threading.Lock()
         # device tokens launched and the real ones among them (padding share = 1 - real / device)
         self.stats = {"calls": 0, "device_tokens": 0, "tokens": 0, "items": 0, "prefill_tokens": 0}
-        # several hosts, on the leader: every call (and pool reset) is sent to the followers
-        # before it launches here, so every host runs the same step (engine/step_channel.py)
-        self.steps = steps
+        # told every call (and pool reset) before it happens here: with several hosts, the
+        # leader's step channel, so every host runs the same step (engine/call_broadcast.py)
+        self.broadcast = broadcast
         # a call's inputs as the step channel carries them: their leaves, in this tree, of these dtypes
         specs = self._call_specs(self.buckets.call_shapes()[0])
         self._inputs_tree = jax.tree.structure(specs)
@@ -415,8 +415,8 @@ class ScoringEngine:
         plan.spans say which rows are whose. The pool's pages written by the call's prefill
         chunks are visible to every later call (calls run in launch order)."""
         exe = self._executable(plan.shape)
-        if self.steps is not None:  # compiled first: a follower never waits for the leader's compile
-            self.steps.call(plan.shape, jax.tree.leaves(plan.inputs))
+        # after compiling: a follower never waits for the leader's compile
+        self.broadcast.call(plan.shape, plan.inputs)
         # numpy in: the executable ships it by its input shardings, about a quarter of the host
         # time a separate jax.device_put of the pytree takes (measured: 0.26 vs 1.0 ms a call)
         probs, *self._pool = exe(self.params, *self._pool, plan.inputs)
@@ -450,8 +450,7 @@ class ScoringEngine:
 
     def reset_pool(self) -> None:
         """A new, zeroed pool after pool_lost (every prefix must be prefilled again)."""
-        if self.steps is not None:
-            self.steps.reset()
+        self.broadcast.reset()
         self._pool = (self._zeros(), self._zeros())
 
     # ---- packed baseline ------------------------------------------------------------
@@ -462,7 +461,7 @@ class ScoringEngine:
 
         A baseline: compiled on first use per length (multiples of packed_baseline.PACKED_ALIGN), not warmed up;
         on one device's whole model (a model axis of 1)."""
-        if self.layout.shape.model > 1 or self.steps is not None:
+        if self.layout.shape.model > 1 or self.layout.hosts > 1:
             raise ValueError("the packed baseline runs the whole model on each device of one host: use tp-size 1")
         total = len(query_ids) + sum(len(it) for it in items)
         s = round_up(total, packed_baseline.PACKED_ALIGN)

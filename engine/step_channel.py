@@ -3,7 +3,7 @@
 One TCP connection per follower to the leader (the coordinator's host, its port + 1). The
 leader sends each call's shape and its input arrays (a few KB: token ids, positions, the page
 table) as one frame, to every follower, before launching the call itself; a follower launches
-the same executable with the same inputs, in the order received (engine/follower.py), so the
+the same executable with the same inputs, in the order received (service/follower.py), so the
 collectives of every call meet. Arrays travel as raw bytes under a JSON header (dtype, shape):
 nothing is unpickled, and the header is all a peer can make a host parse.
 
@@ -13,12 +13,12 @@ Both ends watch the other, so nothing waits forever in a collective:
   compiles a call's shape (no warm-up: the first calls of a shape); the leader sends a
   heartbeat when it has sent nothing for `timeout / 4`;
 - the leader declares the group lost when a follower closes its connection (it exited), sends
-  nothing for `timeout`, has not started a call `timeout` after it was sent (unless compiling
-  it: then while it beats), leaves a started call unfinished for `timeout`, or starts or
+  nothing for `timeout`, has not started a call `timeout` after it was sent and the call ahead
+  of it started (unless compiling it: then while it beats), leaves a started call unfinished for `timeout`, or starts or
   finishes calls out of order (it skipped one); a follower declares the leader lost when its
   connection closes or it sends nothing for `timeout`.
 What a lost group does (health NOT_SERVING, in-flight requests UNAVAILABLE, exit) is the
-service's business (service/core.py, service/follower.py).
+service's business (service/group_watch.py, service/follower.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from prefixscore.engine.hosts import JOIN_TIMEOUT_S, HostGroup
@@ -136,6 +137,7 @@ class _Follower:
     compiling: int = 0  # the call whose shape it said it compiles (its start may take long)
     done: int = 0  # the last call whose outputs it had
     started_at: collections.deque = dataclasses.field(default_factory=collections.deque)  # (seq, when)
+    last_started_at: float = 0.0  # when it launched its last call (a call starts after the one ahead)
 
 
 class StepLeader:
@@ -165,9 +167,11 @@ class StepLeader:
         threading.Thread(target=self._watch, name="prefixscore-steps-watch", daemon=True).start()
 
     # ---- the device thread -----------------------------------------------------------------
-    def call(self, shape: CallShape, arrays: Sequence[np.ndarray]) -> None:
-        """Send one call to every follower (before the leader launches it). Raises GroupLost."""
+    def call(self, shape: CallShape, inputs: Any) -> None:
+        """Send one call (its shape, its inputs' leaves) to every follower, before the leader
+        launches it. Raises GroupLost."""
         started = time.perf_counter()
+        arrays = jax.tree.leaves(inputs)
         with self._cv:
             self._seq += 1
             seq = self._seq
@@ -315,6 +319,7 @@ class StepLeader:
                     self._lose(f"host {follower.index} launched call {seq} after call {after}: it skipped one")
                     return
                 follower.started = seq
+                follower.last_started_at = follower.peer.heard
                 follower.started_at.append((seq, follower.peer.heard))
             elif op == DONE:
                 if seq != follower.done + 1 or seq > follower.started:
@@ -338,7 +343,10 @@ class StepLeader:
                 sent = list(self._sent)
             for follower in followers:
                 waiting = next(((seq, at) for seq, at in sent if seq > follower.started), None)
-                if waiting and waiting[0] != follower.compiling and now - waiting[1] > self.timeout:
+                # its clock runs from its sending or the start of the call ahead of it, whichever
+                # is later: a follower compiling that one (it said so) cannot start this one yet
+                since = max(waiting[1], follower.last_started_at) if waiting else now
+                if waiting and waiting[0] != follower.compiling and now - since > self.timeout:
                     self._lose(f"host {follower.index} has not started call {waiting[0]} in {self.timeout:g} s")
                     return
                 if now - follower.peer.heard > self.timeout:

@@ -43,6 +43,7 @@ from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.loader import LoadedModel
 from prefixscore.service import template_check
 from prefixscore.service.config import ServerConfig
+from prefixscore.service.group_watch import GroupWatch
 from prefixscore.service.served_model import ServedModel
 from prefixscore.telemetry import request_ids
 from prefixscore.telemetry.compiles import CompileCounter
@@ -175,7 +176,8 @@ class ScoringService:
         self.draining = False
         self.started_at = time.time()  # /v1/models' "created"
         self.exit_code = 0  # non-zero: the process must be restarted (the device loop broke)
-        self.group_lost: str | None = None  # several hosts: why the group can run no more calls
+        # several hosts, on the leader: waiting for the followers, watching them, their loss
+        self.group = GroupWatch(self.metrics, self._fail_now)
         self._failing = False  # the device loop broke (or the group was lost): stopping once
         self.call_shapes = 0  # call shapes warm-up compiles (engine.shapes_ready: how many are)
         self.inflight = 0
@@ -210,10 +212,10 @@ class ScoringService:
         if cfg.engine is not None:  # built (and compiled) by the caller, for its `loaded`
             if cfg.loaded is None:
                 raise StartupFailed("ServerConfig.engine is given without the model it was built for (loaded)")
-            loaded, engine, load_seconds = cfg.loaded, cfg.engine, 0.0
+            loaded, engine, load_seconds, steps = cfg.loaded, cfg.engine, 0.0, None
         else:
             built = build_engine(cfg.engine_spec(), cfg.loaded)
-            loaded, engine, load_seconds = built.model, built.engine, built.load_seconds
+            loaded, engine, load_seconds, steps = built.model, built.engine, built.load_seconds, built.steps
         loaded_at = time.monotonic()
 
         # `auto` recognizes a published reranker or serves rerank none; a template the model cannot
@@ -240,7 +242,7 @@ class ScoringService:
         self.metrics.call_shapes.labels("all").set(self.call_shapes)
         # the kernels against the oracle on this very device: never serve a miscompiled kernel
         event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=engine.check_attention())
-        self._wait_for_hosts(engine)
+        self.group.wait_ready(steps)
         warmed = _warmup_report(engine, report, compiles, compile_s, loaded_at)
         if later:
             event(log, "serving_early", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes, **warmed)
@@ -250,33 +252,11 @@ class ScoringService:
         self.loaded = loaded
         return engine
 
-    def _wait_for_hosts(self, engine: ScoringEngine) -> None:
-        """Several hosts, on the leader: watch the group (a host lost fails it, _group_lost), and
-        wait until every follower is loaded, compiled and checked: the leader is ready only then."""
-        steps = engine.steps
-        hosts = 1 if steps is None else steps.group.hosts
-        self.metrics.hosts.labels("group").set(hosts)
-        if steps is None:
-            self.metrics.hosts.labels("ready").set(1)
-            return
-        steps.on_sent = lambda seconds, size: (
-            self.metrics.step_send_seconds.observe(seconds),
-            self.metrics.step_send_bytes.inc(size),
-        )
-        steps.watch(self._group_lost)
-        event(log, "waiting_for_hosts", hosts=hosts, timeout_s=steps.timeout)
-        reports = steps.wait_ready()
-        self.metrics.hosts.labels("ready").set(hosts)
-        event(log, "hosts_ready", hosts=hosts, followers=reports)
-
-    def _group_lost(self, reason: str) -> None:
-        """From the step channel's thread: a host of the group is gone or stuck, so no call can
-        complete. Every request queued or on the device fails now with UNAVAILABLE (the device
-        thread may be waiting in a collective that never completes), and the process stops with
-        a non-zero exit, so the whole group is restarted."""
-        self.group_lost = reason
+    def _fail_now(self, error: WorkerFailed) -> None:
+        """From any thread, when no call can complete (a host of the group lost): every request
+        queued or on the device fails now with `error` (the device thread may be waiting in a
+        collective that never completes), and the process stops with a non-zero exit."""
         self.draining = True  # what arrives from now on (a client's retry, too) is refused UNAVAILABLE
-        error = WorkerFailed(f"a host of this replica's group was lost ({reason}); retry on another replica")
         self.worker.abandon(error)
         self._on_worker_failure(error)
 
@@ -382,16 +362,14 @@ class ScoringService:
         if self._template_check is not None:
             self._template_check.cancel()
         # a lost group's device thread may wait in a collective forever: do not wait for it
-        await asyncio.to_thread(self.worker.stop, 1.0 if self.group_lost else 30.0)
-        steps = self.worker.engine.steps if self.worker.engine is not None else None
-        if steps is not None and not self.group_lost:
-            await asyncio.to_thread(steps.stop)  # the followers exit with the leader
+        await asyncio.to_thread(self.worker.stop, 1.0 if self.group.lost else 30.0)
+        await asyncio.to_thread(self.group.stop)
 
     def probe(self, path: str) -> str | None:
         """The admin port's probes: None when `path` ("/health": liveness, "/ready": readiness)
         passes, else the reason it does not."""
-        if self.group_lost:
-            return f"failed: a host of the group was lost ({self.group_lost}); the process is exiting"
+        if self.group.lost:
+            return f"failed: a host of the group was lost ({self.group.lost}); the process is exiting"
         if self.exit_code:
             return "failed: the device loop broke; the process is exiting"
         if path == "/ready":

@@ -3,8 +3,15 @@
 It serves no API. It joins the group's JAX runtime, connects to the leader's step channel,
 loads its own shards of the weights, compiles every call shape and checks its attention
 kernels (as the leader does), reports ready to the leader, and then runs each call the leader
-sends (engine/follower.py) until the leader says stop. Its metrics port answers /metrics,
-/health (alive) and /ready (loaded, compiled, checked) for the orchestrator.
+sends until the leader says stop (`follow`). Its metrics port answers /metrics, /health
+(alive) and /ready (loaded, compiled, checked) for the orchestrator.
+
+Running the leader's calls: the leader plans (engine/device_loop.py) and sends each call
+before launching it (engine/step_channel.py); a follower plans nothing and reads no result:
+it launches the same executable on its own devices' shards with the same inputs, in the order
+sent, so every collective of the call meets its peers on the other hosts. It keeps one call in
+flight while the next is already waiting (as the leader overlaps planning with the device),
+and reports each call started and finished.
 
 It exits with the leader: 0 when the leader stopped it, non-zero when the leader is gone or
 silent, or on any failure here (which the leader sees as its step channel closing). SIGTERM
@@ -19,17 +26,58 @@ import signal
 import threading
 import time
 
+import jax
+
 from prefixscore.engine.build import build_engine
-from prefixscore.engine.follower import follow
 from prefixscore.engine.hosts import HostGroup, join
 from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.step_channel import LeaderLost, StepFollower
+from prefixscore.engine.step_channel import CALL, HEARTBEAT, RESET, STOP, LeaderLost, StepFollower
 from prefixscore.service.config import ServerConfig
 from prefixscore.telemetry.compiles import CompileCounter
 from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import FollowerMetrics, serve_metrics
 
 log = logging.getLogger("prefixscore.server")
+
+
+def follow(engine: ScoringEngine, channel: StepFollower) -> int:
+    """Run the leader's steps until it says stop; returns the calls run. Raises LeaderLost
+    (the leader is gone) or the device's error."""
+    in_flight: tuple[int, jax.Array] | None = None  # (seq, probabilities) launched, not yet done
+
+    def finish() -> None:
+        nonlocal in_flight
+        if in_flight is not None:
+            seq, probs = in_flight
+            jax.block_until_ready(probs)
+            channel.done(seq)
+            in_flight = None
+
+    calls = 0
+    while True:
+        if not channel.waiting():
+            finish()  # nothing queued behind it: report it as soon as it is done
+        step = channel.receive()
+        if step.op == HEARTBEAT:
+            continue
+        if step.op == STOP:
+            finish()
+            return calls
+        if step.op == RESET:
+            finish()
+            engine.reset_pool()
+            continue
+        if step.op != CALL or step.shape is None:
+            raise ValueError(f"the leader sent an unknown step: {step.op!r}")
+        if not engine.compiled(step.shape):
+            # the call ahead is reported done before a compile that may outlast --host-timeout
+            finish()
+            channel.compiling(step.seq)
+        probs = engine.run_sent(step.shape, step.arrays)
+        channel.started(step.seq)
+        finish()
+        in_flight = (step.seq, probs)
+        calls += 1
 
 
 class FollowerHost:

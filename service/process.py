@@ -113,7 +113,7 @@ class ScoreServer:
         of the group lost: whatever still waits (a collective that never completes), the process
         ends within GROUP_EXIT_S."""
         await self.grpc.set_serving(False)
-        if self.service.group_lost:
+        if self.service.group.lost:
             # every request held was failed UNAVAILABLE and new ones are refused so: let their
             # answers go out, then end the process without stopping the servers (a server
             # stopping cancels the calls that reach it meanwhile, which nobody retries); clients

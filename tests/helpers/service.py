@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from conftest import SMALL_BUCKETS
 
@@ -93,11 +93,14 @@ def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str =
         time.sleep(0.02)
 
 
-def serve_process(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[dict]]:
-    """`prefixscore serve ARGS --log-format json` as a subprocess, and its log events as they
-    come (a thread reads stderr; a line that is not JSON becomes {"event": "raw", "line": ...})."""
+def serve_process(
+    args: list[str], env: dict[str, str] | None = None, launcher: Sequence[str] = ("-m", "prefixscore.cli")
+) -> tuple[subprocess.Popen, list[dict]]:
+    """`prefixscore serve ARGS --log-format json` as a subprocess (`launcher`: what python runs,
+    a script wrapping the CLI for a test), and its log events as they come (a thread reads
+    stderr; a line that is not JSON becomes {"event": "raw", "line": ...})."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixscore.cli", "serve", *args, "--log-format", "json"],
+        [sys.executable, *launcher, "serve", *args, "--log-format", "json"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
