@@ -340,6 +340,7 @@ def test_http_curl_commands(readme_server, client):
         apply_softmax=score_body["apply_softmax"],
         timeout=TIMEOUT_S,
     )
+    assert "results" in reranked, reranked  # not an error body (a 400 naming --template, say)
     assert scored["object"] == "scoring" and scored["model"] == "smollm2-135m"
     assert scored["scores"] == expected.scores  # JSON floats of the same float32 values: equal
     want = client.rerank(rerank_body["query"], rerank_body["documents"], top_n=rerank_body["top_n"])
