@@ -10,16 +10,12 @@ from __future__ import annotations
 import io
 import json
 import logging
-import shlex
-import subprocess
-from pathlib import Path
 
 import cohere
 import grpc
 import httpx
 import numpy as np
 import pytest
-from helpers import tools
 from helpers.service import scrape, server_config
 
 from prefixscore.client import ScoreClient
@@ -290,32 +286,6 @@ def test_request_ids_are_echoed_or_made_and_logged(server, http):
     lines = [json.loads(line) for line in buf.getvalue().splitlines()]
     mine = [line for line in lines if line.get("event") == "http_request"]
     assert mine and all(line["request_id"] == "logged-1" for line in mine), lines
-
-
-# ---- the README's curl commands, as written ------------------------------------------------------
-def readme_curl_commands() -> list[str]:
-    """The fenced block after the README line naming this file, one command per `curl`."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    after = text[text.index("`tests/test_http.py` runs") :]
-    block = after[after.index("```bash") + len("```bash") : after.index("```", after.index("```bash") + 7)]
-    commands = [c.strip() for c in ("\n" + block).split("\ncurl ") if c.strip()]
-    return ["curl " + c for c in commands]
-
-
-def test_readme_curl_commands_work(server):
-    curl = tools.curl()
-    commands = readme_curl_commands()
-    assert [shlex.split(c)[2].rsplit("/", 2)[-2:] for c in commands] == [["v1", "score"], ["v1", "rerank"]]
-    port = str(server.server.http_port)
-    outputs = []
-    for command in commands:
-        argv = [a.replace("localhost:8000", f"127.0.0.1:{port}") for a in shlex.split(command)]
-        argv[0] = curl
-        outputs.append(json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout))
-    scored, reranked = outputs
-    assert scored["object"] == "scoring" and len(scored["scores"]) == 3
-    scores = [r["relevance_score"] for r in reranked["results"]]
-    assert len(scores) == 2 and scores == sorted(scores, reverse=True)
 
 
 def test_truncation_side_reaches_rerank_and_score_from_both_transports(http, grpc_client, server, tiny_scorer):

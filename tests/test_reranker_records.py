@@ -12,8 +12,12 @@ random Gemma in transformers (the raw logit of "Yes", squashed by a sigmoid).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -24,12 +28,13 @@ from helpers.service import scrape, server_config, wait_for
 from prefixscore import Scorer
 from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.template_choice import Checkpoint, recognize
-from prefixscore.engine.templates import BGE_GEMMA_PROMPT, RECORDS, RerankTemplate
+from prefixscore.engine.templates import RECORDS, RerankTemplate
 from prefixscore.engine.validation import RerankInput, ScoreInput, Validator
 from prefixscore.model import presets
 from prefixscore.model.loader import load_model
 from prefixscore.service import template_check
 from prefixscore.service.process import ServerThread
+from prefixscore.telemetry.logs import JsonFormatter
 
 QUERY = "What is the capital of France?"
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", " (leading) space and 中文", "Yes? No."]
@@ -37,6 +42,15 @@ INSTRUCTION = "Given a question, find the passage that answers it"
 
 
 # ---- the references, transcribed from their authors' code ----------------------------------------
+# FlagEmbedding's default `prompt` of get_inputs (the BAAI/bge-reranker-v2-gemma model card)
+FLAG_PROMPT = (
+    "Given a query A and a passage B, determine whether the passage contains an answer to the query by "
+    "providing a prediction of either 'Yes' or 'No'."
+)
+# Qwen3-Reranker's model card, format_instruction's default
+QWEN3_DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
 def prepare_for_model(first: list[int], second: list[int], max_length: int | None = None) -> list[int]:
     """transformers 4's tokenizer.prepare_for_model(first, second, truncation="only_second",
     add_special_tokens=False): the two joined, the second cut to max_length (transformers 5,
@@ -54,7 +68,7 @@ def qwen3_model_card(tok, query: str, doc: str, instruction: str | None = None) 
     )
     suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     if instruction is None:
-        instruction = "Given a web search query, retrieve relevant passages that answer the query"
+        instruction = QWEN3_DEFAULT_INSTRUCTION
     pair = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
     prefix_tokens = tok.encode(prefix, add_special_tokens=False)
     suffix_tokens = tok.encode(suffix, add_special_tokens=False)
@@ -62,32 +76,43 @@ def qwen3_model_card(tok, query: str, doc: str, instruction: str | None = None) 
     return prefix_tokens + ids["input_ids"][0] + suffix_tokens
 
 
+# mixedbread-ai/mxbai-rerank, mxbai_rerank/mxbai_rerank_v2.py, class MxbaiRerankV2's attributes as
+# published (https://github.com/mixedbread-ai/mxbai-rerank/blob/main/mxbai_rerank/mxbai_rerank_v2.py)
+MXBAI_SEP = "\n"
+MXBAI_INSTRUCTION_PROMPT = "instruction: {instruction}"
+MXBAI_QUERY_PROMPT = "query: {query}"
+MXBAI_DOC_PROMPT = "document: {document}"
+MXBAI_TASK_PROMPT = "You are a search relevance expert who evaluates how well documents match search queries. For each query-document pair, carefully analyze the semantic relationship between them, then provide your binary relevance judgment (0 for not relevant, 1 for relevant).\nRelevance:"  # noqa: E501
+MXBAI_CHAT_TEMPLATE = {
+    "prefix": "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n<|im_start|>user\n",  # noqa: E501
+    "suffix": "<|im_end|>\n<|im_start|>assistant\n",
+}
+
+
 def mxbai_v2(tok, query: str, doc: str, instruction: str | None = None) -> list[int]:
-    """mixedbread's MxbaiRerankV2.prepare_inputs (vLLM's adaptation in its tests)."""
-    sep, task = "\n", RECORDS["mxbai-rerank-v2"].suffix[1]
-    chat_prefix = (
-        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\n"
-    )
-    chat_suffix = "<|im_end|>\n<|im_start|>assistant\n"
+    """mixedbread's MxbaiRerankV2.prepare_inputs (no length limit reached) and concat_input_ids."""
 
     def ids(x: str) -> list[int]:
         return tok(x, return_tensors=None, add_special_tokens=False)["input_ids"]
 
-    query_prompt = f"query: {query}"
-    if instruction:
-        query_prompt = "".join([f"instruction: {instruction}", sep, query_prompt])
-    item = prepare_for_model(ids(query_prompt), ids(sep) + ids(f"document: {doc}"))
-    return ids(chat_prefix) + item + ids(sep) + ids(task) + ids(chat_suffix)
+    instruction_prompt = MXBAI_INSTRUCTION_PROMPT.format(instruction=instruction) if instruction else None
+    query_prompt = MXBAI_QUERY_PROMPT.format(query=query)
+    if instruction_prompt:
+        query_prompt = "".join([instruction_prompt, MXBAI_SEP, query_prompt])
+    item = prepare_for_model(ids(query_prompt), ids(MXBAI_SEP) + ids(MXBAI_DOC_PROMPT.format(document=doc)))
+    return (
+        ids(MXBAI_CHAT_TEMPLATE["prefix"])
+        + item
+        + ids(MXBAI_SEP)
+        + ids(MXBAI_TASK_PROMPT)
+        + ids(MXBAI_CHAT_TEMPLATE["suffix"])
+    )
 
 
 def flag_llm_reranker(tok, query: str, doc: str, prompt: str | None = None, max_length: int = 1024) -> list[int]:
     """FlagEmbedding's get_inputs (FlagLLMReranker, the bge-reranker-v2-gemma model card)."""
     if prompt is None:
-        prompt = (
-            "Given a query A and a passage B, determine whether the passage contains an answer to the query by "
-            "providing a prediction of either 'Yes' or 'No'."
-        )
+        prompt = FLAG_PROMPT
     sep = "\n"
     prompt_inputs = tok(prompt, return_tensors=None, add_special_tokens=False)["input_ids"]
     sep_inputs = tok(sep, return_tensors=None, add_special_tokens=False)["input_ids"]
@@ -123,7 +148,7 @@ def gemma_shaped_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     # words apart (no merge spans two): the prompts split into many tokens, as a real vocabulary's would
-    words = " ".join(["A: B:", QUERY, *DOCS, BGE_GEMMA_PROMPT]).split()
+    words = " ".join(["A: B:", QUERY, *DOCS, FLAG_PROMPT]).split()
     corpus = ["Yes", "No"] * 20 + words + [" " + w for w in words]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.normalizer = normalizers.Replace(" ", "▁")
@@ -282,26 +307,41 @@ def test_a_preset_is_recognized_as_nothing_and_its_rerank_is_refused_naming_the_
 
 
 # ---- instructions ----------------------------------------------------------------------------------
+# where each reference writes the instruction and its default when none is given (None: the
+# prompt takes none): Qwen3's format_instruction in the user turn (the prefix), FlagEmbedding's
+# `prompt` after the passage (the suffix), mixedbread's instruction_prompt before the query, with
+# no default; `chat` is Qwen3-Reranker's user turn in the model's chat template; `none` takes none
+INSTRUCTION_PLACES: dict[str, tuple[str, str | None] | None] = {
+    "qwen3-reranker": ("prefix", QWEN3_DEFAULT_INSTRUCTION),
+    "bge-reranker-v2-gemma": ("suffix", FLAG_PROMPT),
+    "mxbai-rerank-v2": ("prefix", None),
+    "chat": ("prefix", QWEN3_DEFAULT_INSTRUCTION),
+    "none": None,
+}
+
+
 def test_instructions_follow_the_record(tiny_scorer):
     """Where each record writes an instruction (and its default); a prompt without one refuses
     it, naming the field, before any device work."""
     tok = tiny_scorer.model.tokenizer
-    for name, record in RECORDS.items():
+    assert set(RECORDS) == set(INSTRUCTION_PLACES)  # a new record states its reference's place here
+    for name, place in INSTRUCTION_PLACES.items():
         template = RerankTemplate(name, tok)
-        if not record.takes_instruction:
+        if place is None:
             with pytest.raises(InvalidInput, match=f"^instruction: the {name} template's prompt takes no"):
                 bound(tiny_scorer, name).rerank(RerankInput(QUERY, DOCS, "an instruction"))
             continue
+        where, default_instruction = place
+        other = "prefix" if where == "suffix" else "suffix"
         given = template.prompt(QUERY, "INSTR")
         default = template.prompt(QUERY, None)
-        where = "suffix" if any("{instruction}" in p for p in record.suffix) else "prefix"
-        assert "INSTR" in getattr(given, where) and "INSTR" not in getattr(
-            given, "prefix" if where == "suffix" else "suffix"
-        )
-        if record.default_instruction:
-            assert record.default_instruction in getattr(default, where)
-        else:  # mxbai: no instruction line at all without one
-            assert getattr(default, where) == getattr(given, where).replace("instruction: INSTR\n", "")
+        assert "INSTR" in getattr(given, where) and "INSTR" not in getattr(given, other)
+        if default_instruction:
+            assert default_instruction in getattr(default, where)
+        else:  # mxbai: no instruction line at all without one (instruction_prompt + sep)
+            assert getattr(default, where) == getattr(given, where).replace(
+                MXBAI_INSTRUCTION_PROMPT.format(instruction="INSTR") + MXBAI_SEP, ""
+            )
 
 
 # ---- truncation sides --------------------------------------------------------------------------------
@@ -338,6 +378,60 @@ def test_score_cuts_an_item_from_the_side_asked(tiny_scorer):
 
 
 # ---- the known-answer check at start -------------------------------------------------------------------
+CHECK_GAUGE = "prefixscore_template_check_passed{template=qwen3-reranker}"
+
+
+def model_relevance(scorer: Scorer) -> list[tuple[str, str, str, float, float]]:
+    """Each built-in triple with this model's relevance of its two documents, reranked in process
+    (apart from any server): (query, first, second, relevance of first, relevance of second)."""
+    out = []
+    for query, first, second in template_check.TRIPLES:
+        relevance = {r.index: r.relevance_score for r in scorer.rerank(query, [first, second])}
+        out.append((query, first, second, relevance[0], relevance[1]))
+    return out
+
+
+@contextlib.contextmanager
+def service_log() -> Iterator[list[dict]]:
+    """The service logger's events as the JSON lines an operator reads (telemetry/logs.py)."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("prefixscore.service")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # a pass is said at info, under the suite's usual level
+    logger.addHandler(handler)
+    events: list[dict] = []
+    try:
+        yield events
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        events.extend(json.loads(line) for line in stream.getvalue().splitlines())
+
+
+def test_the_known_answer_check_fails_where_the_model_ranks_a_triple_wrong(tiny_scorer, monkeypatch):
+    """The failure path: triples where this random model ranks the last one's documents the wrong
+    way round (its "relevant" document is the one the model scores lower, computed in process), the
+    first two the right way. The check must fail: gauge 0 and a `template_check` warning carrying
+    each triple's (relevant, irrelevant) relevance, the model's own."""
+    measured = model_relevance(tiny_scorer)
+    triples, want = [], []
+    for j, (query, first, second, r_first, r_second) in enumerate(measured):
+        right = (r_first > r_second) == (j < len(measured) - 1)  # the last triple wrong
+        triples.append((query, first, second) if right else (query, second, first))
+        want.append((r_first, r_second) if right else (r_second, r_first))
+    assert [a > b for a, b in want] == [True] * (len(want) - 1) + [False]
+    monkeypatch.setattr(template_check, "TRIPLES", tuple(triples))
+    with service_log() as events, ServerThread(server_config(tiny_scorer, warmup=True)) as srv:
+        wait_for(lambda: CHECK_GAUGE in scrape(srv.server.metrics_port), what="the template check")
+        assert scrape(srv.server.metrics_port)[CHECK_GAUGE] == 0.0
+    (line,) = [e for e in events if e["event"] == "template_check"]
+    assert (line["level"], line["template"], line["passed"]) == ("warning", "qwen3-reranker", False), line
+    # the log rounds to 4 places; the scores are the ones reranked in process (one device path)
+    np.testing.assert_allclose(line["relevance"], want, rtol=0, atol=1e-4)
+
+
 def test_the_known_answer_check_sets_its_gauge_and_the_model_description_says_why(tiny_scorer, monkeypatch):
     """After the warm-up the built-in triples are reranked once through the server's own path; the
     gauge says the relevant document won each. A random model wins by chance, so the triples here
@@ -348,20 +442,21 @@ def test_the_known_answer_check_sets_its_gauge_and_the_model_description_says_wh
 
     from prefixscore.client import ScoreClient
 
-    ordered = []
-    for query, first, second in template_check.TRIPLES:
-        relevance = {r.index: r.relevance_score for r in tiny_scorer.rerank(query, [first, second])}
-        ordered.append((query, first, second) if relevance[0] > relevance[1] else (query, second, first))
+    ordered = [
+        (query, first, second) if r_first > r_second else (query, second, first)
+        for query, first, second, r_first, r_second in model_relevance(tiny_scorer)
+    ]
     monkeypatch.setattr(template_check, "TRIPLES", tuple(ordered))
-    with ServerThread(server_config(tiny_scorer, warmup=True, http_port=0)) as srv:
-        name = "prefixscore_template_check_passed{template=qwen3-reranker}"
-        wait_for(lambda: name in scrape(srv.server.metrics_port), what="the template check")
-        assert scrape(srv.server.metrics_port)[name] == 1.0
+    with service_log() as events, ServerThread(server_config(tiny_scorer, warmup=True, http_port=0)) as srv:
+        wait_for(lambda: CHECK_GAUGE in scrape(srv.server.metrics_port), what="the template check")
+        assert scrape(srv.server.metrics_port)[CHECK_GAUGE] == 1.0
         card = httpx.get(f"http://127.0.0.1:{srv.server.http_port}/v1/models", timeout=30).json()["data"][0]
         with ScoreClient(srv.target) as client:
             info = client.model_info()
     assert card["template"] == info.template == "qwen3-reranker"
     assert card["template_reason"] == info.template_reason == "named by --template"
+    (line,) = [e for e in events if e["event"] == "template_check"]
+    assert (line["level"], line["passed"]) == ("info", True) and all(a > b for a, b in line["relevance"]), line
     # without a warm-up (as every other test server) the check does not run: no sample at all, also
     # once a rerank queued after where the check would be has come back
     with ServerThread(server_config(tiny_scorer)) as srv, ScoreClient(srv.target) as client:

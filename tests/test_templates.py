@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixscore.engine.templates import QWEN3_PREFIX, QWEN3_SUFFIX, RerankTemplate
+from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.validation import RerankInput
 
 QUERY = "What is the capital of China?"
@@ -14,6 +14,10 @@ INSTRUCTION = "Given a web search query, retrieve relevant passages that answer 
 
 
 # Qwen3-Reranker's model card, verbatim
+PUBLISHED_SYSTEM = (
+    "Judge whether the Document meets the requirements based on the Query and the Instruct provided. "
+    'Note that the answer can only be "yes" or "no".'
+)
 PUBLISHED_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
     'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
@@ -30,7 +34,6 @@ def test_qwen3_prompt_tokens_are_the_published_prompt_split_at_the_document(tiny
     tok = tiny_scorer.model.tokenizer
     checked = tiny_scorer.validator.rerank(RerankInput(QUERY, DOCS))
     req = checked.scored.request
-    assert (QWEN3_PREFIX, QWEN3_SUFFIX) == (PUBLISHED_PREFIX, PUBLISHED_SUFFIX)
     assert checked.scored.request.label_ids == RerankTemplate("qwen3-reranker", tok).label_ids
     for doc, item in zip(DOCS, req.items, strict=True):
         text = published_prompt(QUERY, doc)
@@ -59,9 +62,9 @@ def test_the_prompts_pieces_are_tokenized_apart_as_the_model_card_does(tiny_scor
     template = RerankTemplate("qwen3-reranker", tok)
     prompt = template.prompt(query, instruction)
     user = f"<Instruct>: {instruction or INSTRUCTION}\n<Query>: {query}\n<Document>:"
-    assert prompt.prefix == QWEN3_PREFIX + user
-    assert prompt.prefix_ids == tok.encode(QWEN3_PREFIX) + tok.encode(user)
-    assert prompt.suffix_ids == tok.encode(QWEN3_SUFFIX)
+    assert prompt.prefix == PUBLISHED_PREFIX + user
+    assert prompt.prefix_ids == tok.encode(PUBLISHED_PREFIX) + tok.encode(user)
+    assert prompt.suffix_ids == tok.encode(PUBLISHED_SUFFIX)
 
 
 def test_qwen3_relevance_is_p_yes_over_p_yes_plus_p_no_of_a_plain_forward(tiny_scorer):
@@ -91,7 +94,7 @@ def test_chat_template_uses_the_models_chat_template(tiny_scorer):
     doc = DOCS[0]
     rendered = tok.hf.apply_chat_template(
         [
-            {"role": "system", "content": template_system()},
+            {"role": "system", "content": PUBLISHED_SYSTEM},
             {"role": "user", "content": f"<Instruct>: {INSTRUCTION}\n<Query>: {QUERY}\n<Document>: {doc}"},
         ],
         tokenize=False,
@@ -99,12 +102,6 @@ def test_chat_template_uses_the_models_chat_template(tiny_scorer):
     )
     assert prompt.prefix + template.document_text(doc) + prompt.suffix == rendered
     assert prompt.suffix.endswith("<|im_start|>assistant\n")
-
-
-def template_system() -> str:
-    from prefixscore.engine.templates import QWEN3_SYSTEM
-
-    return QWEN3_SYSTEM
 
 
 def test_none_template_scores_query_then_document(tiny_scorer):
