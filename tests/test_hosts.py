@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import TINY_SHAPES
+from conftest import TINY_SHAPES, xla_flags
 from helpers.service import LABELS, scrape, serve_process, server_config, wait_for
 from test_prefix_affinity import envoy_in_front
 
@@ -89,7 +89,7 @@ class Group:
     ) -> None:
         """`follower`: what python runs for the last host instead of the CLI (a wrapper script)."""
         coordinator = f"127.0.0.1:{_coordinator_port()}"
-        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", **(env or {})}
+        env = {"XLA_FLAGS": xla_flags(DEVICES), **(env or {})}
         common = [*SERVE, *(model or []), "--num-hosts", str(hosts), "--coordinator", coordinator, *flags]
         self.hosts: list[tuple[subprocess.Popen, list[dict]]] = []
         for index in range(hosts):

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import xla_flags
 
 DEVICES = 8
 MESHES = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (8, 1)]  # (dp, tp)
@@ -37,7 +38,7 @@ TOLERANCE = 1e-5
 def parts() -> dict:
     """Every part's result, from ONE subprocess (one jax start, one in-process compile cache for
     the engines the parts share); a part that raised holds its traceback under "error"."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(DEVICES), "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])

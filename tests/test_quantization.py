@@ -46,7 +46,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import make_torch_model
+from conftest import make_torch_model, xla_flags
 from helpers.quant_reference import PUBLISHED_QMAX, full_precision_params, quantize_channels, reference_log_probs
 from helpers.quant_reference import reference_matmul as reference_matmul_of
 
@@ -160,7 +160,7 @@ class Part:
     files: a pipe nobody reads would stall it)."""
 
     def __init__(self, part: str) -> None:
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
+        env = {**os.environ, "XLA_FLAGS": xla_flags(DEVICES), "JAX_PLATFORMS": "cpu"}
         self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, __file__, part], env=env, stdout=self.out, stderr=self.err)
 

@@ -11,6 +11,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 from helpers.service import LABELS, scrape, serve_process, wait_for
 
 from prefixscore.client import ScoreClient
@@ -26,7 +27,7 @@ SERVE = [
 
 
 def _start(*flags: str) -> tuple[subprocess.Popen, list[dict]]:
-    return serve_process([*SERVE, *flags], {"XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"})
+    return serve_process([*SERVE, *flags], {"XLA_FLAGS": xla_flags(DEVICES)})
 
 
 def _event(events: list[dict], name: str) -> dict | None:
