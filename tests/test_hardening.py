@@ -178,6 +178,26 @@ def test_device_error_reaches_the_client_without_internals(server, client, monke
     assert len(client.score(QUERY, ["fine again"], LABELS).scores) == 1  # only that call failed
 
 
+def _queued_together(stub, worker, requests: list[tuple[list[int], list[list[int]], list[int]]]) -> list:
+    """Score futures of (query, items, labels) requests, all queued before the first call is
+    planned, so they ride in one device call."""
+    with worker.paused():
+        calls = [
+            stub.Score.future(
+                pb.ScoreRequest(
+                    query=pb.Input(token_ids=pb.TokenIds(ids=query)),
+                    items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in items],
+                    label_token_ids=labels,
+                ),
+                timeout=120,
+            )
+            for query, items, labels in requests
+        ]
+        queued = sum(len(items) for _, items, _ in requests)
+        wait_for(lambda: worker.depth == queued, 30, f"{len(requests)} queued requests")
+    return calls
+
+
 class _FailedReadBack:
     """What a call that fails on the device returns: reading it raises (np.asarray)."""
 
@@ -217,19 +237,7 @@ def test_a_request_that_fails_calls_fails_alone(server, stub, tiny_scorer, monke
 
     before = scrape(server.server.metrics_port)
     monkeypatch.setattr(engine, "launch", faulty)
-    with worker.paused():  # all 16 queued before the first call is planned
-        calls = [
-            stub.Score.future(
-                pb.ScoreRequest(
-                    query=pb.Input(token_ids=pb.TokenIds(ids=q)),
-                    items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in its],
-                    label_token_ids=LABELS,
-                ),
-                timeout=120,
-            )
-            for q, its in zip(queries, items, strict=True)
-        ]
-        wait_for(lambda: worker.depth == 48, 30, "16 queued requests")
+    calls = _queued_together(stub, worker, [(q, its, LABELS) for q, its in zip(queries, items, strict=True)])
     for k, call in enumerate(calls):
         if k == 5:
             with pytest.raises(grpc.RpcError) as err:
@@ -290,19 +298,7 @@ def test_a_failing_request_sharing_its_query_fails_alone(server, stub, tiny_scor
 
     before = scrape(server.server.metrics_port)
     monkeypatch.setattr(engine, "launch", faulty)
-    with worker.paused():  # all four queued before the first call is planned
-        calls = [
-            stub.Score.future(
-                pb.ScoreRequest(
-                    query=pb.Input(token_ids=pb.TokenIds(ids=query)),
-                    items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in its],
-                    label_token_ids=ls,
-                ),
-                timeout=120,
-            )
-            for its, ls in zip(items, label_sets, strict=True)
-        ]
-        wait_for(lambda: worker.depth == 16, 30, "4 queued requests")
+    calls = _queued_together(stub, worker, [(query, its, ls) for its, ls in zip(items, label_sets, strict=True)])
     with pytest.raises(grpc.RpcError) as err:
         calls[0].result()
     assert err.value.code() == Code.INTERNAL and "request id" in err.value.details()
