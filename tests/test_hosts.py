@@ -150,6 +150,17 @@ def _answers(target: str, http: str) -> dict[str, np.ndarray]:
     }
 
 
+def _ready(started: dict[str, Group]):
+    """The groups, once every one is ready; each stopped after the module."""
+    try:
+        for group in started.values():
+            group.wait_ready()
+        yield started
+    finally:
+        for group in started.values():
+            group.stop()
+
+
 @pytest.fixture(scope="module")
 def one_process(tiny_scorer) -> dict[str, np.ndarray]:
     """The same requests to one process on one device (an in-process server)."""
@@ -164,13 +175,7 @@ def groups():
     (every device a replica), compiling each shape on first use (warm-up is each host's own
     compile, tests/test_compile.py proves it; here it would only cost the suite time)."""
     started = {"2x4": Group(2, "--tp-size", "4"), "8x1": Group(2, "--dp-size", "8")}
-    try:
-        for group in started.values():
-            group.wait_ready()
-        yield started
-    finally:
-        for group in started.values():
-            group.stop()
+    yield from _ready(started)
 
 
 def _assert_close_and_telling(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
@@ -408,13 +413,7 @@ def failing_groups(stall_file):
         "silent": Group(2, *short),
         "stalling": Group(2, *short, follower=stalling, env={"PREFIXSCORE_TEST_STALL_FILE": str(stall_file)}),
     }
-    try:
-        for group in started.values():
-            group.wait_ready()
-        yield started
-    finally:
-        for group in started.values():
-            group.stop()
+    yield from _ready(started)
 
 
 def _score_fails_unavailable(group: Group) -> None:
