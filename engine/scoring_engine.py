@@ -149,6 +149,24 @@ class ScoringEngine:
         self._inputs_tree = jax.tree.structure(specs)
         self._input_dtypes = [spec.dtype for spec in jax.tree.leaves(specs)]
 
+    def replica(self) -> ScoringEngine:
+        """Another engine in this process over the same placed weights, layout, buckets and
+        attention, with a prefix pool (and pool pages) of its own: a second replica. Its
+        programs are this engine's, on inputs of the same shapes and shardings, so the two share
+        their executables: a shape either one compiled the other launches without tracing it."""
+        twin = ScoringEngine(
+            self.cfg,
+            self.params,
+            self.dtype,
+            self.buckets,
+            self.attn_impl,
+            mesh=self.layout,
+            compile_cache_dir=self.compile_cache_dir or compile_cache.OFF[0],
+            pool_bytes=self.pool_bytes,
+        )
+        twin._slots, twin._lock = self._slots, self._lock
+        return twin
+
     @property
     def n_devices(self) -> int:
         return len(self.devices)

@@ -69,6 +69,24 @@ def test_steady_state_traffic_compiles_nothing(engine: ScoringEngine) -> None:
     assert len(engine._slots) == slots
 
 
+def test_a_replica_shares_the_executables_and_has_a_pool_of_its_own(engine: ScoringEngine) -> None:
+    """engine.replica(): its traffic obtains no executable (none traced, none loaded from the
+    persistent cache) and scores exactly as the engine; a query the engine holds is new to it."""
+    rng = np.random.default_rng(2)
+    query = tuple(rng.integers(0, CFG.vocab_size, 200).tolist())
+    items = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (3, 40, 9)]
+    request = TokenizedRequest(query, items, (3, 7, 11), False, False)
+    want, _ = EngineRunner(engine).score_requests([request])
+    _, cached_again = EngineRunner(engine).score_requests([request])
+    assert cached_again == [len(query)]  # the engine holds the query
+    twin = engine.replica()
+    before = CompileCounter.obtained()
+    got, cached = EngineRunner(twin).score_requests([request])
+    assert CompileCounter.obtained() == before, "the replica obtained an executable"
+    assert cached == [0] and twin.pool_pages == engine.pool_pages  # its own pool, of the same size
+    np.testing.assert_array_equal(got[0], want[0])
+
+
 def test_persistent_cache_makes_restart_compile_nothing(tmp_path) -> None:
     """Two processes warm up with the default cache (under the user's cache directory, nothing
     configured): the second compiles nothing."""

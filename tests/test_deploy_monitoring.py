@@ -266,8 +266,7 @@ def stack(tmp_path_factory):
     port, metrics_port, prom_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp / "jax-cache"),
+        "HF_HUB_OFFLINE": "1",  # the run's compile cache: a shape another test compiled is loaded
         "JAX_PLATFORMS": "cpu",
     }
     server_log = tmp / "server.log"

@@ -12,10 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from conftest import SMALL_BUCKETS
-
 from prefixscore.bench import metrics
-from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.service.core import ServerConfig
 from prefixscore.service.process import ServerThread
 
@@ -63,13 +60,12 @@ def server_config(scorer, **overrides) -> ServerConfig:
 
 @contextlib.contextmanager
 def serving_replicas(scorer, n: int = 3) -> Iterator[list[ServerThread]]:
-    """`n` replicas of the scorer's model, each with its own engine and prefix pool."""
-    m = scorer.model
+    """`n` replicas of the scorer's model, each with its own engine and prefix pool (replicas of
+    the scorer's engine: they share its executables, so no shape is traced or compiled again)."""
     servers: list[ServerThread] = []
     try:
         for _ in range(n):
-            engine = ScoringEngine(m.cfg, m.params, m.dtype, SMALL_BUCKETS)
-            servers.append(ServerThread(server_config(scorer, engine=engine, http_port=0)).start())
+            servers.append(ServerThread(server_config(scorer, engine=scorer.engine.replica(), http_port=0)).start())
         yield servers
     finally:
         for srv in servers:
