@@ -7,6 +7,11 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The transformers oracles (and numpy's BLAS) on one thread, here and in every subprocess: torch's
+# idle OpenMP threads spin for each other, and on a saturated machine (CI: two cores, two pytest
+# workers, XLA compiling beside them) a tiny model's forward pass on two threads cost about 25x the
+# CPU of one. Only the threads that run an eager model change, not its arithmetic. Before torch starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # One persistent compile cache for the whole run: this process, pytest-xdist's workers and every
 # server, bench or mesh subprocess a test starts (they inherit the variable), so a shape compiles
 # once per run wherever it is first met. Fresh for each run unless the caller names one: a test
