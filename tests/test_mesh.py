@@ -53,7 +53,9 @@ def run_part(parts: dict, part: str) -> dict:
 def test_meshes_serve_like_one_device(parts) -> None:
     """Mixed calls with chunked prefills, the prefix cache, label softmax or not, item_first,
     isolation and steady state, on a data-only (8x1), a 2x2 and a model-only (1x4) mesh; a
-    restart on a mesh compiles nothing (the persistent cache)."""
+    restart on a mesh compiles nothing (the persistent cache). Each mesh is warmed up on the
+    shapes its calls take (warm-up's first stage: items alone and beside a prefill region), the
+    shapes steady state and the restart are counted over."""
     result = run_part(parts, "engine")
     assert set(result) == {"8x1", "2x2", "1x4"} and "restart_compilations" in result["2x2"]
     for mesh, r in result.items():
@@ -141,7 +143,7 @@ def test_checkpoints_load_onto_their_shards_and_score_like_transformers(parts) -
     """A safetensors checkpoint (Llama with q/k/v/o biases, 2 KV heads under tp=4: replicated),
     a GGUF file (Qwen2) and a Gemma 3 checkpoint (sliding windows, soft caps) load straight onto
     a mesh: every weight through the layout's placement, each device holding only its slice;
-    the mesh's scores equal transformers'."""
+    the mesh's scores equal transformers' (each checkpoint's query and items in one call)."""
     result = run_part(parts, "load")
     for name, r in result.items():
         assert r["placed"] == r["weights"], name  # every weight went to its shards as it was read
