@@ -387,15 +387,23 @@ def part_heads() -> dict:
 
 def part_collectives() -> dict:
     import jax
+    import jax.numpy as jnp
 
     from prefixscore.bench.collectives import format_traffic, traffic
-    from prefixscore.model.weights import flat_weights
+    from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.scoring_engine import ScoringEngine
+    from prefixscore.model.weights import flat_weights, random_params
 
-    cfg, _, _ = _engine_model()
+    cfg = _model()
+    buckets = Buckets(
+        context=256, tokens=(64,), prefill=(0, 128), labels=(4,), max_batch_tokens=64,
+        prefill_chunk=64, max_prefill_tokens=128, page_tokens=32, segments=8,
+    )  # fmt: skip
     out = {}
     for dp, tp in [(2, 2), (1, 4)]:
-        engine = _mesh_engine(dp, tp)  # the engine part's: its executables are compiled already
-        shape = max(engine.serving.call_shapes())  # the call with a prefill region
+        engine = ScoringEngine(cfg, random_params(cfg, 0, jnp.float32), "float32", buckets, mesh=MeshShape(dp, tp))
+        shape = max(buckets.call_shapes())  # the call with a prefill region
         report = traffic(engine, shape)
         found = report["collectives"]
         printed = format_traffic(report)  # what `prefixscore bench --collectives` prints
