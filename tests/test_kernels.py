@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,12 @@ from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttention
 
 IMPLS = ["xla", "pallas_tpu", "pallas_gpu"]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+# One jax.jit per function for the whole module, so cases of equal shapes reuse one trace and one
+# executable: an interpreted TPU kernel's program carries its callbacks, so a fresh trace of it is
+# a fresh compilation (it never hits the persistent cache). The oracle's answers depend only on a
+# case's inputs, not on the implementation under test: computed once per case, shared by the three.
+_jit = functools.cache(lambda fn: jax.jit(fn, static_argnames=("logits",)))
 
 
 @contextlib.contextmanager
@@ -97,6 +104,19 @@ def test_reference_is_the_definition(windowed: bool) -> None:
     np.testing.assert_allclose(np.asarray(got)[read], brute_force(x)[read], atol=2e-5, rtol=2e-5)
 
 
+@functools.cache
+def paged_case(dtype: str, windowed: bool) -> tuple[dict, jax.Array, tuple[jax.Array, jax.Array]]:
+    """test_paged_attention's input, and the oracle's paged_attention (in float32 from the same
+    rounded inputs) and paged_prefix_attention (in the input dtype) of it."""
+    window = dict(window=selfcheck.WINDOW, logits=selfcheck.LOGITS) if windowed else {}
+    x = selfcheck.case(8, 2, 64, dtype, seed=1, **window)
+    if not windowed:  # what a model without sliding layers traces (kernels/paged.py never_windowed)
+        x["meta"] = dataclasses.replace(x["meta"], window=NO_WINDOW)
+    f32 = {**x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v", "pool_k", "pool_v")}}
+    want = reference.paged_attention(f32["q"], f32["k"], f32["v"], f32["pool_k"], f32["pool_v"], x["meta"])
+    return x, want, reference.paged_prefix_attention(x["q"], x["pool_k"], x["pool_v"], x["meta"])
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 # windowed: a sliding window shorter than the prefixes, the chunk and the long items, a soft
 # cap and a scale of its own (bfloat16 without a window: tests/test_kernels_selfcheck.py)
@@ -104,12 +124,7 @@ def test_reference_is_the_definition(windowed: bool) -> None:
 def test_paged_attention(impl: str, dtype, windowed: bool) -> None:
     """A call's whole stream: a prefill chunk over its query's earlier pages, items of three
     queries over out-of-order pages, whole sequences over no prefix, padding; grouped-query."""
-    window = dict(window=selfcheck.WINDOW, logits=selfcheck.LOGITS) if windowed else {}
-    x = selfcheck.case(8, 2, 64, dtype, seed=1, **window)
-    if not windowed:  # what a model without sliding layers traces (kernels/paged.py never_windowed)
-        x["meta"] = dataclasses.replace(x["meta"], window=NO_WINDOW)
-    f32 = {**x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v", "pool_k", "pool_v")}}
-    want = reference.paged_attention(f32["q"], f32["k"], f32["v"], f32["pool_k"], f32["pool_v"], x["meta"])
+    x, want, (want_p, want_lse) = paged_case(jnp.dtype(dtype).name, windowed)
     with interpreted(impl):
         m = dispatch.get(impl)
         got = jax.jit(m.paged_attention)(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
@@ -118,7 +133,6 @@ def test_paged_attention(impl: str, dtype, windowed: bool) -> None:
     read = selfcheck.read_rows(x["meta"])
     close(got[read], want[read], dtype)
     if dtype == jnp.float32:
-        want_p, want_lse = reference.paged_prefix_attention(x["q"], x["pool_k"], x["pool_v"], x["meta"])
         assert lse_p.dtype == jnp.float32 and lse_p.shape == want_lse.shape
         sees = np.asarray(want_lse[:, 0]) > reference.MASK_VALUE / 2  # a prefix key, not all before its window
         assert sees.sum() > 300 and (read & ~sees).sum() > (100 if windowed else 0)
@@ -128,6 +142,17 @@ def test_paged_attention(impl: str, dtype, windowed: bool) -> None:
         assert (np.asarray(lse_p)[read & ~sees] <= reference.MASK_VALUE / 2).all()
 
 
+@functools.cache
+def ragged_case(lengths: tuple[int, ...], window: int | None) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
+    """test_ragged_item_attention's input (q, k, v, segment ids, window and logits) and the oracle's answer."""
+    rng = np.random.default_rng(len(lengths))
+    n, heads, kv, d = 256, 4, 2, 64
+    q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
+    seg = segments(list(lengths), n)
+    extra = {} if window is None else dict(window=jnp.int32(window), logits=selfcheck.LOGITS)
+    return (q, k, v, seg, extra), _jit(reference.ragged_item_attention)(q, k, v, seg, None, **extra)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     ("lengths", "window"),
@@ -135,14 +160,9 @@ def test_paged_attention(impl: str, dtype, windowed: bool) -> None:
     [([5, 70, 1, 20, 130, 3], None), ([256], None), ([64] * 4, None), ([1] * 200, None), ([5, 70, 1, 130, 40], 40)],
 )
 def test_ragged_item_attention(impl: str, lengths: list[int], window: int | None) -> None:
-    rng = np.random.default_rng(len(lengths))
-    n, heads, kv, d = 256, 4, 2, 64
-    q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
-    seg = segments(lengths, n)
-    extra = () if window is None else (jnp.int32(window), selfcheck.LOGITS)
-    want_out, want_lse = reference.ragged_item_attention(q, k, v, seg, None, *extra)
+    (q, k, v, seg, extra), (want_out, want_lse) = ragged_case(tuple(lengths), window)
     with interpreted(impl):
-        out, lse = dispatch.get(impl).ragged_item_attention(q, k, v, seg, jnp.int32(max(lengths)), *extra)
+        out, lse = _jit(dispatch.get(impl).ragged_item_attention)(q, k, v, seg, jnp.int32(max(lengths)), **extra)
     close(out, want_out, jnp.float32)
     close(lse, want_lse, jnp.float32)
 
