@@ -10,11 +10,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import SMALL_BUCKETS, make_torch_model, torch_label_probs
+from conftest import ONE_SHAPE_BUCKETS, make_torch_model, torch_label_probs
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from helpers.gguf_files import llama_cpp_permute_inverse, write_gguf
+from helpers.torch_threads import one_torch_thread
 
 from prefixscore import Scorer
 from prefixscore.model.config import UnsupportedModelError
@@ -32,6 +33,11 @@ ITEMS = [[7, 8, 9], [100], [250, 251, 252, 253, 254, 255, 256, 257, 258, 259]]
 LABELS = [1, 2, 300]
 # W8A16 and float weights against transformers on the same (dequantized) weights: float32 rounding
 LOG_TOLERANCE = 1e-5
+# one item bucket, one prefill bucket: every call here has a query's prefill beside its items, so
+# each model compiles one executable
+BUCKETS = ONE_SHAPE_BUCKETS
+
+_one_torch_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 @pytest.mark.parametrize(
@@ -50,7 +56,7 @@ def test_gguf_matches_dequantized_transformers(tmp_path, family, qtype):
     model = make_torch_model(family, seed=7)
     path = tmp_path / f"tiny-{family}.gguf"
     write_gguf(model, family, path, qtype)
-    scorer = Scorer.load(str(path), buckets=SMALL_BUCKETS)
+    scorer = Scorer.load(str(path), buckets=BUCKETS)
     assert scorer.cfg.family == family
     assert scorer.model.tokenizer is None  # no tokenizer metadata in this file: token ids still work
     # block formats stay 8-bit on the device (W8A16: model/quant.py), float ones as they were
@@ -93,8 +99,8 @@ def test_gemma_gguf_scores_as_its_safetensors_twin(tmp_path, arch):
     model.save_pretrained(tmp_path / "hf")
     write_gguf(model, arch, tmp_path / "twin.gguf", Q.F32)
     query = list(range(3, 63))  # 60 tokens: past the 48-token window
-    from_gguf = Scorer.load(str(tmp_path / "twin.gguf"), buckets=SMALL_BUCKETS)
-    from_hf = Scorer.load(str(tmp_path / "hf"), buckets=SMALL_BUCKETS)
+    from_gguf = Scorer.load(str(tmp_path / "twin.gguf"), buckets=BUCKETS)
+    from_hf = Scorer.load(str(tmp_path / "hf"), buckets=BUCKETS)
     assert dataclasses.replace(from_gguf.cfg, rms_norm_eps=0) == dataclasses.replace(from_hf.cfg, rms_norm_eps=0)
     got = np.log(np.array(from_gguf.score(query, ITEMS, LABELS)))
     np.testing.assert_allclose(got, np.log(np.array(from_hf.score(query, ITEMS, LABELS))), rtol=0, atol=1e-6)
@@ -139,7 +145,7 @@ def mixed(tmp_path_factory):
     write_gguf(model, "llama", root / "q4_k_m.gguf", _mixed_type)
     with pytest.MonkeyPatch.context() as mp:  # the converted weights in this module's own cache
         mp.setenv("PREFIXSCORE_CACHE", str(root / "cache"))
-        scorer = Scorer.load(str(root / "q4_k_m.gguf"), buckets=SMALL_BUCKETS)
+        scorer = Scorer.load(str(root / "q4_k_m.gguf"), buckets=BUCKETS)
     return root / "q4_k_m.gguf", model, scorer
 
 
@@ -181,7 +187,7 @@ def test_a_gemma_1_file_with_a_window_is_refused(tmp_path):
     path = tmp_path / "gemma.gguf"
     write_gguf(make_torch_model("gemma", seed=7), "gemma", path, Q.F32, {"{arch}.attention.sliding_window": 48})
     with pytest.raises(UnsupportedModelError, match="gemma.attention.sliding_window=48"):
-        Scorer.load(str(path), buckets=SMALL_BUCKETS)
+        Scorer.load(str(path), buckets=BUCKETS)
 
 
 def test_gguf_unsupported_architecture(tmp_path):

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import SMALL_BUCKETS, torch_label_probs
+from conftest import ONE_SHAPE_BUCKETS, torch_label_probs
+from helpers.torch_threads import one_torch_thread
 
 from prefixscore import Scorer
 
+# one item bucket, one prefill bucket: two executables per model, the two every test here needs
+# (queries' items beside their prefill; item_first sequences, no prefill). Its 128-token item region
+# holds the six items of a query (73 tokens) in one call and splits the item_first sequences (343
+# tokens) over three; its 16-token pages put the 45-token query on three pages.
+BUCKETS = ONE_SHAPE_BUCKETS
+_one_torch_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
+
 RNG = np.random.default_rng(1234)
 QUERY = RNG.integers(0, 320, 45).tolist()
-# different lengths in one call, across several item buckets (8, 16, 32, 64)
+# different lengths in one call
 ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 3, 9, 20, 33, 7)]
 LABELS = [5, 17, 319, 42]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -22,7 +30,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"])
 def test_matches_transformers(hf_checkpoints, family, dtype):
     path, torch_model = hf_checkpoints[family]
-    scorer = Scorer.load(str(path), dtype=dtype, buckets=SMALL_BUCKETS)
+    scorer = Scorer.load(str(path), dtype=dtype, buckets=BUCKETS)
     # Mistral runs Llama's decoder
     assert scorer.cfg.family == {"mistral": "llama", "gemma3_text": "gemma3"}.get(family, family)
     for apply_softmax in (False, True):
@@ -52,7 +60,7 @@ def test_per_layer_sliding_windows_match_transformers(tmp_path):
     for (name, a), b in zip(plain.state_dict().items(), sliding.state_dict().values(), strict=True):
         assert torch.equal(a, b), name  # the same weights: only the window differs
     sliding.save_pretrained(tmp_path)
-    scorer = Scorer.load(str(tmp_path), dtype="float32", buckets=SMALL_BUCKETS)
+    scorer = Scorer.load(str(tmp_path), dtype="float32", buckets=BUCKETS)
     assert scorer.cfg.layer_windows == (None, window)
     for item_first in (False, True):  # items over the cached query; whole sequences over no prefix
         seqs = [it + QUERY if item_first else QUERY + it for it in ITEMS]
@@ -73,8 +81,8 @@ def test_sharded_safetensors_load_identically(tmp_path):
     model.save_pretrained(single)
     model.save_pretrained(sharded, max_shard_size="50KB")
     assert (sharded / "model.safetensors.index.json").is_file()
-    a = Scorer.load(str(single), buckets=SMALL_BUCKETS).score(QUERY, ITEMS[:3], LABELS)
-    b = Scorer.load(str(sharded), buckets=SMALL_BUCKETS).score(QUERY, ITEMS[:3], LABELS)
+    a = Scorer.load(str(single), buckets=BUCKETS).score(QUERY, ITEMS[:3], LABELS)
+    b = Scorer.load(str(sharded), buckets=BUCKETS).score(QUERY, ITEMS[:3], LABELS)
     np.testing.assert_array_equal(np.array(a), np.array(b))
     want = torch_label_probs(model, [QUERY + it for it in ITEMS[:3]], LABELS, False)
     assert np.abs(np.array(a) - want).max() <= 1e-4
