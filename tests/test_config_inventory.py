@@ -24,7 +24,6 @@ import transformers
 from conftest import FAMILY_OPTIONS, ONE_SHAPE_BUCKETS, TINY_SHAPES, make_torch_model, torch_label_probs
 from gguf import GGMLQuantizationType as Q
 from helpers.gguf_files import write_gguf
-from helpers.torch_threads import one_torch_thread
 
 from prefixscore import Scorer
 from prefixscore.engine.validation import InvalidInput
@@ -38,8 +37,6 @@ RNG = np.random.default_rng(28)
 QUERIES = [RNG.integers(0, 320, n).tolist() for n in (20, 60)]  # inside and past a 48-token window
 ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 5, 13, 27)]
 LABELS = [3, 77, 319]
-
-_one_torch_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 def _field_trials(fields) -> list[tuple[str, object, bool]]:

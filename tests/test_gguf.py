@@ -15,7 +15,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from helpers.gguf_files import llama_cpp_permute_inverse, write_gguf
-from helpers.torch_threads import one_torch_thread
 
 from prefixscore import Scorer
 from prefixscore.model.config import UnsupportedModelError
@@ -36,8 +35,6 @@ LOG_TOLERANCE = 1e-5
 # one item bucket, one prefill bucket: every call here has a query's prefill beside its items, so
 # each model compiles one executable
 BUCKETS = ONE_SHAPE_BUCKETS
-
-_one_torch_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 @pytest.mark.parametrize(

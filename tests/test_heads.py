@@ -11,7 +11,6 @@ import pytest
 import torch
 import transformers
 from conftest import ONE_SHAPE_BUCKETS, make_torch_model, torch_label_probs
-from helpers.torch_threads import one_torch_thread
 
 from prefixscore import Scorer
 from prefixscore.engine.validation import InvalidInput
@@ -27,7 +26,6 @@ RNG = np.random.default_rng(41)
 QUERY = RNG.integers(0, 320, 37).tolist()
 ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 4, 11, 26)]
 
-_one_torch_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 # each family's classifier: label counts 1, 2, 3; named labels; a multi-label problem type
 HEADS = {
     "llama": dict(id2label={0: "negative", 1: "neutral", 2: "positive"}),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import ONE_SHAPE_BUCKETS, torch_label_probs
-from helpers.torch_threads import one_torch_thread
 
 from prefixscore import Scorer
 
@@ -14,7 +13,6 @@ from prefixscore import Scorer
 # holds the six items of a query (73 tokens) in one call and splits the item_first sequences (343
 # tokens) over three; its 16-token pages put the 45-token query on three pages.
 BUCKETS = ONE_SHAPE_BUCKETS
-_one_torch_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 RNG = np.random.default_rng(1234)
 QUERY = RNG.integers(0, 320, 45).tolist()
