@@ -25,7 +25,6 @@ BUCKETS = ONE_SHAPE_BUCKETS
 RNG = np.random.default_rng(41)
 QUERY = RNG.integers(0, 320, 37).tolist()
 ITEMS = [RNG.integers(0, 320, n).tolist() for n in (1, 4, 11, 26)]
-
 # each family's classifier: label counts 1, 2, 3; named labels; a multi-label problem type
 HEADS = {
     "llama": dict(id2label={0: "negative", 1: "neutral", 2: "positive"}),
