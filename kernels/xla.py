@@ -9,8 +9,8 @@ trip count is a runtime value skip the padding of a bucket entirely:
 - prefix part: per contiguous run of a segment, query blocks starting at the
   run's first token (no alignment needed) x chunks of the segment's pages
   gathered from the pool (an online softmax over the chunks its prefix fills):
-  cost follows the real prefix length; only steps past the keys every row of the
-  block sees are masked;
+  cost follows the real prefix length; whole chunks below the keys every row of the
+  block sees run unmasked, the finer steps after them masked;
 - prefill chunks: their K/V is in the pool before attention runs (the call writes
   it first), so a chunk's whole attention is its prefix part extended to each
   token's own position, in the same few large steps: no causal part, no merge
@@ -19,10 +19,11 @@ trip count is a runtime value skip the padding of a bucket entirely:
   softmax over two 32-token blocks; longer ones per 64-token query block over the
   key blocks from where its first item starts to the diagonal (a runtime trip count);
 - the merge: one fused elementwise pass.
-Sliding windows (kernels/paged.py): a prefix block whose rows all see from key 0 takes the
-steps above; one some row of which sees less starts its steps at the page of the first key
-any of its rows needs and masks every step (the block's rows span few positions, the window
-many: little is computed in vain). The item part keeps its paths while the window is no
+Sliding windows (kernels/paged.py): in a model with a sliding layer, each prefix block starts
+its steps at the page of the first key any of its rows needs (key 0 on a full layer) and masks
+every step (the block's rows span few positions, the window many: little is computed in vain).
+Only the query blocks and key steps a bucket can reach are compiled: compile time, not speed,
+is what the variants cost (docs/design.md). The item part keeps its paths while the window is no
 shorter than the longest item (it then hides nothing), else runs the long-item blocks from
 the first key block the window shows. A soft cap (AttentionLogits) is applied to the
 scaled scores before the masks.
@@ -358,8 +359,8 @@ def paged_prefix_rows(
     run's first token, then one block for the run's rest, the smallest of Q_TAILS that holds it;
     each block an online softmax over its segment's pages gathered from the pool: K_CHUNK keys a
     step, then K_TAIL-key steps, and one last step of K_TAIL or K_TAIL / 2 keys (a 300-token
-    prefix computes 384 keys, not 1,024); only steps past the keys every row of the block sees
-    are masked. On a windowed layer, a block some row of which sees from a later key than 0
+    prefix computes 384 keys, not 1,024); the chunk steps below the keys every row of the block
+    sees are unmasked, the K_TAIL steps masked. In a model with a sliding layer, every block
     takes the same kinds of steps from the page of the first key any row needs instead, all
     masked (kernels/paged.py: first_keys). Rows outside the run are left as they were.
 
@@ -384,6 +385,13 @@ def paged_prefix_rows(
     flat_v = pool_v.reshape(-1, page_tokens, d)
     head_index = (meta.layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)) * pool_pages
     starts, ends, count = segment_runs(meta.segment_ids, n, causal_split)
+    # Only the query blocks a run can need are compiled (each holds every key step of its size):
+    # a run stays within its region, so none is longer than the longer region; its rest after
+    # whole Q_BLOCKs, under Q_BLOCK tokens. Small buckets skip the big blocks (a third of their
+    # compile time); a bucket of Q_BLOCK tokens or more compiles them all.
+    longest = max(causal_split, n - causal_split)
+    rest_bound = min(longest, Q_BLOCK - 1)
+    tails = Q_TAILS[: next(i for i, size in enumerate(Q_TAILS) if size >= rest_bound) + 1]
     first_key = first_keys(meta)  # [n]
 
     def run(i: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -420,25 +428,23 @@ def paged_prefix_rows(
             )
 
         def plain_steps(qblk, limit: jax.Array, carry):
-            """Keys 0 .. max(limit): those below min(limit), which every row sees, unmasked."""
+            """Keys 0 .. max(limit): whole chunks below min(limit), which every row sees, unmasked;
+            then tail steps, masked. A tail step every row sees whole is masked too: its mask keeps
+            every score (the same arithmetic), costs a compare and a select per score beside the
+            two matmuls, and saves a third step body in every query block's program (compile time)."""
             lo, hi = jnp.min(limit), jnp.max(limit)
-            # keys below `lo` are seen by every row: whole chunks and tail steps, unmasked
             full = lo // chunk_keys
-            tails = (lo - full * chunk_keys) // tail_keys
-            seen = full * chunk_keys + tails * tail_keys
-            masked = (hi - seen) // tail_keys  # then masked tail steps up to `hi`
-            last_at = seen + masked * tail_keys
+            tails = (hi - full * chunk_keys) // tail_keys
+            last_at = full * chunk_keys + tails * tail_keys
             carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_keys, chunk_pages, cr, None), carry)
             carry = jax.lax.fori_loop(
-                0, tails, lambda c, cr: step(qblk, full * chunk_keys + c * tail_keys, tail_pages, cr, None), carry
-            )
-            carry = jax.lax.fori_loop(
-                0, masked, lambda c, cr: step(qblk, seen + c * tail_keys, tail_pages, cr, limit), carry
+                0, tails, lambda c, cr: step(qblk, full * chunk_keys + c * tail_keys, tail_pages, cr, limit), carry
             )
             return last_step(qblk, last_at, hi - last_at, carry, limit)
 
         def windowed_steps(qblk, limit: jax.Array, low: jax.Array, carry):
-            """Keys from the page of min(low) to max(limit), every step masked."""
+            """Keys from the page of min(low) to max(limit), every step masked (a full layer's rows:
+            low 0, so the plain steps' keys)."""
             base = jnp.min(low) // page_tokens * page_tokens
             span = jnp.maximum(jnp.max(limit) - base, 0)  # 0: no row sees a key (all before its window)
             full = span // chunk_keys
@@ -465,17 +471,13 @@ def paged_prefix_rows(
             limit = length + jnp.where(causal, row_token - start + 1, 0)
             low = jnp.take(first_key, row_token)  # [r]: and from the row's window on
             carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
-            # the windowed steps only where a window hides a key from a row that is read (padding
-            # rows' low is NO_WINDOW): on a layer without one, the plain steps always
+            # A model with a sliding layer takes the windowed steps on every layer, its full layers
+            # too (their rows' low is 0: the same keys, every step masked): one set of step bodies
+            # per query block instead of two under a branch, for a compare and a select per score
             if never_windowed(meta.window):  # no layer slides: the plain steps alone compile
                 carry = plain_steps(qblk, limit, carry)
             else:
-                carry = jax.lax.cond(
-                    jnp.max(jnp.where(low < NO_WINDOW, low, 0)) > 0,
-                    lambda cr: windowed_steps(qblk, limit, low, cr),
-                    lambda cr: plain_steps(qblk, limit, cr),
-                    carry,
-                )
+                carry = windowed_steps(qblk, limit, low, carry)
             out, lse = _finish(*carry, jnp.float32)
             mine = first_token + token < end  # [r]: rows of this run (the last block may overhang it)
             old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
@@ -486,15 +488,15 @@ def paged_prefix_rows(
             )
 
         tokens = jnp.where(causal | (length > 0), end - start, 0)
-        big = tokens // Q_BLOCK
-        outs = jax.lax.fori_loop(0, big, lambda b, o: block(start + b * Q_BLOCK, Q_BLOCK, o), outs)
-        rem = tokens - big * Q_BLOCK
-        rest_at = start + big * Q_BLOCK
-        # 0: no rest; k: the k-th of Q_TAILS is the smallest that holds it
-        kind = jnp.where(rem == 0, 0, 1 + sum((rem > size).astype(jnp.int32) for size in Q_TAILS[:-1]))
-        return jax.lax.switch(
-            kind, [lambda o: o] + [lambda o, size=size: block(rest_at, size, o) for size in Q_TAILS], outs
-        )
+        if longest >= Q_BLOCK:
+            big = tokens // Q_BLOCK
+            outs = jax.lax.fori_loop(0, big, lambda b, o: block(start + b * Q_BLOCK, Q_BLOCK, o), outs)
+            rem, rest_at = tokens - big * Q_BLOCK, start + big * Q_BLOCK
+        else:
+            rem, rest_at = tokens, start
+        # 0: no rest; k: the k-th of `tails` is the smallest that holds it
+        kind = jnp.where(rem == 0, 0, 1 + sum((rem > size).astype(jnp.int32) for size in tails[:-1]))
+        return jax.lax.switch(kind, [lambda o: o] + [lambda o, size=size: block(rest_at, size, o) for size in tails], outs)
 
     init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.full((kv_heads, rows), MASK_VALUE, jnp.float32))
     return jax.lax.fori_loop(0, count, run, init)
