@@ -418,12 +418,22 @@ def paged_prefix_rows(
                 sc = jnp.where(visible, sc, MASK_VALUE / scale)
             return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
 
-        def last_step(qblk, at: jax.Array, keys: jax.Array, carry, limit: jax.Array, low: jax.Array | None = None):
-            """The last `keys` (< a tail step) keys from `at`: one step of half or a whole tail step, masked."""
-            kind = jnp.where(keys <= 0, 0, jnp.where(keys <= last_pages[0] * page_tokens, 1, 2))
-            return jax.lax.switch(
-                kind,
-                [lambda cr: cr] + [lambda cr, p=p: step(qblk, at, p, cr, limit, low) for p in last_pages],
+        def tail_steps(qblk, at: jax.Array, keys: jax.Array, carry, limit: jax.Array, low: jax.Array | None = None):
+            """The `keys` keys from `at` in K_TAIL-key steps, masked; a rest of at most half a step in
+            one step of half, a longer rest in one more whole step (one loop body for both)."""
+            whole = keys // tail_keys
+            rest = keys - whole * tail_keys
+            half = last_pages[0] * page_tokens
+            carry = jax.lax.fori_loop(
+                0,
+                whole + (rest > half),
+                lambda c, cr: step(qblk, at + c * tail_keys, tail_pages, cr, limit, low),
+                carry,
+            )
+            return jax.lax.cond(
+                (rest > 0) & (rest <= half),
+                lambda cr: step(qblk, at + whole * tail_keys, last_pages[0], cr, limit, low),
+                lambda cr: cr,
                 carry,
             )
 
@@ -431,16 +441,11 @@ def paged_prefix_rows(
             """Keys 0 .. max(limit): whole chunks below min(limit), which every row sees, unmasked;
             then tail steps, masked. A tail step every row sees whole is masked too: its mask keeps
             every score (the same arithmetic), costs a compare and a select per score beside the
-            two matmuls, and saves a third step body in every query block's program (compile time)."""
+            two matmuls, and saves step bodies in every query block's program (compile time)."""
             lo, hi = jnp.min(limit), jnp.max(limit)
             full = lo // chunk_keys
-            tails = (hi - full * chunk_keys) // tail_keys
-            last_at = full * chunk_keys + tails * tail_keys
             carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_keys, chunk_pages, cr, None), carry)
-            carry = jax.lax.fori_loop(
-                0, tails, lambda c, cr: step(qblk, full * chunk_keys + c * tail_keys, tail_pages, cr, limit), carry
-            )
-            return last_step(qblk, last_at, hi - last_at, carry, limit)
+            return tail_steps(qblk, full * chunk_keys, hi - full * chunk_keys, carry, limit)
 
         def windowed_steps(qblk, limit: jax.Array, low: jax.Array, carry):
             """Keys from the page of min(low) to max(limit), every step masked (a full layer's rows:
@@ -448,18 +453,10 @@ def paged_prefix_rows(
             base = jnp.min(low) // page_tokens * page_tokens
             span = jnp.maximum(jnp.max(limit) - base, 0)  # 0: no row sees a key (all before its window)
             full = span // chunk_keys
-            tails = (span - full * chunk_keys) // tail_keys
-            last_at = base + full * chunk_keys + tails * tail_keys
             carry = jax.lax.fori_loop(
                 0, full, lambda c, cr: step(qblk, base + c * chunk_keys, chunk_pages, cr, limit, low), carry
             )
-            carry = jax.lax.fori_loop(
-                0,
-                tails,
-                lambda c, cr: step(qblk, base + full * chunk_keys + c * tail_keys, tail_pages, cr, limit, low),
-                carry,
-            )
-            return last_step(qblk, last_at, base + span - last_at, carry, limit, low)
+            return tail_steps(qblk, base + full * chunk_keys, span - full * chunk_keys, carry, limit, low)
 
         def block(first_token: jax.Array, size: int, outs: tuple[jax.Array, jax.Array]):
             r = size * group
@@ -496,7 +493,9 @@ def paged_prefix_rows(
             rem, rest_at = tokens, start
         # 0: no rest; k: the k-th of `tails` is the smallest that holds it
         kind = jnp.where(rem == 0, 0, 1 + sum((rem > size).astype(jnp.int32) for size in tails[:-1]))
-        return jax.lax.switch(kind, [lambda o: o] + [lambda o, size=size: block(rest_at, size, o) for size in tails], outs)
+        return jax.lax.switch(
+            kind, [lambda o: o] + [lambda o, size=size: block(rest_at, size, o) for size in tails], outs
+        )
 
     init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.full((kv_heads, rows), MASK_VALUE, jnp.float32))
     return jax.lax.fori_loop(0, count, run, init)
