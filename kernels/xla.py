@@ -21,12 +21,15 @@ trip count is a runtime value skip the padding of a bucket entirely:
 - the merge: one fused elementwise pass.
 Sliding windows (kernels/paged.py): in a model with a sliding layer, each prefix block starts
 its steps at the page of the first key any of its rows needs (key 0 on a full layer) and masks
-every step (the block's rows span few positions, the window many: little is computed in vain).
-Only the query blocks and key steps a bucket can reach are compiled: compile time, not speed,
-is what the variants cost (docs/design.md). The item part keeps its paths while the window is no
-shorter than the longest item (it then hides nothing), else runs the long-item blocks from
-the first key block the window shows. A soft cap (AttentionLogits) is applied to the
-scaled scores before the masks.
+every step (the block's rows span few positions, the window many: little is computed in vain);
+the item part's long-item blocks start at the first key block the window shows, and its short
+items' path is taken while the window is no shorter than the longest item (it then hides
+nothing). A soft cap (AttentionLogits) is applied to the scaled scores before the masks.
+Compile time: each query block size and key step is a copy of the step in the program, and
+those copies, not the model, are most of a small executable's compile time. So only the
+query blocks a bucket's runs can reach are compiled, the masked key steps share one loop
+body, and a model with a sliding layer compiles one set of steps, not a windowed and a plain
+one under a branch (a compare and a select per score, against two matmuls).
 Row sums of the softmax come out of the PV matmul (a ones column appended to V)
 rather than a separate reduction over the probabilities.
 
@@ -206,23 +209,25 @@ def ragged_rows(
     - otherwise query blocks of long_block tokens, each looping over the key blocks from
       the one where its first item starts to the diagonal (a per-block runtime trip count):
       a long item costs its causal triangle at block granularity, never the whole stream;
-    - a window shorter than the longest item: those blocks, each from the first key block
-      its window shows, masked by the window too.
+    - in a model with a sliding layer, those blocks always start at the first key block the
+      layer's window shows and mask by it too (a full layer's window shows every key), and the
+      short items' path is taken only where the window is no shorter than the longest item.
     Returns out [kv, n * g, d], lse [kv, n * g] (float32)."""
     n = kt.shape[1]
     short = min(ITEM_BLOCK, n)
     blk = min(long_block, n)
     bound = jnp.asarray(max_item_len)
+    # no layer slides: the blocks without a window mask; else the blocks masked by the layer's
+    # window (a full layer's NO_WINDOW masks nothing): one body of them compiles, not two
+    layer_window = None if never_windowed(window) else jnp.asarray(window)
     paths = [
         lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short, logits),
-        lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, None),
+        lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, layer_window),
     ]
-    kind = jnp.where(bound <= short + 1, 0, 1)
-    if never_windowed(window):  # no layer slides: the windowed path is not even compiled
-        return jax.lax.switch(kind, paths)
-    # a window no shorter than every item hides nothing: the windowless paths, unchanged
-    windowed = lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, jnp.asarray(window))  # noqa: E731
-    return jax.lax.switch(jnp.where(window < bound, 2, kind), [*paths, windowed])
+    short_items = bound <= short + 1
+    if layer_window is not None:  # a window shorter than an item hides keys the two blocks would see
+        short_items &= layer_window >= bound
+    return jax.lax.switch(jnp.where(short_items, 0, 1), paths)
 
 
 def _two_blocks(

@@ -156,8 +156,16 @@ def ragged_case(lengths: tuple[int, ...], window: int | None) -> tuple[tuple, tu
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     ("lengths", "window"),
-    # the last: a window (with a soft cap and a scale) that cuts the long items, not the short ones
-    [([5, 70, 1, 20, 130, 3], None), ([256], None), ([64] * 4, None), ([1] * 200, None), ([5, 70, 1, 130, 40], 40)],
+    # the last two: a window (with a soft cap and a scale) that cuts the long items, not the short
+    # ones; and one that cuts short items (all of them fit the two-block path, which sees no window)
+    [
+        ([5, 70, 1, 20, 130, 3], None),
+        ([256], None),
+        ([64] * 4, None),
+        ([1] * 200, None),
+        ([5, 70, 1, 130, 40], 40),
+        ([5, 20, 1, 30, 12], 8),
+    ],
 )
 def test_ragged_item_attention(impl: str, lengths: list[int], window: int | None) -> None:
     (q, k, v, seg, extra), (want_out, want_lse) = ragged_case(tuple(lengths), window)
