@@ -386,7 +386,8 @@ class ScoringEngine:
     ) -> dict[str, float]:
         """Compile the stages' shapes in order, each stage's in parallel (XLA compiles without
         the GIL); once a stage is compiled, calls are planned in its buckets and `on_stage()` is
-        called. `stop` set: no further shape is started. `nice`: the compiling threads' niceness
+        called. `stop` set: no further shape is started, and calls are planned in every bucket again
+        (compiling on first use). `nice`: the compiling threads' niceness
         (Linux), below the threads that serve while they compile. Returns {"executables",
         "compilations", "seconds"}; with a warm persistent cache, compilations is 0."""
         count, started = CompileCounter.count(), time.perf_counter()
@@ -407,6 +408,11 @@ class ScoringEngine:
                 self.serving = stage.buckets
                 if on_stage:
                     on_stage()
+        if stop is not None and stop.is_set():
+            # Stopped part-way (its server shut down): planning goes back to every bucket, each shape
+            # compiled on first use, as without a warm-up. The engine may outlive the server (a
+            # Scorer's, in process): work needing a later stage must not wait for one never coming.
+            self.serving = self.buckets
         return {
             "executables": total,
             "compilations": CompileCounter.count() - count,

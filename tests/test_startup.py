@@ -18,6 +18,7 @@ from helpers.service import LABELS, scrape, server_config, wait_for
 from prefixscore.client import ScoreClient
 from prefixscore.engine import compile_cache
 from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.scorer import EngineRunner
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.model.call_inputs import CallShape
 from prefixscore.service.process import ServerThread
@@ -133,7 +134,8 @@ def test_serve_early_off_compiles_everything_before_serving(tiny_scorer) -> None
 
 def test_stopping_during_the_background_warmup_fails_waiting_work_at_once(tiny_scorer) -> None:
     """Work waiting for a stage that will not come (the server stops) fails instead of keeping
-    the device loop, and the stop, waiting."""
+    the device loop, and the stop, waiting; the engine, once its server is gone, scores that work
+    in process (a stopped warm-up must not leave it waiting for the stage either)."""
     engine = _engine(tiny_scorer, SMALL_BUCKETS)
     first = set(engine.warmup_stages()[0].shapes)
     gate = threading.Event()
@@ -158,3 +160,11 @@ def test_stopping_during_the_background_warmup_fails_waiting_work_at_once(tiny_s
             assert srv.server.service.worker.depth == 0
     finally:
         gate.set()
+    # the engine outlives its server (as a Scorer's does in process): the stopped warm-up leaves it
+    # planning in every bucket, compiling on first use, so the long item is scored, not held forever
+    wait_for(lambda: not srv.server.service.compiling_in_background, 300, "the stopped warm-up's last compile")
+    assert engine.serving == SMALL_BUCKETS
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        later = pool.submit(EngineRunner(engine).score_requests, [tiny_scorer.tokenize(QUERY, LONG, LABELS)])
+        (scores,), _ = later.result(300)
+    np.testing.assert_allclose(scores, tiny_scorer.score(QUERY, LONG, LABELS), rtol=1e-5, atol=1e-6)
