@@ -292,9 +292,11 @@ def test_64_streams_with_cancels_deadlines_slow_readers_and_abandoned_ones(serve
         rss.append(_rss_bytes())
     assert scrape(server.server.metrics_port)["prefixscore_stream_backpressure_total"] > 0  # slow readers pushed
     # no growth past 10% of the first round's size (round 1 compiles and warms caches, so later
-    # rounds may well be smaller: the allocator gives compile-time memory back), and flat once warm
+    # rounds may well be smaller: the allocator gives compile-time memory back), and no growth
+    # once warm. A drop is no leak: this is the pytest worker's whole RSS, which also frees what
+    # earlier test files left (one CI-like run fell 11% between rounds 2 and 3)
     assert max(rss[1:]) <= 1.10 * rss[0], f"resident memory after each round: {rss}"
-    assert abs(rss[2] - rss[1]) <= 0.10 * rss[1], f"resident memory after each round: {rss}"
+    assert rss[2] - rss[1] <= 0.10 * rss[1], f"resident memory after each round: {rss}"
 
 
 def test_a_stream_closed_as_its_deadline_passes_ends_with_a_status(server):
