@@ -36,6 +36,7 @@ from prefixscore.engine.mesh import Layout, MeshShape, default_layout
 from prefixscore.engine.planner import CallBuilder, CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
 from prefixscore.kernels import dispatch, selfcheck
+from prefixscore.kernels.paged import pool_dtype
 from prefixscore.model import packed_baseline, step
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
 from prefixscore.model.config import DTYPES, ModelConfig
@@ -120,8 +121,9 @@ class ScoringEngine:
         self.page_bytes = page_bytes(cfg, dtype, self.buckets.page_tokens, self.layout.local_kv_heads)
         budget = self._pool_budget(pool_bytes, pool_memory_fraction)
         self.pool_pages = int(max(self.buckets.max_pages + 1, budget // self.page_bytes))
+        stored = pool_dtype(DTYPES[dtype], self._impl.POOL_AS_BITS)
         self._zeros = jax.jit(
-            lambda: jnp.zeros(self._pool_shape(), DTYPES[dtype]), out_shardings=self.layout.pool
+            lambda: jnp.zeros(self._pool_shape(), stored), out_shardings=self.layout.pool
         )  # made on the devices (each its own KV heads), never shipped
         self._pool = (self._zeros(), self._zeros())
         # which pages hold which query: one book for the one pool, whoever drives the engine

@@ -52,6 +52,26 @@ import jax.numpy as jnp
 NO_WINDOW = 2**30
 
 
+def pool_dtype(dtype: jnp.dtype, as_bits: bool) -> jnp.dtype:
+    """What the pool stores a model's K/V in: `dtype`, or with `as_bits` (an implementation's
+    POOL_AS_BITS) a 16-bit float's bits as uint16. XLA:CPU scatters into and gathers from a
+    16-bit float array by converting the whole operand to float32 and back: per layer, the
+    whole pool twice over for each of K and V (a bfloat16 SmolLM2 ran 5x slower than float32).
+    On integers both are plain copies; the same bytes, so pages and budgets are unchanged."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if as_bits and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 else dtype
+
+
+def to_pool(x: jax.Array, stored: jnp.dtype) -> jax.Array:
+    """K/V in the model's dtype -> what a pool of dtype `stored` holds (pool_dtype)."""
+    return jax.lax.bitcast_convert_type(x, stored) if stored != x.dtype and stored == jnp.uint16 else x
+
+
+def from_pool(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Values read from the pool (pages gathered, never the whole pool) -> the model's `dtype`."""
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 and x.dtype != dtype else x
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionLogits:
     """How raw scores q.k become attention logits (static per model, hashable): times `scale`

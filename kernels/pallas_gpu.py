@@ -62,6 +62,8 @@ __all__ = [
 # Segment starts (and the prefill region's length) are multiples of this, so one prefix
 # query block never straddles two segments' page tables.
 SEGMENT_ALIGN = 64
+# the pool holds K/V in the model's dtype (kernels/paged.py: pool_dtype)
+POOL_AS_BITS = False
 BLOCK_Q = SEGMENT_ALIGN  # prefix part: queries per program
 BLOCK_K = 64  # prefix part: keys per loop step (a page holds a whole number of them)
 ITEM_BLOCK = 64  # item part: queries per program and keys per step

@@ -70,6 +70,8 @@ LANES = 128
 ITEM_BLOCK = 128  # tokens per query / key block (a power of two, a lane width)
 # segments start on a query block: one block reads one segment's pages
 SEGMENT_ALIGN = ITEM_BLOCK
+# the pool holds K/V in the model's dtype (kernels/paged.py: pool_dtype)
+POOL_AS_BITS = False
 # K and V of one kv head's whole stream, double-buffered, must fit this share of VMEM
 VMEM_STREAM_BYTES = 16 << 20
 NT = (((1,), (1,)), ((), ()))  # dot_general dims for q @ k.T

@@ -27,6 +27,8 @@ from prefixscore.kernels.paged import (
 
 # the oracle takes a segment starting at any token
 SEGMENT_ALIGN = 1
+# the pool holds K/V in the model's dtype (kernels/paged.py: pool_dtype)
+POOL_AS_BITS = False
 
 # Finite, so a fully masked row gives a very negative LSE instead of NaN; the
 # merge then weighs that part by exp(-huge) = 0.

@@ -50,6 +50,7 @@ from prefixscore.kernels.paged import (
     AttentionLogits,
     PagedAttentionMeta,
     first_keys,
+    from_pool,
     never_windowed,
     segment_runs,
     segment_starts,
@@ -62,6 +63,9 @@ __all__ = ["merge_attention", "paged_attention", "paged_prefix_attention", "ragg
 # chunks of short queries pack back to back; a long query's chunks fall on block boundaries
 # anyway, being whole multiples of them)
 SEGMENT_ALIGN = 1
+# a 16-bit float model's pool holds its K/V bits as uint16 (kernels/paged.py: pool_dtype): XLA:CPU
+# would convert the whole pool to float32 around every page gather and pool write
+POOL_AS_BITS = True
 
 # Tile sizes (measured on a 2-core Sapphire Rapids, docs/benchmarks.md): a [kv, Q_BLOCK * group,
 # K_CHUNK] float32 score tile is a few MB; 32-token item blocks keep the item part's
@@ -341,13 +345,15 @@ def ragged_item_attention(
 
 
 def _segment_chunk(
-    flat_pool: jax.Array, index: jax.Array, pages: jax.Array, kv_heads: int, page_tokens: int
+    flat_pool: jax.Array, index: jax.Array, pages: jax.Array, kv_heads: int, page_tokens: int, dtype: jnp.dtype
 ) -> jax.Array:
     """Gather pages of every kv head straight into the [kv, pages * page_tokens, d] layout the
-    matmuls want. flat_pool: the pool viewed as [layers * kv * pool_pages, page_tokens, d] (a free
-    reshape, so no layer slice is ever copied); index: (layer * kv + head) * pool_pages per head."""
+    matmuls want, in the model's `dtype`. flat_pool: the pool viewed as [layers * kv * pool_pages,
+    page_tokens, d] (a free reshape, so no layer slice is ever copied; a 16-bit float model's as
+    uint16 bits, POOL_AS_BITS); index: (layer * kv + head) * pool_pages per head."""
     rows = index[:, None] + pages[None, :]  # [kv, chunk_pages]
-    return jnp.take(flat_pool, rows, axis=0).reshape(kv_heads, pages.shape[0] * page_tokens, -1)
+    chunk = from_pool(jnp.take(flat_pool, rows, axis=0), dtype)
+    return chunk.reshape(kv_heads, pages.shape[0] * page_tokens, -1)
 
 
 def paged_prefix_rows(
@@ -411,8 +417,8 @@ def paged_prefix_rows(
             """Keys at..at + n_pages * page_tokens; limit [r] (None: no mask): the keys each row sees
             are below it, and (low [r], a window's) from low on."""
             ids = jax.lax.dynamic_slice_in_dim(pages, at // page_tokens, n_pages)
-            kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens)
-            vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens))
+            kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens, qr.dtype)
+            vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens, qr.dtype))
             raw = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
             sc, scale = _logits(raw, meta.logits, d)
             if limit is not None:

@@ -19,7 +19,7 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta
+from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta, to_pool
 from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, CallInputs
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, norm, run_layers, softcap
@@ -93,8 +93,9 @@ def score_call(
         if split:  # every replica's prefill K/V into its pages first: later tokens read them
             with jax.named_scope("pool_write"):
                 at = (layer, slice(None), write_pages, write_offsets)
-                pk = pk.at[at].set(replicas.gather(k[0, :split]), mode="drop")  # padding's page: out of range
-                pv = pv.at[at].set(replicas.gather(v[0, :split]), mode="drop")
+                # padding's page: out of range; the pool may hold the K/V's bits (paged.pool_dtype)
+                pk = pk.at[at].set(to_pool(replicas.gather(k[0, :split]), pk.dtype), mode="drop")
+                pv = pv.at[at].set(to_pool(replicas.gather(v[0, :split]), pv.dtype), mode="drop")
         at = _at_layer(meta, layer, layer_windows) if windowed else dataclasses.replace(meta, layer=layer)
         out = impl.paged_attention(q[0], k[0], v[0], pk, pv, at)
         return out[None], (pk, pv)

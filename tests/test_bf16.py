@@ -1,9 +1,12 @@
 """bfloat16 end to end (weights, activations, the paged KV pool) with float32 softmax, LSE, merge
-and vocabulary normaliser: scores within 2e-2 of the float32 model."""
+and vocabulary normaliser: scores within 2e-2 of the float32 model. On CPU the pool holds the
+K/V's bfloat16 bits as uint16, and no compiled call converts the whole pool."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +44,8 @@ def score(engine: ScoringEngine, query: list[int], items: list[list[int]], label
 
 def compare(f32: ScoringEngine, bf16: ScoringEngine, query: list[int], items: list[list[int]], labels: list[int]):
     """Largest and mean absolute score differences, per head (label softmax, full vocabulary)."""
-    assert bf16._pool[0].dtype == jnp.bfloat16 and f32._pool[0].dtype == jnp.float32
+    # the CPU path's pool holds bfloat16 K/V as their bits (kernels/paged.py: pool_dtype)
+    assert bf16._pool[0].dtype == jnp.uint16 and f32._pool[0].dtype == jnp.float32
     a, b = score(f32, query, items, labels), score(bf16, query, items, labels)
     out = {}
     for i, name in ((0, "label_softmax"), (1, "vocab")):
@@ -50,6 +54,28 @@ def compare(f32: ScoringEngine, bf16: ScoringEngine, query: list[int], items: li
         out[f"{name}_mean"] = float(np.abs(a[i] - b[i]).mean())
     out["item_first_max"] = float(np.abs(a[2] - b[2]).max())
     return out
+
+
+def test_no_bf16_call_converts_the_whole_pool() -> None:
+    """XLA:CPU scatters into and gathers from a bfloat16 array by converting the whole operand to
+    float32 and back, hoisted out of the key-step loops: each layer of a call converted the
+    whole pool, twice for K and V (a bfloat16 SmolLM2 request took 5x its float32 time). In the
+    compiled call with a prefill region (pool writes and page gathers), no floating-point array
+    is as large as one pool."""
+    from conftest import ONE_SHAPE_BUCKETS, SMALL_QWEN3
+
+    from prefixscore.model.weights import random_params
+
+    engine = ScoringEngine(SMALL_QWEN3, random_params(SMALL_QWEN3, 0, jnp.bfloat16), "bfloat16", ONE_SHAPE_BUCKETS)
+    pool = engine._pool[0].size
+    shape = max(ONE_SHAPE_BUCKETS.call_shapes())  # with a prefill region
+    assert shape.prefill_tokens > 0
+    hlo = engine.lower_for(shape, "cpu").compile().as_text()
+    sizes = [
+        (kind, math.prod(int(n) for n in dims.split(",") if n))
+        for kind, dims in re.findall(r"= (f32|bf16|f16)\[([\d,]*)\]", hlo)
+    ]
+    assert sizes and max(n for _, n in sizes) < pool, [s for s in sizes if s[1] >= pool][:5]
 
 
 FACTS = [
