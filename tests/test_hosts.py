@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import TINY_SHAPES, xla_flags
-from helpers.service import LABELS, scrape, serve_process, server_config, wait_for
+from helpers.service import AS_DEPLOYED, LABELS, scrape, serve_process, server_config, wait_for
 from test_prefix_affinity import envoy_in_front
 
 from prefixscore.client import ScoreClient
@@ -94,7 +94,7 @@ class Group:
         self.hosts: list[tuple[subprocess.Popen, list[dict]]] = []
         for index in range(hosts):
             api = ["--port", "0", "--http-port", "0"] if index == 0 else []
-            launcher = follower if follower is not None and index == hosts - 1 else ("-m", "prefixscore.cli")
+            launcher = follower if follower is not None and index == hosts - 1 else AS_DEPLOYED
             self.hosts.append(serve_process([*common, *api, "--host-index", str(index)], env, launcher))
 
     @property

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from prefixscore.bench import metrics
 from prefixscore.service.core import ServerConfig
@@ -89,12 +90,17 @@ def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str =
         time.sleep(0.02)
 
 
+# the CLI as a serving image runs it, without torch (tests/helpers/cli_as_deployed.py)
+AS_DEPLOYED = (str(Path(__file__).with_name("cli_as_deployed.py")),)
+
+
 def serve_process(
-    args: list[str], env: dict[str, str] | None = None, launcher: Sequence[str] = ("-m", "prefixscore.cli")
+    args: list[str], env: dict[str, str] | None = None, launcher: Sequence[str] = AS_DEPLOYED
 ) -> tuple[subprocess.Popen, list[dict]]:
     """`prefixscore serve ARGS --log-format json` as a subprocess (`launcher`: what python runs,
-    a script wrapping the CLI for a test), and its log events as they come (a thread reads
-    stderr; a line that is not JSON becomes {"event": "raw", "line": ...})."""
+    by default the CLI without torch as deployed, or a script wrapping the CLI for a test), and its
+    log events as they come (a thread reads stderr; a line that is not JSON becomes
+    {"event": "raw", "line": ...})."""
     proc = subprocess.Popen(
         [sys.executable, *launcher, "serve", *args, "--log-format", "json"],
         stdout=subprocess.DEVNULL,

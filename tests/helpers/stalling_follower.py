@@ -10,8 +10,10 @@ import os
 import sys
 import threading
 
-from prefixscore import cli
-from prefixscore.engine.step_channel import CALL, Step, StepFollower
+sys.modules["torch"] = None  # type: ignore[assignment]  # as deployed (tests/helpers/cli_as_deployed.py)
+
+from prefixscore import cli  # noqa: E402
+from prefixscore.engine.step_channel import CALL, Step, StepFollower  # noqa: E402
 
 TRIGGER = os.environ["PREFIXSCORE_TEST_STALL_FILE"]
 received = StepFollower.receive
