@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -520,21 +521,21 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:
     keys = layer_keys(cfg)
     head = output_head(cfg)
 
+    wanted = {f"layers.{name}": shapes[name] for name in keys}
+    wanted |= {"embed": (cfg.vocab_size, h), "final_norm": (h,)}
+    if head.weight is not None:
+        wanted[head.weight] = head.shape
+
     @jax.jit
     def build(key: jax.Array) -> Weights:
-        ks = jax.random.split(key, len(keys) + 3)
-
-        def draw(k: jax.Array, shape: tuple[int, ...], name: str) -> jax.Array:
-            noise = jax.random.normal(k, shape, jnp.float32)
-            if name.endswith("norm"):
-                return (1.0 + 0.1 * noise).astype(dtype)
-            return (0.02 * noise).astype(dtype)
-
-        flat = {f"layers.{name}": draw(k, shapes[name], name) for name, k in zip(keys, ks[3:], strict=True)}
-        flat["embed"] = draw(ks[0], (cfg.vocab_size, h), "embed")
-        flat["final_norm"] = draw(ks[1], (h,), "final_norm")
-        if head.weight is not None:
-            flat[head.weight] = draw(ks[2], head.shape, head.weight)
+        # one normal draw cut into the weights: a generator per weight compiled one threefry
+        # program each, about 2 s of XLA:CPU compile for every config a test builds
+        noise = jax.random.normal(key, (sum(math.prod(shape) for shape in wanted.values()),), jnp.float32)
+        flat, at = {}, 0
+        for name, shape in wanted.items():
+            part = noise[at : at + math.prod(shape)].reshape(shape)
+            at += math.prod(shape)
+            flat[name] = ((1.0 + 0.1 * part) if name.endswith("norm") else (0.02 * part)).astype(dtype)
         return weights_from_flat(flat)
 
     return build(jax.random.key(seed))
