@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.service import LABELS, SERVE, scrape, serve_process, wait_for
+from helpers.service import LABELS, SERVE, ServerLog, scrape, serve_process, wait_for
 
 from prefixscore import cli
 from prefixscore.client import ScoreClient
@@ -30,7 +30,7 @@ ITEMS = ["The Seine flows through Paris.", "Cats sleep a lot."]
 @dataclasses.dataclass
 class Served:
     proc: subprocess.Popen
-    events: list[dict]
+    events: ServerLog
     target: str = ""
     metrics_port: int = 0
     http_port: int = 0
@@ -189,7 +189,7 @@ def test_sigterm_drains_then_exits(served, tiny_scorer):
     assert usage.items == 2
     assert served.proc.wait(60) == 0
     channel.close()
-    names = [e.get("event") for e in served.events]
+    names = [e.get("event") for e in served.events.complete()]
     assert names.index("draining") < names.index("stopped")
 
 

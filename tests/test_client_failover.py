@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from helpers.service import LABELS, SERVE, scrape, serve_process, wait_for
+from helpers.service import LABELS, SERVE, ServerLog, scrape, serve_process, wait_for
 
 from prefixscore.client import AsyncScoreClient, Retry, ScoreClient
 from prefixscore.client.channel import channel_options, ring_hash_service_config, service_config
@@ -36,7 +36,7 @@ BATCHES = [
 @dataclasses.dataclass
 class Replica:
     proc: subprocess.Popen
-    events: list[dict]
+    events: ServerLog
     port: int = 0
     metrics_port: int = 0
 

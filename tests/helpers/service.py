@@ -94,13 +94,28 @@ def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str =
 AS_DEPLOYED = (str(Path(__file__).with_name("cli_as_deployed.py")),)
 
 
+class ServerLog(list):
+    """A served process's log events, appended as they come; `ended` is set once its stderr
+    closed (the process exited and every line it wrote has been read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = threading.Event()
+
+    def complete(self, timeout: float = 30.0) -> ServerLog:
+        """Every event, once the process's last line has been read: a line written just before
+        the process exits reaches this list after `wait()` returns, on the reader's thread."""
+        assert self.ended.wait(timeout), f"stderr still open {timeout}s later: {self[-5:]}"
+        return self
+
+
 def serve_process(
     args: list[str], env: dict[str, str] | None = None, launcher: Sequence[str] = AS_DEPLOYED
-) -> tuple[subprocess.Popen, list[dict]]:
+) -> tuple[subprocess.Popen, ServerLog]:
     """`prefixscore serve ARGS --log-format json` as a subprocess (`launcher`: what python runs,
     by default the CLI without torch as deployed, or a script wrapping the CLI for a test), and its
     log events as they come (a thread reads stderr; a line that is not JSON becomes
-    {"event": "raw", "line": ...})."""
+    {"event": "raw", "line": ...}; ServerLog.complete() once it exited)."""
     proc = subprocess.Popen(
         [sys.executable, *launcher, "serve", *args, "--log-format", "json"],
         stdout=subprocess.DEVNULL,
@@ -108,7 +123,7 @@ def serve_process(
         text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
     )
-    events: list[dict] = []
+    events = ServerLog()
 
     def read_logs() -> None:
         for line in proc.stderr:
@@ -116,6 +131,7 @@ def serve_process(
                 events.append(json.loads(line))
             except json.JSONDecodeError:
                 events.append({"event": "raw", "line": line})
+        events.ended.set()
 
     threading.Thread(target=read_logs, daemon=True).start()
     return proc, events
