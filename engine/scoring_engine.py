@@ -430,10 +430,11 @@ class ScoringEngine:
 
     def check_attention(self) -> dict[str, float]:
         """The attention implementation against the reference at this model's head shapes and
-        dtype, on this process's device (kernels/selfcheck.py). Returns max errors per call;
-        raises selfcheck.KernelCheckFailed past the tolerance."""
+        dtype, on this process's device (kernels/selfcheck.py), once per process for those (a
+        replica's check is its twin's). Returns max errors per call; raises
+        selfcheck.KernelCheckFailed past the tolerance."""
         heads, kv = self.layout.local_heads, self.layout.local_kv_heads  # each device's
-        return selfcheck.verify(self.attn_impl, self._impl, heads, kv, self.cfg.head_dim, self.dtype)
+        return selfcheck.verify_once(self.attn_impl, self._impl, heads, kv, self.cfg.head_dim, self.dtype)
 
     # ---- running a plan -----------------------------------------------------------
     def launch(self, plan: CallPlan) -> jax.Array:

@@ -86,3 +86,22 @@ def test_server_with_wrong_kernels_never_serves(monkeypatch):
         assert not srv.server.service.ready
     finally:
         srv.stop()
+
+
+def test_an_engine_checks_once_per_process_and_a_failing_kernel_fails_every_engine(monkeypatch, tiny_scorer):
+    """A second engine of the same attention shapes in the process (here a replica) takes the
+    first one's errors instead of running the check again; a failing implementation still
+    fails every engine, the second from the kept errors."""
+    from helpers import broken_attention
+
+    computed = []
+    check = selfcheck.check
+    monkeypatch.setattr(selfcheck, "check", lambda impl, *a: computed.append(impl) or check(impl, *a))
+    monkeypatch.setattr(selfcheck, "_CHECKED", {})  # as in a fresh process
+    engine = tiny_scorer.engine
+    errors = engine.check_attention()
+    assert engine.replica().check_attention() == errors and computed == [xla]
+    for _ in range(2):
+        with pytest.raises(selfcheck.KernelCheckFailed, match=r"'broken'.*paged_attention off by"):
+            selfcheck.verify_once("broken", broken_attention, *BENCH_CPU, "float32")
+    assert computed == [xla, broken_attention]
