@@ -64,12 +64,12 @@ def pool_dtype(dtype: jnp.dtype, as_bits: bool) -> jnp.dtype:
 
 def to_pool(x: jax.Array, stored: jnp.dtype) -> jax.Array:
     """K/V in the model's dtype -> what a pool of dtype `stored` holds (pool_dtype)."""
-    return jax.lax.bitcast_convert_type(x, stored) if stored != x.dtype and stored == jnp.uint16 else x
+    return jax.lax.bitcast_convert_type(x, stored) if stored == jnp.uint16 else x
 
 
 def from_pool(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Values read from the pool (pages gathered, never the whole pool) -> the model's `dtype`."""
-    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 and x.dtype != dtype else x
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
 @dataclasses.dataclass(frozen=True)

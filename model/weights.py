@@ -530,11 +530,12 @@ def random_params(cfg: ModelConfig, seed: int, dtype: jnp.dtype) -> Weights:
     def build(key: jax.Array) -> Weights:
         # one normal draw cut into the weights: a generator per weight compiled one threefry
         # program each, about 2 s of XLA:CPU compile for every config a test builds
-        noise = jax.random.normal(key, (sum(math.prod(shape) for shape in wanted.values()),), jnp.float32)
+        sizes = {name: math.prod(shape) for name, shape in wanted.items()}
+        noise = jax.random.normal(key, (sum(sizes.values()),), jnp.float32)
         flat, at = {}, 0
         for name, shape in wanted.items():
-            part = noise[at : at + math.prod(shape)].reshape(shape)
-            at += math.prod(shape)
+            part = noise[at : at + sizes[name]].reshape(shape)
+            at += sizes[name]
             flat[name] = ((1.0 + 0.1 * part) if name.endswith("norm") else (0.02 * part)).astype(dtype)
         return weights_from_flat(flat)
 

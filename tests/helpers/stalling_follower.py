@@ -10,10 +10,9 @@ import os
 import sys
 import threading
 
-sys.modules["torch"] = None  # type: ignore[assignment]  # as deployed (tests/helpers/cli_as_deployed.py)
+from cli_as_deployed import cli  # as deployed: without torch (first, before anything imports it)
 
-from prefixscore import cli  # noqa: E402
-from prefixscore.engine.step_channel import CALL, Step, StepFollower  # noqa: E402
+from prefixscore.engine.step_channel import CALL, Step, StepFollower
 
 TRIGGER = os.environ["PREFIXSCORE_TEST_STALL_FILE"]
 received = StepFollower.receive
