@@ -46,19 +46,13 @@ from helpers.deploy import (
     with_bool,
 )
 from helpers.prerequisites import missing
+from helpers.service import SERVE_BUCKETS
 
 RULE_TESTS = sorted((DEPLOY / "prometheus" / "tests").glob("*.test.yml"))
 SCRAPE_LABELS = {"cluster": "e2e", "namespace": "prefixscore-e2e", "pod": "prefixscore-e2e-0"}
 JOB = "prefixscore"
-# Small shape buckets: the tiny model compiles in seconds on a shared CPU.
-SERVE_FLAGS = [
-    "--max-prefill-tokens",
-    "256",
-    "--max-batch-tokens",
-    "256",
-    "--log-format",
-    "text",
-]
+# the test servers' small shape buckets: the tiny model compiles in seconds on a shared CPU
+SERVE_FLAGS = [*SERVE_BUCKETS, "--log-format", "text"]
 LABEL_IDS = [1, 2]
 
 

@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import TINY_SHAPES, xla_flags
-from helpers.service import AS_DEPLOYED, LABELS, scrape, serve_process, server_config, wait_for
+from helpers.service import AS_DEPLOYED, LABELS, SERVE_BUCKETS, scrape, serve_process, server_config, wait_for
 from test_prefix_affinity import envoy_in_front
 
 from prefixscore.client import ScoreClient
@@ -55,7 +55,7 @@ PROB_TOL = 1e-5
 SHORT_HOST_TIMEOUT = 4.0
 SERVE = [
     "--model", "tiny-qwen3", "--host", "127.0.0.1", "--metrics-port", "0",
-    "--max-prefill-tokens", "256", "--max-batch-tokens", "256", "--drain-seconds", "30",
+    *SERVE_BUCKETS, "--drain-seconds", "30",
     "--host-timeout", str(HOST_TIMEOUT), "--template", "qwen3-reranker", "--warmup", "false",
     "--classify-labels", *CLASSIFY_LABELS,
 ]  # fmt: skip

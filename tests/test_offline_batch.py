@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import SMALL_BUCKETS
-from helpers.service import AS_DEPLOYED, scrape, server_config, wait_for
+from helpers.service import AS_DEPLOYED, SERVE_BUCKETS, scrape, server_config, wait_for
 
 from prefixscore.service.core import ServerConfig
 from prefixscore.service.process import ServerThread
@@ -158,18 +158,8 @@ def test_killed_and_resumed_answers_every_line_once_like_the_http_api(tmp_path, 
     cut_id = json.loads(complete[len(keep) :])["custom_id"]
     out.write_bytes(keep + complete[len(keep) : len(keep) + 40])
 
-    # the test servers' buckets (helpers/service.py SERVE): shapes other tests may have compiled
-    args = [
-        *common,
-        "--model",
-        "tiny-qwen3",
-        "--template",
-        "none",
-        "--max-batch-tokens",
-        "256",
-        "--max-prefill-tokens",
-        "256",
-    ]
+    # the test servers' buckets: shapes other tests may have compiled
+    args = [*common, "--model", "tiny-qwen3", "--template", "none", *SERVE_BUCKETS]
     refused = batch(*args)
     refused.communicate(timeout=120)
     assert refused.returncode == 2  # an output with lines is not overwritten without --resume

@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 from conftest import xla_flags
-from helpers.service import LABELS, scrape, serve_process, wait_for
+from helpers.service import LABELS, SERVE_BUCKETS, scrape, serve_process, wait_for
 
 from prefixscore.client import ScoreClient
 
@@ -21,8 +21,7 @@ QUERY = "Is this sentence about rivers?"
 ITEMS = ["The Seine flows through Paris.", "Cats sleep a lot.", "The Rhine rises in the Alps."]
 SERVE = [
     "--model", "tiny-qwen3", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-    "--http-port", "0", "--template", "none", "--warmup", "false", "--max-prefill-tokens", "256",
-    "--max-batch-tokens", "256",
+    "--http-port", "0", "--template", "none", "--warmup", "false", *SERVE_BUCKETS,
 ]  # fmt: skip
 
 

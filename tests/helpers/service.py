@@ -19,6 +19,9 @@ from prefixscore.service.process import ServerThread
 
 LABELS = [28, 1017]  # two token ids of the tiny-qwen3 (SmolLM2) vocabulary
 ITEMS = [[7, 8, 9], [100, 101], [250, 251, 252, 253]]  # three items of token ids, of three lengths
+# the test servers' buckets: tiny-qwen3 compiles each in seconds, and every server, batch run and
+# group of hosts given them compiles the same shapes (one compile cache for the run)
+SERVE_BUCKETS = ["--max-prefill-tokens", "256", "--max-batch-tokens", "256"]
 # `prefixscore serve` of tiny-qwen3 on free loopback ports, small buckets, no warm-up: up in seconds
 SERVE = [
     "--model",
@@ -35,10 +38,7 @@ SERVE = [
     "none",
     "--warmup",
     "false",
-    "--max-prefill-tokens",
-    "256",
-    "--max-batch-tokens",
-    "256",
+    *SERVE_BUCKETS,
     "--drain-seconds",
     "60",
 ]
