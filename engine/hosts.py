@@ -93,8 +93,9 @@ class HostGroup:
 def join(group: HostGroup) -> None:
     """Join the group's JAX runtime (before any device is touched; once: a second call is a
     no-op); a group of one: nothing.
-    Returns once every host has joined; JAX's own heartbeat, the backstop behind the step
-    channel's (engine/step_channel.py), ends a process whose peers are gone."""
+    Returns once every host has joined. JAX's own client ends a process whose peers are gone: at
+    once when the leader, which runs JAX's coordination service, dies (racing the step channel,
+    engine/step_channel.py, which logs `leader_lost`), or after its heartbeat timeout."""
     if not group.several or jax.distributed.is_initialized():
         return
     # CPU processes exchange their collectives over gloo (TCP); accelerators use their own links
