@@ -8,8 +8,8 @@ simulated CPU devices each, one JAX runtime over gloo collectives (engine/hosts.
 - a follower SIGKILLed under load: the leader goes NOT_SERVING and exits non-zero within the
   README's 5 s, and every request ends with a status; behind Envoy with a second group, nothing
   is lost; a follower silent (SIGSTOP) or sent a call it never starts: the leader exits within
-  `--host-timeout` + 5 s; the leader gone, its followers exit; the leader drained (SIGTERM),
-  they exit 0.
+  `--host-timeout` + 5 s; the leader gone, its followers exit (a silent leader: within
+  `--host-timeout` + 5 s, `leader_lost` logged); the leader drained (SIGTERM), they exit 0.
 """
 
 from __future__ import annotations
@@ -422,14 +422,15 @@ def stall_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def failing_groups(stall_file):
-    """Two 8x1 groups to fail, started together, with a short `--host-timeout`: one whose
-    follower goes silent, one whose follower holds a call (tests/helpers/stalling_follower.py).
-    Their tests come last: the other groups' processes are gone by then."""
+    """Three 8x1 groups to fail, started together, with a short `--host-timeout`: one whose
+    follower goes silent, one whose follower holds a call (tests/helpers/stalling_follower.py),
+    one whose leader goes silent. Their tests come last: the other groups' processes are gone by then."""
     short = ("--dp-size", "8", "--host-timeout", str(SHORT_HOST_TIMEOUT))
     stalling = [str(Path(__file__).parent / "helpers" / "stalling_follower.py")]
     started = {
         "silent": Group(2, *short),
         "stalling": Group(2, *short, follower=stalling, env={"PREFIXSCORE_TEST_STALL_FILE": str(stall_file)}),
+        "silent leader": Group(2, *short),
     }
     yield from _ready(started)
 
@@ -471,3 +472,19 @@ def test_a_call_sent_and_never_started_fails_the_group(failing_groups, stall_fil
     assert group.leader.returncode != 0
     lost = group.event("worker_failed")["error"]
     assert "host 1 has not started call" in lost, lost
+
+
+def test_a_silent_leader_ends_its_follower_within_the_host_timeout(failing_groups):
+    """A leader alive but sending nothing (SIGSTOP): its follower hears nothing for
+    `--host-timeout`, logs `leader_lost` and exits non-zero within `--host-timeout` + 5 s. JAX's
+    own heartbeat (3 x `--host-timeout`) comes later and the leader's TCP connections stay open,
+    so here the step channel alone ends the follower (a SIGKILLed leader races JAX's client)."""
+    group = failing_groups["silent leader"]
+    follower = group.hosts[1][0]
+    exited = _exit_clock(follower)
+    group.leader.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    _exited_within(exited, stopped, SHORT_HOST_TIMEOUT + EXIT_BOUND_S)
+    assert follower.returncode != 0
+    lost = group.event("leader_lost", 1)
+    assert lost is not None and "the leader sent nothing for" in lost["error"], group.hosts[1][1][-10:]
