@@ -506,7 +506,7 @@ def paged_prefix_rows(
             # branch's), the same blocks in the same order
             whole = tokens // Q_BLOCK
             rem = tokens - whole * Q_BLOCK
-            longer = rem > (smaller[-1] if smaller else 0)
+            longer = rem > smaller[-1]  # Q_TAILS starts below Q_BLOCK: `smaller` is never empty
             trips = whole + longer.astype(jnp.int32)
             outs = jax.lax.fori_loop(0, trips, lambda b, o: block(start + b * Q_BLOCK, Q_BLOCK, o), outs)
             rem, rest_at = jnp.where(longer, 0, rem), start + whole * Q_BLOCK
