@@ -10,6 +10,12 @@ kernels/reference.py computed on the same device at full precision. A mismatch s
 start-up with a message naming the function, instead of serving wrong scores. An engine
 checks once per process for its implementation, head shapes and dtype (verify_once).
 
+A passing check's errors are also kept beside jax's persistent compile cache, keyed by
+everything that decides the programs it ran and the device they ran on (verdict_key): a
+restarted server whose executables come from that cache takes the kept errors instead of
+tracing, compiling and running the check again (4-8 s of every restart on CPU). A failing
+check is never kept, so it runs again on every start.
+
 `case()` is also the kernel tests' input: one generator of the stream shapes every
 implementation must get right.
 """
@@ -17,11 +23,17 @@ implementation must get right.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
+import json
+import os
 import threading
+from pathlib import Path
 from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from prefixscore.kernels import reference
@@ -39,6 +51,8 @@ STREAM_TOKENS = 1024
 # items (so windows cut prefixes, chunks and items), with a soft cap that bends the logits
 WINDOW = 48
 LOGITS = AttentionLogits(scale=0.1, softcap=2.0)
+# the calls checked (_calls), by the names their errors are reported under
+CALLS = ("paged_attention", "paged_attention_windowed")
 
 
 class KernelCheckFailed(RuntimeError):
@@ -137,9 +151,10 @@ def _calls(impl: ModuleType, x: dict) -> dict[str, jax.Array]:
     """The attention the decoder runs, through `impl`: on a plain layer and on a windowed one."""
     arrays = (x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"])
     windowed = dataclasses.replace(x["meta"], window=jnp.int32(WINDOW), logits=LOGITS)
+    plain_call, windowed_call = CALLS
     return {
-        "paged_attention": impl.paged_attention(*arrays, x["meta"]),
-        "paged_attention_windowed": impl.paged_attention(*arrays, windowed),
+        plain_call: impl.paged_attention(*arrays, x["meta"]),
+        windowed_call: impl.paged_attention(*arrays, windowed),
     }
 
 
@@ -166,6 +181,10 @@ def verify(impl_name: str, impl: ModuleType, heads: int, kv_heads: int, head_dim
 # check()'s errors in this process, by (implementation, its module, head shapes, dtype, backend)
 _CHECKED: dict[tuple, dict[str, float]] = {}
 _CHECKING = threading.Lock()
+# kept verdicts: <jax's compile cache directory>/VERDICTS/<verdict_key>.json
+VERDICTS = "prefixscore-attention-checks"
+# environment a backend compiler reads: a flag may change the programs the check ran
+COMPILER_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 
 
 def verify_once(
@@ -174,20 +193,91 @@ def verify_once(
     """verify(), computed once per process for each implementation, head shapes and dtype on the
     default backend: the check's inputs are fixed (seed 0) and its programs the same, so a second
     engine of the same attention shapes in this process (a replica, an in-process server started
-    again, another model with the same heads) would only compute the same errors again. The
-    tolerance is applied every time: a failing implementation fails every engine."""
+    again, another model with the same heads) would only compute the same errors again. Across
+    processes, a passing check's errors kept with the compile cache (verdict_path) are taken the
+    same way. The tolerance is applied every time: a failing implementation fails every engine."""
     key = (impl_name, impl, heads, kv_heads, head_dim, dtype, jax.default_backend())
     with _CHECKING:  # concurrent engines wait for the one check instead of running it twice
         if key not in _CHECKED:
-            _CHECKED[key] = check(impl, heads, kv_heads, head_dim, dtype)
+            path = verdict_path(impl_name, impl, heads, kv_heads, head_dim, dtype)
+            kept = _read_verdict(path)
+            if kept is None:
+                kept = check(impl, heads, kv_heads, head_dim, dtype)
+                if path is not None and not _past_tolerance(kept, dtype):
+                    _write_verdict(path, kept)
+            _CHECKED[key] = kept
     return _judged(impl_name, heads, kv_heads, head_dim, dtype, _CHECKED[key])
+
+
+def verdict_key(impl_name: str, impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str) -> str | None:
+    """A digest of everything that decides the check's programs and where they ran: the kernels'
+    sources (this package's files, which hold the check's inputs, the oracle and the tolerance,
+    and the implementation's own file), jax and jaxlib, the backend's platform version and device
+    kind, the compiler's flags and jax's default matmul precision, the head shapes and dtype.
+    None when the implementation has no source file (nothing to key it by)."""
+    try:
+        own = Path(inspect.getsourcefile(impl) or "")
+    except TypeError:  # not a module or class: built in this process
+        return None
+    if not own.is_file():
+        return None
+    files = sorted({*Path(__file__).parent.glob("*.py"), own.resolve()})
+    sources = hashlib.sha256()
+    for file in files:
+        sources.update(file.read_bytes())
+    device = jax.devices()[0]
+    parts = {
+        "implementation": impl_name,
+        "sources": sources.hexdigest(),
+        "attention": [heads, kv_heads, head_dim, dtype],
+        "jax": [jax.__version__, jaxlib.__version__],
+        "device": [jax.default_backend(), device.client.platform_version, device.device_kind],
+        "compiler": {name: os.environ.get(name, "") for name in COMPILER_ENV},
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def verdict_path(impl_name: str, impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str) -> Path | None:
+    """Where a passing check's errors are kept: beside jax's persistent compile cache, whose
+    executables a kept verdict vouches for; None with the cache off (or no key)."""
+    cache = jax.config.jax_compilation_cache_dir
+    key = verdict_key(impl_name, impl, heads, kv_heads, head_dim, dtype) if cache else None
+    return None if key is None else Path(cache) / VERDICTS / f"{key}.json"
+
+
+def _read_verdict(path: Path | None) -> dict[str, float] | None:
+    """The kept errors, or None (none kept, or a file this version cannot read: check again)."""
+    if path is None:
+        return None
+    try:
+        errors = {str(name): float(err) for name, err in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return errors if set(errors) == set(CALLS) else None  # every call's error, or none kept
+
+
+def _write_verdict(path: Path, errors: dict[str, float]) -> None:
+    """Keep the errors atomically (several hosts or replicas may write one key at once); a cache
+    that cannot be written only means the next start checks again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
+        part.write_text(json.dumps(errors))
+        os.replace(part, path)
+    except OSError:
+        pass
+
+
+def _past_tolerance(errors: dict[str, float], dtype: str) -> dict[str, float]:
+    return {name: err for name, err in errors.items() if not err <= TOLERANCE[dtype]}  # NaN fails too
 
 
 def _judged(
     impl_name: str, heads: int, kv_heads: int, head_dim: int, dtype: str, errors: dict[str, float]
 ) -> dict[str, float]:
     """The errors, or KernelCheckFailed naming each call past the tolerance."""
-    bad = {name: err for name, err in errors.items() if not err <= TOLERANCE[dtype]}  # NaN fails too
+    bad = _past_tolerance(errors, dtype)
     if bad:
         detail = ", ".join(f"{name} off by {err:.3g}" for name, err in bad.items())
         raise KernelCheckFailed(

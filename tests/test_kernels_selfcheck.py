@@ -1,11 +1,17 @@
 """The start-up attention check (kernels/selfcheck.py): every implementation passes it at the
-model shapes, a wrong one is caught, and a server whose kernels are wrong never reports SERVING."""
+model shapes, a wrong one is caught, a server whose kernels are wrong never reports SERVING, and
+a passing check is kept with the compile cache, keyed by what decides its programs."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
+import os
+import shutil
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +19,7 @@ import pytest
 from conftest import SMALL_BUCKETS
 from jax.experimental.pallas import tpu as pltpu
 
+from prefixscore.engine import compile_cache
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.kernels import dispatch, selfcheck, xla
 from prefixscore.kernels.paged import causal_by_region
@@ -98,6 +105,7 @@ def test_an_engine_checks_once_per_process_and_a_failing_kernel_fails_every_engi
     check = selfcheck.check
     monkeypatch.setattr(selfcheck, "check", lambda impl, *a: computed.append(impl) or check(impl, *a))
     monkeypatch.setattr(selfcheck, "_CHECKED", {})  # as in a fresh process
+    monkeypatch.setattr(selfcheck, "verdict_path", lambda *a: None)  # with no kept verdicts
     engine = tiny_scorer.engine
     errors = engine.check_attention()
     assert engine.replica().check_attention() == errors and computed == [xla]
@@ -105,3 +113,87 @@ def test_an_engine_checks_once_per_process_and_a_failing_kernel_fails_every_engi
         with pytest.raises(selfcheck.KernelCheckFailed, match=r"'broken'.*paged_attention off by"):
             selfcheck.verify_once("broken", broken_attention, *BENCH_CPU, "float32")
     assert computed == [xla, broken_attention]
+
+
+@pytest.fixture
+def own_compile_cache(tmp_path: Path) -> Iterator[Path]:
+    """jax's persistent compile cache in tmp_path for one test (then the run's again): kept
+    verdicts live beside it, out of reach of the run's other processes."""
+    previous = jax.config.jax_compilation_cache_dir
+    compile_cache.enable(tmp_path)
+    try:
+        yield tmp_path
+    finally:
+        compile_cache.enable(previous or compile_cache.default_dir())
+
+
+def test_a_passing_check_is_kept_with_the_compile_cache_and_judged_when_taken(monkeypatch, own_compile_cache):
+    """A fresh process (no errors in memory) takes a passing check's kept errors instead of
+    checking again; kept errors are judged like computed ones; a file that does not hold every
+    call's error is checked again and rewritten; a failing check is never kept."""
+    from helpers import broken_attention
+
+    computed = []
+    check = selfcheck.check
+    monkeypatch.setattr(selfcheck, "check", lambda impl, *a: computed.append(impl) or check(impl, *a))
+    fresh = lambda: monkeypatch.setattr(selfcheck, "_CHECKED", {})  # noqa: E731  (as in a new process)
+    fresh()
+    path = selfcheck.verdict_path("xla", xla, *BENCH_CPU, "float32")
+    assert path is not None and path.parent == own_compile_cache / selfcheck.VERDICTS and not path.exists()
+    errors = selfcheck.verify_once("xla", xla, *BENCH_CPU, "float32")
+    assert computed == [xla] and json.loads(path.read_text()) == errors
+    fresh()
+    assert selfcheck.verify_once("xla", xla, *BENCH_CPU, "float32") == errors and computed == [xla]
+    # kept errors past the tolerance fail the start like computed ones
+    path.write_text(json.dumps({**errors, "paged_attention_windowed": 0.5}))
+    fresh()
+    with pytest.raises(selfcheck.KernelCheckFailed, match=r"paged_attention_windowed off by 0.5"):
+        selfcheck.verify_once("xla", xla, *BENCH_CPU, "float32")
+    assert computed == [xla]
+    # a call missing (or an unreadable file): the check runs again and keeps its errors
+    for kept in (json.dumps({"paged_attention": 0.0}), "{not json"):
+        path.write_text(kept)
+        fresh()
+        assert selfcheck.verify_once("xla", xla, *BENCH_CPU, "float32") == errors
+        assert computed[-1] is xla and json.loads(path.read_text()) == errors
+    assert computed == [xla] * 3
+    fresh()
+    with pytest.raises(selfcheck.KernelCheckFailed):
+        selfcheck.verify_once("broken", broken_attention, *BENCH_CPU, "float32")
+    assert computed[-1] is broken_attention
+    assert not selfcheck.verdict_path("broken", broken_attention, *BENCH_CPU, "float32").exists()
+
+
+def test_the_kept_verdict_is_keyed_by_what_decides_the_checked_programs(monkeypatch, tmp_path):
+    """Another implementation source, compiler flag, matmul precision, dtype or head shape is
+    another key (the check runs again); the same ones, the same key. An implementation built in
+    the process (no source file) is never kept."""
+    source = tmp_path / "edited_kernel.py"
+    shutil.copy(Path(__file__).parent / "helpers" / "broken_attention.py", source)
+    spec = importlib.util.spec_from_file_location("edited_kernel", source)
+    edited = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(edited)
+    key = lambda impl=edited, name="edited", shape=BENCH_CPU, dtype="float32": selfcheck.verdict_key(  # noqa: E731
+        name, impl, *shape, dtype
+    )
+    first = key()
+    assert first == key() and first is not None
+    others = {
+        "another implementation": key(xla, "xla"),
+        "another name": key(name="xla"),
+        "another dtype": key(dtype="bfloat16"),
+        "other heads": key(shape=(8, 2, 64)),
+    }
+    with monkeypatch.context() as env:
+        env.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_fast_math=true")
+        others["another XLA flag"] = key()
+    with jax.default_matmul_precision("highest"):
+        others["another matmul precision"] = key()
+    source.write_text(source.read_text() + "\n# one line more\n")
+    others["an edited source"] = key()
+    assert all(k not in (first, None) for k in others.values()), others
+    assert len(set(others.values())) == len(others)
+    assert (
+        selfcheck.verdict_key("ns", types.SimpleNamespace(paged_attention=xla.paged_attention), *BENCH_CPU, "float32")
+        is None
+    )
