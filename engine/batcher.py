@@ -299,6 +299,7 @@ def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[Work
     now complete, requests with a non-finite score: not written, not counted). Requests
     already finished (cancelled while on the device, or failed) are skipped."""
     finite = np.isfinite(out).all(axis=1)  # one pass for the call (unused columns are 0)
+    labels = call.plan.shape.labels  # a token row's columns follow the label columns
     complete: list[WorkUnit] = []
     broken: list[WorkUnit] = []
     for span in call.plan.spans:
@@ -306,12 +307,19 @@ def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[Work
         request = unit.lineage.parent if unit.lineage.parent is not None else unit
         if request.progress.finished or unit.progress.finished or request in broken:
             continue
-        rows = slice(span.row, span.row + span.count)
+        rows = slice(span.row, span.row + span.rows)
         if not finite[rows].all():
             broken.append(request)
             continue
         first, reply = unit.lineage.parent_first + span.first, request.reply
-        reply.scores[first : first + span.count] = heads.activate(out[rows, : span.labels], request.payload.activation)
+        if span.token_rows:  # a row per token: the items' tokens, in order
+            assert reply.tokens is not None
+            at = int(request.payload.items.offsets[first])
+            reply.tokens[at : at + span.rows] = out[rows, labels:]
+        else:
+            reply.scores[first : first + span.count] = heads.activate(
+                out[rows, : span.labels], request.payload.activation
+            )
         reply.remaining -= span.count
         if reply.remaining == 0:
             complete.append(request)

@@ -112,13 +112,14 @@ class Buckets:
         """Pages of the longest prefix: a page-table row."""
         return ceil_div(self.context, self.page_tokens)
 
-    def rows(self, tokens: int) -> int:
-        """Item rows an item region of `tokens` tokens returns."""
-        return max(1, tokens // self.tokens_per_row)
+    def rows(self, tokens: int, token_rows: bool = False) -> int:
+        """Item rows an item region of `tokens` tokens returns: one per token in a call with
+        token rows (an item's likelihood reads every token of it)."""
+        return tokens if token_rows else max(1, tokens // self.tokens_per_row)
 
-    def shape(self, prefill_tokens: int, item_tokens: int, labels: int) -> CallShape:
+    def shape(self, prefill_tokens: int, item_tokens: int, labels: int, top_logprobs: int = 0) -> CallShape:
         """The call shape of these buckets (its rows follow from the item tokens)."""
-        return CallShape(prefill_tokens, item_tokens, self.rows(item_tokens), labels)
+        return CallShape(prefill_tokens, item_tokens, self.rows(item_tokens, top_logprobs > 0), labels, top_logprobs)
 
     def call_shapes(self) -> list[CallShape]:
         """Every shape a call can have: a prefill region only beside item regions up to

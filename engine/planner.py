@@ -13,7 +13,10 @@ Pure host code (numpy), no device. A call (model/step.py) has two regions:
   sequences (item_first, the sequential baseline) in segment 0, which has no prefix.
 
 Each row (item) carries its own label set and output (model/call_inputs.py OUTPUT_*), so
-requests with different labels share a call. Segment starts sit at multiples of the attention
+requests with different labels share a call. A likelihood request's items (OUTPUT_TOKEN) take
+a row per token instead, each with its target (the item's next token): a call that holds them
+has token rows (CallShape.top_logprobs), one row per item-region token, and may still carry
+score items beside them. Segment starts sit at multiples of the attention
 implementation's SEGMENT_ALIGN, so a kernel's query block never meets two
 segments; the gap before an aligned start continues the previous segment.
 
@@ -34,7 +37,15 @@ import numpy as np
 
 from prefixscore.engine.buckets import Buckets, round_up
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
+from prefixscore.model.call_inputs import (
+    LABEL_SETS,
+    OUTPUT_TOKEN,
+    TOP_LOGPROBS,
+    CallInputs,
+    CallShape,
+    ItemRegion,
+    PrefillRegion,
+)
 
 if TYPE_CHECKING:  # the batcher plans with this module: its queue's units are the handles here
     from prefixscore.engine.work_unit import WorkUnit
@@ -42,14 +53,17 @@ if TYPE_CHECKING:  # the batcher plans with this module: its queue's units are t
 
 @dataclasses.dataclass(frozen=True)
 class RowSpan:
-    """Output rows `row` .. `row + count - 1` are items `first` .. `first + count - 1` of `ref`:
-    results are split per span (an array slice), not per item."""
+    """Output rows `row` .. `row + rows - 1` are items `first` .. `first + count - 1` of `ref`:
+    results are split per span (an array slice), not per item. A span of token rows has a row
+    per token of its items (rows: their tokens); else a row per item (rows == count)."""
 
     ref: WorkUnit  # whose items these are: the batcher's unit, which carries its reply
     first: int
     count: int
-    row: int  # the first row in the call's output [devices * R, L]
+    row: int  # the first row in the call's output [devices * R, L (+ TOKEN_COLUMNS)]
     labels: int  # how many label columns are its own
+    rows: int
+    token_rows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +123,7 @@ class _Piece:
     start: int
     row: int
     tokens: int
+    rows: int
 
 
 class _Layout:
@@ -129,10 +144,11 @@ class _Layout:
         self.runs = 0  # runs that take a page-table row
         self.last: int | None = None  # segment of the current device's last run
 
-    def place(self, offer: _Offer, ends: np.ndarray, row_budget: int) -> int:
+    def place(self, offer: _Offer, ends: np.ndarray, row_ends: np.ndarray, row_budget: int) -> int:
         """Place the offer's items in order, from the current device on, while they fit.
-        ends: [count] the cumulative tokens of its items; row_budget: page-table rows the
-        layout may hold. Returns how many items were placed."""
+        ends: [count] the cumulative tokens of its items; row_ends: [count] their cumulative
+        rows (1 an item, or its tokens: token rows); row_budget: page-table rows the layout may
+        hold. Returns how many items were placed."""
         taken, n = 0, len(ends)
         while taken < n:
             continues = self.last == offer.seg
@@ -141,11 +157,14 @@ class _Layout:
                 break  # no page-table row left (on another device it would need one too)
             start = self.used if continues else round_up(self.used, self.align)
             base = int(ends[taken - 1]) if taken else 0
+            row_base = int(row_ends[taken - 1]) if taken else 0
             room, rows_left = self.capacity - start, self.max_rows - self.rows
             if int(ends[-1]) - base <= room:  # the common case: all the rest fits
-                k = min(n - taken, rows_left)
+                k = n - taken
             else:
-                k = min(int(np.searchsorted(ends[taken:], base + room, side="right")), rows_left)
+                k = int(np.searchsorted(ends[taken:], base + room, side="right"))
+            if k and int(row_ends[taken + k - 1]) - row_base > rows_left:
+                k = int(np.searchsorted(row_ends[taken : taken + k], row_base + rows_left, side="right"))
             if k == 0:
                 if self.device + 1 == self.devices or not (self.used or self.rows):
                     break  # no device left, or the item does not fit an empty one
@@ -156,9 +175,10 @@ class _Layout:
                 self.last = None
                 continue
             tokens = int(ends[taken + k - 1]) - base
-            self.pieces.append(_Piece(offer, offer.first + taken, k, self.device, start, self.rows, tokens))
+            rows = int(row_ends[taken + k - 1]) - row_base
+            self.pieces.append(_Piece(offer, offer.first + taken, k, self.device, start, self.rows, tokens, rows))
             self.used = start + tokens
-            self.rows += k
+            self.rows += rows
             self.runs += opens_run
             self.last = offer.seg
             taken += k
@@ -183,12 +203,13 @@ class CallBuilder:
         self.labels: list[int] = []
         self.label_sets: list[tuple[int, ...]] = []
         self.item_capacity = buckets.max_batch_tokens
+        self.token_rows = False  # a row per item token (the call holds likelihood items)
         self.closed = False  # an item longer than max_batch_tokens has the call to itself
         self._layout = self._new_layout(self.item_capacity)
         self._choice: tuple[int, int, _Layout] | None = None  # the buckets, once chosen
 
     def _new_layout(self, capacity: int) -> _Layout:
-        return _Layout(self.devices, capacity, self.b.rows(capacity), self.align)
+        return _Layout(self.devices, capacity, self.b.rows(capacity, self.token_rows), self.align)
 
     @property
     def empty(self) -> bool:
@@ -246,6 +267,7 @@ class CallBuilder:
         if self.closed or count <= 0:
             return 0
         ends = rows.offsets[first + 1 : first + count + 1] - rows.offsets[first]
+        token_rows = output == OUTPUT_TOKEN
         longest_first = int(ends[0])
         if longest_first > self.item_capacity:
             if not self.empty or longest_first > self.b.tokens[-1]:
@@ -261,8 +283,16 @@ class CallBuilder:
         set_index, new_labels = labels
         seg = 0 if prefix_len == 0 else self._segments.get(key, len(self._segments) + 1)
         offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, output, ref)
-        taken = self._layout.place(offer, ends, self._row_budget())
+        switched = token_rows and not self.token_rows
+        if switched:  # a row per item-region token from now on: more rows, the same layout
+            self.token_rows = True
+            self._layout.max_rows = self.b.rows(self._layout.capacity, True)
+        row_ends = ends if token_rows else np.arange(1, len(ends) + 1)
+        taken = self._layout.place(offer, ends, row_ends, self._row_budget())
         if not taken:
+            if switched:
+                self.token_rows = False
+                self._layout.max_rows = self.b.rows(self._layout.capacity)
             return 0
         offer.count = taken
         if set_index == len(self.label_sets):
@@ -288,22 +318,24 @@ class CallBuilder:
         for ti in candidates:
             if self.devices == 1:
                 # one stream: the layout does not depend on the bucket, only needs to fit it
-                if layout.used <= ti and layout.rows <= b.rows(ti):
+                if layout.used <= ti and layout.rows <= b.rows(ti, self.token_rows):
                     self._choice = (tp, ti, layout)
                     return self._choice
                 continue
             # several: a smaller bucket spreads the items over the devices differently
             trial = self._new_layout(ti)
             budget = self._row_budget()
-            if all(trial.place(o, self._ends(o), budget) == o.count for o in self.offers):
+            if all(trial.place(o, *self._ends(o), budget) == o.count for o in self.offers):
                 self._choice = (tp, ti, trial)
                 return self._choice
         raise RuntimeError("the planned items do not fit the call they were admitted to")  # add_items checked
 
     @staticmethod
-    def _ends(offer: _Offer) -> np.ndarray:
+    def _ends(offer: _Offer) -> tuple[np.ndarray, np.ndarray]:
+        """The offer's cumulative tokens and rows per item."""
         offsets = offer.rows.offsets
-        return offsets[offer.first + 1 : offer.first + offer.count + 1] - offsets[offer.first]
+        ends = offsets[offer.first + 1 : offer.first + offer.count + 1] - offsets[offer.first]
+        return ends, ends if offer.output == OUTPUT_TOKEN else np.arange(1, len(ends) + 1)
 
     @property
     def real_tokens(self) -> int:
@@ -322,7 +354,10 @@ class CallBuilder:
             return None
         b = self.b
         tp = Buckets.fit(b.prefill, extent.prefill_tokens, "prefill tokens") if extent.prefill_tokens else 0
-        ti = next((t for t in b.tokens if extent.item_tokens <= t and extent.rows <= b.rows(t)), b.tokens[-1])
+        ti = next(
+            (t for t in b.tokens if extent.item_tokens <= t and extent.rows <= b.rows(t, self.token_rows)),
+            b.tokens[-1],
+        )
         return tp + ti
 
     def fill(self) -> tuple[int, int]:
@@ -335,7 +370,7 @@ class CallBuilder:
         b, d = self.b, self.devices
         tp, ti, layout = self._buckets()
         labels_bucket = Buckets.fit(b.labels, max(1, len(self.labels)), "label_token_ids")
-        shape = b.shape(tp, ti, labels_bucket)
+        shape = b.shape(tp, ti, labels_bucket, TOP_LOGPROBS if self.token_rows else 0)
         table = np.zeros((b.segments, b.max_pages), np.int32)
         prefix_len = np.zeros(b.segments, np.int32)
         slot = 1  # row 0: no prefix
@@ -412,6 +447,7 @@ class CallBuilder:
         read_at = np.zeros((d, r), np.int32)
         label_set = np.zeros((d, r), np.int32)
         output = np.zeros((d, r), np.int8)
+        target = np.zeros((d, r), np.int32)
         n_rows = np.zeros(d, np.int32)
         max_len = np.ones(d, np.int32)
         end = np.zeros(d, np.int64)  # each device's stream end so far
@@ -438,23 +474,36 @@ class CallBuilder:
             ends = bounds[1:] - lo
             lengths = np.diff(bounds)
             where = slice(start, start + piece.tokens)
-            rows = slice(piece.row, piece.row + piece.count)
+            rows = slice(piece.row, piece.row + piece.rows)
             tokens[dev, where] = offer.rows.flat[lo:hi]
             positions[dev, where] = offer.prefix_len + offer.rows.positions()[lo:hi]
             segment_ids[dev, where] = seg_row
-            item_ids[dev, where] = np.repeat(np.arange(piece.row, piece.row + piece.count, dtype=np.int32), lengths)
-            read_at[dev, rows] = shape.prefill_tokens + start + ends - 1
+            token_rows = offer.output == OUTPUT_TOKEN
+            # an item's id: its first row (its only one, unless it has a row per token)
+            first_rows = piece.row + (bounds[:-1] - lo if token_rows else np.arange(piece.count))
+            item_ids[dev, where] = np.repeat(first_rows.astype(np.int32), lengths)
+            if token_rows:  # every token, targeting the next one of its item (an item's last: none, 0)
+                read_at[dev, rows] = shape.prefill_tokens + start + np.arange(piece.tokens)
+                next_tokens = np.zeros(piece.tokens, np.int32)
+                next_tokens[:-1] = offer.rows.flat[lo + 1 : hi]
+                next_tokens[ends - 1] = 0
+                target[dev, rows] = next_tokens
+            else:
+                read_at[dev, rows] = shape.prefill_tokens + start + ends - 1
             label_set[dev, rows] = offer.label_set
             output[dev, rows] = offer.output
             max_len[dev] = max(int(max_len[dev]), int(lengths.max()))
-            n_rows[dev] = piece.row + piece.count
+            n_rows[dev] = piece.row + piece.rows
+            own_labels = len(self.label_sets[offer.label_set])
             spans.append(
-                RowSpan(offer.ref, piece.first, piece.count, dev * r + piece.row, len(self.label_sets[offer.label_set]))
+                RowSpan(offer.ref, piece.first, piece.count, dev * r + piece.row, own_labels, piece.rows, token_rows)
             )
             end[dev] = start + piece.tokens
         for dev in range(d):  # the tail up to the next aligned index continues the last run
             if end[dev]:
                 tail = min(round_up(int(end[dev]), self.align), ti)
                 segment_ids[dev, end[dev] : tail] = segment_ids[dev, end[dev] - 1]
-        region = ItemRegion(tokens, positions, segment_ids, item_ids, read_at, label_set, output, n_rows, max_len)
+        region = ItemRegion(
+            tokens, positions, segment_ids, item_ids, read_at, label_set, output, target, n_rows, max_len
+        )
         return region, spans

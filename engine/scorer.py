@@ -17,6 +17,7 @@ from prefixscore.engine.batcher import Batcher
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import DeviceWorker
+from prefixscore.engine.likelihood import ItemLikelihood, likelihood_request, read_likelihoods
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
@@ -171,6 +172,29 @@ class Scorer:
             RerankResult(r.index, r.relevance_score, checked.documents[r.index]) for r in ranked(scores, checked.top_n)
         ]
 
+    def loglikelihood(
+        self, context: str | Sequence[int], continuations: Sequence[str] | Sequence[Sequence[int]]
+    ) -> list[tuple[float, bool]]:
+        """(log p(continuation | context), is_greedy) per continuation, as lm-evaluation-harness's
+        `loglikelihood` returns them: the context is prefilled once and every continuation is
+        scored over it as an item. Text: the context gets the model's start tokens, the
+        continuations none; token ids are taken as given. Raises ValueError (InvalidInput)
+        naming the field for bad input, before device work."""
+        return [(item.total, item.is_greedy) for item in self.loglikelihood_tokens(context, continuations)]
+
+    def loglikelihood_tokens(
+        self, context: str | Sequence[int], continuations: Sequence[str] | Sequence[Sequence[int]]
+    ) -> list[ItemLikelihood]:
+        """Per continuation, its tokens' log-probs, whether each is the argmax, and the top
+        log-probs at each position (engine/likelihood.py ItemLikelihood)."""
+        req = likelihood_request(self.requests, context, continuations)
+        with self._lock:
+            unit = self.runner.run_requests([req])[0]
+            # the context once, then every continuation
+            self.last_usage = Usage(req.prompt_tokens - len(req.items) + 1, unit.reply.cached_tokens, len(req.items))
+        assert unit.reply.tokens is not None
+        return read_likelihoods(req, unit.reply.tokens)
+
     def score_tokens(self, req: TokenizedRequest, mode: str = "prefix") -> np.ndarray:
         """Score an already validated request -> [items, labels] float32."""
         labels, softmax = req.label_ids, req.apply_softmax
@@ -231,9 +255,14 @@ class EngineRunner:
         self._closer()
 
     def score_requests(self, reqs: Sequence[TokenizedRequest]) -> tuple[list[np.ndarray], list[int]]:
-        """Scores [items, labels] and prefix tokens served from the cache, per request. The
-        requests are queued together before the loop plans, so their prefills and items share
-        calls; the first failure is raised (QueueFull when the prefix pool cannot hold them)."""
+        """Scores [items, labels] and prefix tokens served from the cache, per request (run_requests)."""
+        units = self.run_requests(reqs)
+        return [unit.reply.scores for unit in units], [unit.reply.cached_tokens for unit in units]
+
+    def run_requests(self, reqs: Sequence[TokenizedRequest]) -> list[WorkUnit]:
+        """The requests' units, answered. The requests are queued together before the loop plans,
+        so their prefills and items share calls; the first failure is raised (QueueFull when the
+        prefix pool cannot hold them)."""
         units = [WorkUnit(r, Ticket(method="InProcess")) for r in reqs]
         left = threading.Semaphore(0)
         for unit in units:
@@ -253,4 +282,4 @@ class EngineRunner:
         for unit in units:
             if unit.reply.error is not None:
                 raise unit.reply.error
-        return [unit.reply.scores for unit in units], [unit.reply.cached_tokens for unit in units]
+        return units

@@ -250,7 +250,9 @@ class ScoringEngine:
         tp, ti, r, lb = shape.prefill_tokens, shape.item_tokens, shape.rows, shape.labels
         return CallInputs(
             prefill=PrefillRegion(*(dev(tp) for _ in range(6))),
-            items=ItemRegion(dev(ti), dev(ti), dev(ti), dev(ti), dev(r), dev(r), dev(r, t=jnp.int8), dev(), dev()),
+            items=ItemRegion(
+                dev(ti), dev(ti), dev(ti), dev(ti), dev(r), dev(r), dev(r, t=jnp.int8), dev(r), dev(), dev()
+            ),
             page_table=rep(b.segments, b.max_pages),
             prefix_len=rep(b.segments),
             labels=rep(lb),
@@ -280,6 +282,7 @@ class ScoringEngine:
             self._call_fn,
             static_head=platform in GPU_PLATFORMS,
             mlp_tile=CPU_MLP_TILE if platform == "cpu" else None,
+            top_logprobs=shape.top_logprobs,
         )
         mapped = jax.shard_map(
             call_fn,
@@ -299,6 +302,7 @@ class ScoringEngine:
         call: CallInputs,
         static_head: bool,
         mlp_tile: int | None,
+        top_logprobs: int,
     ):
         probs, pool_k, pool_v = step.score_call(
             params,
@@ -312,8 +316,9 @@ class ScoringEngine:
             mlp_tile=mlp_tile,
             shards=self.layout.shards,
             replicas=self.layout.replicas,
+            top_logprobs=top_logprobs,
         )
-        return self.layout.replicas.gather(probs), pool_k, pool_v  # [replicas * R, L]
+        return self.layout.replicas.gather(probs), pool_k, pool_v  # [replicas * R, L (+ TOKEN_COLUMNS)]
 
     def compiled_text(self, shape: CallShape) -> str:
         """The compiled HLO of one call shape (compiled now if it was not yet)."""

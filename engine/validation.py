@@ -21,7 +21,7 @@ from prefixscore.engine import heads
 from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX
+from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, OUTPUT_TOKEN
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.head import output_head
 from prefixscore.model.tokenizer import TextTokenizer
@@ -69,6 +69,8 @@ class TokenizedRequest:
     # a causal LM: the labels' raw logits instead of probabilities (a reranker whose relevance is
     # a function of a label's logit: engine/templates.py); apply_softmax is then False
     raw_logits: bool = False
+    # the items' own likelihood (engine/likelihood.py): a row per item token, no labels
+    per_token: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
@@ -76,6 +78,8 @@ class TokenizedRequest:
     @property
     def output(self) -> int:
         """What the device returns for each item's labels (model/call_inputs.py OUTPUT_*)."""
+        if self.per_token:
+            return OUTPUT_TOKEN
         return OUTPUT_LOGIT if self.raw_logits else OUTPUT_SOFTMAX if self.apply_softmax else OUTPUT_FULL
 
     @property

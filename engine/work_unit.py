@@ -27,6 +27,7 @@ import numpy as np
 
 from prefixscore.engine.prefix_cache import CachedPrefix
 from prefixscore.engine.validation import TokenizedRequest
+from prefixscore.model.call_inputs import TOKEN_COLUMNS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,9 @@ class Reply:
     scores: np.ndarray  # [items, labels] float32, written as the calls carrying them come back
     remaining: int  # items whose scores have not come back
     on_done: Callable[[WorkUnit], None] = _no_receiver
+    # a likelihood request's token rows [item tokens, TOKEN_COLUMNS] (model/call_inputs.py), row i
+    # of an item its token i's: the next token's log-prob and the top log-probs; None: a score request
+    tokens: np.ndarray | None = None
     cached_tokens: int = 0  # prefix tokens served from the prefix cache
     first_scores_at: float | None = None  # time.monotonic() when its first scores came back
     error: BaseException | None = None
@@ -103,6 +107,8 @@ class WorkUnit:
     def __post_init__(self) -> None:
         items = len(self.payload.items)
         self.reply = Reply(np.zeros((items, len(self.payload.label_ids)), np.float32), items)
+        if self.payload.per_token:
+            self.reply.tokens = np.zeros((self.payload.items.total, TOKEN_COLUMNS), np.float32)
 
     @property
     def queued(self) -> int:

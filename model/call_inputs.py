@@ -17,8 +17,16 @@ import jax
 LABEL_SETS = 16
 # what a causal LM's row returns for its labels (ItemRegion.output): each label's probability over
 # the whole vocabulary, the softmax over the row's labels, or the labels' raw logits (a reranker
-# whose published relevance is a function of one label's logit, engine/templates.py)
-OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT = 0, 1, 2
+# whose published relevance is a function of one label's logit, engine/templates.py). A token row
+# (OUTPUT_TOKEN) reads one token of an item instead and returns the log-probability of its
+# `target` (the item's next token) over the whole vocabulary, and the vocabulary's top
+# TOP_LOGPROBS there: an item's own likelihood, one row per token (engine/likelihood.py)
+OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT, OUTPUT_TOKEN = 0, 1, 2, 3
+# the top log-probs a token row returns: the most a request may ask for
+TOP_LOGPROBS = 20
+# a token row's columns, after the call's label columns: its target's log-prob, the top
+# TOP_LOGPROBS log-probs (descending), then their token ids (exact in float32: ids < 2**24)
+TOKEN_COLUMNS = 1 + 2 * TOP_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -29,6 +37,9 @@ class CallShape:
     item_tokens: int  # Ti: the item region, per device
     rows: int  # R: items per device
     labels: int  # L: label ids per call (the union of its rows' label sets)
+    # 0: every row is an item's last token; TOP_LOGPROBS: the call has token rows (OUTPUT_TOKEN),
+    # one per item token, so R = Ti, and each row returns TOKEN_COLUMNS more columns
+    top_logprobs: int = 0
 
 
 @jax.tree_util.register_dataclass
@@ -53,9 +64,10 @@ class ItemRegion:
     positions: Any  # [d, Ti] int32: prefix_len + index within the item
     segment_ids: Any  # [d, Ti] int32
     item_ids: Any  # [d, Ti] int32
-    read_at: Any  # [d, R] int32: the stream index (prefill region included) of each row's last token
+    read_at: Any  # [d, R] int32: the stream index (prefill region included) of the token each row reads
     label_set: Any  # [d, R] int32: row of label_sets
-    output: Any  # [d, R] int8: OUTPUT_FULL, OUTPUT_SOFTMAX or OUTPUT_LOGIT
+    output: Any  # [d, R] int8: OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT or OUTPUT_TOKEN
+    target: Any  # [d, R] int32: a token row's next token, whose log-prob it returns (other rows: 0)
     n_rows: Any  # [d] int32: rows in use
     max_item_len: Any  # [d] int32: the longest item (a hint for the causal part)
 

@@ -63,6 +63,18 @@ class ModelShards:
         found = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
         return self.sum(jnp.where(mine[..., None], found, jnp.zeros((), table.dtype)))
 
+    def top(self, values: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The k largest of every shard's own k largest values [rows, k] (ids: their global ids
+        [rows, k]): each device gathers all shards' and keeps the k largest, lower ids first
+        on ties (shards hold ascending id ranges, gathered in order)."""
+        if not self.split:
+            return values, ids
+        k = values.shape[1]
+        every_vals = jax.lax.all_gather(values, self.axis, axis=1, tiled=True)  # [rows, size * k]
+        every_ids = jax.lax.all_gather(ids, self.axis, axis=1, tiled=True)
+        top_vals, pick = jax.lax.top_k(every_vals, k)
+        return top_vals, jnp.take_along_axis(every_ids, pick, axis=1)
+
     def logsumexp(self, local_lse: jax.Array) -> jax.Array:
         """log(sum(exp(.))) over the whole vocabulary from each shard's own: [rows] float32."""
         if not self.split:

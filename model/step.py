@@ -6,8 +6,10 @@ Per layer: the projections of every token of the stream; the prefill region's K/
 into the pool pages (in place: the pool is a loop carry, donated to the call); then the
 attention of every token over its segment's pages and its own item (kernels/paged.py),
 so chunks and items placed after their query's chunks in the same call see them. Only
-the item rows' last tokens reach the output head (the vocabulary's, with per-row label sets and
-softmax, or a classifier's score rows), and it returns [R, L] per row.
+the rows' tokens reach the output head: an item's last token (the vocabulary's, with per-row
+label sets and softmax, or a classifier's score rows), or in a call with token rows every token
+of a likelihood item (its next token's log-prob and the vocabulary's top log-probs). It
+returns [R, L] per row, and TOKEN_COLUMNS more in a call with token rows.
 Every length that varies between calls is a runtime value, never a shape.
 """
 
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta, to_pool
-from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, CallInputs
+from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, TOP_LOGPROBS, CallInputs
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, norm, run_layers, softcap
 from prefixscore.model.head import output_head
@@ -47,6 +49,7 @@ def score_call(
     mlp_tile: int | None = None,
     shards: ModelShards = UNSPLIT,
     replicas: DataReplicas = ALONE,
+    top_logprobs: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's share of a call. pool_k, pool_v: [layers, kv, pages, page_tokens, hd];
     call: this device's CallInputs (prefill and item region arrays with a leading axis of 1).
@@ -59,8 +62,11 @@ def score_call(
     rows; the pool holds this device's KV heads.
     replicas: the data axis: this device's prefill region holds its replica's chunks only; each
     layer's pool write takes every replica's (all-gathered), so every pool gets every page.
+    top_logprobs: the call's CallShape.top_logprobs (static): TOP_LOGPROBS adds each row's
+    token columns (row_token_logprobs; meaningful for OUTPUT_TOKEN rows only).
     Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
-    n_rows and columns past a row's labels are 0) and the pool with the chunks written."""
+    n_rows and columns past a row's labels are 0), then the token columns if asked, and the
+    pool with the chunks written."""
     prefill = jax.tree.map(lambda a: a[0], call.prefill)
     items = jax.tree.map(lambda a: a[0], call.items)
     split = prefill.tokens.shape[0]
@@ -105,9 +111,17 @@ def score_call(
     h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), mlp_tile, shards)
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.output)
-        head = lambda h_last, sets, output, always_lse=False: row_label_probs(  # noqa: E731
-            params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), output, always_lse, shards
-        )
+        if top_logprobs:
+            rows += (items.target,)
+
+        def head(h_last, sets, output, target=None, always_lse=False):
+            probs = row_label_probs(
+                params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), output, always_lse, shards
+            )
+            if target is None:
+                return probs
+            return jnp.concatenate([probs, row_token_logprobs(params, cfg, h_last, target, shards)], axis=1)
+
         if static_head:
             probs = head(*rows, always_lse=True)
         else:
@@ -128,30 +142,89 @@ def vocab_logsumexp(
     h: [rows, hidden] (normalised); w: [vocab, hidden]; real_rows: only w's first real_rows
     rows count (a vocabulary shard ending in padding); None: all; cap: the logits' soft cap
     (decoder.softcap; None: none). Returns [rows] float32.
-    An online max/sum over VOCAB_CHUNK-row slices of w (plus one static remainder).
+    """
+    return vocab_scan(h, w, real_rows, cap)[0]
+
+
+def vocab_scan(
+    h: jax.Array,
+    w: jax.Array,
+    real_rows: jax.Array | None = None,
+    cap: float | None = None,
+    top: int = 0,
+    first_id: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The log-sum-exp of softcap(h @ w.T) per row, and its `top` largest logits with their ids,
+    without materialising the logits: an online max/sum (and a running top-k, merged with each
+    slice's own) over VOCAB_CHUNK-row slices of w, plus one static remainder.
+
+    h, w, real_rows, cap: as vocab_logsumexp; first_id: the vocabulary id of w's first row (a
+    shard's). Returns (lse [rows], top logits [rows, top] descending, their ids [rows, top]
+    int32); ties keep the lower id first, as an argmax does.
     """
     vocab = w.shape[0]
     chunk = min(VOCAB_CHUNK, vocab)
     full = vocab // chunk
+    rows = h.shape[0]
+    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
-    def update(carry: tuple[jax.Array, jax.Array], wc: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
-        m, total = carry
+    def update(carry: Carry, wc: jax.Array, first: jax.Array) -> Carry:
+        m, total, top_vals, top_ids = carry
         s = softcap(jnp.einsum("rh,vh->rv", h, wc, preferred_element_type=jnp.float32), cap)
         if real_rows is not None:
             s = jnp.where(first + jnp.arange(wc.shape[0]) < real_rows, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        return m_new, total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=-1)
+        total = total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=-1)
+        if top:
+            vals, at = jax.lax.top_k(s, min(top, wc.shape[0]))
+            # the running top first: a tie keeps the lower id
+            merged_vals = jnp.concatenate([top_vals, vals], axis=1)
+            merged_ids = jnp.concatenate([top_ids, at.astype(jnp.int32) + first + first_id], axis=1)
+            top_vals, pick = jax.lax.top_k(merged_vals, top)
+            top_ids = jnp.take_along_axis(merged_ids, pick, axis=1)
+        return m_new, total, top_vals, top_ids
 
-    def step(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def step(i: jax.Array, carry: Carry) -> Carry:
         return update(carry, jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk), i * chunk)
 
-    rows = h.shape[0]
-    carry = jax.lax.fori_loop(
-        0, full, step, (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    carry = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.full((rows, top), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, top), jnp.int32),
     )
+    carry = jax.lax.fori_loop(0, full, step, carry)
     if vocab > full * chunk:
         carry = update(carry, w[full * chunk :], jnp.int32(full * chunk))
-    return carry[0] + jnp.log(carry[1])
+    m, total, top_vals, top_ids = carry
+    return m + jnp.log(total), top_vals, top_ids
+
+
+def row_token_logprobs(
+    params: Weights, cfg: ModelConfig, h_at: jax.Array, target: jax.Array, shards: ModelShards = UNSPLIT
+) -> jax.Array:
+    """Each token row's next-token log-probabilities over the whole vocabulary (a causal LM).
+
+    h_at: [rows, hidden] the hidden state at the row's token; target: [rows] int32, the token
+    whose log-prob the row returns (the item's next token). The logits are soft-capped as the
+    label path's; with the vocabulary split on the model axis, each device scans its shard and
+    the log-sum-exp and the top log-probs are combined across devices.
+    Returns [rows, TOKEN_COLUMNS] float32: the target's log-prob, the TOP_LOGPROBS largest
+    log-probs (descending), their ids (as float32).
+    """
+    h = norm(cfg, h_at, params.final_norm)
+    w = output_head(cfg).projection(params)
+    target_logit = jnp.einsum("rh,rh->r", h, shards.take_rows(w, target), preferred_element_type=jnp.float32)
+    target_logit = softcap(target_logit, cfg.final_softcap)
+    local = w.shape[0]
+    lse, top_vals, top_ids = vocab_scan(
+        h, w, shards.real_rows(local), cfg.final_softcap, TOP_LOGPROBS, shards.first_row(local)
+    )
+    lse = shards.logsumexp(lse)
+    top_vals, top_ids = shards.top(top_vals, top_ids)
+    return jnp.concatenate(
+        [(target_logit - lse)[:, None], top_vals - lse[:, None], top_ids.astype(jnp.float32)], axis=1
+    )
 
 
 def row_label_probs(

@@ -25,7 +25,7 @@ from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import presets
-from prefixscore.model.call_inputs import CallShape
+from prefixscore.model.call_inputs import TOP_LOGPROBS, CallShape
 from prefixscore.model.weights import random_params
 
 # the kernels every device call must contain, by (implementation, platform)
@@ -79,6 +79,21 @@ def test_bench_cpu_shapes_lower_in_float32(impl: str, platform: str):
     for key in one_of_each_kind(engine):
         found = kernel_names(engine.lower_for(key, platform).as_text())
         assert PLATFORMS[impl, platform] <= found, (impl, key, found)
+
+
+@pytest.mark.parametrize(("impl", "platform"), list(PLATFORMS))
+def test_token_row_calls_lower(impl: str, platform: str):
+    """A call with token rows (items' own likelihood: the head at every item token, with its top
+    log-probs) lowers with the backend kernels, and for GPUs still has no branch on a runtime value."""
+    engine = production_shaped("bench-cpu", "float32", impl)
+    smallest = min(k for k in engine.executable_keys() if k.prefill_tokens > 0)
+    key = BUCKETS.shape(smallest.prefill_tokens, smallest.item_tokens, smallest.labels, TOP_LOGPROBS)
+    assert key.rows == key.item_tokens  # a row per item token
+    text = engine.lower_for(key, platform).as_text()
+    assert PLATFORMS[impl, platform] <= kernel_names(text), (impl, key)
+    assert "top_k" in text
+    if platform == "cuda":
+        assert not re.search(r"stablehlo\.(case|if)\b", text)
 
 
 @pytest.mark.parametrize(("impl", "platform"), list(PLATFORMS))

@@ -143,12 +143,15 @@ def test_checkpoints_load_onto_their_shards_and_score_like_transformers(parts) -
     """A safetensors checkpoint (Llama with q/k/v/o biases, 2 KV heads under tp=4: replicated),
     a GGUF file (Qwen2) and a Gemma 3 checkpoint (sliding windows, soft caps) load straight onto
     a mesh: every weight through the layout's placement, each device holding only its slice;
-    the mesh's scores equal transformers'."""
+    the mesh's scores, and its items' own token log-probs and top log-probs, equal transformers'."""
     result = run_part(parts, "load")
     for name, r in result.items():
         assert r["placed"] == r["weights"], name  # every weight went to its shards as it was read
         assert r["split_shard_fraction"] == 1 / r["tp"], name
         assert r["max_abs_diff_vs_transformers"] <= TOLERANCE, (name, r)
+        # every item token's log-prob and the top log-probs, the vocabulary split on the model axis
+        assert r["likelihood_max_abs_diff_vs_transformers"] <= TOLERANCE, (name, r)
+        assert r["likelihood_top_ids_equal"], (name, r)
 
 
 def test_a_failing_request_sharing_its_query_fails_alone_on_a_mesh(parts) -> None:
@@ -492,15 +495,18 @@ def part_load() -> dict:
 
     import jax
     import numpy as np
+    import torch
     from conftest import make_torch_model, torch_label_probs
     from gguf import GGMLQuantizationType as Q
     from helpers.gguf_files import write_gguf
 
     from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.likelihood import likelihood_request, read_likelihoods
     from prefixscore.engine.mesh import Layout, MeshShape
     from prefixscore.engine.scorer import EngineRunner
     from prefixscore.engine.scoring_engine import ScoringEngine
-    from prefixscore.engine.validation import TokenizedRequest
+    from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
+    from prefixscore.model.call_inputs import TOP_LOGPROBS
     from prefixscore.model.loader import load_model
     from prefixscore.model.weights import flat_weights
 
@@ -542,16 +548,33 @@ def part_load() -> dict:
             query = rng.integers(0, vocab, 150).tolist()
             items = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(1, 30, 12)]
             labels = (3, 17, vocab - 1)
-            scores, _ = EngineRunner(engine).score_requests(
-                [TokenizedRequest(tuple(query), items, labels, False, False)]
-            )
+            # the items' label scores, and their own likelihood (the head at every item token, over
+            # the split vocabulary), queued together: the likelihood's prefix is the query but its last
+            # token, which starts each of its items, so the score request is laid out the same way
+            likelihood = likelihood_request(RequestTokenizer(loaded.cfg, None), query, items)
+            score = TokenizedRequest(likelihood.prefix, [query[-1:] + item for item in items], labels, False, False)
+            runner = EngineRunner(engine)
+            scored, likelihood_unit = runner.run_requests([score, likelihood])
+            runner.close()
+            scores = [scored.reply.scores]
             want = torch_label_probs(torch_model, [query + item for item in items], labels, False)
+            got = read_likelihoods(likelihood, likelihood_unit.reply.tokens)
+            ll_diff, top_equal = 0.0, True
+            for item, g in zip(items, got, strict=True):
+                with torch.no_grad():
+                    lp = torch.log_softmax(torch_model(torch.tensor([query + item])).logits[0].double(), -1).numpy()
+                at = lp[len(query) - 1 : -1]
+                ll_diff = max(ll_diff, float(np.abs(g.logprobs - at[np.arange(len(item)), item]).max()))
+                ll_diff = max(ll_diff, float(np.abs(g.top_logprobs - -np.sort(-at, axis=1)[:, :TOP_LOGPROBS]).max()))
+                top_equal &= bool((g.top_ids == np.argsort(-at, axis=1, kind="stable")[:, :TOP_LOGPROBS]).all())
             out[name] = {
                 "tp": tp,
                 "weights": sorted(weights),
                 "placed": sorted(placed),
                 "split_shard_fraction": min(a.addressable_shards[0].data.size / a.size for a in split),
                 "max_abs_diff_vs_transformers": float(np.abs(scores[0] - want).max()),
+                "likelihood_max_abs_diff_vs_transformers": ll_diff,
+                "likelihood_top_ids_equal": top_equal,
             }
     return out
 

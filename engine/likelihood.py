@@ -1,0 +1,116 @@
+"""The likelihood of items themselves: each continuation's tokens scored over a shared context.
+
+A request is a context and continuations. Its work is the score path's: the context is the
+prefix, prefilled once and kept in the prefix cache, and each continuation is an item over it.
+The log-probability of a continuation's first token is read at the context's last token, so
+that token travels with each item: the prefix is `context[:-1]` and item j is
+`[context[-1]] + continuation[j]` (one token more per item; the pool and its cache hold the
+rest). The device gives each item token a row (OUTPUT_TOKEN, model/call_inputs.py): the
+log-probability of the item's next token over the whole vocabulary, and the vocabulary's top
+log-probs there. Row i of an item reads its token i and targets token i + 1, so the rows of
+a continuation's tokens are the item's first len(continuation); its last row has no target and
+gives the top next tokens after the whole sequence.
+
+A context of one token has no prefix: its items are whole sequences (`context + continuation`),
+which read the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from prefixscore.engine.invalid_input import InvalidInput
+from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
+from prefixscore.model.call_inputs import TOP_LOGPROBS
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemLikelihood:
+    """One continuation's likelihood over its context (natural log, float32 from the device)."""
+
+    tokens: np.ndarray  # [n] int64: the continuation's token ids
+    logprobs: np.ndarray  # [n] float32: log p(token i | context, tokens before i), over the whole vocabulary
+    greedy: np.ndarray  # [n] bool: token i is the argmax at its position (the lowest id among ties)
+    top_ids: np.ndarray  # [n, TOP_LOGPROBS] int64: the most likely tokens at each position, descending
+    top_logprobs: np.ndarray  # [n, TOP_LOGPROBS] float32: their log-probs
+    next_top_ids: np.ndarray  # [TOP_LOGPROBS] int64: the most likely tokens after the whole continuation
+    next_top_logprobs: np.ndarray  # [TOP_LOGPROBS] float32
+
+    @property
+    def total(self) -> float:
+        """log p(continuation | context): the sum of its tokens' log-probs (float64)."""
+        return float(np.sum(self.logprobs, dtype=np.float64))
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether greedy decoding after the context would produce the continuation."""
+        return bool(self.greedy.all())
+
+
+def likelihood_request(
+    requests: RequestTokenizer, context: str | Sequence[int], continuations: Sequence[str] | Sequence[Sequence[int]]
+) -> TokenizedRequest:
+    """A validated likelihood request: the context (text: the model's start tokens, then the
+    text's; ids: as given) and its continuations (text: no start tokens; ids: as given), laid
+    out as the module doc says. Raises InvalidInput naming the field, before any device work."""
+    if requests.head.own_rows:
+        raise InvalidInput(
+            "model", "the model is a sequence classifier: it has no vocabulary to score a continuation's tokens"
+        )
+    if isinstance(context, str):
+        ids = list(requests.start_ids) + requests.query_ids(context)
+    else:
+        ids = requests.query_ids(context)
+    items = requests.item_ids(continuations, "text" if isinstance(context, str) else "ids", field="continuations")
+    if not len(items):
+        raise InvalidInput("continuations", "at least one continuation is required")
+    totals = len(ids) + items.lengths
+    limit = requests.max_sequence_tokens
+    if (totals > limit).any():
+        j = int(np.flatnonzero(totals > limit)[0])
+        why = f"context + continuation is {totals[j]} tokens, over the limit of {limit}"
+        raise InvalidInput(f"continuations[{j}]", why)
+    # an item is the continuation and the context's last token (a one-token context: none, whole sequences)
+    over = items.lengths + 1 > requests.max_item_tokens
+    if len(ids) > 1 and over.any():
+        j = int(np.flatnonzero(over)[0])
+        limit = requests.max_item_tokens - 1
+        raise InvalidInput(f"continuations[{j}]", f"{items.lengths[j]} tokens, over the continuation limit of {limit}")
+    # each item carries the context's last token (its row reads the continuation's first)
+    lead = np.full(len(items), ids[-1], np.int64)
+    offsets = items.offsets + np.arange(len(items) + 1, dtype=np.int64)
+    flat = np.insert(items.flat, items.offsets[:-1], lead)
+    if len(ids) == 1:  # no prefix: whole sequences
+        rows = TokenRows(flat, offsets)
+        requests.check_request_tokens(rows.total)
+        return TokenizedRequest((), rows, (), False, True, per_token=True)
+    requests.check_request_tokens(len(ids) - 1 + int(offsets[-1]))
+    return TokenizedRequest(tuple(ids[:-1]), TokenRows(flat, offsets), (), False, False, per_token=True)
+
+
+def read_likelihoods(request: TokenizedRequest, token_rows: np.ndarray) -> list[ItemLikelihood]:
+    """Each continuation's likelihood from the request's token rows [item tokens, TOKEN_COLUMNS]."""
+    out = []
+    k = TOP_LOGPROBS
+    for j in range(len(request.items)):
+        lo, hi = int(request.items.offsets[j]), int(request.items.offsets[j + 1])
+        item = request.items.flat[lo:hi]
+        rows = token_rows[lo:hi]
+        top_ids = rows[:, 1 + k :].astype(np.int64)
+        continuation = item[1:]
+        out.append(
+            ItemLikelihood(
+                tokens=continuation,
+                logprobs=rows[:-1, 0],
+                greedy=top_ids[:-1, 0] == continuation,
+                top_ids=top_ids[:-1],
+                top_logprobs=rows[:-1, 1 : 1 + k],
+                next_top_ids=top_ids[-1],
+                next_top_logprobs=rows[-1, 1 : 1 + k],
+            )
+        )
+    return out

@@ -1,0 +1,180 @@
+"""An item's own likelihood over a cached context equals transformers' log-softmax of the plain
+forward pass of `context + continuation`, token by token, with the top log-probs at each position."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import FAMILY_OPTIONS, ONE_SHAPE_BUCKETS, torch_label_probs
+
+from prefixscore import Scorer
+from prefixscore.engine.invalid_input import InvalidInput
+from prefixscore.engine.likelihood import likelihood_request
+from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
+from prefixscore.model.call_inputs import TOP_LOGPROBS
+
+# the parity test's buckets: a 128-token item region, 64-token prefill chunks, 16-token pages
+BUCKETS = ONE_SHAPE_BUCKETS
+RNG = np.random.default_rng(4321)
+# 70 tokens: two prefill chunks (64 + 6) and five pages, so a continuation's first token is
+# read after a chunk boundary and a page boundary
+CONTEXT = RNG.integers(0, 320, 70).tolist()
+CONTINUATIONS = [RNG.integers(0, 320, n).tolist() for n in (1, 2, 7, 20)]
+TOLERANCE = 1e-5  # per token log-prob, float32 against transformers' float32 forward in float64
+
+
+def torch_logprobs(model, sequence) -> np.ndarray:
+    """The oracle: log-softmax over the vocabulary at every position of one plain forward pass. [n, vocab] float64."""
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([list(sequence)])).logits[0].double(), -1).numpy()
+
+
+def greedy_continuation(model, context, n: int) -> list[int]:
+    """n tokens that transformers' argmax picks after `context`, one at a time."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(torch_logprobs(model, context + out)[-1].argmax()))
+    return out
+
+
+def assert_like_transformers(model, context, continuations, got) -> None:
+    """Each continuation's per-token log-probs, greedy flags, top log-probs and ids, and the top
+    next tokens after it, against the oracle's (ids exactly: random weights leave no ties)."""
+    assert len(got) == len(continuations)
+    for c, item in zip(continuations, got, strict=True):
+        lp = torch_logprobs(model, context + c)
+        at = lp[len(context) - 1 : -1]  # the rows that predict the continuation's tokens
+        assert item.tokens.tolist() == c
+        np.testing.assert_allclose(item.logprobs, at[np.arange(len(c)), c], atol=TOLERANCE, rtol=0)
+        top = np.argsort(-at, axis=1, kind="stable")[:, :TOP_LOGPROBS]
+        assert (item.top_ids == top).all()
+        np.testing.assert_allclose(item.top_logprobs, np.take_along_axis(at, top, 1), atol=TOLERANCE, rtol=0)
+        assert (item.greedy == (at.argmax(1) == c)).all()
+        next_top = np.argsort(-lp[-1], kind="stable")[:TOP_LOGPROBS]
+        assert (item.next_top_ids == next_top).all()
+        np.testing.assert_allclose(item.next_top_logprobs, lp[-1][next_top], atol=TOLERANCE, rtol=0)
+        assert abs(item.total - at[np.arange(len(c)), c].sum()) <= len(c) * TOLERANCE
+
+
+# every family the score path serves, in float32: windows crossing the context/continuation
+# boundary (Gemma 3's 48-token window under a 70-token context), soft caps on the attention and
+# the final logits (Gemma 2 and 3), Gemma's embedding scaling and (1 + w) norms, tied heads
+@pytest.mark.parametrize("family", list(FAMILY_OPTIONS))
+def test_item_likelihood_matches_transformers(hf_checkpoints, family):
+    path, torch_model = hf_checkpoints[family]
+    scorer = Scorer.load(str(path), dtype="float32", buckets=BUCKETS)
+    greedy = greedy_continuation(torch_model, CONTEXT, 4)
+    continuations = [*CONTINUATIONS, greedy]
+    got = scorer.loglikelihood_tokens(CONTEXT, continuations)
+    assert_like_transformers(torch_model, CONTEXT, continuations, got)
+    assert got[-1].is_greedy and got[-1].greedy.all()
+    assert not got[3].is_greedy  # 20 random tokens
+    # lm-evaluation-harness's shape: (sum, is_greedy) per continuation, from the same rows
+    assert scorer.loglikelihood(CONTEXT, continuations) == [(g.total, g.is_greedy) for g in got]
+    assert scorer.last_usage.prompt_tokens == len(CONTEXT) + sum(map(len, continuations))
+
+
+def test_cache_hits_short_contexts_and_score_requests_beside_likelihoods(hf_checkpoints):
+    """The context cached by one request serves the next (no prefill, the same log-probs); a
+    one-token context (no prefix: whole sequences) and a score request riding in the same call
+    as a likelihood request are each exact."""
+    path, torch_model = hf_checkpoints["qwen3"]
+    scorer = Scorer.load(str(path), dtype="float32", buckets=BUCKETS)
+    engine = scorer.engine
+    first = scorer.loglikelihood_tokens(CONTEXT, CONTINUATIONS)
+    prefilled = engine.stats["prefill_tokens"]
+    again = scorer.loglikelihood_tokens(CONTEXT, CONTINUATIONS[::-1])
+    assert engine.stats["prefill_tokens"] == prefilled  # the context came from the prefix cache
+    assert scorer.last_usage.cached_tokens == len(CONTEXT) - 1  # its last token travels with each item
+    for a, b in zip(first, again[::-1], strict=True):
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+    assert_like_transformers(
+        torch_model, CONTEXT[:1], CONTINUATIONS, scorer.loglikelihood_tokens(CONTEXT[:1], CONTINUATIONS)
+    )
+
+    # a score request and a likelihood request over another context, in one call (the score
+    # request's query is the likelihood's prefix: the context but its last token, which each
+    # of its items starts with, so both ride over one prefill)
+    context = CONTEXT[5:40]
+    labels = (5, 17, 319)
+    score = TokenizedRequest(tuple(context[:-1]), [context[-1:] + c for c in CONTINUATIONS], labels, False, False)
+    likelihood = likelihood_request(scorer.requests, context, CONTINUATIONS)
+    calls = engine.stats["calls"]
+    score_unit, likelihood_unit = scorer.runner.run_requests([score, likelihood])
+    assert engine.stats["calls"] == calls + 1
+    want = torch_label_probs(torch_model, [context + c for c in CONTINUATIONS], labels, False)
+    np.testing.assert_allclose(np.log(score_unit.reply.scores), np.log(want), atol=TOLERANCE, rtol=0)
+    from prefixscore.engine.likelihood import read_likelihoods
+
+    assert likelihood_unit.reply.tokens is not None
+    got = read_likelihoods(likelihood, likelihood_unit.reply.tokens)
+    assert_like_transformers(torch_model, context, CONTINUATIONS, got)
+
+
+def test_bad_likelihood_input_is_refused_naming_the_field_before_device_work(tiny_scorer):
+    scorer = tiny_scorer
+    vocab = scorer.cfg.vocab_size
+    calls = scorer.engine.stats["calls"]
+    cases = {
+        "continuations": ([1, 2, 3], []),
+        "continuations[1]": ([1, 2, 3], [[4], []]),
+        "continuations[0]": ([1, 2, 3], [[vocab]]),
+        "query": ([], [[4]]),
+    }
+    for field, (context, continuations) in cases.items():
+        with pytest.raises(InvalidInput) as err:
+            scorer.loglikelihood(context, continuations)
+        assert err.value.field == field, (field, err.value)
+    limit = scorer.requests.max_sequence_tokens
+    with pytest.raises(InvalidInput, match=f"over the limit of {limit}") as err:
+        scorer.loglikelihood([1] * (limit - 2), [[4], [5, 6, 7]])
+    assert err.value.field == "continuations[1]"
+    assert scorer.engine.stats["calls"] == calls
+
+
+def test_a_classifier_has_no_likelihood(hf_checkpoints):
+    from conftest import make_torch_model
+
+    from prefixscore.model.config import config_from_dict
+
+    classifier = make_torch_model("qwen3", classifier=True, num_labels=2)
+    raw = {**classifier.config.to_dict(), "architectures": [type(classifier).__name__]}
+    requests = RequestTokenizer(config_from_dict(raw), None)
+    assert requests.head.own_rows
+    with pytest.raises(InvalidInput, match="sequence classifier") as err:
+        likelihood_request(requests, [1, 2, 3], [[4]])
+    assert err.value.field == "model"
+
+
+def test_the_vocabulary_scan_merges_every_slices_top_logits():
+    """The head's scan over a vocabulary of several slices (model/step.py vocab_scan: 5,000 rows
+    are two VOCAB_CHUNK slices and a remainder of 904) equals float64 numpy: the log-sum-exp of
+    the soft-capped logits, and their top TOP_LOGPROBS with ids offset by the shard's first id,
+    rows past `real_rows` (a shard's padding) never counted. The test models' vocabularies fit
+    one slice, so only this test merges a running top-k with a later slice's."""
+    import functools
+
+    import jax
+
+    from prefixscore.model.step import VOCAB_CHUNK, vocab_scan
+
+    rng = np.random.default_rng(7)
+    vocab, real, first_id, cap = 5000, 4900, 1000, 30.0
+    assert vocab > 2 * VOCAB_CHUNK
+    h = rng.standard_normal((3, 16)).astype(np.float32)
+    w = (3 * rng.standard_normal((vocab, 16))).astype(np.float32)
+    w[real:] = 50.0  # padding rows with the largest logits: counted, they would top every row
+    scan = jax.jit(functools.partial(vocab_scan, cap=cap, top=TOP_LOGPROBS, first_id=first_id))
+    lse, top_vals, top_ids = (np.asarray(a) for a in scan(h, w, np.int32(real)))
+    logits = cap * np.tanh((h.astype(np.float64) @ w[:real].astype(np.float64).T) / cap)
+    peak = logits.max(1, keepdims=True)
+    np.testing.assert_allclose(
+        lse, (peak + np.log(np.exp(logits - peak).sum(1, keepdims=True)))[:, 0], atol=1e-5, rtol=0
+    )
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :TOP_LOGPROBS]
+    assert (order.max(1) >= 2 * VOCAB_CHUNK).any() and (order.min(1) < VOCAB_CHUNK).any()  # from several slices
+    assert (top_ids == order + first_id).all()
+    np.testing.assert_allclose(top_vals, np.take_along_axis(logits, order, 1), atol=1e-5, rtol=0)
