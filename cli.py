@@ -180,6 +180,15 @@ def add_score(sub: argparse._SubParsersAction) -> None:
         help="a classifier model's outputs (send no labels to it): raw logits, sigmoid or softmax; auto: "
         "sigmoid for one label, softmax for several",
     )
+    p.add_argument(
+        "--loglikelihood",
+        action="store_true",
+        help="score each item by its own likelihood after the query (log p(item | query), whether greedy "
+        "decoding gives it, per-token log-probs) instead of by labels",
+    )
+    p.add_argument(
+        "--top-logprobs", type=int, default=0, help="with --loglikelihood: the most likely tokens at each position"
+    )
     p.add_argument("--jsonl", help="file of requests, one JSON object a line ('-' for stdin)")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     p.add_argument("--timeout", type=float, default=None, help="deadline per request in seconds")
@@ -194,6 +203,8 @@ def _requests(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         apply_softmax=args.apply_softmax,
         item_first=args.item_first,
         activation=args.activation,
+        loglikelihood=args.loglikelihood,
+        top_logprobs=args.top_logprobs,
     )
     if args.jsonl:
         stream = sys.stdin if args.jsonl == "-" else open(args.jsonl, encoding="utf-8")
@@ -221,35 +232,59 @@ def _table(request: dict[str, Any], scores: list[list[float]], label_ids: list[i
     return "\n".join(lines)
 
 
+def _likelihood_table(request: dict[str, Any], likelihoods: list[Any]) -> str:
+    items = [it if isinstance(it, str) else " ".join(map(str, it)) for it in request.get("items", [])]
+    width = min(60, max([4, *map(len, items)]))
+    lines = ["item".ljust(width) + f"  {'logprob':>12}  {'tokens':>6}  greedy"]
+    for item, x in zip(items, likelihoods, strict=True):
+        text = item if len(item) <= width else item[: width - 1] + "…"
+        lines.append(text.ljust(width) + f"  {x.logprob:>12.6g}  {len(x.token_logprobs):>6}  {x.is_greedy}")
+    return "\n".join(lines)
+
+
 def run_score(args: argparse.Namespace) -> int:
     import grpc
 
     with _client(args, args.target) as client:
         for request in _requests(args):
             try:
-                result = client.score(
-                    request["query"],
-                    request.get("items", []),
-                    request.get("label_token_ids") or None,
-                    bool(request.get("apply_softmax")),
-                    bool(request.get("item_first")),
-                    labels=request.get("labels") or None,
-                    timeout=args.timeout,
-                    activation=request.get("activation", "auto"),
-                )
+                if request.get("loglikelihood"):
+                    result = client.loglikelihood(
+                        request["query"],
+                        request.get("items", []),
+                        int(request.get("top_logprobs") or 0),
+                        timeout=args.timeout,
+                    )
+                else:
+                    result = client.score(
+                        request["query"],
+                        request.get("items", []),
+                        request.get("label_token_ids") or None,
+                        bool(request.get("apply_softmax")),
+                        bool(request.get("item_first")),
+                        labels=request.get("labels") or None,
+                        timeout=args.timeout,
+                        activation=request.get("activation", "auto"),
+                    )
             except grpc.RpcError as err:
                 print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
                 return 1
             if args.json:
-                out = {"scores": result.scores, "label_token_ids": result.label_token_ids}
+                if request.get("loglikelihood"):
+                    out: dict[str, Any] = {"likelihoods": [dataclasses.asdict(x) for x in result.likelihoods]}
+                else:
+                    out = {"scores": result.scores, "label_token_ids": result.label_token_ids}
                 if result.label_names:
                     out["label_names"] = result.label_names
                 print(json.dumps({**out, "usage": dataclasses.asdict(result.usage)}))
+                continue
+            if request.get("loglikelihood"):
+                print(_likelihood_table(request, result.likelihoods))
             else:
                 names = request.get("labels") or result.label_names
                 print(_table({**request, "labels": names}, result.scores, result.label_token_ids))
-                u = result.usage
-                print(f"usage: prompt_tokens={u.prompt_tokens} cached_tokens={u.cached_tokens} items={u.items}")
+            u = result.usage
+            print(f"usage: prompt_tokens={u.prompt_tokens} cached_tokens={u.cached_tokens} items={u.items}")
     return 0
 
 

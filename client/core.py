@@ -97,6 +97,20 @@ class ClientCore(abc.ABC, Generic[ScoreOut, RerankOut, StreamOut]):
 
         return self._run(steps())
 
+    def loglikelihood(
+        self, query: Text, items: Sequence[Text], top_logprobs: int = 0, timeout: float | None = None
+    ) -> ScoreOut:
+        """Each item's own likelihood after `query` (ScoreResult.likelihoods): log p(item | query),
+        whether greedy decoding gives it, and per token its log-prob and, with top_logprobs (up
+        to 20), the most likely tokens there. A text query gets the model's start tokens."""
+
+        def steps() -> Steps[ScoreResult]:
+            request = score_request(query, items, loglikelihood=True, top_logprobs=top_logprobs)
+            metadata = self._call_metadata(partial(prefix_key.for_score, query))
+            return score_result((yield from self._unary_steps(self._stub.Score, request, timeout, metadata)))
+
+        return self._run(steps())
+
     def stream(
         self,
         query: Text,
@@ -106,11 +120,16 @@ class ClientCore(abc.ABC, Generic[ScoreOut, RerankOut, StreamOut]):
         labels: Sequence[str] | None = None,
         timeout: float | None = None,
         activation: str = "auto",
+        loglikelihood: bool = False,
+        top_logprobs: int = 0,
     ) -> StreamOut:
-        """Open a ScoreStream session over `query` (returns once the server has its KV on the device)."""
+        """Open a ScoreStream session over `query` (returns once the server has its KV on the device).
+        loglikelihood: every batch's items are scored by their own likelihood (as `loglikelihood`)."""
 
         def steps() -> Steps[Any]:
-            opening = stream_open(query, label_token_ids, apply_softmax, item_first, labels, activation)
+            opening = stream_open(
+                query, label_token_ids, apply_softmax, item_first, labels, activation, loglikelihood, top_logprobs
+            )
             metadata = self._call_metadata(partial(prefix_key.for_score, query))
             return (yield partial(self._open_stream, opening, timeout, metadata))
 

@@ -21,11 +21,28 @@ class Usage:
 
 
 @dataclasses.dataclass(frozen=True)
+class Likelihood:
+    """An item's own likelihood after its query (natural log, over the whole vocabulary)."""
+
+    logprob: float  # log p(item | query): the sum of token_logprobs
+    is_greedy: bool  # greedy decoding after the query would produce the item
+    token_logprobs: list[float]  # log p(token i | query, the item's tokens before i)
+    greedy: list[bool]  # token i is the argmax at its position
+    # with top_logprobs: per item token, the most likely (token id, log-prob) there, most likely first
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+# a stream batch's answer: label scores [items][labels], or a likelihood stream's per item
+BatchResult = list[list[float]] | list[Likelihood]
+
+
+@dataclasses.dataclass(frozen=True)
 class ScoreResult:
-    scores: list[list[float]]  # [items][labels]
+    scores: list[list[float]]  # [items][labels] ([]: a loglikelihood request)
     usage: Usage
     label_token_ids: list[int]  # the labels scored (resolved by the server when label strings were sent)
     label_names: list[str] = dataclasses.field(default_factory=list)  # a classifier model's columns
+    likelihoods: list[Likelihood] = dataclasses.field(default_factory=list)  # a loglikelihood request's, per item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +98,8 @@ def _scoring(
     item_first: bool,
     labels: Sequence[str] | None,
     activation: str,
+    loglikelihood: bool,
+    top_logprobs: int,
 ) -> dict[str, Any]:
     """The fields a Score request and a stream's open share (the activation checked first)."""
     checked = _activation(activation)
@@ -91,6 +110,8 @@ def _scoring(
         "apply_softmax": apply_softmax,
         "item_first": item_first,
         "activation": checked,
+        "loglikelihood": loglikelihood,
+        "top_logprobs": top_logprobs,
     }
 
 
@@ -102,9 +123,14 @@ def score_request(
     item_first: bool = False,
     labels: Sequence[str] | None = None,
     activation: str = "auto",
+    loglikelihood: bool = False,
+    top_logprobs: int = 0,
 ) -> pb.ScoreRequest:
-    """Build a ScoreRequest message. activation: a classifier model's auto, none, sigmoid or softmax."""
-    fields = _scoring(query, label_token_ids, apply_softmax, item_first, labels, activation)
+    """Build a ScoreRequest message. activation: a classifier model's auto, none, sigmoid or softmax;
+    loglikelihood: each item's own likelihood instead (no labels), with top_logprobs (0-20) per position."""
+    fields = _scoring(
+        query, label_token_ids, apply_softmax, item_first, labels, activation, loglikelihood, top_logprobs
+    )
     return pb.ScoreRequest(items=items_message(items), **fields)
 
 
@@ -115,9 +141,13 @@ def stream_open(
     item_first: bool = False,
     labels: Sequence[str] | None = None,
     activation: str = "auto",
+    loglikelihood: bool = False,
+    top_logprobs: int = 0,
 ) -> pb.ScoreStreamRequest:
-    """Build the opening message of a ScoreStream (activation: as in score_request)."""
-    fields = _scoring(query, label_token_ids, apply_softmax, item_first, labels, activation)
+    """Build the opening message of a ScoreStream (the options as in score_request)."""
+    fields = _scoring(
+        query, label_token_ids, apply_softmax, item_first, labels, activation, loglikelihood, top_logprobs
+    )
     return pb.ScoreStreamRequest(open=pb.StreamOpen(**fields))
 
 
@@ -146,7 +176,29 @@ def scores(msgs: Sequence[pb.ItemScores]) -> list[list[float]]:
     return [list(m.probabilities) for m in msgs]
 
 
+def likelihoods(msgs: Sequence[pb.ItemScores]) -> list[Likelihood]:
+    """A loglikelihood request's items."""
+    out = []
+    for m in msgs:
+        x = m.likelihood
+        tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in x.top_logprobs]
+        out.append(Likelihood(x.logprob, x.is_greedy, list(x.token_logprobs), list(x.greedy), tops))
+    return out
+
+
+def is_likelihood(msgs: Sequence[pb.ItemScores]) -> bool:
+    """Whether the items carry likelihoods (a loglikelihood request's) rather than label scores."""
+    return bool(msgs) and msgs[0].HasField("likelihood")
+
+
+def batch_results(msgs: Sequence[pb.ItemScores]) -> BatchResult:
+    """A stream batch's answer: its label scores, or a likelihood stream's likelihoods."""
+    return likelihoods(msgs) if is_likelihood(msgs) else scores(msgs)
+
+
 def score_result(response: pb.ScoreResponse) -> ScoreResult:
+    if is_likelihood(response.scores):
+        return ScoreResult([], usage(response.usage), [], [], likelihoods(response.scores))
     return ScoreResult(
         scores(response.scores), usage(response.usage), list(response.label_token_ids), list(response.label_names)
     )

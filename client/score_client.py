@@ -45,7 +45,8 @@ from prefixscore.client.channel import tls_credentials as tls_credentials
 from prefixscore.client.core import ClientCore
 from prefixscore.client.errors import BatchRefused as BatchRefused
 from prefixscore.client.errors import retry_after_ms as retry_after_ms
-from prefixscore.client.messages import Metadata, Text
+from prefixscore.client.messages import BatchResult, Metadata, Text
+from prefixscore.client.messages import Likelihood as Likelihood
 from prefixscore.client.messages import RerankedDocument as RerankedDocument
 from prefixscore.client.messages import RerankResult as RerankResult
 from prefixscore.client.messages import ScoreResult as ScoreResult
@@ -114,12 +115,12 @@ class ScoreStream(StreamCore):
         """Send one batch of items without waiting; returns its batch id."""
         return self._run(self._submit_steps(items))
 
-    def result(self, batch_id: int) -> list[list[float]]:
+    def result(self, batch_id: int) -> BatchResult:
         """Wait for one submitted batch's scores [items][labels]; raises BatchRefused when the
         server refused that batch (its queue was full: retry it), the stream going on."""
         return self._run(self._result_steps(batch_id))
 
-    def send(self, items: Sequence[Text]) -> list[list[float]]:
+    def send(self, items: Sequence[Text]) -> BatchResult:
         """Score one batch of items: submit, then wait for its scores."""
         return self.result(self.submit(items))
 
@@ -210,10 +211,10 @@ class AsyncScoreStream(StreamCore):
     async def submit(self, items: Sequence[Text]) -> int:
         return await self._run(self._submit_steps(items))
 
-    async def result(self, batch_id: int) -> list[list[float]]:
+    async def result(self, batch_id: int) -> BatchResult:
         return await self._run(self._result_steps(batch_id))
 
-    async def send(self, items: Sequence[Text]) -> list[list[float]]:
+    async def send(self, items: Sequence[Text]) -> BatchResult:
         return await self.result(await self.submit(items))
 
     async def close(self) -> Usage:

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from prefixscore.client.errors import BatchRefused, replica_lost, status_code
-from prefixscore.client.messages import Metadata, Text, Usage, items_message, scores, usage
+from prefixscore.client.messages import BatchResult, Metadata, Text, Usage, batch_results, items_message, usage
 from prefixscore.client.retry import Retry, remaining
 from prefixscore.client.steps import Steps
 from prefixscore.v1 import score_service_pb2 as pb
@@ -53,7 +53,7 @@ class StreamCore(abc.ABC):
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = False
         self._next_id = 1
-        self._results: dict[int, list[list[float]] | BatchRefused] = {}
+        self._results: dict[int, BatchResult | BatchRefused] = {}
         # in submission order (dicts keep it): re-sent in that order on a re-opened stream. A
         # re-sent batch keeps its id: the server checks ids only against the batches in flight
         # on the same stream, so the caller's ids serve every stream and need no mapping.
@@ -120,7 +120,7 @@ class StreamCore(abc.ABC):
         yield partial(self._write, message)
         return message.batch.batch_id
 
-    def _result_steps(self, batch_id: int) -> Steps[list[list[float]]]:
+    def _result_steps(self, batch_id: int) -> Steps[BatchResult]:
         while batch_id not in self._results:
             if not (yield from self._receive_steps()):
                 raise RuntimeError(f"ScoreStream ended without an answer to batch {batch_id}")
@@ -141,7 +141,7 @@ class StreamCore(abc.ABC):
 
     # -- bookkeeping
 
-    def _pop(self, batch_id: int) -> list[list[float]]:
+    def _pop(self, batch_id: int) -> BatchResult:
         result = self._results.pop(batch_id)
         if isinstance(result, BatchRefused):
             raise result
@@ -180,7 +180,7 @@ class StreamCore(abc.ABC):
             self.label_token_ids = list(response.opened.label_token_ids)
         elif kind == "batch":
             self._unanswered.pop(response.batch.batch_id, None)
-            self._results[response.batch.batch_id] = scores(response.batch.scores)
+            self._results[response.batch.batch_id] = batch_results(response.batch.scores)
         elif kind == "refused":
             r = response.refused
             self._unanswered.pop(r.batch_id, None)  # an answer too: the caller decides to send it again

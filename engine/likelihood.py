@@ -12,19 +12,17 @@ a continuation's tokens are the item's first len(continuation); its last row has
 gives the top next tokens after the whole sequence.
 
 A context of one token has no prefix: its items are whole sequences (`context + continuation`),
-which read the same rows.
+which read the same rows. The request is laid out and checked by `RequestTokenizer.likelihood`
+(engine/validation.py), the one validation pass of every transport.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 
-from prefixscore.engine.invalid_input import InvalidInput
-from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
+from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 
@@ -49,47 +47,6 @@ class ItemLikelihood:
     def is_greedy(self) -> bool:
         """Whether greedy decoding after the context would produce the continuation."""
         return bool(self.greedy.all())
-
-
-def likelihood_request(
-    requests: RequestTokenizer, context: str | Sequence[int], continuations: Sequence[str] | Sequence[Sequence[int]]
-) -> TokenizedRequest:
-    """A validated likelihood request: the context (text: the model's start tokens, then the
-    text's; ids: as given) and its continuations (text: no start tokens; ids: as given), laid
-    out as the module doc says. Raises InvalidInput naming the field, before any device work."""
-    if requests.head.own_rows:
-        raise InvalidInput(
-            "model", "the model is a sequence classifier: it has no vocabulary to score a continuation's tokens"
-        )
-    if isinstance(context, str):
-        ids = list(requests.start_ids) + requests.query_ids(context)
-    else:
-        ids = requests.query_ids(context)
-    items = requests.item_ids(continuations, "text" if isinstance(context, str) else "ids", field="continuations")
-    if not len(items):
-        raise InvalidInput("continuations", "at least one continuation is required")
-    totals = len(ids) + items.lengths
-    limit = requests.max_sequence_tokens
-    if (totals > limit).any():
-        j = int(np.flatnonzero(totals > limit)[0])
-        why = f"context + continuation is {totals[j]} tokens, over the limit of {limit}"
-        raise InvalidInput(f"continuations[{j}]", why)
-    # an item is the continuation and the context's last token (a one-token context: none, whole sequences)
-    over = items.lengths + 1 > requests.max_item_tokens
-    if len(ids) > 1 and over.any():
-        j = int(np.flatnonzero(over)[0])
-        limit = requests.max_item_tokens - 1
-        raise InvalidInput(f"continuations[{j}]", f"{items.lengths[j]} tokens, over the continuation limit of {limit}")
-    # each item carries the context's last token (its row reads the continuation's first)
-    lead = np.full(len(items), ids[-1], np.int64)
-    offsets = items.offsets + np.arange(len(items) + 1, dtype=np.int64)
-    flat = np.insert(items.flat, items.offsets[:-1], lead)
-    if len(ids) == 1:  # no prefix: whole sequences
-        rows = TokenRows(flat, offsets)
-        requests.check_request_tokens(rows.total)
-        return TokenizedRequest((), rows, (), False, True, per_token=True)
-    requests.check_request_tokens(len(ids) - 1 + int(offsets[-1]))
-    return TokenizedRequest(tuple(ids[:-1]), TokenRows(flat, offsets), (), False, False, per_token=True)
 
 
 def read_likelihoods(request: TokenizedRequest, token_rows: np.ndarray) -> list[ItemLikelihood]:

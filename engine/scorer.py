@@ -17,7 +17,7 @@ from prefixscore.engine.batcher import Batcher
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import DeviceWorker
-from prefixscore.engine.likelihood import ItemLikelihood, likelihood_request, read_likelihoods
+from prefixscore.engine.likelihood import ItemLikelihood, read_likelihoods
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
@@ -187,11 +187,10 @@ class Scorer:
     ) -> list[ItemLikelihood]:
         """Per continuation, its tokens' log-probs, whether each is the argmax, and the top
         log-probs at each position (engine/likelihood.py ItemLikelihood)."""
-        req = likelihood_request(self.requests, context, continuations)
+        req = self.validator.score(ScoreInput(context, continuations, loglikelihood=True)).request
         with self._lock:
             unit = self.runner.run_requests([req])[0]
-            # the context once, then every continuation
-            self.last_usage = Usage(req.prompt_tokens - len(req.items) + 1, unit.reply.cached_tokens, len(req.items))
+            self.last_usage = Usage(req.prompt_tokens, unit.reply.cached_tokens, len(req.items))
         assert unit.reply.tokens is not None
         return read_likelihoods(req, unit.reply.tokens)
 

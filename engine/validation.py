@@ -21,7 +21,7 @@ from prefixscore.engine import heads
 from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, OUTPUT_TOKEN
+from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, OUTPUT_TOKEN, TOP_LOGPROBS
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.head import output_head
 from prefixscore.model.tokenizer import TextTokenizer
@@ -69,8 +69,10 @@ class TokenizedRequest:
     # a causal LM: the labels' raw logits instead of probabilities (a reranker whose relevance is
     # a function of a label's logit: engine/templates.py); apply_softmax is then False
     raw_logits: bool = False
-    # the items' own likelihood (engine/likelihood.py): a row per item token, no labels
+    # the items' own likelihood (engine/likelihood.py): a row per item token, no labels; and the
+    # top log-probs a response reports at each position (the device computes TOP_LOGPROBS)
     per_token: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
@@ -84,6 +86,10 @@ class TokenizedRequest:
 
     @property
     def prompt_tokens(self) -> int:
+        """The query once and every item (a likelihood request's items carry the query's last
+        token: counted once)."""
+        if self.per_token:
+            return len(self.prefix) + self.items.total - len(self.items) + 1
         return len(self.prefix) + self.items.total
 
 
@@ -277,6 +283,45 @@ class RequestTokenizer:
         self.check_request_tokens(len(start) + len(query) + items.total)
         return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False, activation)
 
+    def context_ids(self, context: str | Sequence[int]) -> list[int]:
+        """A likelihood request's context: a text gets the model's start tokens (as a score
+        request's query does); token ids are taken as given."""
+        if isinstance(context, str):
+            return list(self.start_ids) + self.query_ids(context)
+        return self.query_ids(context)
+
+    def check_vocabulary_head(self) -> None:
+        """An item's likelihood needs a vocabulary: a classifier's head has none."""
+        if self.head.own_rows:
+            raise InvalidInput(
+                "loglikelihood", "the model is a sequence classifier: it has no vocabulary to score an item's tokens"
+            )
+
+    def likelihood(self, context: list[int], items: TokenRows, top_logprobs: int = 0) -> TokenizedRequest:
+        """The items' own likelihood after `context` (engine/likelihood.py), laid out for the
+        score path: the prefix is the context but its last token, which starts every item (its
+        row reads the item's first token); a one-token context has no prefix (whole sequences).
+        Checks every sequence fits the context and the request's tokens their limit."""
+        self.check_vocabulary_head()
+        if not len(items):
+            raise InvalidInput("items", "at least one item (continuation) is required")
+        totals = len(context) + items.lengths
+        over = totals > self.max_sequence_tokens
+        if len(context) > 1:  # an item: the context's last token and the continuation
+            over |= items.lengths + 1 > self.max_item_tokens
+        if over.any():
+            j = int(np.flatnonzero(over)[0])
+            if totals[j] > self.max_sequence_tokens:
+                why = f"query + item is {totals[j]} tokens, over the limit of {self.max_sequence_tokens}"
+            else:
+                why = f"{items.lengths[j]} tokens, over the item limit of {self.max_item_tokens - 1} after a query"
+            raise InvalidInput(f"items[{j}]", why)
+        lead = np.full(len(items), context[-1], np.int64)
+        rows = TokenRows(np.insert(items.flat, items.offsets[:-1], lead), items.offsets + np.arange(len(items) + 1))
+        prefix = tuple(context[:-1])
+        self.check_request_tokens(len(prefix) + rows.total)
+        return TokenizedRequest(prefix, rows, (), False, not prefix, per_token=True, top_logprobs=top_logprobs)
+
 
 TRUNCATE = ("none", "end")
 QUERY_TRUNCATION = ("none", "left", "right")
@@ -303,6 +348,10 @@ class ScoreInput:
     # instead of `query`: a conversation whose next assistant turn each item is (a reward model's
     # candidates); the chat template renders it, split at that turn's content
     messages: object = None
+    # each item's own likelihood after the query instead of label scores (engine/likelihood.py),
+    # with the top log-probs at each position (0 to TOP_LOGPROBS)
+    loglikelihood: bool = False
+    top_logprobs: int = 0
 
 
 @dataclasses.dataclass
@@ -378,6 +427,8 @@ class StreamSpec:
     item_first: bool
     prefix: tuple[int, ...]
     activation: str = ""
+    per_token: bool = False  # a likelihood stream (ScoreInput.loglikelihood)
+    top_logprobs: int = 0
 
 
 def _choice(field: str, value: object, allowed: Sequence[str]) -> str:
@@ -488,6 +539,8 @@ class Validator:
     # ---- requests --------------------------------------------------------------------------------
     def score(self, inp: ScoreInput) -> Validated:
         """A score request -> token ids, truncated as asked; raises InvalidInput naming the field."""
+        if inp.loglikelihood:
+            return Validated(self._likelihood(inp))
         if inp.messages is not None:
             inp = self._candidate_turns(inp)
         asked = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
@@ -670,8 +723,49 @@ class Validator:
                 raise InvalidInput(where, f"the chat template refused it: {err}") from err
         return texts
 
+    def _likelihood_options(self, inp: ScoreInput) -> int:
+        """A likelihood request's top_logprobs, once the options that apply to label scores
+        only are checked unset (each refused by name)."""
+        label_options = {
+            "label_token_ids": bool(inp.label_token_ids),
+            "labels": bool(inp.labels),
+            "apply_softmax": bool(inp.apply_softmax),
+            "item_first": bool(inp.item_first),
+            "activation": inp.activation not in (None, "", "auto"),
+            "messages": inp.messages is not None,
+            "truncate": inp.truncate != "none",
+            "query_truncation": inp.query_truncation != "none",
+            "max_query_tokens": bool(inp.max_query_tokens),
+            "check_tokenization": bool(inp.check_tokenization),
+        }
+        for field, sent in label_options.items():
+            if sent:
+                raise InvalidInput(
+                    field, "applies to label scores; a loglikelihood request scores the items' own tokens"
+                )
+        top = inp.top_logprobs
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= TOP_LOGPROBS:
+            raise InvalidInput("top_logprobs", f"{top!r} is not an integer from 0 to {TOP_LOGPROBS}")
+        return top
+
+    def _likelihood(self, inp: ScoreInput) -> TokenizedRequest:
+        top = self._likelihood_options(inp)
+        context = self.requests.context_ids(inp.query)  # type: ignore[arg-type]
+        kind = "text" if isinstance(inp.query, str) else "ids"
+        return self.requests.likelihood(context, self.requests.item_ids(inp.items, kind), top)  # type: ignore[arg-type]
+
     def stream_open(self, inp: ScoreInput) -> StreamSpec:
         """A stream's query, labels and options (no items yet)."""
+        if inp.loglikelihood:
+            top = self._likelihood_options(inp)
+            context = self.requests.context_ids(inp.query)  # type: ignore[arg-type]
+            self.requests.check_vocabulary_head()
+            if len(context) + 1 > self.requests.max_sequence_tokens:
+                limit = self.requests.max_sequence_tokens
+                raise InvalidInput("query", f"{len(context)} tokens leave no room for an item within {limit} tokens")
+            kind = "text" if isinstance(inp.query, str) else "ids"
+            prefix = tuple(context[:-1])
+            return StreamSpec(context, kind, (), False, not prefix, prefix, per_token=True, top_logprobs=top)
         asked = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         ids = self.requests.query_ids(inp.query)
         # no items yet: this checks the query leaves room for one and gives the prefix
@@ -686,6 +780,8 @@ class Validator:
     def stream_batch(self, spec: StreamSpec, items: object) -> TokenizedRequest:
         """One batch of an open stream, over the stream's query."""
         ids = self.requests.item_ids(items, spec.kind)  # type: ignore[arg-type]
+        if spec.per_token:
+            return self.requests.likelihood(spec.query, ids, spec.top_logprobs)
         return self.requests.assemble(
             spec.query, ids, spec.label_ids, spec.apply_softmax, spec.item_first, spec.activation
         )

@@ -276,7 +276,7 @@ class GrpcServer:
             return pb.ScoreResponse(usage=pb.Usage(), label_token_ids=label_ids, label_names=names)
         unit = await self.service.run(req, "Score", self._deadline(context))
         return pb.ScoreResponse(
-            scores=item_scores(unit.reply.scores),
+            scores=item_scores(req, unit.reply),
             usage=usage(req, unit.reply.cached_tokens, checked.truncation),
             label_token_ids=label_ids,
             joined_tokenization_differs=differs,
@@ -469,7 +469,7 @@ class _StreamSession:
                 self.outstanding.pop(id(unit), None)
                 if unit.reply.error is not None:
                     raise unit_failure(unit.reply.error)
-                batch = pb.BatchScores(batch_id=happened.batch_id, scores=item_scores(unit.reply.scores))
+                batch = pb.BatchScores(batch_id=happened.batch_id, scores=item_scores(unit.payload, unit.reply))
                 await self._write(pb.ScoreStreamResponse(batch=batch))
                 self._answered(happened.batch_id)
             elif isinstance(happened, _Ended):

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from prefixscore.engine.likelihood import ItemLikelihood, read_likelihoods
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.engine.validation import (
     InvalidInput,
@@ -25,6 +25,7 @@ from prefixscore.engine.validation import (
     ValidatedRerank,
     Validator,
 )
+from prefixscore.engine.work_unit import Reply
 from prefixscore.service.core import Failure
 from prefixscore.v1 import score_service_pb2 as pb
 
@@ -110,6 +111,8 @@ class RequestConverter:
                 check_tokenization=msg.check_tokenization,
                 activation=ACTIVATION.get(msg.activation, str(msg.activation)),
                 messages=messages,
+                loglikelihood=msg.loglikelihood,
+                top_logprobs=msg.top_logprobs,
             )
         )
 
@@ -139,6 +142,8 @@ class RequestConverter:
                 apply_softmax=msg.apply_softmax,
                 item_first=msg.item_first,
                 activation=ACTIVATION.get(msg.activation, str(msg.activation)),
+                loglikelihood=msg.loglikelihood,
+                top_logprobs=msg.top_logprobs,
             )
         )
 
@@ -158,6 +163,28 @@ def usage(req: TokenizedRequest, cached_tokens: int, truncation: Truncation) -> 
     )
 
 
-def item_scores(scores: np.ndarray) -> list[pb.ItemScores]:
-    """[items, labels] float32 -> one ItemScores per item (float32 on the wire: no precision lost)."""
-    return [pb.ItemScores(probabilities=row) for row in scores.tolist()]
+def item_scores(req: TokenizedRequest, reply: Reply) -> list[pb.ItemScores]:
+    """One ItemScores per item: its label scores [labels] (float32 on the wire: no precision
+    lost), or a likelihood request's likelihood."""
+    if req.per_token:
+        assert reply.tokens is not None
+        return [
+            pb.ItemScores(likelihood=_likelihood(item, req.top_logprobs))
+            for item in read_likelihoods(req, reply.tokens)
+        ]
+    return [pb.ItemScores(probabilities=row) for row in reply.scores.tolist()]
+
+
+def _likelihood(item: ItemLikelihood, top: int) -> pb.ItemLikelihood:
+    """One item's likelihood, with the `top` most likely tokens at each position (0: none)."""
+    tops = [
+        pb.TopLogprobs(token_ids=ids[:top].tolist(), logprobs=logprobs[:top].tolist())
+        for ids, logprobs in zip(item.top_ids, item.top_logprobs, strict=True)
+    ]
+    return pb.ItemLikelihood(
+        logprob=item.total,
+        is_greedy=item.is_greedy,
+        token_logprobs=item.logprobs.tolist(),
+        greedy=item.greedy.tolist(),
+        top_logprobs=tops if top else [],
+    )

@@ -9,8 +9,8 @@ from conftest import FAMILY_OPTIONS, ONE_SHAPE_BUCKETS, torch_label_probs
 
 from prefixscore import Scorer
 from prefixscore.engine.invalid_input import InvalidInput
-from prefixscore.engine.likelihood import likelihood_request
-from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
+from prefixscore.engine.likelihood import read_likelihoods
+from prefixscore.engine.validation import RequestTokenizer, ScoreInput, TokenizedRequest, Validator
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # the parity test's buckets: a 128-token item region, 64-token prefill chunks, 16-token pages
@@ -101,14 +101,12 @@ def test_cache_hits_short_contexts_and_score_requests_beside_likelihoods(hf_chec
     context = CONTEXT[5:40]
     labels = (5, 17, 319)
     score = TokenizedRequest(tuple(context[:-1]), [context[-1:] + c for c in CONTINUATIONS], labels, False, False)
-    likelihood = likelihood_request(scorer.requests, context, CONTINUATIONS)
+    likelihood = scorer.validator.score(ScoreInput(context, CONTINUATIONS, loglikelihood=True)).request
     calls = engine.stats["calls"]
     score_unit, likelihood_unit = scorer.runner.run_requests([score, likelihood])
     assert engine.stats["calls"] == calls + 1
     want = torch_label_probs(torch_model, [context + c for c in CONTINUATIONS], labels, False)
     np.testing.assert_allclose(np.log(score_unit.reply.scores), np.log(want), atol=TOLERANCE, rtol=0)
-    from prefixscore.engine.likelihood import read_likelihoods
-
     assert likelihood_unit.reply.tokens is not None
     got = read_likelihoods(likelihood, likelihood_unit.reply.tokens)
     assert_like_transformers(torch_model, context, CONTINUATIONS, got)
@@ -119,9 +117,9 @@ def test_bad_likelihood_input_is_refused_naming_the_field_before_device_work(tin
     vocab = scorer.cfg.vocab_size
     calls = scorer.engine.stats["calls"]
     cases = {
-        "continuations": ([1, 2, 3], []),
-        "continuations[1]": ([1, 2, 3], [[4], []]),
-        "continuations[0]": ([1, 2, 3], [[vocab]]),
+        "items": ([1, 2, 3], []),
+        "items[1]": ([1, 2, 3], [[4], []]),
+        "items[0]": ([1, 2, 3], [[vocab]]),
         "query": ([], [[4]]),
     }
     for field, (context, continuations) in cases.items():
@@ -131,7 +129,20 @@ def test_bad_likelihood_input_is_refused_naming_the_field_before_device_work(tin
     limit = scorer.requests.max_sequence_tokens
     with pytest.raises(InvalidInput, match=f"over the limit of {limit}") as err:
         scorer.loglikelihood([1] * (limit - 2), [[4], [5, 6, 7]])
-    assert err.value.field == "continuations[1]"
+    assert err.value.field == "items[1]"
+    # the options of label scores are refused by name, and top_logprobs past 20
+    refused = {
+        "label_token_ids": dict(label_token_ids=[4]),
+        "labels": dict(labels=["a"]),
+        "apply_softmax": dict(apply_softmax=True),
+        "item_first": dict(item_first=True),
+        "truncate": dict(truncate="end"),
+        "top_logprobs": dict(top_logprobs=TOP_LOGPROBS + 1),
+    }
+    for field, options in refused.items():
+        with pytest.raises(InvalidInput) as err:
+            scorer.validator.score(ScoreInput([1, 2], [[3]], loglikelihood=True, **options))
+        assert err.value.field == field, (field, err.value)
     assert scorer.engine.stats["calls"] == calls
 
 
@@ -144,9 +155,11 @@ def test_a_classifier_has_no_likelihood(hf_checkpoints):
     raw = {**classifier.config.to_dict(), "architectures": [type(classifier).__name__]}
     requests = RequestTokenizer(config_from_dict(raw), None)
     assert requests.head.own_rows
-    with pytest.raises(InvalidInput, match="sequence classifier") as err:
-        likelihood_request(requests, [1, 2, 3], [[4]])
-    assert err.value.field == "model"
+    validator = Validator(requests)
+    for validate in (validator.score, validator.stream_open):
+        with pytest.raises(InvalidInput, match="sequence classifier") as err:
+            validate(ScoreInput([1, 2, 3], [[4]], loglikelihood=True))
+        assert err.value.field == "loglikelihood"
 
 
 def test_the_vocabulary_scan_merges_every_slices_top_logits():

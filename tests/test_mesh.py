@@ -501,10 +501,11 @@ def part_load() -> dict:
     from helpers.gguf_files import write_gguf
 
     from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.likelihood import likelihood_request, read_likelihoods
+    from prefixscore.engine.likelihood import read_likelihoods
     from prefixscore.engine.mesh import Layout, MeshShape
     from prefixscore.engine.scorer import EngineRunner
     from prefixscore.engine.scoring_engine import ScoringEngine
+    from prefixscore.engine.token_rows import TokenRows
     from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
     from prefixscore.model.call_inputs import TOP_LOGPROBS
     from prefixscore.model.loader import load_model
@@ -551,7 +552,7 @@ def part_load() -> dict:
             # the items' label scores, and their own likelihood (the head at every item token, over
             # the split vocabulary), queued together: the likelihood's prefix is the query but its last
             # token, which starts each of its items, so the score request is laid out the same way
-            likelihood = likelihood_request(RequestTokenizer(loaded.cfg, None), query, items)
+            likelihood = RequestTokenizer(loaded.cfg, None).likelihood(query, TokenRows.from_lists(items))
             score = TokenizedRequest(likelihood.prefix, [query[-1:] + item for item in items], labels, False, False)
             runner = EngineRunner(engine)
             scored, likelihood_unit = runner.run_requests([score, likelihood])

@@ -8,6 +8,7 @@ queued, cancelled or expired is deterministic.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 
@@ -125,6 +126,72 @@ def test_stream_with_token_ids_and_item_first(client, tiny_scorer):
         got = session.send(ITEMS[:2])
     expected = tiny_scorer.score(QUERY, ITEMS[:2], LABELS, item_first=True)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+# ---- items' own likelihood -----------------------------------------------------------------------
+def assert_likelihoods_equal(got, want, top: int) -> None:
+    """The wire's likelihoods (client records) equal the in-process ItemLikelihoods (float32 on the
+    wire and in process: equal to float32 rounding of the same engine's numbers)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.token_logprobs, w.logprobs, rtol=1e-6, atol=0)
+        assert abs(g.logprob - w.total) <= 1e-5 * max(1.0, abs(w.total))
+        assert g.greedy == w.greedy.tolist() and g.is_greedy == w.is_greedy
+        if not top:
+            assert g.top_logprobs == []
+            continue
+        assert [[t for t, _ in row] for row in g.top_logprobs] == w.top_ids[:, :top].tolist()
+        np.testing.assert_allclose([[p for _, p in row] for row in g.top_logprobs], w.top_logprobs[:, :top], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("query", "items", "top"), [(QUERY, ITEMS, 3), (ids(20), [ids(3, 500), ids(1, 40)], 0)])
+def test_loglikelihood_equals_in_process_scorer_sync_async_and_streamed(server, client, tiny_scorer, query, items, top):
+    """Score with `loglikelihood` (sync and asyncio clients) and a likelihood stream answer each
+    item's own likelihood as the in-process Scorer computes it (itself checked against
+    transformers: tests/test_likelihood.py), with the top log-probs asked for and the usage."""
+    want = tiny_scorer.loglikelihood_tokens(query, items)
+    result = client.loglikelihood(query, items, top_logprobs=top)
+    assert result.scores == [] and result.label_token_ids == []
+    assert_likelihoods_equal(result.likelihoods, want, top)
+    context = len(tiny_scorer.requests.context_ids(query))
+    assert result.usage.prompt_tokens == context + sum(len(w.tokens) for w in want)
+    assert result.usage.items == len(items)
+
+    async def via_asyncio():
+        async with AsyncScoreClient(server.target) as aclient:
+            return await aclient.loglikelihood(query, items, top_logprobs=top)
+
+    assert_likelihoods_equal(asyncio.run(via_asyncio()).likelihoods, want, top)
+    with client.stream(query, loglikelihood=True, top_logprobs=top) as session:
+        assert session.prefix_tokens == context - 1  # the query's last token starts each item
+        got = session.send(items[:1]) + session.send(items[1:])
+    assert_likelihoods_equal(got, want, top)
+
+
+def test_loglikelihood_refuses_label_options_by_name(client):
+    for field, options in {
+        "labels": dict(labels=["yes"]),
+        "apply_softmax": dict(apply_softmax=True),
+        "top_logprobs": dict(top_logprobs=21),
+    }.items():
+        request = pb.ScoreRequest(query=pb.Input(text=QUERY), items=[pb.Input(text="x")], loglikelihood=True, **options)
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.ScoreServiceStub(client._channel).Score(request)
+        assert err.value.code() == Code.INVALID_ARGUMENT and err.value.details().startswith(f"{field}:"), field
+
+
+def test_score_cli_prints_likelihoods(server, tiny_scorer, capsys):
+    from prefixscore import cli
+
+    args = ["score", "--target", server.target, "-q", QUERY, "-i", ITEMS[0], "-i", ITEMS[1], "--loglikelihood"]
+    assert cli.main([*args, "--top-logprobs", "2", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    want = tiny_scorer.loglikelihood_tokens(QUERY, ITEMS[:2])
+    assert [round(x["logprob"], 4) for x in printed["likelihoods"]] == [round(w.total, 4) for w in want]
+    assert [len(row) for row in printed["likelihoods"][0]["top_logprobs"]] == [2] * len(want[0].tokens)
+    assert cli.main(args) == 0
+    table = capsys.readouterr().out
+    assert "logprob" in table and f"{want[1].total:.6g}" in table
 
 
 # ---- many clients at once ------------------------------------------------------------------------

@@ -62,7 +62,7 @@ class Input(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization", "activation", "messages", "truncation_side")
+    __slots__ = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first", "truncate", "query_truncation", "max_query_tokens", "check_tokenization", "activation", "messages", "truncation_side", "loglikelihood", "top_logprobs")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,8 @@ class ScoreRequest(_message.Message):
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
+    LOGLIKELIHOOD_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     query: Input
     items: _containers.RepeatedCompositeFieldContainer[Input]
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -89,7 +91,9 @@ class ScoreRequest(_message.Message):
     activation: Activation
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     truncation_side: TruncationSide
-    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ...) -> None: ...
+    loglikelihood: bool
+    top_logprobs: int
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., items: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., query_truncation: _Optional[_Union[QueryTruncation, str]] = ..., max_query_tokens: _Optional[int] = ..., check_tokenization: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ..., loglikelihood: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -100,10 +104,34 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ItemScores(_message.Message):
-    __slots__ = ("probabilities",)
+    __slots__ = ("probabilities", "likelihood")
     PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    LIKELIHOOD_FIELD_NUMBER: _ClassVar[int]
     probabilities: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
+    likelihood: ItemLikelihood
+    def __init__(self, probabilities: _Optional[_Iterable[float]] = ..., likelihood: _Optional[_Union[ItemLikelihood, _Mapping]] = ...) -> None: ...
+
+class ItemLikelihood(_message.Message):
+    __slots__ = ("logprob", "is_greedy", "token_logprobs", "greedy", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    IS_GREEDY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    is_greedy: bool
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    greedy: _containers.RepeatedScalarFieldContainer[bool]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, logprob: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., greedy: _Optional[_Iterable[bool]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "items", "truncated_query_tokens", "truncated_items", "truncated_item_tokens")
@@ -136,20 +164,24 @@ class ScoreResponse(_message.Message):
     def __init__(self, scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., joined_tokenization_differs: _Optional[_Iterable[bool]] = ..., label_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
-    __slots__ = ("query", "label_token_ids", "labels", "apply_softmax", "item_first", "activation")
+    __slots__ = ("query", "label_token_ids", "labels", "apply_softmax", "item_first", "activation", "loglikelihood", "top_logprobs")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     APPLY_SOFTMAX_FIELD_NUMBER: _ClassVar[int]
     ITEM_FIRST_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    LOGLIKELIHOOD_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     query: Input
     label_token_ids: _containers.RepeatedScalarFieldContainer[int]
     labels: _containers.RepeatedScalarFieldContainer[str]
     apply_softmax: bool
     item_first: bool
     activation: Activation
-    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ...) -> None: ...
+    loglikelihood: bool
+    top_logprobs: int
+    def __init__(self, query: _Optional[_Union[Input, _Mapping]] = ..., label_token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., apply_softmax: _Optional[bool] = ..., item_first: _Optional[bool] = ..., activation: _Optional[_Union[Activation, str]] = ..., loglikelihood: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ItemBatch(_message.Message):
     __slots__ = ("batch_id", "items")
