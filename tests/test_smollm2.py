@@ -104,3 +104,33 @@ def test_smollm2_auto_scores_as_none_bit_for_bit(smollm2, monkeypatch):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     finally:
         none.runner.close()
+
+
+def test_smollm2_item_likelihood(smollm2, torch_smollm2):
+    """Each continuation's own token log-probs over the cached context, on the real weights, equal
+    transformers' forward of `context + continuation` in log space; so do the top log-probs at
+    each position, whose 49,152-token vocabulary the head scans in 24 slices, merging each
+    slice's top log-probs into the running ones."""
+    import torch
+
+    context = "Question: What is the capital of France?\nAnswer:"
+    choices = [" Paris", " Berlin", " a banana on a bicycle"]
+    got = smollm2.loglikelihood_tokens(context, choices)
+    tok = smollm2.model.tokenizer
+    ids = tok.start_ids + tok.encode(context)
+    totals = []
+    for choice, item in zip(choices, got, strict=True):
+        continuation = tok.encode(choice)
+        assert item.tokens.tolist() == continuation
+        with torch.no_grad():
+            logits = torch_smollm2(torch.tensor([ids + continuation])).logits[0].double()
+        at = torch.log_softmax(logits, -1).numpy()[len(ids) - 1 : -1]
+        want = at[np.arange(len(continuation)), continuation]
+        np.testing.assert_allclose(item.logprobs, want, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(item.top_logprobs, -np.sort(-at, axis=1)[:, : item.top_ids.shape[1]], atol=1e-4)
+        # the ids where the top two are apart by more than the numerics' drift
+        clear = np.abs(item.top_logprobs[:, 0] - item.top_logprobs[:, 1]) > 1e-3
+        assert (item.top_ids[clear, 0] == at.argmax(1)[clear]).all()
+        totals.append(want.sum())
+    assert np.argsort([g.total for g in got]).tolist() == np.argsort(totals).tolist()
+    assert smollm2.loglikelihood(context, choices) == [(g.total, g.is_greedy) for g in got]
