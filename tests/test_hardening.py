@@ -178,16 +178,19 @@ def test_device_error_reaches_the_client_without_internals(server, client, monke
     assert len(client.score(QUERY, ["fine again"], LABELS).scores) == 1  # only that call failed
 
 
-def _queued_together(stub, worker, requests: list[tuple[list[int], list[list[int]], list[int]]]) -> list:
+def _queued_together(stub, worker, requests: list[tuple[list[int], list[list[int]], list[int] | None]]) -> list:
     """Score futures of (query, items, labels) requests, all queued before the first call is
-    planned, so they ride in one device call."""
+    planned, so they ride in one device call. labels None: the items' own likelihood (with the
+    top 2 log-probs at each position)."""
     with worker.paused():
         calls = [
             stub.Score.future(
                 pb.ScoreRequest(
                     query=pb.Input(token_ids=pb.TokenIds(ids=query)),
                     items=[pb.Input(token_ids=pb.TokenIds(ids=it)) for it in items],
-                    label_token_ids=labels,
+                    label_token_ids=labels or [],
+                    loglikelihood=labels is None,
+                    top_logprobs=2 if labels is None else 0,
                 ),
                 timeout=120,
             )
@@ -312,6 +315,54 @@ def test_a_failing_request_sharing_its_query_fails_alone(server, stub, tiny_scor
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("culprit", ["score", "likelihood"])
+def test_likelihood_requests_fail_alone_and_ride_unharmed(server, stub, tiny_scorer, monkeypatch, culprit):
+    """Likelihood and score requests over one query new to the cache, in one device call (token
+    rows beside label rows), where every call carrying the culprit's work fails when read back:
+    the culprit alone gets INTERNAL; each likelihood co-rider gets, token by token, the log-probs
+    of a request served alone without the fault, and each score co-rider its scores."""
+    from prefixscore.engine.isolation import root
+
+    worker = server.server.service.worker
+    engine = worker.engine
+    rng = np.random.default_rng({"score": 21, "likelihood": 22}[culprit])
+    query = rng.integers(100, 40000, 40).tolist()
+    kinds = [[5, 9], None, [28, 1017], None] if culprit == "score" else [None, [5, 9], None, [28, 1017]]
+    items = [[rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(1, 7, 4)] for _ in kinds]
+    launch, carried = engine.launch, []
+
+    def is_culprit(request) -> bool:  # by its first item (a likelihood item starts with the query's last token)
+        first = request.payload.items[0]
+        return items[0][0] in (first, first[1:])
+
+    def faulty(plan):
+        requests = {id(root(span.ref)): root(span.ref) for span in plan.spans}
+        carried.append(len(requests))
+        if not any(is_culprit(request) for request in requests.values()):
+            return launch(plan)
+        launch(plan)
+        return _FailedReadBack()
+
+    monkeypatch.setattr(engine, "launch", faulty)
+    calls = _queued_together(stub, worker, list(zip([query] * 4, items, kinds, strict=True)))
+    with pytest.raises(grpc.RpcError) as err:
+        calls[0].result()
+    assert err.value.code() == Code.INTERNAL and "request id" in err.value.details()
+    answers = [calls[k].result() for k in range(1, 4)]
+    monkeypatch.undo()
+    assert carried[0] == 4  # they did ride in one call
+    for k, answer in zip(range(1, 4), answers, strict=True):
+        if kinds[k] is None:
+            want = tiny_scorer.loglikelihood_tokens(query, items[k])
+            for got, w in zip(answer.scores, want, strict=True):
+                np.testing.assert_allclose(got.likelihood.token_logprobs, w.logprobs, rtol=0, atol=1e-5)
+                assert [list(t.token_ids) for t in got.likelihood.top_logprobs] == w.top_ids[:, :2].tolist()
+        else:
+            want = np.log(tiny_scorer.score(query, items[k], kinds[k], mode="sequential"))
+            got = np.log([list(s.probabilities) for s in answer.scores])
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
 def test_a_device_whose_calls_keep_failing_goes_not_serving(tiny_scorer):
