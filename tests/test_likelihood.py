@@ -71,8 +71,6 @@ def test_item_likelihood_matches_transformers(hf_checkpoints, family):
     assert_like_transformers(torch_model, CONTEXT, continuations, got)
     assert got[-1].is_greedy and got[-1].greedy.all()
     assert not got[3].is_greedy  # 20 random tokens
-    # lm-evaluation-harness's shape: (sum, is_greedy) per continuation, from the same rows
-    assert scorer.loglikelihood(CONTEXT, continuations) == [(g.total, g.is_greedy) for g in got]
     assert scorer.last_usage.prompt_tokens == len(CONTEXT) + sum(map(len, continuations))
 
 
@@ -90,6 +88,8 @@ def test_cache_hits_short_contexts_and_score_requests_beside_likelihoods(hf_chec
     assert scorer.last_usage.cached_tokens == len(CONTEXT) - 1  # its last token travels with each item
     for a, b in zip(first, again[::-1], strict=True):
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    # lm-evaluation-harness's shape: (sum, is_greedy) per continuation
+    assert scorer.loglikelihood(CONTEXT, CONTINUATIONS) == [(g.total, g.is_greedy) for g in first]
 
     assert_like_transformers(
         torch_model, CONTEXT[:1], CONTINUATIONS, scorer.loglikelihood_tokens(CONTEXT[:1], CONTINUATIONS)
