@@ -200,12 +200,12 @@ def verify_once(
     with _CHECKING:  # concurrent engines wait for the one check instead of running it twice
         if key not in _CHECKED:
             path = verdict_path(impl_name, impl, heads, kv_heads, head_dim, dtype)
-            kept = _read_verdict(path)
-            if kept is None:
-                kept = check(impl, heads, kv_heads, head_dim, dtype)
-                if path is not None and not _past_tolerance(kept, dtype):
-                    _write_verdict(path, kept)
-            _CHECKED[key] = kept
+            errors = _read_verdict(path)
+            if errors is None:  # none kept: check now, and keep a pass
+                errors = check(impl, heads, kv_heads, head_dim, dtype)
+                if path is not None and not _past_tolerance(errors, dtype):
+                    _write_verdict(path, errors)
+            _CHECKED[key] = errors
     return _judged(impl_name, heads, kv_heads, head_dim, dtype, _CHECKED[key])
 
 
