@@ -283,6 +283,36 @@ class RequestTokenizer:
         self.check_request_tokens(len(start) + len(query) + items.total)
         return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False, activation)
 
+    def _has_tokenizer(self, field: str) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer")
+        return self.tokenizer
+
+    def prompt_ids(self, prompt: object, add_special_tokens: bool = True) -> list[int]:
+        """A text as the model's tokenizer encodes a whole prompt (vLLM's /tokenize), bounded
+        by max_text_chars before it is tokenized."""
+        if not isinstance(prompt, str):
+            raise InvalidInput("prompt", "must be a string")
+        tokenizer = self._has_tokenizer("prompt")
+        if len(prompt) > self.limits.max_text_chars:
+            limit = self.limits.max_text_chars
+            raise InvalidInput(
+                "prompt", f"text of {len(prompt)} characters exceeds the limit of {limit}", too_large=True
+            )
+        return tokenizer.encode_whole(prompt, bool(add_special_tokens))
+
+    def text_of(self, tokens: object) -> str:
+        """The text of token ids (vLLM's /detokenize), each checked against the vocabulary and
+        their number against max_request_tokens."""
+        if not _is_ids(tokens):
+            raise InvalidInput("tokens", "must be a list of integer token ids")
+        tokenizer = self._has_tokenizer("tokens")
+        limit = self.limits.max_request_tokens
+        if limit is not None and len(tokens) > limit:  # type: ignore[arg-type]
+            raise InvalidInput("tokens", f"{len(tokens)} tokens exceed the limit of {limit}", too_large=True)  # type: ignore[arg-type]
+        check_ids("tokens", tokens, self.cfg.vocab_size)  # type: ignore[arg-type]
+        return tokenizer.decode(tokens)  # type: ignore[arg-type]
+
     def context_ids(self, context: str | Sequence[int]) -> list[int]:
         """A likelihood request's context: a text gets the model's start tokens (as a score
         request's query does); token ids are taken as given."""

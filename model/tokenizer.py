@@ -53,6 +53,19 @@ class TextTokenizer:
             return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False).input_ids]
 
+    def encode_whole(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text as the tokenizer itself encodes a prompt (vLLM's /tokenize): with
+        its own special tokens when asked (a BOS, or whatever its template adds)."""
+        return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included (vLLM's /detokenize)."""
+        return self.hf.decode(list(ids))
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (the tokenizer's own spelling, e.g. "Ġthe")."""
+        return [str(t) for t in self.hf.convert_ids_to_tokens(list(ids))]
+
     def token_id(self, label: str) -> int:
         """The single token a label string maps to; ValueError if it is not exactly one token."""
         ids = self.encode(label)

@@ -51,6 +51,8 @@ from prefixscore.service.http_schemas import (
     ERRORS,
     ClassifyRequest,
     ClassifyResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     RerankRequest,
@@ -58,6 +60,8 @@ from prefixscore.service.http_schemas import (
     ScoringRequest,
     ScoringResponse,
     Status,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from prefixscore.service.security import TokenFile
 from prefixscore.telemetry import request_ids
@@ -202,6 +206,36 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             summary=summary,
             include_in_schema=path == "/v1/rerank",  # one documented path; the others are aliases
         )
+
+    @app.post(
+        "/tokenize",
+        response_model=TokenizeResponse,
+        response_model_exclude_none=True,
+        responses=ERRORS,
+        summary="Token ids of a text (vLLM /tokenize)",
+    )
+    async def tokenize(body: TokenizeRequest, request: Request) -> Any:
+        with handled("HttpTokenize") as outcome:
+            requests = service.accepting().requests
+            ids = await validated(_body_bytes(request), requests.prompt_ids, body.prompt, body.add_special_tokens)
+            assert requests.tokenizer is not None  # prompt_ids refused a model without one
+            strs = requests.tokenizer.token_strings(ids) if body.return_token_strs else None
+            return _encoded(
+                TokenizeResponse(count=len(ids), max_model_len=requests.cfg.context_length, tokens=ids, token_strs=strs)
+            )
+        return outcome["response"]
+
+    @app.post(
+        "/detokenize",
+        response_model=DetokenizeResponse,
+        responses=ERRORS,
+        summary="The text of token ids (vLLM /detokenize)",
+    )
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
+        with handled("HttpDetokenize") as outcome:
+            text = await validated(_body_bytes(request), service.accepting().requests.text_of, body.tokens)
+            return _encoded(DetokenizeResponse(prompt=text))
+        return outcome["response"]
 
     @app.get("/v1/models", response_model=ModelList, responses={503: ERRORS[503]}, summary="The served model")
     async def models() -> Any:

@@ -1,7 +1,8 @@
 """The HTTP API's JSON bodies as pydantic models: SGLang's /v1/score, the Cohere/Jina/vLLM
-rerank shape, vLLM's and SGLang's /v1/classify, /v1/models, the probes and SGLang's error
-body. The routes (service/http_api.py) declare them, so they are also the OpenAPI document's
-schemas; `prefixscore batch` (offline/) validates its lines with the same models."""
+rerank shape, vLLM's and SGLang's /v1/classify, vLLM's /tokenize and /detokenize, /v1/models,
+the probes and SGLang's error body. The routes (service/http_api.py) declare them, so they
+are also the OpenAPI document's schemas; `prefixscore batch` (offline/) validates its lines
+with the same models."""
 
 from __future__ import annotations
 
@@ -242,3 +243,34 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (504, "The deadline passed before the items were scored"),
     ]
 }
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize request (its completion form)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str = Field(description="The text, encoded whole as the model's tokenizer encodes a prompt.")
+    add_special_tokens: bool = Field(True, description="The tokenizer's own special tokens (a BOS).")
+    return_token_strs: bool = Field(False, description="Also each token's vocabulary entry.")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(description="Token ids in the served model's vocabulary.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -404,3 +404,37 @@ def test_request_bodies_over_the_message_limit_are_refused_unread(tiny_scorer):
             assert chunked.status_code == 413
             small = {"query": "q", "items": ["a", "b"], "label_token_ids": [1]}
             assert len(ok(client.post("/v1/score", json=small))["scores"]) == 2
+
+
+# ---- vLLM's /tokenize and /detokenize ---------------------------------------------------------------
+def test_tokenize_and_detokenize_as_transformers_tokenizer(http):
+    """vLLM's /tokenize and /detokenize answer as transformers' tokenizer of the served model
+    (SmolLM2's, loaded by transformers from its GGUF file on its own): a whole prompt with and
+    without special tokens, each token's vocabulary entry, and the text of ids; bad input is a
+    400 naming the field."""
+    from transformers import AutoTokenizer
+
+    from prefixscore.model.presets import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    oracle = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    prompt = "Question: What is the capital of France?\nAnswer: Paris, naïvely 東京 ✓"
+    for special in (True, False):
+        body = ok(
+            http.post("/tokenize", json={"prompt": prompt, "add_special_tokens": special, "return_token_strs": True})
+        )
+        want = oracle(prompt, add_special_tokens=special).input_ids
+        assert body["tokens"] == want and body["count"] == len(want) and body["max_model_len"] == 8192
+        assert body["token_strs"] == oracle.convert_ids_to_tokens(want)
+    plain = ok(http.post("/tokenize", json={"model": "x", "prompt": prompt}))
+    assert plain["tokens"] == oracle(prompt).input_ids and "token_strs" not in plain
+    ids = oracle(prompt).input_ids + [0, 1, 2]  # special tokens are spelled out
+    assert ok(http.post("/detokenize", json={"tokens": ids}))["prompt"] == oracle.decode(ids)
+    for path_, payload, field in [
+        ("/detokenize", {"tokens": [5, 49152]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+    ]:
+        refused = http.post(path_, json=payload)
+        assert refused.status_code == 400 and refused.json()["param"] == field, (payload, refused.text)
