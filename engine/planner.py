@@ -185,6 +185,12 @@ class _Layout:
         return taken
 
 
+def _row_ends(ends: np.ndarray, output: int) -> np.ndarray:
+    """Cumulative rows of items whose cumulative tokens are `ends`: a row per token for token
+    rows (OUTPUT_TOKEN), else one per item."""
+    return ends if output == OUTPUT_TOKEN else np.arange(1, len(ends) + 1)
+
+
 class CallBuilder:
     """Collects one call's work in priority order (see module doc)."""
 
@@ -287,8 +293,7 @@ class CallBuilder:
         if switched:  # a row per item-region token from now on: more rows, the same layout
             self.token_rows = True
             self._layout.max_rows = self.b.rows(self._layout.capacity, True)
-        row_ends = ends if token_rows else np.arange(1, len(ends) + 1)
-        taken = self._layout.place(offer, ends, row_ends, self._row_budget())
+        taken = self._layout.place(offer, ends, _row_ends(ends, output), self._row_budget())
         if not taken:
             if switched:
                 self.token_rows = False
@@ -335,7 +340,7 @@ class CallBuilder:
         """The offer's cumulative tokens and rows per item."""
         offsets = offer.rows.offsets
         ends = offsets[offer.first + 1 : offer.first + offer.count + 1] - offsets[offer.first]
-        return ends, ends if offer.output == OUTPUT_TOKEN else np.arange(1, len(ends) + 1)
+        return ends, _row_ends(ends, offer.output)
 
     @property
     def real_tokens(self) -> int:

@@ -306,12 +306,13 @@ class RequestTokenizer:
         their number against max_request_tokens."""
         if not _is_ids(tokens):
             raise InvalidInput("tokens", "must be a list of integer token ids")
+        ids: list[int] = list(tokens)  # type: ignore[call-overload]
         tokenizer = self._has_tokenizer("tokens")
         limit = self.limits.max_request_tokens
-        if limit is not None and len(tokens) > limit:  # type: ignore[arg-type]
-            raise InvalidInput("tokens", f"{len(tokens)} tokens exceed the limit of {limit}", too_large=True)  # type: ignore[arg-type]
-        check_ids("tokens", tokens, self.cfg.vocab_size)  # type: ignore[arg-type]
-        return tokenizer.decode(tokens)  # type: ignore[arg-type]
+        if limit is not None and len(ids) > limit:
+            raise InvalidInput("tokens", f"{len(ids)} tokens exceed the limit of {limit}", too_large=True)
+        check_ids("tokens", ids, self.cfg.vocab_size)
+        return tokenizer.decode(ids)
 
     def context_ids(self, context: str | Sequence[int]) -> list[int]:
         """A likelihood request's context: a text gets the model's start tokens (as a score

@@ -146,7 +146,7 @@ def test_bad_likelihood_input_is_refused_naming_the_field_before_device_work(tin
     assert scorer.engine.stats["calls"] == calls
 
 
-def test_a_classifier_has_no_likelihood(hf_checkpoints):
+def test_a_classifier_has_no_likelihood():
     from conftest import make_torch_model
 
     from prefixscore.model.config import config_from_dict
