@@ -177,14 +177,18 @@ def item_scores(req: TokenizedRequest, reply: Reply) -> list[pb.ItemScores]:
 
 def _likelihood(item: ItemLikelihood, top: int) -> pb.ItemLikelihood:
     """One item's likelihood, with the `top` most likely tokens at each position (0: none)."""
-    tops = [
-        pb.TopLogprobs(token_ids=ids[:top].tolist(), logprobs=logprobs[:top].tolist())
-        for ids, logprobs in zip(item.top_ids, item.top_logprobs, strict=True)
-    ]
+    tops = (
+        [
+            pb.TopLogprobs(token_ids=ids[:top].tolist(), logprobs=logprobs[:top].tolist())
+            for ids, logprobs in zip(item.top_ids, item.top_logprobs, strict=True)
+        ]
+        if top
+        else []
+    )
     return pb.ItemLikelihood(
         logprob=item.total,
         is_greedy=item.is_greedy,
         token_logprobs=item.logprobs.tolist(),
         greedy=item.greedy.tolist(),
-        top_logprobs=tops if top else [],
+        top_logprobs=tops,
     )
