@@ -49,6 +49,18 @@ class ItemLikelihood:
         return bool(self.greedy.all())
 
 
+def _top_as_token(
+    top_logprobs: np.ndarray, top_ids: np.ndarray, logprobs: np.ndarray, tokens: np.ndarray
+) -> np.ndarray:
+    """The top log-probs, where a position's own token is among them with its log-prob as the
+    token's column says it: the device reads the two from different products, which can differ
+    in the last bit, and a client that calls a token greedy when its log-prob equals the top one
+    (lm-evaluation-harness over an API) must see one number. The token's column is the one kept:
+    it does not depend on where the row sits in a call."""
+    where = top_ids == tokens[:, None]  # [n, TOP_LOGPROBS]
+    return np.where(where, logprobs[:, None], top_logprobs)
+
+
 def read_likelihoods(request: TokenizedRequest, token_rows: np.ndarray) -> list[ItemLikelihood]:
     """Each continuation's likelihood from the request's token rows [item tokens, TOKEN_COLUMNS]."""
     out = []
@@ -65,7 +77,7 @@ def read_likelihoods(request: TokenizedRequest, token_rows: np.ndarray) -> list[
                 logprobs=rows[:-1, 0],
                 greedy=top_ids[:-1, 0] == continuation,
                 top_ids=top_ids[:-1],
-                top_logprobs=rows[:-1, 1 : 1 + k],
+                top_logprobs=_top_as_token(rows[:-1, 1 : 1 + k], top_ids[:-1], rows[:-1, 0], continuation),
                 next_top_ids=top_ids[-1],
                 next_top_logprobs=rows[-1, 1 : 1 + k],
             )

@@ -301,6 +301,10 @@ class RequestTokenizer:
             )
         return tokenizer.encode_whole(prompt, bool(add_special_tokens))
 
+    def tokenizer_info(self) -> dict[str, object]:
+        """The served tokenizer's class, special tokens and chat template (vLLM's /tokenizer_info)."""
+        return self._has_tokenizer("tokenizer").info(self.cfg.context_length)
+
     def text_of(self, tokens: object) -> str:
         """The text of token ids (vLLM's /detokenize), each checked against the vocabulary and
         their number against max_request_tokens."""

@@ -66,6 +66,26 @@ class TextTokenizer:
         """Each id's vocabulary entry (the tokenizer's own spelling, e.g. "Ġthe")."""
         return [str(t) for t in self.hf.convert_ids_to_tokens(list(ids))]
 
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each id decoded alone: the text it adds (" the" where the vocabulary says "Ġthe"), as
+        vLLM names a completion's tokens."""
+        return self.hf.batch_decode([[int(t)] for t in ids])
+
+    def info(self, context_length: int) -> dict[str, object]:
+        """What a client needs to tokenize as this tokenizer does (vLLM's /tokenizer_info): its
+        class, special tokens and chat template."""
+        hf = self.hf
+        return {
+            "tokenizer_class": type(hf).__name__,
+            "model_max_length": context_length,
+            "bos_token": hf.bos_token,
+            "eos_token": hf.eos_token,
+            "pad_token": hf.pad_token,
+            "unk_token": hf.unk_token,
+            "chat_template": getattr(hf, "chat_template", None),
+            "add_bos_token": bool(self.start_ids),
+        }
+
     def token_id(self, label: str) -> int:
         """The single token a label string maps to; ValueError if it is not exactly one token."""
         ids = self.encode(label)

@@ -1,5 +1,6 @@
 """The HTTP API: SGLang's `/v1/score`, a Cohere/Jina/vLLM-style `/v1/rerank`, vLLM's and SGLang's
-`/v1/classify`, `/v1/models`,
+`/v1/classify`, OpenAI's `/v1/completions` as scorers call it (echo and logprobs), vLLM's
+`/tokenize`, `/detokenize` and `/tokenizer_info`, `/v1/models`,
 `/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the process's
 event loop (the gRPC server's too), on its own port.
 
@@ -21,6 +22,7 @@ as a validated input and scores as a response body (http_bodies.py), the error r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -35,6 +37,8 @@ from pydantic_core import to_json
 from starlette.exceptions import HTTPException
 
 from prefixscore import prefix_key
+from prefixscore.engine import completions
+from prefixscore.engine.likelihood import read_likelihoods
 from prefixscore.engine.validation import InvalidInput
 from prefixscore.service.core import Failure, ScoringService, internal_failure, validated
 from prefixscore.service.http_bodies import (
@@ -45,12 +49,15 @@ from prefixscore.service.http_bodies import (
     score_input,
     score_response,
 )
+from prefixscore.service.http_completions import completions_input, completions_response
 from prefixscore.service.http_errors import bad_body, error, invalid, refused
 from prefixscore.service.http_middleware import BearerTokens, BodyLimit, RequestIds
 from prefixscore.service.http_schemas import (
     ERRORS,
     ClassifyRequest,
     ClassifyResponse,
+    CompletionsRequest,
+    CompletionsResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -62,6 +69,7 @@ from prefixscore.service.http_schemas import (
     Status,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from prefixscore.service.security import TokenFile
 from prefixscore.telemetry import request_ids
@@ -206,6 +214,47 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             summary=summary,
             include_in_schema=path == "/v1/rerank",  # one documented path; the others are aliases
         )
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionsResponse,
+        response_model_exclude_none=True,
+        responses=ERRORS,
+        summary="Log-probs of whole prompts and their greedy next token (OpenAI /v1/completions with echo, "
+        "logprobs and max_tokens 0 or 1)",
+    )
+    async def complete(body: CompletionsRequest, request: Request) -> Any:
+        with handled("HttpCompletions") as outcome:
+            requests = service.accepting().requests
+            planned = await validated(_body_bytes(request), completions.plan, requests, completions_input(body))
+            # the parts run side by side: the first prompt whole, the others over the shared context
+            units = await asyncio.gather(
+                *(service.run(part.request, "HttpCompletions") for part in planned.parts), return_exceptions=True
+            )
+            failed = next((u for u in units if isinstance(u, BaseException)), None)
+            if failed is not None:
+                raise failed
+            results = [read_likelihoods(p.request, u.reply.tokens) for p, u in zip(planned.parts, units, strict=True)]
+            prompts = completions.prompt_logprobs(planned, results)
+            rid = request_ids.current() or request_ids.new_id()
+            response = completions_response(
+                planned, prompts, requests.tokenizer, body.return_tokens_as_token_ids, model_name(body.model), rid
+            )
+            return _encoded(response)
+        return outcome["response"]
+
+    @app.get(
+        "/tokenizer_info",
+        response_model=TokenizerInfo,
+        response_model_exclude_none=True,
+        responses=ERRORS,
+        summary="The served tokenizer's special tokens and chat template (vLLM /tokenizer_info)",
+    )
+    async def tokenizer_info() -> Any:
+        with handled("HttpTokenizerInfo") as outcome:
+            requests = service.accepting().requests
+            return _encoded(TokenizerInfo(**requests.tokenizer_info()))
+        return outcome["response"]
 
     @app.post(
         "/tokenize",

@@ -1,5 +1,6 @@
 """The HTTP API's JSON bodies as pydantic models: SGLang's /v1/score, the Cohere/Jina/vLLM
-rerank shape, vLLM's and SGLang's /v1/classify, vLLM's /tokenize and /detokenize, /v1/models,
+rerank shape, vLLM's and SGLang's /v1/classify, OpenAI's and vLLM's /v1/completions as scorers
+send it, vLLM's /tokenize, /detokenize and /tokenizer_info, /v1/models,
 the probes and SGLang's error body. The routes (service/http_api.py) declare them, so they
 are also the OpenAPI document's schemas; `prefixscore batch` (offline/) validates its lines
 with the same models."""
@@ -218,6 +219,89 @@ class ClassifyResponse(BaseModel):
     model: str
     data: list[ClassifyData]
     usage: ClassifyUsage
+
+
+class CompletionsRequest(BaseModel):
+    """OpenAI's and vLLM's /v1/completions request, as scorers send it (lm-evaluation-harness's
+    `local-completions`): echo and logprobs of whole prompts, at most one new token (the greedy
+    one). Generation options are declared so that a request asking for them is refused by name."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A text, texts, token ids or token-id lists; prompts sharing a leading run of tokens share "
+        "its prefill."
+    )
+    echo: bool = Field(False, description="Return the prompt's tokens (and their log-probs) before the new token.")
+    logprobs: int | None = Field(
+        None, description="0 to 20: each position's log-prob and that many most likely tokens there."
+    )
+    max_tokens: int | None = Field(
+        16, description="0 (echo only) or 1 (the greedy next token); more is refused: the server scores."
+    )
+    temperature: float | None = Field(None, description="0 or unset: the new token is the greedy one.")
+    n: int | None = Field(1, description="1: one choice per prompt.")
+    best_of: int | None = None
+    stream: bool | None = Field(False, description="false: streaming is refused.")
+    suffix: str | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    prompt_logprobs: int | None = Field(None, description="vLLM's; refused: use echo with logprobs.")
+    seed: int | None = Field(None, description="Accepted and ignored: nothing is sampled.")
+    user: str | None = Field(None, description="Accepted and ignored (OpenAI's end-user id).")
+    add_special_tokens: bool = Field(True, description="A text prompt's special tokens (its BOS), as vLLM adds them.")
+    return_tokens_as_token_ids: bool = Field(False, description='vLLM\'s: tokens as "token_id:<id>".')
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # the first prompt token's is None (it has no context)
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["length"] = "length"
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionsResponse(BaseModel):
+    """OpenAI's /v1/completions response."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-evaluation-
+    harness's remote tokenizer reads the special tokens and the chat template)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    model_max_length: int
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    add_bos_token: bool | None = None
 
 
 class ModelList(BaseModel):

@@ -438,3 +438,66 @@ def test_tokenize_and_detokenize_as_transformers_tokenizer(http):
     ]:
         refused = http.post(path_, json=payload)
         assert refused.status_code == 400 and refused.json()["param"] == field, (payload, refused.text)
+
+
+# ---- OpenAI's /v1/completions, as scorers call it ------------------------------------------------
+def test_completions_of_text_prompts_tokenize_as_vllm_and_answer_in_openai_shape(http):
+    """A text prompt is encoded whole, as /tokenize encodes it; echo returns its text and tokens
+    (each id decoded alone, offsets into the echoed text), the greedy next token is appended, and
+    without logprobs there is no logprobs object. /tokenizer_info names the special tokens and
+    the chat template, as lm-evaluation-harness's remote tokenizer reads them."""
+    prompts = ["The capital of France is", "Bees make"]
+    body = ok(http.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 3, "max_tokens": 1}))
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    total = 0
+    for text, choice in zip(prompts, body["choices"], strict=True):
+        ids = ok(http.post("/tokenize", json={"prompt": text}))["tokens"]
+        got = choice["logprobs"]
+        pieces = [ok(http.post("/detokenize", json={"tokens": [t]}))["prompt"] for t in ids]
+        assert got["tokens"][:-1] == pieces and choice["text"] == text + got["tokens"][-1]
+        assert "".join(got["tokens"]) == choice["text"]
+        assert got["text_offset"] == [len("".join(got["tokens"][:i])) for i in range(len(got["tokens"]))]
+        new = got["top_logprobs"][-1]
+        assert got["tokens"][-1] == max(new, key=new.get) and got["token_logprobs"][-1] == max(new.values())
+        total += len(ids)
+    assert body["usage"] == {"prompt_tokens": total, "completion_tokens": 2, "total_tokens": total + 2}
+    plain = ok(http.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 1, "temperature": 0}))
+    assert (
+        "logprobs" not in plain["choices"][0]
+        and plain["choices"][0]["text"] == body["choices"][0]["logprobs"]["tokens"][-1]
+    )
+    info = ok(http.get("/tokenizer_info"))
+    assert (
+        info["eos_token"] == "<|im_end|>"
+        and info["bos_token"] == "<|im_start|>"
+        and "{% for message" in info["chat_template"]
+    )
+
+
+@pytest.mark.parametrize(
+    "payload, field, status",
+    [
+        ({"prompt": "x"}, "max_tokens", 400),  # left out, OpenAI's 16: more than a scorer returns
+        ({"prompt": "x", "max_tokens": 2}, "max_tokens", 400),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),  # no echo: nothing to return
+        ({"prompt": "x", "max_tokens": 1, "n": 2}, "n", 400),
+        ({"prompt": "x", "max_tokens": 1, "stream": True}, "stream", 400),
+        ({"prompt": "x", "max_tokens": 1, "temperature": 0.7}, "temperature", 400),
+        ({"prompt": "x", "max_tokens": 1, "logit_bias": {"5": 1.0}}, "logit_bias", 400),
+        ({"prompt": "x", "max_tokens": 1, "logprobs": 21}, "logprobs", 400),
+        ({"prompt": "x", "max_tokens": 1, "prompt_logprobs": 1}, "prompt_logprobs", 400),
+        ({"prompt": "", "max_tokens": 1}, "prompt", 400),
+        ({"prompt": [], "max_tokens": 1}, "prompt", 400),
+        ({"prompt": [[5], []], "max_tokens": 1}, "prompt[1]", 400),
+        ({"prompt": [5, 49152], "max_tokens": 1}, "prompt", 400),
+        ({"prompt": [[5], [1, -1]], "max_tokens": 1}, "prompt[1]", 400),
+        ({"prompt": [7] * 512, "max_tokens": 1}, "prompt", 400),  # 512 + 1 over the 512-token context
+        ({"prompt": ["a", "x" * 2_000_000], "max_tokens": 1}, "prompt[1]", 413),
+        ({"max_tokens": 1}, "prompt", 400),
+    ],
+)
+def test_bad_completions_input_is_refused_naming_the_field_before_device_work(server, http, payload, field, status):
+    calls = server.server.service.engine.stats["calls"]
+    refused = http.post("/v1/completions", json=payload)
+    assert refused.status_code == status and refused.json()["param"] == field, refused.text
+    assert server.server.service.engine.stats["calls"] == calls

@@ -17,8 +17,9 @@ ITEMS = [" banana", " a red apple", " the Eiffel Tower", " carburettor", " mango
 
 @pytest.fixture(scope="module")
 def smollm2():
-    # one 128-token prefill chunk holds the query; every call: one 256-token item region
-    buckets = Buckets(context=256, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=128)
+    # one 128-token prefill chunk holds the query; every call: one 256-token item region; 16-token
+    # pages (prompts sharing a short header share its prefill: the lm-eval test)
+    buckets = Buckets(context=256, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=128, page_tokens=16)
     return Scorer.load("smollm2-135m", buckets=buckets)
 
 
@@ -134,3 +135,58 @@ def test_smollm2_item_likelihood(smollm2, torch_smollm2):
         totals.append(want.sum())
     assert np.argsort([g.total for g in got]).tolist() == np.argsort(totals).tolist()
     assert smollm2.loglikelihood(context, choices) == [(g.total, g.is_greedy) for g in got]
+
+
+def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2, monkeypatch):
+    """lm-evaluation-harness, a real client: its `local-completions` model, tokenizing through the
+    server (/tokenizer_info, /tokenize), runs a small multiple-choice task (tests/data/lm_eval)
+    against /v1/completions; every choice's log-likelihood equals lm-eval's own `hf` backend
+    (transformers over the same GGUF) within 1e-4, its greedy flag too, and so does `acc`. A
+    request of 16 prompts shares the task's description: its 32 leading tokens (two 16-token
+    pages) are prefilled once, and cached for the next request."""
+    import pathlib
+
+    from helpers.service import server_config
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from prefixscore.service.process import ServerThread
+
+    root = pathlib.Path(__file__).parent.parent
+    monkeypatch.chdir(root)  # the task's data file is named from the repository's root
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = TaskManager(include_path=str(root / "tests/data/lm_eval"))
+    path = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    runs = {}
+    runs["hf"] = simple_evaluate(
+        model=HFLM(pretrained=torch_smollm2, tokenizer=tokenizer, batch_size=1, device="cpu"),
+        tasks=["prefixscore_mc"],
+        task_manager=tasks,
+        log_samples=True,
+    )
+    with ServerThread(server_config(smollm2, http_port=0, template="auto")) as srv:
+        base = f"http://127.0.0.1:{srv.server.http_port}/v1/completions"
+        prefilled = smollm2.engine.stats["prefill_tokens"]
+        runs["server"] = simple_evaluate(
+            model="local-completions",
+            model_args=f"model=smollm2-135m,base_url={base},batch_size=16,max_retries=1,tokenizer_backend=remote",
+            tasks=["prefixscore_mc"],
+            task_manager=tasks,
+            log_samples=True,
+        )
+        # two requests of 16 prompts share the description's first 32 tokens: the first prefills
+        # them once (but the last, which starts each item), the second finds them cached
+        assert smollm2.engine.stats["prefill_tokens"] - prefilled == 31
+    got = {
+        name: {s["doc_id"]: s["filtered_resps"] for s in run["samples"]["prefixscore_mc"]} for name, run in runs.items()
+    }
+    assert sorted(got["server"]) == sorted(got["hf"]) == list(range(8))
+    for doc, want in got["hf"].items():
+        served = got["server"][doc]
+        np.testing.assert_allclose([ll for ll, _ in served], [ll for ll, _ in want], atol=1e-4, rtol=0)
+        assert [g for _, g in served] == [g for _, g in want]
+    accuracy = {name: run["results"]["prefixscore_mc"]["acc,none"] for name, run in runs.items()}
+    assert accuracy["server"] == accuracy["hf"], accuracy
