@@ -74,11 +74,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        type=_list(WORKLOADS, [w for w in WORKLOADS if w not in ("w5", "soak") and not w.startswith("w6")]),
+        type=_list(WORKLOADS, [w for w in WORKLOADS if w not in ("w5", "w7", "soak") and not w.startswith("w6")]),
         default=["w1-cold"],
         help=f"comma list of {','.join(WORKLOADS)}, or all (all but w5, which runs through a router: "
         "--target ROUTER --replica-metrics, w6, which needs a one-logit classifier: "
-        "--model bench-cpu-reward, and soak, which runs alone for --duration) [w1-cold]",
+        "--model bench-cpu-reward, w7, which runs alone, and soak, which runs alone for --duration) [w1-cold]",
     )
     p.add_argument(
         "--mode", type=_list(MODES), default=["prefix"], help=f"comma list of {','.join(MODES)}, or all [prefix]"
@@ -132,6 +132,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--w6-responses", type=int, default=64, help="W6 candidate responses [%(default)s]")
     p.add_argument(
         "--w6-max-response-tokens", type=int, default=300, help="W6 longest response (from 50) [%(default)s]"
+    )
+    p.add_argument("--w7-header", type=int, default=800, help="W7 shared header (k-shot examples) tokens [%(default)s]")
+    p.add_argument("--w7-questions", type=int, default=50, help="W7 questions under the header [%(default)s]")
+    p.add_argument("--w7-min-question", type=int, default=80, help="W7 shortest question [%(default)s]")
+    p.add_argument("--w7-max-question", type=int, default=120, help="W7 longest question [%(default)s]")
+    p.add_argument(
+        "--w7-batch", type=int, default=16, help="W7 prompts per /v1/completions request (and hf batch) [%(default)s]"
     )
     p.add_argument("--w5-queries", type=int, default=12, help="W5 W1-sized queries sent in chunks [%(default)s]")
     p.add_argument("--w5-chunk", type=int, default=25, help="W5 items per request of a chunked query [%(default)s]")
@@ -198,4 +205,10 @@ def run(args: argparse.Namespace) -> int:
         from prefixscore.bench import soak  # grpc and the soak's traffic load only when a soak runs
 
         return soak.run(args)
+    if "w7" in args.workload:
+        if args.workload != ["w7"]:
+            raise SystemExit("w7 runs alone: --workload w7")
+        from prefixscore.bench import w7  # lm-eval and transformers load only when W7 runs
+
+        return w7.run(args)
     return run_workloads(args)

@@ -1,4 +1,5 @@
-"""The benchmark workloads (W1-W6, docs/benchmarks.md): their names, and their requests as generators (token ids).
+"""The benchmark workloads (W1-W6; W7 in bench/w7.py; docs/benchmarks.md): their names, and their
+requests as generators (token ids).
 
 Every size is a parameter, so CI-sized smoke runs use the same code as the
 published figures. Token ids are drawn from a fixed seed: two runs send the
@@ -33,6 +34,7 @@ WORKLOADS = (
     "w5",
     "w6",
     "w6-one-by-one",
+    "w7",
     "soak",
 )
 MODES = ("prefix", "packed", "sequential")

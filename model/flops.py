@@ -33,6 +33,12 @@ def head(cfg: ModelConfig, apply_softmax: bool, n_labels: int) -> int:
     return 2 * cfg.hidden_size * output_head(cfg).projected_rows(apply_softmax, n_labels)
 
 
+def token_row_head(cfg: ModelConfig) -> int:
+    """Output projection FLOPs of one token row (an item's own likelihood, model/step.py
+    row_token_logprobs): the whole vocabulary, for its log-sum-exp and top log-probs."""
+    return 2 * cfg.hidden_size * cfg.vocab_size
+
+
 def request(
     cfg: ModelConfig,
     prefix_len: int,
@@ -40,15 +46,17 @@ def request(
     apply_softmax: bool,
     n_labels: int,
     prefill: bool = True,
+    token_rows: bool = False,
 ) -> dict[str, int]:
     """FLOPs of scoring items over a query: {"prefill", "items", "head", "total"}.
 
-    prefill=False: the query's KV is already cached (a warm request).
+    prefill=False: the query's KV is already cached (a warm request). token_rows: the items' own
+    likelihood, a vocabulary head at every item token instead of one at each item's last.
     """
     lin, pair = linear_per_token(cfg), attention_per_pair(cfg)
     pre = prefix_len * lin + pair * prefix_len * (prefix_len + 1) // 2 if prefill else 0
     tokens = sum(item_lens)
     pairs = sum(n * prefix_len + n * (n + 1) // 2 for n in item_lens)
     items = tokens * lin + pair * pairs
-    out = len(item_lens) * head(cfg, apply_softmax, n_labels)
+    out = tokens * token_row_head(cfg) if token_rows else len(item_lens) * head(cfg, apply_softmax, n_labels)
     return {"prefill": pre, "items": items, "head": out, "total": pre + items + out}

@@ -1,0 +1,203 @@
+"""W7: k-shot multiple choice, each choice scored by its own likelihood (docs/benchmarks.md).
+
+A header of worked examples shared by every question of a subject, each question's choices scored
+by the sum of their tokens' log-probs, as lm-evaluation-harness scores MMLU. Token ids from the
+bench's seed. The modes, one after another over one engine (and, for the baseline, the same
+weights in transformers), each over an untimed subject of its own first (its shapes compile),
+then over the timed subject (the same for every mode, none of it cached before):
+
+- `completions`: /v1/completions as lm-eval's `local-completions` sends it: each prompt the whole
+  header + question + choice as token ids, echo, logprobs 1, max_tokens 1, in lm-eval's order
+  (longest first) and batches of --w7-batch prompts;
+- `grpc`: per question, its choices as items over header + question (`ScoreClient.loglikelihood`);
+- `hf`: lm-eval's own `hf` backend (transformers, one sequence per choice, batches of
+  --w7-batch), when the model has a transformers checkpoint (smollm2-135m's GGUF, a directory).
+
+Each row: choices/s, prompt tokens/s (every prompt whole: what a plain forward pass of each
+computes), the tokens the engine prefilled and computed, the head's share of the model FLOPs the
+engine spent, and the largest |log-likelihood - hf's| with the greedy flags that differ (without
+a transformers checkpoint: against the gRPC mode's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixscore.bench import workloads as wl
+from prefixscore.bench.session import Bench
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    context: list[int]  # the header + the question
+    choices: list[list[int]]
+
+
+def questions(gen: wl.Generator, header_tokens: int, n: int, question_tokens: tuple[int, int]) -> list[Question]:
+    """W7's questions over one header: log-uniform question lengths, 4 choices of 2-10 tokens."""
+    header = gen.tokens(header_tokens)
+    return [
+        Question(
+            header + gen.tokens(gen.log_uniform(*question_tokens)),
+            [gen.tokens(gen.log_uniform(2, 10)) for _ in range(4)],
+        )
+        for _ in range(n)
+    ]
+
+
+def _pairs(qs: list[Question]) -> list[tuple[list[int], list[int]]]:
+    """Every (context, choice), in lm-eval's order: longest prompt first, then by its tokens."""
+    pairs = [(q.context, c) for q in qs for c in q.choices]
+    return sorted(pairs, key=lambda p: (-len(p[0]) - len(p[1]), tuple(p[0] + p[1])))
+
+
+def _completions(target: str, batch: int) -> Callable[[list[Question]], list[tuple[float, bool]]]:
+    host, port = target.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=3600)
+
+    def run(qs: list[Question]) -> list[tuple[float, bool]]:
+        pairs = _pairs(qs)
+        out = []
+        for at in range(0, len(pairs), batch):
+            chunk = pairs[at : at + batch]
+            body = {"prompt": [c + x for c, x in chunk], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            answer = json.loads(response.read())
+            if response.status != 200:
+                raise RuntimeError(f"/v1/completions answered {response.status}: {answer}")
+            for (context, _), choice in zip(chunk, answer["choices"], strict=True):
+                # lm-eval's parse_logprobs: the continuation's entries, the new token's dropped
+                lps = choice["logprobs"]["token_logprobs"][len(context) : -1]
+                tops = choice["logprobs"]["top_logprobs"][len(context) : -1]
+                out.append((sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops, strict=True))))
+        return _in_question_order(qs, pairs, out)
+
+    return run
+
+
+def _in_question_order(qs: list[Question], pairs: list, results: list) -> list:
+    where = {(tuple(c), tuple(x)): r for (c, x), r in zip(pairs, results, strict=True)}
+    return [where[(tuple(q.context), tuple(c))] for q in qs for c in q.choices]
+
+
+def _grpc(client: Any) -> Callable[[list[Question]], list[tuple[float, bool]]]:
+    def run(qs: list[Question]) -> list[tuple[float, bool]]:
+        out = []
+        for q in qs:
+            result = client.loglikelihood(q.context, q.choices)
+            out += [(lk.logprob, lk.is_greedy) for lk in result.likelihoods]
+        return out
+
+    return run
+
+
+def _hf(model: str, batch: int) -> Callable[[list[Question]], list[tuple[float, bool]]] | None:
+    """lm-eval's `hf` backend over the model's transformers checkpoint; None when it has none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model == "smollm2-135m":
+        from prefixscore.model.presets import smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+        where, extra = str(path.parent), {"gguf_file": path.name}
+    elif Path(model).is_dir():
+        where, extra = model, {}
+    else:
+        return None
+    from lm_eval.models.huggingface import HFLM
+
+    torch_model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, **extra).eval()
+    tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
+    lm = HFLM(pretrained=torch_model, tokenizer=tokenizer, batch_size=batch, device="cpu")
+
+    def run(qs: list[Question]) -> list[tuple[float, bool]]:
+        requests = [(("", ""), q.context, c) for q in qs for c in q.choices]
+        return lm._loglikelihood_tokens(requests, disable_tqdm=True)
+
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    """`prefixscore bench --workload w7`: every mode's row printed, and written to --json."""
+    from prefixscore.model import flops
+
+    bench = Bench(args)
+    try:
+        if bench.scorer is None:
+            raise SystemExit("w7 runs the engine in process (no --target): it reads the engine's token counts")
+        gen = wl.Generator(bench.vocab, args.seed)
+        sizes = (args.w7_header, args.w7_questions, (args.w7_min_question, args.w7_max_question))
+        # each mode runs a subject of its own first, untimed (its shapes compile), then the timed
+        # one: new token ids, so nothing of the timed subject is in the prefix cache before it
+        warmups = [questions(gen, *sizes) for _ in range(3)]
+        qs = questions(gen, *sizes)
+        bench.target("w4")  # serves this engine on free ports (gRPC and HTTP)
+        modes: dict[str, Callable[[list[Question]], list[tuple[float, bool]]] | None] = {
+            "completions": _completions(bench.http_target, args.w7_batch),
+            "grpc": _grpc(bench.local_remote.client),
+            "hf": _hf(args.model, args.w7_batch),
+        }
+        engine, cfg = bench.scorer.engine, bench.cfg
+        prompt_tokens = sum(len(q.context) + len(c) for q in qs for c in q.choices)
+        records, results = [], {}
+        for (mode, fn), warmup in zip(modes.items(), warmups, strict=True):
+            if fn is None:
+                print(f"w7 {mode}: skipped (the model has no transformers checkpoint)", file=sys.stderr)
+                continue
+            fn(warmup if mode != "hf" else warmup[:2])  # untimed (transformers compiles nothing)
+            before = dict(engine.stats)
+            start = time.perf_counter()
+            results[mode] = fn(qs)
+            seconds = time.perf_counter() - start
+            record: dict[str, Any] = {
+                "workload": "w7",
+                "mode": mode,
+                "choices": 4 * len(qs),
+                "seconds": round(seconds, 3),
+                "choices_per_s": round(4 * len(qs) / seconds, 2),
+                "prompt_tokens_per_s": round(prompt_tokens / seconds, 1),
+            }
+            if mode != "hf":
+                prefilled = engine.stats["prefill_tokens"] - before["prefill_tokens"]
+                computed = engine.stats["tokens"] - before["tokens"]
+                item_tokens = computed - prefilled  # every item token has a vocabulary row
+                head = item_tokens * flops.token_row_head(cfg)
+                record |= {
+                    "prefill_tokens": prefilled,
+                    "item_tokens": item_tokens,
+                    "head_flop_share": round(head / (head + computed * flops.linear_per_token(cfg)), 3),
+                }
+            records.append(record)
+        # every mode against the baseline (transformers) where there is one, else against gRPC's
+        reference = "hf" if "hf" in results else "grpc"
+        want = results[reference]
+        for record in records:
+            got = results[record["mode"]]
+            diff = np.abs(np.array([ll for ll, _ in got]) - np.array([ll for ll, _ in want]))
+            record[f"max_abs_diff_vs_{reference}"] = float(diff.max())
+            record[f"greedy_differs_vs_{reference}"] = sum(a[1] != b[1] for a, b in zip(got, want, strict=True))
+        header = {
+            "header_tokens": args.w7_header,
+            "questions": len(qs),
+            "context_tokens": sum(len(q.context) for q in qs),  # each question's header + question
+            "prompt_tokens": prompt_tokens,
+        }
+        print(json.dumps({**bench.context(), **header}), file=sys.stderr)
+        for record in records:
+            print(json.dumps(record))
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps([{**bench.context(), **header, **r} for r in records], indent=1))
+    finally:
+        bench.close()
+    return 0
