@@ -10,7 +10,9 @@ engine requests:
   every prompt a token after it), is a shared context: the first prompt runs whole (it gives
   the shared tokens' log-probs), and every other prompt is a continuation over that context,
   which is prefilled once and kept in the prefix cache (a multiple-choice question's
-  choices, a k-shot header's questions);
+  choices, a k-shot header's questions). The context's own log-probs are kept too
+  (`ContextStore`, bounded): a later request over the same context (the next batch of a k-shot
+  task) runs every prompt as a continuation;
 - without one (or for a single prompt), every prompt runs as a whole sequence.
 
 Either way each position's log-prob is the one a plain forward pass over that prompt gives:
@@ -21,7 +23,9 @@ honour (more than one new token, several choices, streaming, sampling), each ref
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -32,6 +36,9 @@ from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out
 DEFAULT_MAX_TOKENS = 16
+# host memory a server keeps shared contexts' own log-probs in (ContextStore): 164 bytes a token
+# (its log-prob, 20 top ids and log-probs), so about 400,000 context tokens
+CONTEXT_STORE_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -67,6 +74,51 @@ class CompletionPart:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextLogprobs:
+    """A shared context's own positions 1 .. n-1 (position 0 has no context)."""
+
+    logprobs: np.ndarray  # [n-1] float32
+    top_ids: np.ndarray  # [n-1, TOP_LOGPROBS] int64
+    top_logprobs: np.ndarray  # [n-1, TOP_LOGPROBS] float32
+
+    @property
+    def nbytes(self) -> int:
+        return self.logprobs.nbytes + self.top_ids.nbytes + self.top_logprobs.nbytes
+
+
+class ContextStore:
+    """Shared contexts' own log-probs, kept for the next request over the same context (the next
+    batch of a k-shot task): least recently used first out past `max_bytes`. Any thread."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._kept: collections.OrderedDict[tuple[int, ...], ContextLogprobs] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, context: tuple[int, ...]) -> ContextLogprobs | None:
+        with self._lock:
+            rows = self._kept.get(context)
+            if rows is not None:
+                self._kept.move_to_end(context)
+            return rows
+
+    def keep(self, context: tuple[int, ...], rows: ContextLogprobs) -> None:
+        if rows.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            old = self._kept.pop(context, None)
+            self.bytes += rows.nbytes - (old.nbytes if old is not None else 0)
+            self._kept[context] = rows
+            while self.bytes > self.max_bytes:
+                _, dropped = self._kept.popitem(last=False)
+                self.bytes -= dropped.nbytes
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+@dataclasses.dataclass(frozen=True)
 class PlannedCompletions:
     prompts: list[np.ndarray]  # each prompt's token ids [n_i] int64
     texts: list[str] | None  # the prompts as sent, when they were texts
@@ -74,6 +126,8 @@ class PlannedCompletions:
     max_tokens: int  # 0 or 1
     echo: bool
     logprobs: int | None
+    context: tuple[int, ...] = ()  # the shared context (none: every prompt runs whole)
+    context_rows: ContextLogprobs | None = None  # its own log-probs, when known before the request
 
     @property
     def prompt_tokens(self) -> int:
@@ -173,8 +227,9 @@ def _shared_prefix(rows: TokenRows, page_tokens: int) -> int:
     return shared // page_tokens * page_tokens
 
 
-def plan(requests: RequestTokenizer, inp: CompletionsInput) -> PlannedCompletions:
-    """Validate a completions request and plan its engine requests (see the module doc)."""
+def plan(requests: RequestTokenizer, inp: CompletionsInput, known: ContextStore | None = None) -> PlannedCompletions:
+    """Validate a completions request and plan its engine requests (see the module doc). `known`:
+    shared contexts whose own log-probs an earlier request computed."""
     max_tokens = _options(inp)
     requests.check_vocabulary_head()
     rows, texts = _prompt_rows(requests, inp)
@@ -192,34 +247,49 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput) -> PlannedCompletion
     shared = _shared_prefix(rows, requests.limits.page_tokens) if len(rows) > 1 else 0
     if shared < 2:  # whole sequences: no prefix, a row per token of each prompt
         whole = TokenizedRequest((), rows, (), False, True, per_token=True, top_logprobs=top)
-        parts: tuple[CompletionPart, ...] = (CompletionPart(whole, tuple(range(len(rows))), 0),)
-    else:  # the first prompt whole; the others over the shared context, prefilled once
+        parts = (CompletionPart(whole, tuple(range(len(rows))), 0),)
+        return PlannedCompletions(prompts, texts, parts, max_tokens, bool(inp.echo), inp.logprobs)
+    context = tuple(int(t) for t in prompts[0][:shared])
+    rows_known = known.get(context) if known is not None else None
+    # the first prompt runs whole unless the context's own log-probs are known: its rows give them
+    over = 0 if rows_known is not None else 1
+    rest = TokenRows.from_lists([p[shared:] for p in prompts[over:]])
+    over_context = CompletionPart(requests.likelihood(list(context), rest, top), tuple(range(over, len(rows))), shared)
+    parts = (over_context,)
+    if rows_known is None:
         first = TokenizedRequest(
             (), TokenRows.from_lists([prompts[0]]), (), False, True, per_token=True, top_logprobs=top
         )
-        rest = TokenRows.from_lists([p[shared:] for p in prompts[1:]])
-        over_context = requests.likelihood([int(t) for t in prompts[0][:shared]], rest, top)
-        parts = (CompletionPart(first, (0,), 0), CompletionPart(over_context, tuple(range(1, len(rows))), shared))
-    return PlannedCompletions(prompts, texts, parts, max_tokens, bool(inp.echo), inp.logprobs)
+        parts = (CompletionPart(first, (0,), 0), over_context)
+    return PlannedCompletions(prompts, texts, parts, max_tokens, bool(inp.echo), inp.logprobs, context, rows_known)
+
+
+def context_logprobs(planned: PlannedCompletions, results: list[list[ItemLikelihood]]) -> ContextLogprobs:
+    """The shared context's own positions 1 .. shared-1: known, or from the first prompt run whole
+    (`results`: per part, per item; that part comes first)."""
+    if planned.context_rows is not None:
+        return planned.context_rows
+    s = len(planned.context) - 1
+    first = results[0][0]
+    return ContextLogprobs(first.logprobs[:s], first.top_ids[:s], first.top_logprobs[:s])
 
 
 def prompt_logprobs(planned: PlannedCompletions, results: list[list[ItemLikelihood]]) -> list[PromptLogprobs]:
     """Each prompt's positions from its parts' likelihoods (`results`: per part, per item). A
-    prompt over the shared context takes the context's positions from the first prompt."""
+    prompt over the shared context takes the context's positions from `context_logprobs`."""
     out: list[PromptLogprobs | None] = [None] * len(planned.prompts)
-    whole_first = results[0][0]  # the first part runs whole sequences, the first prompt first
+    head = context_logprobs(planned, results) if planned.context else None
     for part, items in zip(planned.parts, results, strict=True):
         for i, item in zip(part.prompts, items, strict=True):
-            tokens = planned.prompts[i]
             if part.shared == 0:  # a whole sequence: its rows are positions 1 .. n-1
                 head_lp, head_ids, head_top = item.logprobs, item.top_ids, item.top_logprobs
-            else:  # positions 1 .. shared-1 are the first prompt's; shared .. n-1 its own
-                s = part.shared - 1
-                head_lp = np.concatenate([whole_first.logprobs[:s], item.logprobs])
-                head_ids = np.concatenate([whole_first.top_ids[:s], item.top_ids])
-                head_top = np.concatenate([whole_first.top_logprobs[:s], item.top_logprobs])
+            else:  # positions 1 .. shared-1 are the context's; shared .. n-1 its own
+                assert head is not None
+                head_lp = np.concatenate([head.logprobs, item.logprobs])
+                head_ids = np.concatenate([head.top_ids, item.top_ids])
+                head_top = np.concatenate([head.top_logprobs, item.top_logprobs])
             out[i] = PromptLogprobs(
-                tokens=tokens,
+                tokens=planned.prompts[i],
                 logprobs=np.concatenate([[np.nan], head_lp]).astype(np.float32),
                 top_ids=np.concatenate([np.zeros((1, TOP_LOGPROBS), np.int64), head_ids]),
                 top_logprobs=np.concatenate([np.full((1, TOP_LOGPROBS), np.nan, np.float32), head_top]),

@@ -130,6 +130,9 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
 
+    # /v1/completions: shared contexts' own log-probs, for the next request over the same context
+    contexts = completions.ContextStore(completions.CONTEXT_STORE_BYTES)
+
     def model_name(requested: str | None) -> str:
         return requested or (service.loaded.name if service.loaded else "")
 
@@ -226,7 +229,8 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     async def complete(body: CompletionsRequest, request: Request) -> Any:
         with handled("HttpCompletions") as outcome:
             requests = service.accepting().requests
-            planned = await validated(_body_bytes(request), completions.plan, requests, completions_input(body))
+            inp = completions_input(body)
+            planned = await validated(_body_bytes(request), completions.plan, requests, inp, contexts)
             # the parts run side by side: the first prompt whole, the others over the shared context
             units = await asyncio.gather(
                 *(service.run(part.request, "HttpCompletions") for part in planned.parts), return_exceptions=True
@@ -236,6 +240,8 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
                 raise failed
             results = [read_likelihoods(p.request, u.reply.tokens) for p, u in zip(planned.parts, units, strict=True)]
             prompts = completions.prompt_logprobs(planned, results)
+            if planned.context and planned.context_rows is None:  # for the next request over it
+                contexts.keep(planned.context, completions.context_logprobs(planned, results))
             rid = request_ids.current() or request_ids.new_id()
             response = completions_response(
                 planned, prompts, requests.tokenizer, body.return_tokens_as_token_ids, model_name(body.model), rid

@@ -226,6 +226,14 @@ def test_completions_echo_over_http_equals_transformers(hf_checkpoints):
                 "/v1/completions", json={"prompt": prompts[2], "echo": True, "logprobs": 0, "max_tokens": 0}
             )
             assert single.status_code == 200, single.text
+            # the next request over the same context: its own log-probs are known and its pages
+            # cached, so every prompt is a continuation (nothing prefilled, no prompt run whole)
+            later = [CONTEXT + c for c in (CONTINUATIONS[3][::-1], CONTINUATIONS[1])]
+            computed, prefilled = scorer.engine.stats["tokens"], scorer.engine.stats["prefill_tokens"]
+            again = http.post("/v1/completions", json={"prompt": later, "echo": True, "logprobs": 2, "max_tokens": 0})
+            assert again.status_code == 200, again.text
+            assert scorer.engine.stats["prefill_tokens"] == prefilled
+            assert scorer.engine.stats["tokens"] - computed == sum(len(p) - 64 + 1 for p in later)
     body = shared.json()
     assert body["usage"] == {
         "prompt_tokens": sum(map(len, prompts)),
@@ -247,6 +255,10 @@ def test_completions_echo_over_http_equals_transformers(hf_checkpoints):
             want.setdefault(f"token_id:{([*prompt, greedy])[i]}", row[([*prompt, greedy])[i]])
             assert list(top) == list(want)  # the top k, descending, then the token there
             np.testing.assert_allclose(list(top.values()), list(want.values()), atol=TOLERANCE, rtol=0)
+    for prompt, choice in zip(later, again.json()["choices"], strict=True):
+        lp = torch_logprobs(torch_model, prompt)
+        got = choice["logprobs"]["token_logprobs"]
+        np.testing.assert_allclose(got[1:], lp[np.arange(len(prompt) - 1), prompt[1:]], atol=TOLERANCE, rtol=0)
     alone = single.json()["choices"][0]["logprobs"]
     assert len(alone["token_logprobs"]) == len(prompts[2])  # max_tokens 0: the prompt only
     np.testing.assert_allclose(
