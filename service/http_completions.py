@@ -10,6 +10,7 @@ actually there if it is not among them; -inf is written -9999.0, as OpenAI does.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -30,25 +31,9 @@ FLOOR = -9999.0
 
 
 def completions_input(body: CompletionsRequest) -> CompletionsInput:
-    """A /v1/completions body as the engine's input (validated there, once)."""
-    return CompletionsInput(
-        prompt=body.prompt,
-        echo=body.echo,
-        logprobs=body.logprobs,
-        max_tokens=body.max_tokens,
-        add_special_tokens=body.add_special_tokens,
-        n=body.n if body.n is not None else 1,
-        best_of=body.best_of,
-        stream=bool(body.stream),
-        temperature=body.temperature,
-        suffix=body.suffix,
-        stop=body.stop,
-        logit_bias=body.logit_bias,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        prompt_logprobs=body.prompt_logprobs,
-    )
+    """A /v1/completions body as the engine's input (validated there, once): its fields by name."""
+    names = {field.name for field in dataclasses.fields(CompletionsInput)}
+    return CompletionsInput(**body.model_dump(include=names))
 
 
 def _namer(tokenizer: TextTokenizer | None, as_ids: bool, ids: np.ndarray) -> Callable[[int], str]:
