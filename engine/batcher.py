@@ -247,17 +247,31 @@ class Batcher:
         entry = unit.pin.entry
         if entry is None:
             return True
+        lender = entry.lender
+        if lender is not None and not self._write(builder, lender, entry.shared, written, share):
+            return False  # the pages it borrows come first (a failed call left them to rewrite)
+        return self._write(builder, entry, len(entry.tokens), written, share)
+
+    def _write(
+        self,
+        builder: CallBuilder,
+        entry: CachedPrefix,
+        end: int,
+        written: dict[int, tuple[CachedPrefix, int]],
+        share: int | None,
+    ) -> bool:
+        """Place the entry's chunks not yet written, up to token `end` (and `share` tokens);
+        whether they reach it."""
         start = upto = written.get(id(entry), (entry, entry.written))[1]
-        n = len(entry.tokens)
-        while upto < n:
-            size = min(self.chunk, n - upto)
+        while upto < end:
+            size = min(self.chunk, end - upto)
             if share is not None and upto > start and upto - start + size > share:
                 break
             if not builder.add_chunk(entry.pages, entry.tokens[upto : upto + size], upto):
                 break
             upto += size
         written[id(entry)] = (entry, upto)
-        return upto >= n
+        return upto >= end
 
     @staticmethod
     def _offer(builder: CallBuilder, unit: WorkUnit, already: int, share: int | None) -> tuple[int, bool]:

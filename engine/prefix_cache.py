@@ -12,6 +12,16 @@ Reusing a page is safe as soon as no queued work needs it: device calls run in l
 order, so a call that still reads a page runs before any later call that writes it.
 The engine owns one cache for its pool (whoever drives the engine shares it); every
 method takes the cache's lock.
+
+**Shared leading pages.** A new prefix whose leading whole pages hold the same tokens as a
+cached one's (a k-shot header under many questions, a system prompt under many queries)
+borrows those pages instead of taking and prefilling its own: its prefill starts after them.
+Only a prefix that borrows nothing lends (one level: a lender's pages are all its own), found
+through a chained hash of each page's tokens (checked against the tokens themselves). A lender
+is kept while anything borrows from it (never evicted, never dropped); it stays writable as any
+prefix: when its pages are rewritten (a failed call), every borrower's results read from them
+since are untrusted too (their epochs move with it), and the borrowers' next work prefills the
+lender's missing pages first (engine/batcher.py). A borrower never writes a borrowed page.
 """
 
 from __future__ import annotations
@@ -39,7 +49,9 @@ class PoolExhausted(Exception):
 @dataclasses.dataclass(eq=False)
 class CachedPrefix:
     """A query's pages in the pool. `written`: tokens whose K/V a launched call writes (the
-    prefill is chunked; later calls read what earlier ones wrote)."""
+    prefill is chunked; later calls read what earlier ones wrote). A borrower's first `shared`
+    tokens sit in its `lender`'s first `lent` pages, written once the lender's `written` reaches
+    them; its own `written` starts at `shared`."""
 
     tokens: tuple[int, ...]
     pages: tuple[int, ...]
@@ -48,10 +60,30 @@ class CachedPrefix:
     # bumped when a failed call may have left its pages wrong (rewrite): results of calls
     # launched before that, which read the old pages, are not trusted
     epoch: int = 0
+    lender: CachedPrefix | None = None
+    lent: int = 0  # leading pages that are the lender's
+    shared: int = 0  # the tokens they hold
+    borrowers: dict[int, CachedPrefix] = dataclasses.field(default_factory=dict)  # id -> borrower
+    page_keys: tuple[int, ...] = ()  # a lender's chained page hashes (its keys in the cache's index)
 
     @property
     def ready(self) -> bool:
-        return self.written >= len(self.tokens)
+        lent_written = self.lender is None or self.lender.written >= self.shared
+        return self.written >= len(self.tokens) and lent_written
+
+    @property
+    def own_pages(self) -> tuple[int, ...]:
+        """The pages this prefix took (a borrower's after the lender's)."""
+        return self.pages[self.lent :]
+
+
+def page_keys(tokens: tuple[int, ...], page_tokens: int) -> list[int]:
+    """The chained hash of each whole page of `tokens`: key k names tokens[: (k + 1) * page_tokens]."""
+    keys, key = [], 0
+    for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
+        key = hash((key, tokens[start : start + page_tokens]))
+        keys.append(key)
+    return keys
 
 
 class PrefixCache:
@@ -59,8 +91,8 @@ class PrefixCache:
 
     Every operation is O(pages it moves), never O(cached prefixes): a server under many
     small requests holds thousands of cached prefixes, and the device worker updates the
-    cache's gauges at every request. Unpinned, complete prefixes wait in `_idle`, least
-    recently released first (the eviction order); `_pinned` counts the held ones.
+    cache's gauges at every request. Unpinned, complete prefixes that lend nothing wait in
+    `_idle`, least recently released first (the eviction order); `_pinned` counts the held ones.
     """
 
     def __init__(
@@ -73,8 +105,9 @@ class PrefixCache:
         self._free: list[int] = list(range(pages - 1, -1, -1))
         self._entries: dict[tuple[int, ...], CachedPrefix] = {}
         self._idle: collections.OrderedDict[tuple[int, ...], CachedPrefix] = collections.OrderedDict()
-        self._idle_pages = 0  # pages of the idle prefixes: what eviction can free
+        self._idle_pages = 0  # own pages of the idle prefixes: what eviction can free
         self._pinned = 0  # cached prefixes with pins > 0
+        self._lenders: dict[int, CachedPrefix] = {}  # chained page hash -> a lender holding that page
         self.evictions = 0
         self._lock = threading.RLock()
 
@@ -82,21 +115,70 @@ class PrefixCache:
         return ceil_div(tokens, self.page_tokens)
 
     def acquire(self, tokens: tuple[int, ...]) -> tuple[CachedPrefix, bool]:
-        """The prefix's entry, pinned; (entry, hit). On a miss its pages are taken (evicting
-        unpinned prefixes, least recently released first) and the prefill is still to run.
+        """The prefix's entry, pinned; (entry, hit). On a miss it borrows the leading whole pages
+        a cached prefix holds the same tokens in, its other pages are taken (evicting unpinned
+        prefixes, least recently released first), and the prefill of the rest is still to run.
         Raises PoolExhausted when the pages cannot be had."""
         with self._lock:
             entry = self._entries.get(tokens)
             if entry is not None:
                 self._hold(entry)
                 return entry, True
-            needed = self.pages_for(len(tokens))
-            self._make_room(needed)
-            pages = tuple(self._free.pop() for _ in range(needed))
-            entry = CachedPrefix(tokens, pages)
+            keys = page_keys(tokens, self.page_tokens)
+            lender, lent = self._lender(tokens, keys)
+            entry = CachedPrefix(tokens, ())
+            if lender is not None:  # held before room is made: eviction must not take it
+                self._lend(lender, entry, lent)
+            try:
+                needed = self.pages_for(len(tokens)) - lent
+                self._make_room(needed)
+            except PoolExhausted:
+                if lender is not None:
+                    self._unlend(entry)
+                raise
+            entry.pages = (lender.pages[:lent] if lender is not None else ()) + tuple(
+                self._free.pop() for _ in range(needed)
+            )
+            if lender is None:  # it lends its pages in turn
+                entry.page_keys = tuple(keys)
+                for key in keys:
+                    self._lenders[key] = entry
             self._entries[tokens] = entry
             self._hold(entry)
             return entry, False
+
+    def _lender(self, tokens: tuple[int, ...], keys: list[int]) -> tuple[CachedPrefix | None, int]:
+        """The cached prefix holding the most leading whole pages of `tokens`, and how many."""
+        for k in range(len(keys), 0, -1):
+            lender = self._lenders.get(keys[k - 1])
+            n = k * self.page_tokens
+            if lender is not None and self._cached(lender) and lender.tokens[:n] == tokens[:n]:
+                return lender, k
+        return None, 0
+
+    def _lend(self, lender: CachedPrefix, entry: CachedPrefix, pages: int) -> None:
+        if not lender.borrowers and lender.pins == 0 and self._idle.pop(lender.tokens, None) is not None:
+            self._idle_pages -= len(lender.own_pages)
+        lender.borrowers[id(entry)] = entry
+        entry.lender, entry.lent = lender, pages
+        entry.shared = entry.written = pages * self.page_tokens
+
+    def _unlend(self, entry: CachedPrefix) -> None:
+        """The borrower is gone: its lender may go idle (or, never completed, away)."""
+        lender = entry.lender
+        assert lender is not None
+        del lender.borrowers[id(entry)]
+        entry.lender = None
+        if not lender.borrowers and lender.pins == 0:
+            self._settle(lender)
+
+    def _settle(self, entry: CachedPrefix) -> None:
+        """An entry nobody holds or borrows from any more: idle if complete, else dropped."""
+        if not entry.ready:
+            self._drop(entry)
+        elif self._cached(entry):
+            self._idle[entry.tokens] = entry
+            self._idle_pages += len(entry.own_pages)
 
     def pin(self, entry: CachedPrefix) -> None:
         """One more holder of an entry already acquired."""
@@ -105,35 +187,36 @@ class PrefixCache:
 
     def release(self, entry: CachedPrefix) -> None:
         """Unpin. A prefix nobody waits for any more is dropped at once if its prefill never
-        finished (or a call writing it failed since: rewrite); a complete one stays cached."""
+        finished (or a call writing it failed since: rewrite); a complete one stays cached. A
+        lender stays as it is while something borrows from it."""
         with self._lock:
             entry.pins -= 1
             if entry.pins != 0:
                 return
-            cached = self._cached(entry)
-            if cached:
+            if self._cached(entry):
                 self._pinned -= 1
-            if not entry.ready:
-                self._drop(entry)
-            elif cached:
-                self._idle[entry.tokens] = entry
-                self._idle_pages += len(entry.pages)
+            if not entry.borrowers:
+                self._settle(entry)
 
     def rewrite(self, entry: CachedPrefix) -> None:
         """A call that wrote (or, the pool lost, read) this prefix failed: its pages may hold
-        garbage. It is prefilled again from its first token by the next calls that need it."""
+        garbage. It is prefilled again from its first own token by the next calls that need it;
+        what its borrowers read from its pages since is untrusted too."""
         with self._lock:
-            entry.written = 0
+            entry.written = entry.shared
             entry.epoch += 1
+            for borrower in entry.borrowers.values():
+                borrower.epoch += 1
 
     def rewrite_all(self) -> None:
-        """The whole pool was lost (a failed call consumed it): prefixes in use are prefilled
-        again, idle ones are dropped."""
+        """The whole pool was lost (a failed call consumed it): prefixes in use, and what they
+        borrow from, are prefilled again; idle ones are dropped."""
         with self._lock:
-            for entry in list(self._entries.values()):
-                if entry.pins > 0:
+            entries = list(self._entries.values())
+            for entry in sorted(entries, key=lambda e: e.lender is None):  # borrowers first
+                if entry.pins > 0 or entry.borrowers:
                     self.rewrite(entry)
-                else:
+                elif self._cached(entry):
                     self._drop(entry)
 
     def _cached(self, entry: CachedPrefix) -> bool:
@@ -144,30 +227,51 @@ class PrefixCache:
         if entry.pins == 1 and self._cached(entry):
             self._pinned += 1
             if self._idle.pop(entry.tokens, None) is not None:
-                self._idle_pages -= len(entry.pages)
+                self._idle_pages -= len(entry.own_pages)
 
     def _uncache(self, entry: CachedPrefix) -> None:
         """Out of the book (its pages are the caller's business)."""
         del self._entries[entry.tokens]
+        for key in entry.page_keys:
+            if self._lenders.get(key) is entry:
+                del self._lenders[key]
         if entry.pins > 0:
             self._pinned -= 1
         elif self._idle.pop(entry.tokens, None) is not None:
-            self._idle_pages -= len(entry.pages)
+            self._idle_pages -= len(entry.own_pages)
 
     def _drop(self, entry: CachedPrefix) -> None:
+        assert not entry.borrowers, "a lender is dropped only once nothing borrows from it"
         if self._cached(entry):
             self._uncache(entry)
-        self._free.extend(entry.pages)
+        self._free.extend(entry.own_pages)
         entry.pages = ()
+        if entry.lender is not None:
+            self._unlend(entry)
+
+    def _reclaimable(self) -> int:
+        """Pages eviction could free: the idle prefixes' own, and those of the lenders that
+        evicting their (idle) borrowers would free in turn (left idle, or dropped incomplete)."""
+        pages = self._idle_pages
+        for entry in self._idle.values():
+            lender = entry.lender
+            if lender is None or lender.pins:
+                continue
+            if all(b.pins == 0 and b.tokens in self._idle for b in lender.borrowers.values()):
+                if next(iter(lender.borrowers.values())) is entry:  # each lender counted once
+                    pages += len(lender.own_pages)
+        return pages
 
     def _make_room(self, needed: int) -> None:
         if needed <= len(self._free):
             return
-        if needed > len(self._free) + self._idle_pages:
-            raise PoolExhausted(needed, len(self._free) + self._idle_pages, self.total_pages)
+        if needed > len(self._free) + self._idle_pages:  # the cascade is counted only then: O(idle)
+            available = len(self._free) + self._reclaimable()
+            if needed > available:
+                raise PoolExhausted(needed, available, self.total_pages)
         while needed > len(self._free):  # least recently released first
             _, entry = next(iter(self._idle.items()))
-            size = len(entry.pages) * self.page_bytes
+            size = len(entry.own_pages) * self.page_bytes
             self._drop(entry)
             self.evictions += 1
             if self.on_evict:

@@ -265,3 +265,42 @@ def test_completions_echo_over_http_equals_transformers(hf_checkpoints):
         alone["token_logprobs"][1:], body["choices"][2]["logprobs"]["token_logprobs"][1:-1], atol=TOLERANCE, rtol=0
     )
     assert all(len(top) == 1 for top in alone["top_logprobs"][1:])  # logprobs 0: the token there only
+
+
+def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
+    """A new query whose leading whole pages hold a cached query's tokens borrows those pages: its
+    prefill starts after them, and its scores and likelihoods equal transformers' forward of the
+    whole sequence. A lender whose pages a failed call left to rewrite is prefilled again (its
+    shared pages only) before the borrower's next work reads them."""
+    path, torch_model = hf_checkpoints["qwen3"]
+    scorer = Scorer.load(str(path), dtype="float32", buckets=BUCKETS)
+    engine, cache = scorer.engine, scorer.engine.prefix_cache
+    labels = [5, 17, 319]
+    items = [c[:6] or [9] for c in CONTINUATIONS]
+    scorer.score(CONTEXT, items, labels)  # the lender: 70 tokens, four whole 16-token pages
+    other = CONTEXT[:40] + RNG.integers(0, 320, 25).tolist()  # shares two whole pages (32 tokens)
+    prefilled = engine.stats["prefill_tokens"]
+    scores = scorer.score(other, items, labels)
+    assert engine.stats["prefill_tokens"] - prefilled == len(other) - 32
+    want = torch_label_probs(torch_model, [other + it for it in items], labels, False)
+    np.testing.assert_allclose(np.log(scores), np.log(want), atol=TOLERANCE, rtol=0)
+    borrower = cache._entries[tuple(other)]
+    lender = borrower.lender
+    assert lender is cache._entries[tuple(CONTEXT)] and borrower.pages[:2] == lender.pages[:2]
+
+    # a likelihood over a context sharing three pages (48 tokens) with the lender
+    context = CONTEXT[:50] + RNG.integers(0, 320, 9).tolist()
+    prefilled = engine.stats["prefill_tokens"]
+    got = scorer.loglikelihood_tokens(context, CONTINUATIONS)
+    assert engine.stats["prefill_tokens"] - prefilled == len(context) - 1 - 48
+    assert_like_transformers(torch_model, context, CONTINUATIONS, got)
+
+    # the lender's pages left to rewrite (a failed call wrote them): the borrower's next request
+    # prefills the lender's two shared pages first, then reads them
+    epoch = borrower.epoch
+    cache.rewrite(lender)
+    assert not borrower.ready and borrower.epoch == epoch + 1  # results read from its pages: untrusted
+    prefilled = engine.stats["prefill_tokens"]
+    again = scorer.score(other, items, labels)
+    assert engine.stats["prefill_tokens"] - prefilled == 32 and borrower.ready
+    np.testing.assert_allclose(np.log(again), np.log(want), atol=TOLERANCE, rtol=0)
