@@ -45,7 +45,9 @@ class PagePins:
             return
         entry, hit = self._acquire(payload.prefix)
         unit.pin.entry = entry
-        unit.reply.cached_tokens = len(payload.prefix) if hit else 0
+        # a miss may still borrow leading pages another query wrote (engine/prefix_cache.py)
+        lent = entry.lender is not None and entry.lender.written >= entry.shared
+        unit.reply.cached_tokens = len(payload.prefix) if hit else entry.shared if lent else 0
         # one hit or miss per request (or stream open): hit when no new prefill runs for it
         if unit.ticket.counts_lookup:
             self.metrics.lookup(hit)

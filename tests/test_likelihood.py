@@ -282,6 +282,7 @@ def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
     prefilled = engine.stats["prefill_tokens"]
     scores = scorer.score(other, items, labels)
     assert engine.stats["prefill_tokens"] - prefilled == len(other) - 32
+    assert scorer.last_usage.cached_tokens == 32  # served from the lender's pages
     want = torch_label_probs(torch_model, [other + it for it in items], labels, False)
     np.testing.assert_allclose(np.log(scores), np.log(want), atol=TOLERANCE, rtol=0)
     borrower = cache._entries[tuple(other)]
