@@ -169,6 +169,45 @@ def test_pool_pins_eviction_and_exhaustion():
     assert cache.free_pages == 4 and len(cache) == 0
 
 
+def test_lent_pages_stay_until_their_borrowers_go():
+    """A query borrows a cached query's leading whole pages (the same tokens): it takes only
+    the rest and its prefill starts after them. The lender leaves the eviction order while
+    borrowed; eviction frees a borrower first, then the lender it leaves idle, and counts both
+    before it starts; a lender in use is never freed for a new query."""
+    cache = PrefixCache(pages=6, page_tokens=4, page_bytes=1)
+    lender, _ = cache.acquire(tuple(range(8)))  # 2 pages
+    lender.written = 8
+    borrower, hit = cache.acquire((*range(4), 100, 101, 102))  # its first page is the lender's
+    assert not hit and borrower.pages[0] == lender.pages[0] and len(borrower.own_pages) == 1
+    assert borrower.written == borrower.shared == 4 and cache.free_pages == 3
+    borrower.written = 7
+    cache.release(lender)
+    assert lender.tokens not in cache._idle and cache._idle_pages == 0  # borrowed: not evictable
+    cache.release(borrower)
+    assert list(cache._idle) == [borrower.tokens] and cache._idle_pages == 1
+    with pytest.raises(PoolExhausted, match="needs 7 pages, more than the pool.s 6"):
+        cache.acquire(tuple(range(200, 228)))  # nothing is evicted for a query that cannot fit
+    assert len(cache) == 2 and cache.evictions == 0
+    taken, _ = cache.acquire(tuple(range(200, 220)))  # 5 pages: the borrower, then the lender
+    assert cache.evictions == 2 and len(cache) == 1 and cache.free_pages == 1
+    cache.release(taken)  # never written: dropped
+
+    lender, _ = cache.acquire(tuple(range(8)))
+    lender.written = 8
+    borrower, _ = cache.acquire((*range(4), 7))
+    borrower.written = 5
+    with pytest.raises(PoolExhausted, match="needs 5 pages; 3 of 6"):
+        cache.acquire(tuple(range(300, 320)))  # both pinned
+    epoch = borrower.epoch
+    cache.rewrite(lender)  # a call writing the lender failed: what the borrower read is untrusted
+    assert borrower.epoch == epoch + 1 and not borrower.ready and borrower.written == 5
+    cache.rewrite(borrower)  # its own pages only: a borrower never writes a lender's page
+    assert borrower.written == 4
+    cache.release(lender)
+    cache.release(borrower)  # incomplete: dropped, and then its incomplete lender
+    assert len(cache) == 0 and cache.free_pages == 6
+
+
 def test_pool_book_stays_consistent_under_random_traffic():
     """The cache's counters (pinned prefixes, evictable pages, free pages) against a recount
     from its entries after every step of random acquires, releases, prefills and failed calls;
