@@ -249,6 +249,7 @@ class Batcher:
             return True
         lender = entry.lender
         if lender is not None and not self._write(builder, lender, entry.shared, written, share):
+            written.setdefault(id(entry), (entry, entry.written))  # nothing of its own placed yet
             return False  # the pages it borrows come first (a failed call left them to rewrite)
         return self._write(builder, entry, len(entry.tokens), written, share)
 

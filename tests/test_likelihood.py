@@ -305,3 +305,16 @@ def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
     again = scorer.score(other, items, labels)
     assert engine.stats["prefill_tokens"] - prefilled == 32 and borrower.ready
     np.testing.assert_allclose(np.log(again), np.log(want), atol=TOLERANCE, rtol=0)
+
+    # a lender's shared pages longer than a call's prefill region (288 tokens, 128 a call): the
+    # borrower's work waits over several calls for them, then reads them
+    long_lender = RNG.integers(0, 320, 300).tolist()
+    scorer.score(long_lender, items, labels)
+    long_borrower = long_lender[:290] + RNG.integers(0, 320, 5).tolist()
+    scorer.score(long_borrower, items, labels)
+    cache.rewrite(cache._entries[tuple(long_lender)])
+    prefilled, calls = engine.stats["prefill_tokens"], engine.stats["calls"]
+    got = scorer.score(long_borrower, items, labels)
+    assert engine.stats["prefill_tokens"] - prefilled == 288 and engine.stats["calls"] - calls >= 3
+    want = torch_label_probs(torch_model, [long_borrower + it for it in items], labels, False)
+    np.testing.assert_allclose(np.log(got), np.log(want), atol=TOLERANCE, rtol=0)
