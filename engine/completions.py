@@ -36,8 +36,8 @@ from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out
 DEFAULT_MAX_TOKENS = 16
-# host memory a server keeps shared contexts' own log-probs in (ContextStore): 164 bytes a token
-# (its log-prob, 20 top ids and log-probs), so about 400,000 context tokens
+# host memory a server keeps shared contexts' own log-probs in (ContextStore): 244 bytes a token
+# (its float32 log-prob, 20 int64 top ids and 20 float32 log-probs), so about 275,000 context tokens
 CONTEXT_STORE_BYTES = 64 << 20
 
 
