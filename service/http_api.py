@@ -77,6 +77,10 @@ from prefixscore.telemetry.logs import event
 
 log = logging.getLogger("prefixscore.http")
 
+# a /v1/completions answer over up to this many prompt tokens is written on the event loop; a
+# longer one (a dict of top log-probs a position) in a thread, so the loop serves others meanwhile
+INLINE_ANSWER_TOKENS = 2048
+
 
 def _body_bytes(request: Request) -> int | None:
     """The body's size from Content-Length (None when the client streamed it chunked)."""
@@ -238,15 +242,23 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             failed = next((u for u in units if isinstance(u, BaseException)), None)
             if failed is not None:
                 raise failed
-            results = [read_likelihoods(p.request, u.reply.tokens) for p, u in zip(planned.parts, units, strict=True)]
-            prompts = completions.prompt_logprobs(planned, results)
-            if planned.context and planned.context_rows is None:  # for the next request over it
-                contexts.keep(planned.context, completions.context_logprobs(planned, results))
             rid = request_ids.current() or request_ids.new_id()
-            response = completions_response(
-                planned, prompts, requests.tokenizer, body.return_tokens_as_token_ids, model_name(body.model), rid
-            )
-            return _encoded(response)
+
+            def answer() -> Response:
+                parts = zip(planned.parts, units, strict=True)
+                results = [read_likelihoods(part.request, unit.reply.tokens) for part, unit in parts]
+                prompts = completions.prompt_logprobs(planned, results)
+                if planned.context and planned.context_rows is None:  # for the next request over it
+                    contexts.keep(planned.context, completions.context_logprobs(planned, results))
+                as_ids = body.return_tokens_as_token_ids
+                return _encoded(
+                    completions_response(planned, prompts, requests.tokenizer, as_ids, model_name(body.model), rid)
+                )
+
+            # a position is a dict in the response: a long echo is written off the event loop
+            if planned.prompt_tokens > INLINE_ANSWER_TOKENS:
+                return await asyncio.to_thread(answer)
+            return answer()
         return outcome["response"]
 
     @app.get(

@@ -441,7 +441,7 @@ def test_tokenize_and_detokenize_as_transformers_tokenizer(http):
 
 
 # ---- OpenAI's /v1/completions, as scorers call it ------------------------------------------------
-def test_completions_of_text_prompts_tokenize_as_vllm_and_answer_in_openai_shape(http):
+def test_completions_of_text_prompts_tokenize_as_vllm_and_answer_in_openai_shape(http, monkeypatch):
     """A text prompt is encoded whole, as /tokenize encodes it; echo returns its text and tokens
     (each id decoded alone, offsets into the echoed text), the greedy next token is appended, and
     without logprobs there is no logprobs object. /tokenizer_info names the special tokens and
@@ -466,6 +466,12 @@ def test_completions_of_text_prompts_tokenize_as_vllm_and_answer_in_openai_shape
         "logprobs" not in plain["choices"][0]
         and plain["choices"][0]["text"] == body["choices"][0]["logprobs"]["tokens"][-1]
     )
+    # a long answer is written off the event loop: the same answer
+    from prefixscore.service import http_api
+
+    monkeypatch.setattr(http_api, "INLINE_ANSWER_TOKENS", 0)
+    threaded = ok(http.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 3, "max_tokens": 1}))
+    assert threaded["choices"] == body["choices"] and threaded["usage"] == body["usage"]
     info = ok(http.get("/tokenizer_info"))
     assert (
         info["eos_token"] == "<|im_end|>"
