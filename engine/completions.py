@@ -31,7 +31,7 @@ import numpy as np
 
 from prefixscore.engine.likelihood import ItemLikelihood
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import InvalidInput, RequestTokenizer, TokenizedRequest
+from prefixscore.engine.validation import InvalidInput, RequestTokenizer, TokenizedRequest, check_top_logprobs
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out
@@ -65,8 +65,8 @@ class CompletionsInput:
 
 @dataclasses.dataclass(frozen=True)
 class CompletionPart:
-    """One engine request of a completions request: `prompts` (indices) are its items, in order,
-    each after the first `shared` tokens of prompt `prompts`'s context (0: whole sequences)."""
+    """One engine request of a completions request: its items are the prompts at `prompts`
+    (indices, in order), each its tokens after the shared context's `shared` (0: whole prompts)."""
 
     request: TokenizedRequest
     prompts: tuple[int, ...]
@@ -114,9 +114,6 @@ class ContextStore:
                 _, dropped = self._kept.popitem(last=False)
                 self.bytes -= dropped.nbytes
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
 
 @dataclasses.dataclass(frozen=True)
 class PlannedCompletions:
@@ -147,12 +144,6 @@ class PromptLogprobs:
     next_top_logprobs: np.ndarray  # [TOP_LOGPROBS] float32
 
 
-def _count(field: str, value: object, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise InvalidInput(field, f"{value!r} is not an integer from {low} to {high}")
-    return value
-
-
 def _options(inp: CompletionsInput) -> int:
     """The request's max_tokens (0 or 1) once the options a scorer cannot honour are refused."""
     if inp.max_tokens is None or isinstance(inp.max_tokens, bool) or not isinstance(inp.max_tokens, int):
@@ -181,7 +172,7 @@ def _options(inp: CompletionsInput) -> int:
             why = "use echo with logprobs" if field == "prompt_logprobs" else "this server scores, it does not sample"
             raise InvalidInput(field, f"not supported: {why} (one choice, the greedy next token, no stream)")
     if inp.logprobs is not None:
-        _count("logprobs", inp.logprobs, 0, TOP_LOGPROBS)
+        check_top_logprobs("logprobs", inp.logprobs)
     return inp.max_tokens
 
 
@@ -252,9 +243,11 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: ContextStore 
     context = tuple(int(t) for t in prompts[0][:shared])
     rows_known = known.get(context) if known is not None else None
     # the first prompt runs whole unless the context's own log-probs are known: its rows give them
-    over = 0 if rows_known is not None else 1
-    rest = TokenRows.from_lists([p[shared:] for p in prompts[over:]])
-    over_context = CompletionPart(requests.likelihood(list(context), rest, top), tuple(range(over, len(rows))), shared)
+    first_over = 0 if rows_known is not None else 1
+    rest = TokenRows.from_lists([p[shared:] for p in prompts[first_over:]])
+    over_context = CompletionPart(
+        requests.likelihood(list(context), rest, top), tuple(range(first_over, len(rows))), shared
+    )
     parts = (over_context,)
     if rows_known is None:
         first = TokenizedRequest(

@@ -472,6 +472,14 @@ def _choice(field: str, value: object, allowed: Sequence[str]) -> str:
     return str(value)
 
 
+def check_top_logprobs(field: str, value: object) -> int:
+    """How many top log-probs a likelihood reports at each position: 0 to TOP_LOGPROBS (the
+    device computes that many)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= TOP_LOGPROBS:
+        raise InvalidInput(field, f"{value!r} is not an integer from 0 to {TOP_LOGPROBS}")
+    return value
+
+
 def _count(field: str, value: object) -> int | None:
     """An optional non-negative integer option (0 and None mean unset)."""
     if value is None:
@@ -778,10 +786,7 @@ class Validator:
                 raise InvalidInput(
                     field, "applies to label scores; a loglikelihood request scores the items' own tokens"
                 )
-        top = inp.top_logprobs
-        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= TOP_LOGPROBS:
-            raise InvalidInput("top_logprobs", f"{top!r} is not an integer from 0 to {TOP_LOGPROBS}")
-        return top
+        return check_top_logprobs("top_logprobs", inp.top_logprobs)
 
     def _likelihood(self, inp: ScoreInput) -> TokenizedRequest:
         top = self._likelihood_options(inp)

@@ -63,31 +63,33 @@ def _choice(
     index: int,
     planned: PlannedCompletions,
     prompt: PromptLogprobs,
-    names: Callable[[int], str],
+    names: Callable[[int], str] | None,
     tokenizer: TextTokenizer | None,
 ) -> CompletionChoice:
-    """One prompt's choice: the prompt (echo) and the new token (max_tokens 1)."""
-    shown: list[int] = prompt.tokens.tolist() if planned.echo else []
-    logprobs: list[float | None] = [_logprob(v) for v in prompt.logprobs.tolist()] if planned.echo else []
-    k = planned.logprobs or 0
-    tops: list[dict[str, float] | None] = []
-    if planned.echo and planned.logprobs is not None:
-        tops = [None] + [
-            _top(names, prompt.top_ids[i], prompt.top_logprobs[i], k, shown[i], prompt.logprobs[i])
-            for i in range(1, len(shown))
-        ]
+    """One prompt's choice: the prompt (echo) and the new token (max_tokens 1); `names` None:
+    no logprobs were asked for."""
     text = ""
     if planned.echo:
         sent = planned.texts[index] if planned.texts is not None else None
-        text = sent if sent is not None else (tokenizer.decode(shown) if tokenizer else "")
+        text = sent if sent is not None else (tokenizer.decode(prompt.tokens.tolist()) if tokenizer else "")
+    new = int(prompt.next_top_ids[0])
     if planned.max_tokens:
-        new, new_lp = int(prompt.next_top_ids[0]), float(prompt.next_top_logprobs[0])
+        text += tokenizer.decode([new]) if tokenizer else ""
+    if names is None:
+        return CompletionChoice(index=index, text=text)
+    k = planned.logprobs or 0
+    shown: list[int] = prompt.tokens.tolist() if planned.echo else []
+    logprobs = [_logprob(v) for v in prompt.logprobs.tolist()] if planned.echo else []
+    tops: list[dict[str, float] | None] = [None] if shown else []
+    tops += [
+        _top(names, prompt.top_ids[i], prompt.top_logprobs[i], k, shown[i], prompt.logprobs[i])
+        for i in range(1, len(shown))
+    ]
+    if planned.max_tokens:
+        new_lp = float(prompt.next_top_logprobs[0])
         shown.append(new)
         logprobs.append(_logprob(new_lp))
         tops.append(_top(names, prompt.next_top_ids, prompt.next_top_logprobs, k, new, new_lp))
-        text += tokenizer.decode([new]) if tokenizer else ""
-    if planned.logprobs is None:
-        return CompletionChoice(index=index, text=text)
     strings = [names(t) for t in shown]
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in strings])[:-1]]).astype(int).tolist() if shown else []
     return CompletionChoice(
@@ -106,12 +108,14 @@ def completions_response(
     request_id: str,
 ) -> CompletionsResponse:
     """Each prompt's choice, in order, and the usage (every prompt whole, and its new token)."""
-    named = [np.ravel(p.tokens) for p in prompts]
-    if planned.logprobs:
-        named += [p.top_ids[1:, : planned.logprobs].ravel() for p in prompts]
-    if planned.max_tokens:
-        named += [p.next_top_ids for p in prompts]
-    names = _namer(tokenizer, as_token_ids, np.concatenate(named))
+    names = None  # no logprobs asked for: no token is named
+    if planned.logprobs is not None:
+        named = [p.tokens for p in prompts] if planned.echo else []
+        if planned.logprobs and planned.echo:
+            named += [p.top_ids[1:, : planned.logprobs].ravel() for p in prompts]
+        if planned.max_tokens:
+            named += [p.next_top_ids[: max(1, planned.logprobs)] for p in prompts]
+        names = _namer(tokenizer, as_token_ids, np.concatenate(named))
     choices = [_choice(i, planned, p, names, tokenizer) for i, p in enumerate(prompts)]
     completion_tokens = planned.max_tokens * len(prompts)
     usage = CompletionUsage(

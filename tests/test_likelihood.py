@@ -318,3 +318,26 @@ def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
     assert engine.stats["prefill_tokens"] - prefilled == 288 and engine.stats["calls"] - calls >= 3
     want = torch_label_probs(torch_model, [long_borrower + it for it in items], labels, False)
     np.testing.assert_allclose(np.log(got), np.log(want), atol=TOLERANCE, rtol=0)
+
+
+def test_the_context_store_keeps_the_most_recent_contexts_within_its_bytes():
+    """/v1/completions' store of shared contexts' own log-probs is bounded: past its bytes the
+    least recently used context goes first (a `get` counts as a use); a context larger than the
+    whole store is not kept."""
+    from prefixscore.engine.completions import ContextLogprobs, ContextStore
+
+    def rows(n: int) -> ContextLogprobs:
+        return ContextLogprobs(
+            np.zeros(n, np.float32), np.zeros((n, TOP_LOGPROBS), np.int64), np.zeros((n, TOP_LOGPROBS), np.float32)
+        )
+
+    one = rows(10).nbytes
+    store = ContextStore(3 * one)
+    for c in ((1,), (2,), (3,)):
+        store.keep(c, rows(10))
+    assert store.get((1,)) is not None  # now the most recent
+    store.keep((4,), rows(10))
+    assert store.get((2,)) is None and all(store.get(c) is not None for c in ((1,), (3,), (4,)))
+    assert store.bytes == 3 * one
+    store.keep((5,), rows(40))  # over the whole store: not kept, nothing dropped for it
+    assert store.get((5,)) is None and store.bytes == 3 * one
