@@ -14,9 +14,9 @@ then over the timed subject (the same for every mode, none of it cached before):
   --w7-batch), when the model has a transformers checkpoint (smollm2-135m's GGUF, a directory).
 
 Each row: choices/s, prompt tokens/s (every prompt whole: what a plain forward pass of each
-computes), the tokens the engine prefilled and computed, the head's share of the model FLOPs the
-engine spent, and the largest |log-likelihood - hf's| with the greedy flags that differ (without
-a transformers checkpoint: against the gRPC mode's).
+computes), the tokens the engine prefilled and computed, the head's share of the projection
+FLOPs the engine spent (attention left out), and the largest |log-likelihood - hf's| with the
+greedy flags that differ (without a transformers checkpoint: against the gRPC mode's).
 """
 
 from __future__ import annotations
