@@ -107,6 +107,12 @@ class Group:
             events.complete()
         return next((e for e in list(events) if e.get("event") == name), None)
 
+    def event_tail(self, count: int, host: int = 0) -> list[dict]:
+        proc, events = self.hosts[host]
+        if proc.poll() is not None:
+            events.complete()
+        return list(events)[-count:]
+
     def wait_ready(self) -> None:
         wait_for(lambda: self.event("ready") or any(p.poll() is not None for p, _ in self.hosts), 600, "ready")
         for index, (proc, events) in enumerate(self.hosts):
@@ -284,9 +290,13 @@ def _left_for_the_leader(group: Group, host: int) -> bool:
     return any(e.get("event") == "raw" and JAX_LOST_SERVICE in e["line"] for e in group.hosts[host][1])
 
 
-def _exited_within(exited: concurrent.futures.Future[float], since: float, bound: float) -> float:
+def _exited_within(
+    exited: concurrent.futures.Future[float], since: float, bound: float, group: Group, host: int = 0
+) -> float:
+    """Seconds from `since` to host `host`'s exit, at most `bound`; a miss shows that host's last
+    log lines (what it was doing while it should have been exiting)."""
     took = exited.result(bound + 30) - since
-    assert took <= bound, f"took {took:.1f} s, bound {bound} s"
+    assert took <= bound, f"took {took:.1f} s, bound {bound} s; host {host}'s last lines: {group.event_tail(30, host)}"
     return took
 
 
@@ -309,7 +319,7 @@ def test_behind_envoy_a_group_losing_a_host_loses_no_request(groups, tmp_path):
                 killed = time.monotonic()
                 for call in calls:
                     assert len(call.result(120).scores) == 16
-    _exited_within(exited, killed, EXIT_BOUND_S)
+    _exited_within(exited, killed, EXIT_BOUND_S, victim)
     assert victim.leader.returncode != 0
     assert victim.event("worker_failed") is not None
 
@@ -343,7 +353,7 @@ def test_a_follower_killed_under_load_fails_the_group_fast(groups):
         except grpc.RpcError:
             serving = None  # already gone
     channel.close()
-    took = _exited_within(exited, killed, EXIT_BOUND_S)
+    took = _exited_within(exited, killed, EXIT_BOUND_S, group)
     assert group.leader.returncode != 0
     assert serving != health_pb2.HealthCheckResponse.SERVING
     assert "UNAVAILABLE" in statuses and set(statuses) <= {"OK", "UNAVAILABLE"}, collections.Counter(statuses)
@@ -405,8 +415,8 @@ def test_three_hosts_answer_like_one_process_and_exit_when_the_leader_is_gone(on
         followers = [(proc, _exit_clock(proc)) for proc, _ in group.hosts[1:]]
         group.leader.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        for proc, exited in followers:
-            _exited_within(exited, killed, HOST_TIMEOUT + EXIT_BOUND_S)
+        for host, (proc, exited) in enumerate(followers, 1):
+            _exited_within(exited, killed, HOST_TIMEOUT + EXIT_BOUND_S, group, host)
             assert proc.returncode != 0
         for host in (1, 2):
             assert _left_for_the_leader(group, host), group.hosts[host][1][-10:]
@@ -451,7 +461,7 @@ def test_a_silent_follower_fails_the_group_within_the_host_timeout(failing_group
     group.hosts[1][0].send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
     _score_fails_unavailable(group)
-    _exited_within(exited, stopped, SHORT_HOST_TIMEOUT + EXIT_BOUND_S)
+    _exited_within(exited, stopped, SHORT_HOST_TIMEOUT + EXIT_BOUND_S, group)
     assert group.leader.returncode != 0
     lost = group.event("worker_failed")["error"]
     assert "host 1 sent nothing for" in lost, lost
@@ -468,7 +478,7 @@ def test_a_call_sent_and_never_started_fails_the_group(failing_groups, stall_fil
     stall_file.touch()
     sent = time.monotonic()
     _score_fails_unavailable(group)
-    _exited_within(exited, sent, SHORT_HOST_TIMEOUT + EXIT_BOUND_S)
+    _exited_within(exited, sent, SHORT_HOST_TIMEOUT + EXIT_BOUND_S, group)
     assert group.leader.returncode != 0
     lost = group.event("worker_failed")["error"]
     assert "host 1 has not started call" in lost, lost
@@ -484,7 +494,7 @@ def test_a_silent_leader_ends_its_follower_within_the_host_timeout(failing_group
     exited = _exit_clock(follower)
     group.leader.send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
-    _exited_within(exited, stopped, SHORT_HOST_TIMEOUT + EXIT_BOUND_S)
+    _exited_within(exited, stopped, SHORT_HOST_TIMEOUT + EXIT_BOUND_S, group, 1)
     assert follower.returncode != 0
     lost = group.event("leader_lost", 1)
     assert lost is not None and "the leader sent nothing for" in lost["error"], group.hosts[1][1][-10:]
