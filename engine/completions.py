@@ -3,17 +3,18 @@
 lm-evaluation-harness (`local-completions`), perplexity filters and judges send prompts with
 `echo` and `logprobs` and at most one new token: they want the log-probability of every
 prompt token given the tokens before it, and perhaps the greedy next token. That is the
-likelihood path (engine/likelihood.py) over whole prompts, planned here as one or two
-engine requests:
+likelihood path (engine/likelihood.py) over whole prompts, planned here as engine requests,
+one per context the prompts run over:
 
-- the prompts' longest common prefix, rounded down to whole pages of the pool (and leaving
-  every prompt a token after it), is a shared context: the first prompt runs whole (it gives
-  the shared tokens' log-probs), and every other prompt is a continuation over that context,
-  which is prefilled once and kept in the prefix cache (a multiple-choice question's
-  choices, a k-shot header's questions). The context's own log-probs are kept too
-  (`ContextStore`, bounded): a later request over the same context (the next batch of a k-shot
-  task) runs every prompt as a continuation;
-- without one (or for a single prompt), every prompt runs as a whole sequence.
+- each prompt runs over the longest context whose positions are known without computing it
+  again: the longest prompt an earlier request computed that it starts with (`KnownPositions`:
+  lm-eval's order puts a question's choices in different requests), or a prefix it shares with
+  other prompts of the request (the k-shot header they all start with, a question's choices),
+  whose positions the first of them computes, running over a shorter context itself;
+- a context is the prefix of its engine request: prefilled once and kept in the prefix cache,
+  where its leading whole pages are borrowed from a cached context that starts alike (a
+  question's context prefills only the question, not the header again);
+- a prompt with no such context runs whole (a sequence of its own).
 
 Either way each position's log-prob is the one a plain forward pass over that prompt gives:
 where a prompt's tokens sit in a call does not change them. Validated once, before any device
@@ -25,10 +26,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
+import itertools
 
 import numpy as np
 
+from prefixscore.engine.known_positions import Known, KnownPositions, Positions, common_prefix
 from prefixscore.engine.likelihood import ItemLikelihood
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.engine.validation import InvalidInput, RequestTokenizer, TokenizedRequest, check_top_logprobs
@@ -36,9 +38,9 @@ from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out
 DEFAULT_MAX_TOKENS = 16
-# host memory a server keeps shared contexts' own log-probs in (ContextStore): 244 bytes a token
-# (its float32 log-prob, 20 int64 top ids and 20 float32 log-probs), so about 275,000 context tokens
-CONTEXT_STORE_BYTES = 64 << 20
+# the fewest tokens a context adds to the next shorter one: fewer save less than a prefix of their
+# own costs (its own entry in the prefix cache, and the part of a page it cannot borrow)
+MIN_CONTEXT_GAIN = 8
 
 
 @dataclasses.dataclass
@@ -66,7 +68,8 @@ class CompletionsInput:
 @dataclasses.dataclass(frozen=True)
 class CompletionPart:
     """One engine request of a completions request: its items are the prompts at `prompts`
-    (indices, in order), each its tokens after the shared context's `shared` (0: whole prompts)."""
+    (indices, in order), each its tokens after a context of `shared` tokens they all start with
+    (0: whole prompts)."""
 
     request: TokenizedRequest
     prompts: tuple[int, ...]
@@ -74,45 +77,14 @@ class CompletionPart:
 
 
 @dataclasses.dataclass(frozen=True)
-class ContextLogprobs:
-    """A shared context's own positions 1 .. n-1 (position 0 has no context)."""
+class PromptContext:
+    """What one prompt runs over: its first `shared` tokens (0: nothing, it runs whole), whose
+    positions come from a kept prompt (`known`) or from another prompt of the request that runs
+    over a shorter context (`from_prompt`)."""
 
-    logprobs: np.ndarray  # [n-1] float32
-    top_ids: np.ndarray  # [n-1, TOP_LOGPROBS] int64
-    top_logprobs: np.ndarray  # [n-1, TOP_LOGPROBS] float32
-
-    @property
-    def nbytes(self) -> int:
-        return self.logprobs.nbytes + self.top_ids.nbytes + self.top_logprobs.nbytes
-
-
-class ContextStore:
-    """Shared contexts' own log-probs, kept for the next request over the same context (the next
-    batch of a k-shot task): least recently used first out past `max_bytes`. Any thread."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._kept: collections.OrderedDict[tuple[int, ...], ContextLogprobs] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, context: tuple[int, ...]) -> ContextLogprobs | None:
-        with self._lock:
-            rows = self._kept.get(context)
-            if rows is not None:
-                self._kept.move_to_end(context)
-            return rows
-
-    def keep(self, context: tuple[int, ...], rows: ContextLogprobs) -> None:
-        if rows.nbytes > self.max_bytes:
-            return
-        with self._lock:
-            old = self._kept.pop(context, None)
-            self.bytes += rows.nbytes - (old.nbytes if old is not None else 0)
-            self._kept[context] = rows
-            while self.bytes > self.max_bytes:
-                _, dropped = self._kept.popitem(last=False)
-                self.bytes -= dropped.nbytes
+    shared: int = 0
+    known: Known | None = None
+    from_prompt: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,15 +92,19 @@ class PlannedCompletions:
     prompts: list[np.ndarray]  # each prompt's token ids [n_i] int64
     texts: list[str] | None  # the prompts as sent, when they were texts
     parts: tuple[CompletionPart, ...]
+    contexts: tuple[PromptContext, ...]  # per prompt
     max_tokens: int  # 0 or 1
     echo: bool
     logprobs: int | None
-    context: tuple[int, ...] = ()  # the shared context (none: every prompt runs whole)
-    context_rows: ContextLogprobs | None = None  # its own log-probs, when known before the request
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the engine computes an item row for (the rest: contexts, prefilled or cached)."""
+        return sum(len(p) - max(0, c.shared - 1) for p, c in zip(self.prompts, self.contexts, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +118,10 @@ class PromptLogprobs:
     top_logprobs: np.ndarray  # [n, TOP_LOGPROBS] float32
     next_top_ids: np.ndarray  # [TOP_LOGPROBS] int64: after the whole prompt (the first is the greedy token)
     next_top_logprobs: np.ndarray  # [TOP_LOGPROBS] float32
+
+    def positions(self) -> Positions:
+        """Positions 1 .. n-1."""
+        return Positions(self.logprobs[1:], self.top_ids[1:].astype(np.int32), self.top_logprobs[1:])
 
 
 def _options(inp: CompletionsInput) -> int:
@@ -207,20 +187,82 @@ def _prompt_rows(requests: RequestTokenizer, inp: CompletionsInput) -> tuple[Tok
         raise InvalidInput(field, err.message, err.too_large) from err
 
 
-def _shared_prefix(rows: TokenRows, page_tokens: int) -> int:
-    """The prompts' longest common prefix in whole pages, leaving every prompt a token after it."""
-    shared = int(rows.lengths.min()) - 1
-    first = rows.flat[: rows.offsets[1]]
-    for j in range(1, len(rows)):
-        lo = int(rows.offsets[j])
-        differ = np.flatnonzero(rows.flat[lo : lo + shared] != first[:shared])
-        shared = int(differ[0]) if differ.size else shared
-    return shared // page_tokens * page_tokens
+def _neighbours(prompts: list[np.ndarray]) -> tuple[int, list[int]]:
+    """The tokens every prompt starts with, and per prompt the most it shares with another one
+    (from the prompts in token order: a prompt shares the most with a neighbour there)."""
+    order = sorted(range(len(prompts)), key=lambda j: prompts[j].tolist())
+    pairs = [common_prefix(prompts[a], prompts[b]) for a, b in itertools.pairwise(order)]
+    most = [0] * len(prompts)
+    for i, j in enumerate(order):
+        most[j] = max(pairs[i - 1] if i else 0, pairs[i] if i < len(pairs) else 0)
+    return min(pairs), most
 
 
-def plan(requests: RequestTokenizer, inp: CompletionsInput, known: ContextStore | None = None) -> PlannedCompletions:
+def _kept_contexts(known: Known | None, shared: int) -> list[int]:
+    """Contexts whose positions a kept prompt holds, for a prompt sharing `shared` tokens with it:
+    that share, and the contexts it and the prompts before it in its line ran over (prefixes an
+    earlier request used: likely still in the prefix cache)."""
+    if known is None or shared < 2:
+        return []
+    out, at = [shared], known
+    while at is not None:
+        if 2 <= at.start <= shared:
+            out.append(at.start)
+        at = at.parent
+    return out
+
+
+def _contexts(prompts: list[np.ndarray], known: KnownPositions | None, page_tokens: int) -> list[PromptContext]:
+    """What each prompt runs over (see the module doc): the longest of its candidate contexts
+    whose positions are known or computed by another prompt of the request. Candidates: the
+    contexts a kept prompt it starts with holds (`_kept_contexts`), the request's common prefix,
+    and the most it shares with another prompt. A context of the request is computed by its first
+    prompt, which runs over a shorter one; it is used only when the tokens its other prompts then
+    skip pay for its prefill (up to a page more than it adds to the next shorter context). A
+    context adding fewer than MIN_CONTEXT_GAIN tokens to the next shorter one is not worth a
+    prefix of its own."""
+    kept = [known.longest(p, len(p) - 1) if known is not None else (None, 0) for p in prompts]
+    common, most = _neighbours(prompts) if len(prompts) > 1 else (0, [0])
+    wanted = [{c for c in (min(common, len(p) - 1), min(most[j], len(p) - 1)) if c >= 2} for j, p in enumerate(prompts)]
+    sharing = collections.Counter(prompts[j][:c].tobytes() for j in range(len(prompts)) for c in wanted[j])
+    options = [sorted(wanted[j] | set(_kept_contexts(*kept[j]))) for j in range(len(prompts))]
+    held: dict[bytes, Known] = {}  # a context whose positions a kept prompt holds -> that prompt
+    for j, p in enumerate(prompts):
+        for c in options[j]:
+            if c <= kept[j][1]:
+                held.setdefault(p[:c].tobytes(), kept[j][0])  # type: ignore[arg-type]
+    candidates: list[list[int]] = []  # per prompt, ascending
+    for j, p in enumerate(prompts):
+        below, useful = 0, []
+        for c in options[j]:
+            gain, key = c - below, p[:c].tobytes()
+            if gain >= MIN_CONTEXT_GAIN and (key in held or (sharing[key] - 1) * gain >= gain + page_tokens):
+                useful.append(c)
+                below = c
+        candidates.append(useful)
+    first_of: dict[bytes, int] = {}  # a context of the request -> the prompt that computes it
+    for j, p in enumerate(prompts):
+        for c in candidates[j]:
+            if p[:c].tobytes() not in held:
+                first_of.setdefault(p[:c].tobytes(), j)
+    out = []
+    for j, p in enumerate(prompts):
+        computes = [c for c in candidates[j] if first_of.get(p[:c].tobytes()) == j]
+        over = [c for c in candidates[j] if c < min(computes, default=len(p))]
+        if not over:
+            out.append(PromptContext())
+            continue
+        key = p[: over[-1]].tobytes()
+        if key in held:
+            out.append(PromptContext(over[-1], known=held[key]))
+        else:
+            out.append(PromptContext(over[-1], from_prompt=first_of[key]))
+    return out
+
+
+def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPositions | None = None) -> PlannedCompletions:
     """Validate a completions request and plan its engine requests (see the module doc). `known`:
-    shared contexts whose own log-probs an earlier request computed."""
+    prompts whose positions earlier requests computed."""
     max_tokens = _options(inp)
     requests.check_vocabulary_head()
     rows, texts = _prompt_rows(requests, inp)
@@ -235,59 +277,62 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: ContextStore 
     requests.check_request_tokens(rows.total)
     top = TOP_LOGPROBS if inp.logprobs is None else inp.logprobs
     prompts = [rows.flat[rows.offsets[j] : rows.offsets[j + 1]] for j in range(len(rows))]
-    shared = _shared_prefix(rows, requests.limits.page_tokens) if len(rows) > 1 else 0
-    if shared < 2:  # whole sequences: no prefix, a row per token of each prompt
-        whole = TokenizedRequest((), rows, (), False, True, per_token=True, top_logprobs=top)
-        parts = (CompletionPart(whole, tuple(range(len(rows))), 0),)
-        return PlannedCompletions(prompts, texts, parts, max_tokens, bool(inp.echo), inp.logprobs)
-    context = tuple(int(t) for t in prompts[0][:shared])
-    rows_known = known.get(context) if known is not None else None
-    # the first prompt runs whole unless the context's own log-probs are known: its rows give them
-    first_over = 0 if rows_known is not None else 1
-    rest = TokenRows.from_lists([p[shared:] for p in prompts[first_over:]])
-    over_context = CompletionPart(
-        requests.likelihood(list(context), rest, top), tuple(range(first_over, len(rows))), shared
-    )
-    parts = (over_context,)
-    if rows_known is None:
-        first = TokenizedRequest(
-            (), TokenRows.from_lists([prompts[0]]), (), False, True, per_token=True, top_logprobs=top
-        )
-        parts = (CompletionPart(first, (0,), 0), over_context)
-    return PlannedCompletions(prompts, texts, parts, max_tokens, bool(inp.echo), inp.logprobs, context, rows_known)
+    contexts = _contexts(prompts, known, requests.limits.page_tokens)
+    by_context: dict[bytes, list[int]] = collections.defaultdict(list)
+    for j, c in enumerate(contexts):
+        by_context[prompts[j][: c.shared].tobytes()].append(j)
+    parts = []
+    for js in by_context.values():
+        shared = contexts[js[0]].shared
+        rest = TokenRows.from_lists([prompts[j][shared:] for j in js])
+        if shared == 0:  # whole sequences: no prefix, a row per token of each prompt
+            request = TokenizedRequest((), rest, (), False, True, per_token=True, top_logprobs=top)
+        else:
+            request = requests.likelihood(prompts[js[0]][:shared].tolist(), rest, top)
+        parts.append(CompletionPart(request, tuple(js), shared))
+    return PlannedCompletions(prompts, texts, tuple(parts), tuple(contexts), max_tokens, bool(inp.echo), inp.logprobs)
 
 
-def context_logprobs(planned: PlannedCompletions, results: list[list[ItemLikelihood]]) -> ContextLogprobs:
-    """The shared context's own positions 1 .. shared-1: known, or from the first prompt run whole
-    (`results`: per part, per item; that part comes first)."""
-    if planned.context_rows is not None:
-        return planned.context_rows
-    s = len(planned.context) - 1
-    first = results[0][0]
-    return ContextLogprobs(first.logprobs[:s], first.top_ids[:s], first.top_logprobs[:s])
-
-
-def prompt_logprobs(planned: PlannedCompletions, results: list[list[ItemLikelihood]]) -> list[PromptLogprobs]:
-    """Each prompt's positions from its parts' likelihoods (`results`: per part, per item). A
-    prompt over the shared context takes the context's positions from `context_logprobs`."""
-    out: list[PromptLogprobs | None] = [None] * len(planned.prompts)
-    head = context_logprobs(planned, results) if planned.context else None
+def prompt_logprobs(
+    planned: PlannedCompletions, results: list[list[ItemLikelihood]], known: KnownPositions | None = None
+) -> list[PromptLogprobs]:
+    """Each prompt's positions from its part's likelihoods (`results`: per part, per item): those
+    of its context (kept, or another prompt's), then its own. `known`: where to keep them for
+    later requests (each over the kept prompt its context came from, which holds the rest)."""
+    own: dict[int, ItemLikelihood] = {}
     for part, items in zip(planned.parts, results, strict=True):
-        for i, item in zip(part.prompts, items, strict=True):
-            if part.shared == 0:  # a whole sequence: its rows are positions 1 .. n-1
-                head_lp, head_ids, head_top = item.logprobs, item.top_ids, item.top_logprobs
-            else:  # positions 1 .. shared-1 are the context's; shared .. n-1 its own
-                assert head is not None
-                head_lp = np.concatenate([head.logprobs, item.logprobs])
-                head_ids = np.concatenate([head.top_ids, item.top_ids])
-                head_top = np.concatenate([head.top_logprobs, item.top_logprobs])
-            out[i] = PromptLogprobs(
-                tokens=planned.prompts[i],
-                logprobs=np.concatenate([[np.nan], head_lp]).astype(np.float32),
-                top_ids=np.concatenate([np.zeros((1, TOP_LOGPROBS), np.int64), head_ids]),
-                top_logprobs=np.concatenate([np.full((1, TOP_LOGPROBS), np.nan, np.float32), head_top]),
-                next_top_ids=item.next_top_ids,
-                next_top_logprobs=item.next_top_logprobs,
-            )
+        own.update(zip(part.prompts, items, strict=True))
+    out: list[PromptLogprobs | None] = [None] * len(planned.prompts)
+    kept: dict[int, Known | None] = {}
+    # a context's positions come from a prompt over a shorter context: those go first
+    for j in sorted(range(len(planned.prompts)), key=lambda j: planned.contexts[j].shared):
+        context, item = planned.contexts[j], own[j]
+        mine = Positions(item.logprobs, item.top_ids, item.top_logprobs)
+        parent = None
+        if context.known is not None:
+            assert known is not None
+            head = known.positions(context.known, context.shared)
+            parent = context.known
+        elif context.from_prompt is not None:
+            source = out[context.from_prompt]
+            assert source is not None
+            head = source.positions().head(context.shared - 1)
+            parent = kept.get(context.from_prompt)
+        whole = Positions.join([head, mine]) if context.shared else mine
+        out[j] = PromptLogprobs(
+            tokens=planned.prompts[j],
+            logprobs=np.concatenate([[np.nan], whole.logprobs]).astype(np.float32),
+            top_ids=np.concatenate([np.zeros((1, TOP_LOGPROBS), np.int64), whole.top_ids]).astype(np.int64),
+            top_logprobs=np.concatenate([np.full((1, TOP_LOGPROBS), np.nan, np.float32), whole.top_logprobs]),
+            next_top_ids=item.next_top_ids,
+            next_top_logprobs=item.next_top_logprobs,
+        )
+        if known is not None:
+            if parent is not None:
+                start = context.shared
+                stored = Positions(mine.logprobs, mine.top_ids.astype(np.int32), mine.top_logprobs)
+            else:
+                start, stored = 1, out[j].positions()
+            kept[j] = known.keep(planned.prompts[j], stored, parent, start)
     assert all(p is not None for p in out)
     return out  # type: ignore[return-value]

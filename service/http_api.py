@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 
 from prefixscore import prefix_key
 from prefixscore.engine import completions
+from prefixscore.engine.known_positions import KnownPositions
 from prefixscore.engine.likelihood import read_likelihoods
 from prefixscore.engine.validation import InvalidInput
 from prefixscore.service.core import Failure, ScoringService, internal_failure, validated
@@ -134,8 +135,8 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
 
-    # /v1/completions: shared contexts' own log-probs, for the next request over the same context
-    contexts = completions.ContextStore(completions.CONTEXT_STORE_BYTES)
+    # /v1/completions: prompts' computed positions, for later prompts that start alike
+    known = KnownPositions()
 
     def model_name(requested: str | None) -> str:
         return requested or (service.loaded.name if service.loaded else "")
@@ -234,8 +235,8 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
         with handled("HttpCompletions") as outcome:
             requests = service.accepting().requests
             inp = completions_input(body)
-            planned = await validated(_body_bytes(request), completions.plan, requests, inp, contexts)
-            # the parts run side by side: the first prompt whole, the others over the shared context
+            planned = await validated(_body_bytes(request), completions.plan, requests, inp, known)
+            # the parts run side by side: each its prompts over one context (or whole)
             units = await asyncio.gather(
                 *(service.run(part.request, "HttpCompletions") for part in planned.parts), return_exceptions=True
             )
@@ -247,9 +248,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             def answer() -> Response:
                 parts = zip(planned.parts, units, strict=True)
                 results = [read_likelihoods(part.request, unit.reply.tokens) for part, unit in parts]
-                prompts = completions.prompt_logprobs(planned, results)
-                if planned.context and planned.context_rows is None:  # for the next request over it
-                    contexts.keep(planned.context, completions.context_logprobs(planned, results))
+                prompts = completions.prompt_logprobs(planned, results, known)
                 as_ids = body.return_tokens_as_token_ids
                 return _encoded(
                     completions_response(planned, prompts, requests.tokenizer, as_ids, model_name(body.model), rid)

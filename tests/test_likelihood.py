@@ -198,11 +198,9 @@ def test_the_vocabulary_scan_merges_every_slices_top_logits():
     np.testing.assert_allclose(top_vals, np.take_along_axis(logits, order, 1), atol=1e-5, rtol=0)
 
 
-def test_completions_echo_over_http_equals_transformers(hf_checkpoints):
-    """OpenAI's /v1/completions as scorers call it (echo, logprobs, max_tokens 1), over HTTP: every
-    prompt position's log-prob, its top log-probs and the greedy next token equal transformers'
-    forward of that prompt. Prompts sharing 70 tokens share their prefill (four 16-token pages:
-    the first prompt runs whole, the others over the cached context); a single prompt runs whole."""
+@pytest.fixture(scope="module")
+def completions_server(hf_checkpoints):
+    """tiny Qwen3 served over HTTP: (scorer, an httpx client, the transformers model)."""
     import httpx
     from helpers.service import server_config
 
@@ -210,30 +208,47 @@ def test_completions_echo_over_http_equals_transformers(hf_checkpoints):
 
     path, torch_model = hf_checkpoints["qwen3"]
     scorer = Scorer.load(str(path), dtype="float32", buckets=BUCKETS)
-    prompts = [CONTEXT + c for c in CONTINUATIONS]
-    k = 5
     with ServerThread(server_config(scorer, http_port=0, template="auto")) as srv:
         with httpx.Client(base_url=f"http://127.0.0.1:{srv.server.http_port}", timeout=300) as http:
-            prefilled = scorer.engine.stats["prefill_tokens"]
-            shared = http.post(
-                "/v1/completions",
-                json={"prompt": prompts, "echo": True, "logprobs": k, "max_tokens": 1, "temperature": 0},
-            )
-            assert shared.status_code == 200, shared.text
-            # the shared context (64 tokens, whole pages) is prefilled once: all but its last token
-            assert scorer.engine.stats["prefill_tokens"] - prefilled == 63
-            single = http.post(
-                "/v1/completions", json={"prompt": prompts[2], "echo": True, "logprobs": 0, "max_tokens": 0}
-            )
-            assert single.status_code == 200, single.text
-            # the next request over the same context: its own log-probs are known and its pages
-            # cached, so every prompt is a continuation (nothing prefilled, no prompt run whole)
-            later = [CONTEXT + c for c in (CONTINUATIONS[3][::-1], CONTINUATIONS[1])]
-            computed, prefilled = scorer.engine.stats["tokens"], scorer.engine.stats["prefill_tokens"]
-            again = http.post("/v1/completions", json={"prompt": later, "echo": True, "logprobs": 2, "max_tokens": 0})
-            assert again.status_code == 200, again.text
-            assert scorer.engine.stats["prefill_tokens"] == prefilled
-            assert scorer.engine.stats["tokens"] - computed == sum(len(p) - 64 + 1 for p in later)
+            yield scorer, http, torch_model
+
+
+def assert_prompt_like_transformers(torch_model, prompt: list[int], token_logprobs: list) -> None:
+    """A prompt's echoed log-probs (the first None) equal transformers' forward of it."""
+    lp = torch_logprobs(torch_model, prompt)
+    assert token_logprobs[0] is None
+    np.testing.assert_allclose(
+        token_logprobs[1 : len(prompt)], lp[np.arange(len(prompt) - 1), prompt[1:]], atol=TOLERANCE, rtol=0
+    )
+
+
+def test_completions_echo_over_http_equals_transformers(completions_server):
+    """OpenAI's /v1/completions as scorers call it (echo, logprobs, max_tokens 1), over HTTP: every
+    prompt position's log-prob, its top log-probs and the greedy next token equal transformers'
+    forward of that prompt. Prompts sharing 70 tokens share their prefill (the first prompt runs
+    whole, the others over the cached context); a single prompt runs whole; a later request's
+    prompts run over the positions the first computed."""
+    scorer, http, torch_model = completions_server
+    prompts = [CONTEXT + c for c in CONTINUATIONS]
+    k = 5
+    prefilled = scorer.engine.stats["prefill_tokens"]
+    shared = http.post(
+        "/v1/completions",
+        json={"prompt": prompts, "echo": True, "logprobs": k, "max_tokens": 1, "temperature": 0},
+    )
+    assert shared.status_code == 200, shared.text
+    # the shared context (70 tokens) is prefilled once: all but its last token
+    assert scorer.engine.stats["prefill_tokens"] - prefilled == 69
+    single = http.post("/v1/completions", json={"prompt": prompts[2], "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert single.status_code == 200, single.text
+    # a later request over the same context: its positions are known and its pages cached,
+    # so every prompt is a continuation (nothing prefilled, no prompt run whole)
+    later = [CONTEXT + c for c in (CONTINUATIONS[3][::-1], CONTINUATIONS[1])]
+    computed, prefilled = scorer.engine.stats["tokens"], scorer.engine.stats["prefill_tokens"]
+    again = http.post("/v1/completions", json={"prompt": later, "echo": True, "logprobs": 2, "max_tokens": 0})
+    assert again.status_code == 200, again.text
+    assert scorer.engine.stats["prefill_tokens"] == prefilled
+    assert scorer.engine.stats["tokens"] - computed == sum(len(p) - 70 + 1 for p in later)
     body = shared.json()
     assert body["usage"] == {
         "prompt_tokens": sum(map(len, prompts)),
@@ -265,6 +280,41 @@ def test_completions_echo_over_http_equals_transformers(hf_checkpoints):
         alone["token_logprobs"][1:], body["choices"][2]["logprobs"]["token_logprobs"][1:-1], atol=TOLERANCE, rtol=0
     )
     assert all(len(top) == 1 for top in alone["top_logprobs"][1:])  # logprobs 0: the token there only
+
+
+def test_completions_take_a_question_s_positions_from_an_earlier_request(completions_server):
+    """lm-evaluation-harness's order: a k-shot header, two questions, and their choices split over
+    two requests. The first request's prompts run over the header (its first prompt whole); in the
+    second, each choice runs over its question's context, whose positions a sibling computed in the
+    first request: only the choice is computed, and only the question past the header's whole
+    pages is prefilled. Every position equals transformers' forward of its prompt."""
+    scorer, http, torch_model = completions_server
+    engine = scorer.engine
+    header = RNG.integers(0, 320, 40).tolist()
+    questions = [RNG.integers(0, 320, 20).tolist(), RNG.integers(0, 320, 25).tolist()]
+    choices = [[t, *RNG.integers(0, 320, n).tolist()] for t, n in zip((11, 12, 13), (1, 3, 4), strict=True)]
+    first = [header + questions[0] + choices[0], header + questions[1] + choices[0], header + questions[0] + choices[1]]
+    second = [
+        header + questions[1] + choices[1],
+        header + questions[0] + choices[2],
+        header + questions[1] + choices[2],
+    ]
+    for prompts, shared in ((first, None), (second, [65, 60, 65])):
+        computed, prefilled = engine.stats["tokens"], engine.stats["prefill_tokens"]
+        response = http.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0})
+        prefill = engine.stats["prefill_tokens"] - prefilled
+        items = engine.stats["tokens"] - computed - prefill  # item tokens (a row each)
+        assert response.status_code == 200, response.text
+        for prompt, choice in zip(prompts, response.json()["choices"], strict=True):
+            assert_prompt_like_transformers(torch_model, prompt, choice["logprobs"]["token_logprobs"])
+        if shared is None:  # the header's context: the first prompt whole, the others over it
+            assert prefill == 39
+            assert items == len(first[0]) + sum(len(p) - 39 for p in first[1:])
+        else:  # a choice over its question: its context's last token and itself
+            assert items == sum(len(p) - s + 1 for p, s in zip(prompts, shared, strict=True))
+            # the questions' contexts (64 and 59 tokens before their last) borrow the header's two
+            # whole 16-token pages
+            assert prefill == (64 - 32) + (59 - 32)
 
 
 def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
@@ -320,24 +370,55 @@ def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
     np.testing.assert_allclose(np.log(got), np.log(want), atol=TOLERANCE, rtol=0)
 
 
-def test_the_context_store_keeps_the_most_recent_contexts_within_its_bytes():
-    """/v1/completions' store of shared contexts' own log-probs is bounded: past its bytes the
-    least recently used context goes first (a `get` counts as a use); a context larger than the
+def test_known_positions_find_the_longest_kept_prompt_and_stay_within_their_bytes():
+    """/v1/completions keeps prompts' computed positions (engine/known_positions.py): a new prompt
+    finds the kept prompt it shares the most tokens with (a partial page included), and a prompt
+    kept over another stores only its own positions yet gives back every one. Past its bytes the
+    least recently used prompt goes first, with the prompts kept over it; a prompt larger than the
     whole store is not kept."""
-    from prefixscore.engine.completions import ContextLogprobs, ContextStore
+    from prefixscore.engine.known_positions import KEY_TOKENS, KnownPositions, Positions
 
-    def rows(n: int) -> ContextLogprobs:
-        return ContextLogprobs(
-            np.zeros(n, np.float32), np.zeros((n, TOP_LOGPROBS), np.int64), np.zeros((n, TOP_LOGPROBS), np.float32)
-        )
+    def positions(tokens: np.ndarray, start: int = 1) -> Positions:
+        # a position's log-prob says which it is: -(index + token / 1000)
+        at = np.arange(start, len(tokens))
+        lp = -(at + tokens[start:] / 1000).astype(np.float32)
+        top = np.repeat(tokens[start:, None], TOP_LOGPROBS, axis=1).astype(np.int32)
+        return Positions(lp, top, np.repeat(lp[:, None], TOP_LOGPROBS, axis=1))
 
-    one = rows(10).nbytes
-    store = ContextStore(3 * one)
-    for c in ((1,), (2,), (3,)):
-        store.keep(c, rows(10))
-    assert store.get((1,)) is not None  # now the most recent
-    store.keep((4,), rows(10))
-    assert store.get((2,)) is None and all(store.get(c) is not None for c in ((1,), (3,), (4,)))
-    assert store.bytes == 3 * one
-    store.keep((5,), rows(40))  # over the whole store: not kept, nothing dropped for it
-    assert store.get((5,)) is None and store.bytes == 3 * one
+    header = RNG.integers(0, 320, 3 * KEY_TOKENS + 5)
+    first = np.concatenate([header, RNG.integers(0, 320, 30)])
+    store = KnownPositions(10**6)
+    root = store.keep(first, positions(first), None, 1)
+    # a sibling sharing the header and 3 more tokens (past the last whole key page)
+    sibling = np.concatenate([first[: len(header) + 3], (first[len(header) + 3 :] + 1) % 320])
+    known, shared = store.longest(sibling, len(sibling) - 1)
+    assert known is root and shared == len(header) + 3
+    child = store.keep(sibling, positions(sibling, shared), root, shared)
+    assert child is not None and len(child.own) == len(sibling) - shared  # only its own positions
+    whole = store.positions(child, len(sibling))
+    np.testing.assert_array_equal(whole.logprobs, positions(sibling).logprobs)
+    np.testing.assert_array_equal(whole.top_ids, positions(sibling).top_ids)
+    # a prompt sharing less than one key page finds nothing
+    assert store.longest(np.concatenate([header[: KEY_TOKENS - 1], [999] * 40]), 60) == (None, 0)
+    # `most` caps the share (a prompt keeps a token of its own)
+    assert store.longest(first, 20)[1] == 20
+
+    assert KnownPositions(0).keep(first, positions(first), None, 1) is None  # larger than the store
+    unit = root.nbytes  # every root below has first's length
+    share = len(header) + 3
+
+    def fill(touch: bool) -> tuple[KnownPositions, list]:
+        small = KnownPositions(3 * unit)
+        a = small.keep(first, positions(first), None, 1)
+        b = small.keep(sibling, positions(sibling, share), a, share)
+        c = small.keep(RNG.integers(0, 320, len(first)), positions(first), None, 1)
+        if touch:  # finding the sibling uses it and the prompt it was kept over
+            assert small.longest(sibling, len(sibling) - 1) == (b, len(sibling) - 1)
+        d = small.keep(RNG.integers(0, 320, len(first)), positions(first), None, 1)
+        assert small.bytes <= 3 * unit
+        return small, [a, b, c, d]
+
+    small, (a, b, c, d) = fill(touch=False)  # a is the oldest: it goes, and b, kept over it, with it
+    assert list(small._recent.values()) == [c, d] and small.longest(sibling, len(sibling) - 1) == (None, 0)
+    small, (a, b, c, d) = fill(touch=True)  # c is the oldest
+    assert list(small._recent.values()) == [b, a, d]
