@@ -11,7 +11,13 @@ then over the timed subject (the same for every mode, none of it cached before):
   (longest first) and batches of --w7-batch prompts;
 - `grpc`: per question, its choices as items over header + question (`ScoreClient.loglikelihood`);
 - `hf`: lm-eval's own `hf` backend (transformers, one sequence per choice, batches of
-  --w7-batch), when the model has a transformers checkpoint (smollm2-135m's GGUF, a directory).
+  --w7-batch), when the model has a transformers checkpoint (smollm2-135m's GGUF, a directory);
+- `llamacpp`: llama.cpp's prefix recipe (llama-cpp-python over the same GGUF, when installed):
+  one sequence at a time, question by question, each choice evaluated after the longest prefix
+  its KV cache already holds (a question's context once, the header once for all), with the
+  logits of every evaluated token (`logits_all`, as its completions with echo and logprobs need).
+
+Every engine mode starts from a cold prefix cache (idle prefixes evicted first).
 
 Each row: choices/s, prompt tokens/s (every prompt whole: what a plain forward pass of each
 computes), the tokens the engine prefilled and computed, the head's share of the projection
@@ -25,6 +31,7 @@ import argparse
 import dataclasses
 import http.client
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +42,9 @@ import numpy as np
 
 from prefixscore.bench import workloads as wl
 from prefixscore.bench.session import Bench
+
+# the modes that run on the engine (the others are baselines)
+ENGINE_MODES = ("completions", "grpc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +138,43 @@ def _hf(model: str, batch: int) -> Callable[[list[Question]], list[tuple[float, 
     return run
 
 
+def _llamacpp(model: str) -> Callable[[list[Question]], list[tuple[float, bool]]] | None:
+    """llama.cpp's prefix recipe over the model's GGUF (see the module doc); None without a GGUF
+    or without llama-cpp-python."""
+    if model == "smollm2-135m":
+        from prefixscore.model.presets import smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+    elif model.endswith(".gguf") and Path(model).is_file():
+        path = Path(model)
+    else:
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(str(path), n_ctx=4096, n_batch=512, logits_all=True, n_threads=os.cpu_count(), verbose=False)
+
+    def score(context: list[int], choice: list[int]) -> tuple[float, bool]:
+        tokens = context + choice
+        held = llm.input_ids[: llm.n_tokens].tolist()
+        reuse = next(
+            (i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b), min(len(held), len(tokens))
+        )
+        llm.n_tokens = min(reuse, len(tokens) - 1)  # eval() drops the KV cache past it
+        llm.eval(tokens[llm.n_tokens :])
+        logits = llm.scores[len(context) - 1 : len(tokens) - 1].astype(np.float64)
+        top = logits.max(axis=1)
+        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+        own = logits[np.arange(len(choice)), choice]
+        return float((own - lse).sum()), bool((logits.argmax(axis=1) == choice).all())
+
+    def run(qs: list[Question]) -> list[tuple[float, bool]]:
+        return [score(q.context, c) for q in qs for c in q.choices]
+
+    return run
+
+
 def run(args: argparse.Namespace) -> int:
     """`prefixscore bench --workload w7`: every mode's row printed, and written to --json."""
     from prefixscore.model import flops
@@ -140,22 +187,25 @@ def run(args: argparse.Namespace) -> int:
         sizes = (args.w7_header, args.w7_questions, (args.w7_min_question, args.w7_max_question))
         # each mode runs a subject of its own first, untimed (its shapes compile), then the timed
         # one: new token ids, so nothing of the timed subject is in the prefix cache before it
-        warmups = [questions(gen, *sizes) for _ in range(3)]
+        warmups = [questions(gen, *sizes) for _ in range(4)]
         qs = questions(gen, *sizes)
         bench.target("w4")  # serves this engine on free ports (gRPC and HTTP)
         modes: dict[str, Callable[[list[Question]], list[tuple[float, bool]]] | None] = {
             "completions": _completions(bench.http_target, args.w7_batch),
             "grpc": _grpc(bench.local_remote.client),
             "hf": _hf(args.model, args.w7_batch),
+            "llamacpp": _llamacpp(args.model),
         }
         engine, cfg = bench.scorer.engine, bench.cfg
         prompt_tokens = sum(len(q.context) + len(c) for q in qs for c in q.choices)
         records, results = [], {}
         for (mode, fn), warmup in zip(modes.items(), warmups, strict=True):
             if fn is None:
-                print(f"w7 {mode}: skipped (the model has no transformers checkpoint)", file=sys.stderr)
+                why = "no transformers checkpoint" if mode == "hf" else "no GGUF, or llama-cpp-python not installed"
+                print(f"w7 {mode}: skipped ({why})", file=sys.stderr)
                 continue
-            fn(warmup if mode != "hf" else warmup[:2])  # untimed (transformers compiles nothing)
+            fn(warmup if mode in ENGINE_MODES else warmup[:2])  # untimed (the baselines compile nothing)
+            engine.prefix_cache.evict_idle()  # nothing of another mode's run is cached
             before = dict(engine.stats)
             start = time.perf_counter()
             results[mode] = fn(qs)
@@ -168,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                 "choices_per_s": round(4 * len(qs) / seconds, 2),
                 "prompt_tokens_per_s": round(prompt_tokens / seconds, 1),
             }
-            if mode != "hf":
+            if mode in ENGINE_MODES:
                 prefilled = engine.stats["prefill_tokens"] - before["prefill_tokens"]
                 computed = engine.stats["tokens"] - before["tokens"]
                 item_tokens = computed - prefilled  # every item token has a vocabulary row

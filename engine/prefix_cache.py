@@ -270,12 +270,21 @@ class PrefixCache:
             if needed > available:
                 raise PoolExhausted(needed, available, self.total_pages)
         while needed > len(self._free):  # least recently released first
-            _, entry = next(iter(self._idle.items()))
-            size = len(entry.own_pages) * self.page_bytes
-            self._drop(entry)
-            self.evictions += 1
-            if self.on_evict:
-                self.on_evict(size)
+            self._evict(next(iter(self._idle.values())))
+
+    def _evict(self, entry: CachedPrefix) -> None:
+        size = len(entry.own_pages) * self.page_bytes
+        self._drop(entry)
+        self.evictions += 1
+        if self.on_evict:
+            self.on_evict(size)
+
+    def evict_idle(self) -> None:
+        """Evict every prefix nobody holds (and, once their borrowers are gone, the lenders they
+        held): the bench starts each mode of a workload from a cold cache."""
+        with self._lock:
+            while self._idle:
+                self._evict(next(iter(self._idle.values())))
 
     def pins(self, tokens: tuple[int, ...]) -> int:
         """Holders of a cached prefix (0 when it is not cached)."""
