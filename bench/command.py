@@ -34,7 +34,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from prefixscore.bench.runner import run_workloads
-from prefixscore.bench.workloads import MODES, RERANK_TEMPLATE, WORKLOADS
+from prefixscore.bench.workloads import MODES, RERANK_TEMPLATE, W7_MODES, WORKLOADS
 from prefixscore.engine import options
 
 
@@ -139,6 +139,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--w7-max-question", type=int, default=120, help="W7 longest question [%(default)s]")
     p.add_argument(
         "--w7-batch", type=int, default=16, help="W7 prompts per /v1/completions request (and hf batch) [%(default)s]"
+    )
+    p.add_argument(
+        "--w7-modes",
+        type=_list(W7_MODES),
+        default=list(W7_MODES),
+        help=f"W7 modes, comma-separated ({', '.join(W7_MODES)}; a baseline without its model or package is skipped) "
+        "[all]",
     )
     p.add_argument("--w5-queries", type=int, default=12, help="W5 W1-sized queries sent in chunks [%(default)s]")
     p.add_argument("--w5-chunk", type=int, default=25, help="W5 items per request of a chunked query [%(default)s]")

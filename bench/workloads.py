@@ -37,6 +37,8 @@ WORKLOADS = (
     "w7",
     "soak",
 )
+# W7's modes (bench/w7.py): the engine's two transports, then the baselines
+W7_MODES = ("completions", "grpc", "hf", "llamacpp")
 MODES = ("prefix", "packed", "sequential")
 # many clients at once through gRPC (host-rerank: HTTP); the server runs its prefix path only
 CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank", "w5")

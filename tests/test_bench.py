@@ -463,6 +463,31 @@ def test_another_processes_python_threads_are_told_apart_from_native_ones(tmp_pa
         proc.wait()
 
 
+# how far llama.cpp's 8-bit activations move a choice's log-likelihood from transformers' float32
+# (0.82 nats at most over W7's 96 choices, docs/benchmarks.md); a choice read one position off
+# moves by several nats
+LLAMACPP_DRIFT = 1.0
+
+
+def test_w7_llamacpp_prefix_recipe_scores_like_hf(tmp_path) -> None:
+    """W7's llama.cpp baseline (llama-cpp-python over SmolLM2's GGUF, `make setup-llamacpp`; it
+    builds from source, so CI does not install it): each choice's log-likelihood from the logits
+    of its own tokens after the longest cached prefix is lm-eval's `hf` backend's on the same
+    weights, up to llama.cpp's 8-bit activations (Q4_1 x Q8_1 dot products)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python builds from source: make setup-llamacpp")
+    out = tmp_path / "w7.json"
+    sizes = ["--w7-header", "64", "--w7-questions", "3", "--w7-min-question", "8", "--w7-max-question", "12"]
+    args = parse(
+        ["bench", "--model", "smollm2-135m", "--workload", "w7", "--w7-modes", "hf,llamacpp", "--no-progress", *sizes]
+    )
+    args.json_path = str(out)
+    assert args.func(args) == 0
+    by = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(by) == {"hf", "llamacpp"} and by["llamacpp"]["choices"] == 12
+    assert "prefill_tokens" not in by["llamacpp"]  # a baseline: no engine counts
+    assert by["llamacpp"]["max_abs_diff_vs_hf"] < LLAMACPP_DRIFT, by["llamacpp"]
+
+
 def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     """W7 at its smallest on tiny-qwen3 (no transformers checkpoint: no hf baseline): lm-eval's
     batches of whole prompts through /v1/completions and each question's choices over its context
