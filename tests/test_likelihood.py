@@ -317,6 +317,86 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
             assert prefill == (64 - 32) + (59 - 32)
 
 
+def test_completions_plan_each_prompt_over_the_longest_context_worth_its_prefill():
+    """Host-only: which context each prompt runs over, by the rules engine/completions.py states.
+    With 16-token pages, a context the request computes must save its other prompts a page more
+    tokens than it adds; a kept prompt's context is used as it is; none adds fewer than 8 tokens."""
+    from conftest import make_torch_model
+
+    from prefixscore.engine.completions import CompletionsInput, plan
+    from prefixscore.engine.known_positions import KnownPositions, Positions
+    from prefixscore.engine.validation import Limits
+    from prefixscore.model.config import config_from_dict
+
+    torch_model = make_torch_model("qwen3")
+    raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
+    requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=16))
+    header, q1, q2 = (RNG.integers(0, 300, n).tolist() for n in (40, 30, 12))
+    a, b, c, d = ([300 + i, 305 + i] for i in range(4))
+
+    def contexts(prompts: list[list[int]], known: KnownPositions | None = None) -> list[tuple[int, int | None, bool]]:
+        planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
+        return [(c.shared, c.from_prompt, c.known is not None) for c in planned.contexts]
+
+    # three prompts share the header (2 x 40 tokens saved >= 40 + 16): the first computes it whole;
+    # two share q1 too (30 more tokens for one other prompt: 30 < 30 + 16), so they do not split
+    assert contexts([header + q1 + a, header + q2 + b, header + q1 + c]) == [
+        (0, None, False),
+        (40, 0, False),
+        (40, 0, False),
+    ]
+    # four share header + q1 (3 x 70 >= 70 + 16): the first runs whole, the others over it
+    four = [header + q1 + x for x in (a, b, c, d)]
+    assert contexts(four) == [(0, None, False)] + [(70, 0, False)] * 3
+    # under the header, q1's choices (3 x 30 >= 30 + 16) over q1, whose first runs over the header;
+    # q2's 12 tokens would save 2 x 12 < 12 + 16: its prompts run over the header
+    mixed = [
+        header + q1 + a,
+        header + q2 + a,
+        header + q1 + b,
+        header + q2 + b,
+        header + q1 + c,
+        header + q2 + c,
+        header + q1 + d,
+    ]
+    assert contexts(mixed) == [
+        (0, None, False),
+        (40, 0, False),
+        (70, 0, False),
+        (40, 0, False),
+        (70, 0, False),
+        (40, 0, False),
+        (70, 0, False),
+    ]
+    # kept prompts: a later prompt runs over what it shares with one (here header + q1, computed
+    # earlier), and over the contexts that one ran over (the header) when it shares no more
+    known = KnownPositions()
+    first = np.asarray(header + q1 + a)
+    root = known.keep(
+        first,
+        Positions(
+            np.zeros(len(first) - 1, np.float32),
+            np.zeros((len(first) - 1, TOP_LOGPROBS), np.int32),
+            np.zeros((len(first) - 1, TOP_LOGPROBS), np.float32),
+        ),
+        None,
+        1,
+    )
+    assert root is not None
+    assert contexts([header + q1 + b], known) == [(70, None, True)]
+    assert contexts([header + q2 + b], known) == [(40, None, True)]
+    # eight prompts sharing 7 tokens past the kept header (7 x 7 >= 7 + 16): fewer than 8, not
+    # worth a context of their own
+    short = [header + [1, 2, 3, 4, 5, 6, 7, 310 + i, 5] for i in range(8)]
+    assert contexts(short, known) == [(40, None, True)] * 8
+    # a kept context beside the request's own: the longer wins, and the header is not recomputed
+    assert contexts([header + q1 + b, header + q2 + b, header + q2 + c], known) == [
+        (70, None, True),
+        (40, None, True),
+        (40, None, True),
+    ]
+
+
 def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
     """A new query whose leading whole pages hold a cached query's tokens borrows those pages: its
     prefill starts after them, and its scores and likelihoods equal transformers' forward of the
