@@ -3,9 +3,13 @@ forward pass of `context + continuation`, token by token, with the top log-probs
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from conftest import FAMILY_OPTIONS, ONE_SHAPE_BUCKETS, torch_label_probs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixscore import Scorer
 from prefixscore.engine.invalid_input import InvalidInput
@@ -395,6 +399,74 @@ def test_completions_plan_each_prompt_over_the_longest_context_worth_its_prefill
         (40, None, True),
         (40, None, True),
     ]
+
+
+def _prefix_value(tokens: np.ndarray) -> float:
+    """A stand-in for a causal LM's log-prob of a sequence's last token: a function of the tokens
+    up to it only, as the real one is (so any split into context and item must give it back)."""
+    return -float(zlib.crc32(np.asarray(tokens, np.int64).tobytes()) % 100_000) / 1000
+
+
+def _device_rows(request: TokenizedRequest) -> np.ndarray:
+    """What the device returns for a likelihood request's token rows, with `_prefix_value` as the
+    model: row i of an item reads its token i (after the prefix) and targets token i + 1; its top
+    ids are a function of the tokens it reads up to."""
+    from prefixscore.model.call_inputs import TOKEN_COLUMNS
+
+    rows = np.zeros((request.items.total, TOKEN_COLUMNS), np.float32)
+    prefix = list(request.prefix)
+    for j in range(len(request.items)):
+        lo, hi = int(request.items.offsets[j]), int(request.items.offsets[j + 1])
+        seq = np.asarray(prefix + request.items.flat[lo:hi].tolist())
+        for i in range(hi - lo):
+            at = len(prefix) + i
+            if at + 1 < len(seq):
+                rows[lo + i, 0] = _prefix_value(seq[: at + 2])
+            seen = _prefix_value(seq[: at + 1])
+            rows[lo + i, 1 : 1 + TOP_LOGPROBS] = seen - np.arange(TOP_LOGPROBS)
+            rows[lo + i, 1 + TOP_LOGPROBS :] = (np.arange(TOP_LOGPROBS) + int(-seen * 1000)) % 300
+    return rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
+    """Host-only, against a stand-in model whose log-prob of a token depends only on the tokens up
+    to it: over random k-shot requests (headers, questions, choices, in any order, several requests
+    sharing one KnownPositions), every prompt position /v1/completions stitches back together from
+    its contexts (kept, or another prompt's) and its own rows is the one a forward pass of that
+    prompt gives."""
+    from conftest import make_torch_model
+
+    from prefixscore.engine.completions import CompletionsInput, plan, prompt_logprobs
+    from prefixscore.engine.known_positions import KnownPositions
+    from prefixscore.engine.validation import Limits
+    from prefixscore.model.config import config_from_dict
+
+    torch_model = make_torch_model("qwen3")
+    raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
+    page = data.draw(st.sampled_from([1, 4, 16]))
+    requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=page))
+    tokens = st.lists(st.integers(0, 299), max_size=40)
+    header = data.draw(tokens)
+    questions = data.draw(st.lists(tokens, min_size=1, max_size=3))
+    # few choices, of few token values: prompts repeat, and choices share leading tokens, so later
+    # prompts run over positions kept from prompts that themselves ran over kept ones
+    choices = data.draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=4))
+    known = KnownPositions(data.draw(st.sampled_from([10**6, 20_000])), page_tokens=4)
+    for _ in range(data.draw(st.integers(1, 3))):
+        prompts = []
+        for _ in range(data.draw(st.integers(1, 6))):
+            question = data.draw(st.sampled_from(questions))
+            choice = data.draw(st.sampled_from(choices))
+            prompts.append(header + question + choice)
+        planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
+        results = [read_likelihoods(part.request, _device_rows(part.request)) for part in planned.parts]
+        for prompt, got in zip(prompts, prompt_logprobs(planned, results, known), strict=True):
+            want = [_prefix_value(np.asarray(prompt[: i + 1])) for i in range(1, len(prompt))]
+            np.testing.assert_array_equal(got.logprobs[1:], np.asarray(want, np.float32))
+            tops = [int(-_prefix_value(np.asarray(prompt[:i])) * 1000) % 300 for i in range(1, len(prompt))]
+            np.testing.assert_array_equal(got.top_ids[1:, 0], tops)
 
 
 def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
