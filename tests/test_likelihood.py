@@ -401,6 +401,32 @@ def test_completions_plan_each_prompt_over_the_longest_context_worth_its_prefill
     ]
 
 
+def test_concurrent_completions_over_one_header_each_equal_transformers(completions_server):
+    """Requests at once over one header and shared questions (threads): they plan over each other's
+    kept prompts and borrow each other's pages while those are being written, and every position
+    of every prompt still equals transformers' forward of it."""
+    import concurrent.futures
+
+    scorer, http, torch_model = completions_server
+    header = RNG.integers(0, 320, 37).tolist()
+    questions = [RNG.integers(0, 320, n).tolist() for n in (18, 26, 9)]
+    prompts = [header + q + RNG.integers(0, 320, n).tolist() for q in questions for n in (2, 5, 11)]
+    order = RNG.permutation(len(prompts))
+    batches = [[prompts[i] for i in order[at : at + 3]] for at in range(0, len(prompts), 3)]
+
+    def send(batch: list[list[int]]) -> list:
+        response = http.post("/v1/completions", json={"prompt": batch, "echo": True, "logprobs": 1, "max_tokens": 0})
+        assert response.status_code == 200, response.text
+        return [c["logprobs"]["token_logprobs"] for c in response.json()["choices"]]
+
+    with concurrent.futures.ThreadPoolExecutor(len(batches)) as pool:
+        answers = list(pool.map(send, batches))
+    for batch, got in zip(batches, answers, strict=True):
+        for prompt, token_logprobs in zip(batch, got, strict=True):
+            assert_prompt_like_transformers(torch_model, prompt, token_logprobs)
+    assert scorer.engine.prefix_cache.pinned == 0  # every context released
+
+
 def _prefix_value(tokens: np.ndarray) -> float:
     """A stand-in for a causal LM's log-prob of a sequence's last token: a function of the tokens
     up to it only, as the real one is (so any split into context and item must give it back)."""
