@@ -101,11 +101,6 @@ class PlannedCompletions:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    @property
-    def computed_tokens(self) -> int:
-        """Prompt tokens the engine computes an item row for (the rest: contexts, prefilled or cached)."""
-        return sum(len(p) - max(0, c.shared - 1) for p, c in zip(self.prompts, self.contexts, strict=True))
-
 
 @dataclasses.dataclass(frozen=True)
 class PromptLogprobs:

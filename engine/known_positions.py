@@ -8,9 +8,10 @@ prompt) and runs only its own tokens over that context, whose pages the prefix c
 
 A kept prompt stores only the positions past the kept prompt it was computed over (its parent):
 a k-shot header's positions are stored once, not once per question. Found through chained hashes
-of whole pages of KEY_TOKENS (not the pool's pages; the match is then extended token by token and checked against the
-tokens, so a hash collision costs nothing but the check). Bounded in bytes, least recently used
-first out; a prompt that goes takes the prompts kept over it along. Any thread.
+of whole pages of KEY_TOKENS tokens (not the pool's pages); the match is then extended token by
+token and checked against the tokens, so a hash collision costs nothing but the check. Bounded
+in bytes, least recently used first out; a prompt that goes takes the prompts kept over it
+along. Any thread.
 """
 
 from __future__ import annotations
@@ -39,9 +40,6 @@ class Positions:
     logprobs: np.ndarray  # [m] float32: log p(token | tokens before it)
     top_ids: np.ndarray  # [m, TOP_LOGPROBS] int32 or int64: the most likely tokens there, descending
     top_logprobs: np.ndarray  # [m, TOP_LOGPROBS] float32
-
-    def __len__(self) -> int:
-        return len(self.logprobs)
 
     def head(self, m: int) -> Positions:
         return Positions(self.logprobs[:m], self.top_ids[:m], self.top_logprobs[:m])
@@ -98,9 +96,6 @@ class KnownPositions:
         self._recent: collections.OrderedDict[int, Known] = collections.OrderedDict()  # id -> kept, oldest first
         self._by_key: dict[bytes, list[Known]] = {}
         self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._recent)
 
     def longest(self, prompt: np.ndarray, most: int) -> tuple[Known | None, int]:
         """The kept prompt sharing the most leading tokens with `prompt` (at least a whole page),

@@ -572,7 +572,7 @@ def test_known_positions_find_the_longest_kept_prompt_and_stay_within_their_byte
     known, shared = store.longest(sibling, len(sibling) - 1)
     assert known is root and shared == len(header) + 3
     child = store.keep(sibling, positions(sibling, shared), root, shared)
-    assert child is not None and len(child.own) == len(sibling) - shared  # only its own positions
+    assert child is not None and len(child.own.logprobs) == len(sibling) - shared  # only its own positions
     whole = store.positions(child, len(sibling))
     np.testing.assert_array_equal(whole.logprobs, positions(sibling).logprobs)
     np.testing.assert_array_equal(whole.top_ids, positions(sibling).top_ids)
