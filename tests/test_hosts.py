@@ -279,8 +279,9 @@ def _exit_clock(proc: subprocess.Popen) -> concurrent.futures.Future[float]:
 
 def _killed(proc: subprocess.Popen) -> _Gone:
     """SIGKILL `proc`; when it is gone. A killed process's sockets close only once the kernel has
-    torn it down, which on a loaded 2-core machine has taken 20 s: its peers can notice the loss
-    only from then, so the bounds on their exits count from its exit, not from the signal."""
+    torn it down: its peers can notice the loss only from then (in one loaded run its leader saw
+    both of its connections reset at one instant, 20 s after the signal), so the bounds on their
+    exits count from its exit, not from the signal."""
     exited = _exit_clock(proc)
     proc.send_signal(signal.SIGKILL)
     return _Gone(time.monotonic(), exited)
