@@ -8,20 +8,21 @@ prompt) and runs only its own tokens over that context, whose pages the prefix c
 
 A kept prompt stores only the positions past the kept prompt it was computed over (its parent):
 a k-shot header's positions are stored once, not once per question. Found through chained hashes
-of whole pages of KEY_TOKENS tokens (not the pool's pages); the match is then extended token by
-token and checked against the tokens, so a hash collision costs nothing but the check. Bounded
-in bytes, least recently used first out; a prompt that goes takes the prompts kept over it
-along. Any thread.
+of whole pages (the prefix cache's `page_keys`, over pages of KEY_TOKENS tokens rather than the
+pool's); the match is then extended token by token and checked against the tokens, so a hash
+collision costs nothing but the check. Bounded in bytes, least recently used first out; a
+prompt that goes takes the prompts kept over it along. Any thread.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import threading
 
 import numpy as np
+
+from prefixscore.engine.prefix_cache import page_keys
 
 # host memory for kept prompts by default: 168 bytes a position (its token, its log-prob, 20 top
 # ids and 20 top log-probs, 4 bytes each), about 400,000 positions
@@ -61,22 +62,12 @@ class Known:
     start: int  # its own positions are start .. n-1 (1: no parent)
     own: Positions  # [n - start]
     parent: Known | None  # its tokens[:start] equal ours
-    keys: list[bytes] = dataclasses.field(default_factory=list)  # the page keys that lead to it
+    keys: list[int] = dataclasses.field(default_factory=list)  # the page keys that lead to it
     children: list[Known] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return self.tokens.nbytes + self.own.logprobs.nbytes + self.own.top_ids.nbytes + self.own.top_logprobs.nbytes
-
-
-def page_keys(tokens: np.ndarray, page_tokens: int, pages: int) -> list[bytes]:
-    """Key k (0-based) identifies tokens[: (k + 1) * page_tokens]: a hash chained page by page."""
-    chain = hashlib.blake2b(digest_size=16)
-    keys = []
-    for k in range(pages):
-        chain.update(np.ascontiguousarray(tokens[k * page_tokens : (k + 1) * page_tokens], np.int32).tobytes())
-        keys.append(chain.copy().digest())
-    return keys
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -94,14 +85,14 @@ class KnownPositions:
         self.page_tokens = page_tokens
         self.bytes = 0
         self._recent: collections.OrderedDict[int, Known] = collections.OrderedDict()  # id -> kept, oldest first
-        self._by_key: dict[bytes, list[Known]] = {}
+        self._by_key: dict[int, list[Known]] = {}
         self._lock = threading.Lock()
 
     def longest(self, prompt: np.ndarray, most: int) -> tuple[Known | None, int]:
         """The kept prompt sharing the most leading tokens with `prompt` (at least a whole page),
         and how many (at most `most`); (None, 0) when none shares a page."""
         pt = self.page_tokens
-        keys = page_keys(prompt, pt, min(most, len(prompt)) // pt)
+        keys = page_keys(tuple(prompt[: min(most, len(prompt))].tolist()), pt)
         with self._lock:
             for k in range(len(keys) - 1, -1, -1):
                 best: tuple[Known | None, int] = (None, 0)
@@ -138,7 +129,7 @@ class KnownPositions:
                 parent.children.append(known)
                 self._touch(parent)
             # the pages past the parent's share lead here; those before lead to the parent's line
-            keys = page_keys(known.tokens, pt, len(tokens) // pt)
+            keys = page_keys(tuple(known.tokens.tolist()), pt)
             first = start // pt if parent is not None else 0
             for key in keys[first:]:
                 line = self._by_key.setdefault(key, [])
