@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["CrossEncoder", "Scorer", "Usage", "__version__"]
+__all__ = ["CrossEncoder", "Scorer", "SentenceTransformer", "Usage", "__version__"]
 from prefixscore.version import __version__
 
 if TYPE_CHECKING:
     from prefixscore.engine.scorer import Scorer, Usage
     from prefixscore.offline.cross_encoder import CrossEncoder
+    from prefixscore.offline.sentence_transformer import SentenceTransformer
 
 
 def __getattr__(name: str):
@@ -18,6 +19,10 @@ def __getattr__(name: str):
         from prefixscore.offline import cross_encoder
 
         return cross_encoder.CrossEncoder
+    if name == "SentenceTransformer":
+        from prefixscore.offline import sentence_transformer
+
+        return sentence_transformer.SentenceTransformer
     if name in __all__:
         from prefixscore.engine import scorer
 

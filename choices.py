@@ -24,3 +24,6 @@ ATTENTION = ("reference", "xla", "pallas_tpu", "pallas_gpu")  # kernels/dispatch
 TEMPLATES = ("qwen3-reranker", "bge-reranker-v2-gemma", "mxbai-rerank-v2", "chat", "none")
 TEMPLATE_CHOICES = (AUTO, *TEMPLATES)
 DEFAULT_TEMPLATE = AUTO
+# embeddings: a sentence-transformers checkpoint's own Pooling (auto), or a plain model's final
+# hidden states pooled at the last token or averaged (engine/pooling.py)
+POOLING = (AUTO, "last", "mean")

@@ -117,9 +117,19 @@ class Buckets:
         token rows (an item's likelihood reads every token of it)."""
         return tokens if token_rows else max(1, tokens // self.tokens_per_row)
 
-    def shape(self, prefill_tokens: int, item_tokens: int, labels: int, top_logprobs: int = 0) -> CallShape:
-        """The call shape of these buckets (its rows follow from the item tokens)."""
-        return CallShape(prefill_tokens, item_tokens, self.rows(item_tokens, top_logprobs > 0), labels, top_logprobs)
+    def shape(
+        self,
+        prefill_tokens: int,
+        item_tokens: int,
+        labels: int,
+        top_logprobs: int = 0,
+        hidden: int = 0,
+        token_rows: bool | None = None,
+    ) -> CallShape:
+        """The call shape of these buckets (its rows follow from the item tokens, and whether the
+        call reads every item token: by default when it has token rows)."""
+        per_token = top_logprobs > 0 if token_rows is None else token_rows
+        return CallShape(prefill_tokens, item_tokens, self.rows(item_tokens, per_token), labels, top_logprobs, hidden)
 
     def call_shapes(self) -> list[CallShape]:
         """Every shape a call can have: a prefill region only beside item regions up to

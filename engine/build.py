@@ -55,6 +55,8 @@ class EngineSpec:
     # 8-bit projections (model/quant_choice.py): auto | none | int8 | fp8, and auto | dynamic | none
     quantize: str = AUTO
     activations: str = AUTO
+    # embeddings (model/sentence_config.py): the checkpoint's Pooling (auto), or last | mean
+    pooling: str = AUTO
     # several hosts as one replica (engine/hosts.py): this process's place in the group
     hosts: HostGroup = HostGroup()
     # without `buckets`: the default buckets' sizes, each None (or 0) for Buckets' own
@@ -101,7 +103,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
     steps = StepLeader(spec.hosts) if spec.hosts.several and spec.hosts.leader else None
     choice = QuantizeChoice(spec.quantize, spec.activations)
     placement = MeshPlacement(spec.dtype, spec.devices, tp=spec.tp_size, dp=spec.dp_size, quantize=choice)
-    model = loaded or load_model(spec.model, spec.dtype, placement, choice)
+    model = loaded or load_model(spec.model, spec.dtype, placement, choice, spec.pooling)
     load_seconds = time.monotonic() - started
     engine = ScoringEngine(
         model.cfg,

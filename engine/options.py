@@ -62,6 +62,14 @@ OPTIONS: tuple[EngineOption, ...] = (
         engine_field=False,
     ),
     EngineOption(
+        "pooling",
+        "embeddings (/v1/embeddings): auto serves a sentence-transformers checkpoint's Pooling "
+        "(modules.json) and none for other models; last|mean pools a plain model's final hidden "
+        "states (the last token's, or their mean), L2-normalized",
+        choices.AUTO,
+        choices=choices.POOLING,
+    ),
+    EngineOption(
         "pool_bytes",
         "bytes of the prefix pool on each device (query KV pages, allocated once); default: "
         "--pool-memory-fraction of the device memory left after the weights, or 1 GiB on CPU, "

@@ -14,9 +14,11 @@ Pure host code (numpy), no device. A call (model/step.py) has two regions:
 
 Each row (item) carries its own label set and output (model/call_inputs.py OUTPUT_*), so
 requests with different labels share a call. A likelihood request's items (OUTPUT_TOKEN) take
-a row per token instead, each with its target (the item's next token): a call that holds them
-has token rows (CallShape.top_logprobs), one row per item-region token, and may still carry
-score items beside them. Segment starts sit at multiples of the attention
+a row per token instead, each with its target (the item's next token), and so do a mean-pooled
+embedding's (OUTPUT_HIDDEN, each row its token's hidden state): a call that holds such items has
+one row per item-region token, and may still carry score items beside them (a row each, at
+their last token). Its shape says which extra columns its rows return (CallShape.top_logprobs,
+CallShape.hidden). Segment starts sit at multiples of the attention
 implementation's SEGMENT_ALIGN, so a kernel's query block never meets two
 segments; the gap before an aligned start continues the previous segment.
 
@@ -39,6 +41,7 @@ from prefixscore.engine.buckets import Buckets, round_up
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.model.call_inputs import (
     LABEL_SETS,
+    OUTPUT_HIDDEN,
     OUTPUT_TOKEN,
     TOP_LOGPROBS,
     CallInputs,
@@ -54,16 +57,16 @@ if TYPE_CHECKING:  # the batcher plans with this module: its queue's units are t
 @dataclasses.dataclass(frozen=True)
 class RowSpan:
     """Output rows `row` .. `row + rows - 1` are items `first` .. `first + count - 1` of `ref`:
-    results are split per span (an array slice), not per item. A span of token rows has a row
-    per token of its items (rows: their tokens); else a row per item (rows == count)."""
+    results are split per span (an array slice), not per item. A span of items that read every
+    token has a row per token of its items (rows: their tokens); else a row per item (rows == count)."""
 
     ref: WorkUnit  # whose items these are: the batcher's unit, which carries its reply
     first: int
     count: int
-    row: int  # the first row in the call's output [devices * R, L (+ TOKEN_COLUMNS)]
+    row: int  # the first row in the call's output [devices * R, columns]
     labels: int  # how many label columns are its own
     rows: int
-    token_rows: bool = False
+    output: int  # model/call_inputs.py OUTPUT_*: which of the call's columns are its own (CallShape.columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,7 @@ class _Offer:
     count: int
     label_set: int
     output: int  # model/call_inputs.py OUTPUT_*
+    per_token: bool  # a row per token of each item (else one, at its last token)
     ref: WorkUnit  # whose items
 
 
@@ -185,17 +189,17 @@ class _Layout:
         return taken
 
 
-def _row_ends(ends: np.ndarray, output: int) -> np.ndarray:
-    """Cumulative rows of items whose cumulative tokens are `ends`: a row per token for token
-    rows (OUTPUT_TOKEN), else one per item."""
-    return ends if output == OUTPUT_TOKEN else np.arange(1, len(ends) + 1)
+def _row_ends(ends: np.ndarray, per_token: bool) -> np.ndarray:
+    """Cumulative rows of items whose cumulative tokens are `ends`: a row per token, or one per item."""
+    return ends if per_token else np.arange(1, len(ends) + 1)
 
 
 class CallBuilder:
     """Collects one call's work in priority order (see module doc)."""
 
-    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int) -> None:
+    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int, hidden_size: int = 0) -> None:
         self.b = buckets
+        self.hidden_size = hidden_size  # the columns of a hidden row (OUTPUT_HIDDEN)
         self.devices = devices
         self.align = align
         self.pool_pages = pool_pages
@@ -209,7 +213,8 @@ class CallBuilder:
         self.labels: list[int] = []
         self.label_sets: list[tuple[int, ...]] = []
         self.item_capacity = buckets.max_batch_tokens
-        self.token_rows = False  # a row per item token (the call holds likelihood items)
+        self.token_rows = False  # a row per item token (the call holds likelihood or mean-pooled items)
+        self.outputs: set[int] = set()  # the row kinds taken (OUTPUT_*): which extra columns the call returns
         self.closed = False  # an item longer than max_batch_tokens has the call to itself
         self._layout = self._new_layout(self.item_capacity)
         self._choice: tuple[int, int, _Layout] | None = None  # the buckets, once chosen
@@ -267,13 +272,16 @@ class CallBuilder:
         label_ids: tuple[int, ...],
         output: int,
         ref: WorkUnit,
+        per_token: bool = False,
     ) -> int:
         """Items first .. first + count - 1 of `rows` over the prefix `key` (pages, prefix_len;
-        prefix_len 0: whole sequences), in order, as many as fit; returns how many were taken."""
+        prefix_len 0: whole sequences), in order, as many as fit, each with a row per token
+        (per_token) or one row; returns how many were taken."""
         if self.closed or count <= 0:
             return 0
+        if output == OUTPUT_HIDDEN and not self.hidden_size:
+            raise ValueError("hidden rows need the builder's hidden_size")
         ends = rows.offsets[first + 1 : first + count + 1] - rows.offsets[first]
-        token_rows = output == OUTPUT_TOKEN
         longest_first = int(ends[0])
         if longest_first > self.item_capacity:
             if not self.empty or longest_first > self.b.tokens[-1]:
@@ -288,12 +296,12 @@ class CallBuilder:
             return 0
         set_index, new_labels = labels
         seg = 0 if prefix_len == 0 else self._segments.get(key, len(self._segments) + 1)
-        offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, output, ref)
-        switched = token_rows and not self.token_rows
+        offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, output, per_token, ref)
+        switched = per_token and not self.token_rows
         if switched:  # a row per item-region token from now on: more rows, the same layout
             self.token_rows = True
             self._layout.max_rows = self.b.rows(self._layout.capacity, True)
-        taken = self._layout.place(offer, ends, _row_ends(ends, output), self._row_budget())
+        taken = self._layout.place(offer, ends, _row_ends(ends, per_token), self._row_budget())
         if not taken:
             if switched:
                 self.token_rows = False
@@ -306,6 +314,7 @@ class CallBuilder:
         if seg:
             self._segments.setdefault(key, seg)
         self.offers.append(offer)
+        self.outputs.add(output)
         self.items += taken
         self.item_real += int(ends[taken - 1])
         self._choice = None
@@ -340,7 +349,7 @@ class CallBuilder:
         """The offer's cumulative tokens and rows per item."""
         offsets = offer.rows.offsets
         ends = offsets[offer.first + 1 : offer.first + offer.count + 1] - offsets[offer.first]
-        return ends, _row_ends(ends, offer.output)
+        return ends, _row_ends(ends, offer.per_token)
 
     @property
     def real_tokens(self) -> int:
@@ -375,7 +384,14 @@ class CallBuilder:
         b, d = self.b, self.devices
         tp, ti, layout = self._buckets()
         labels_bucket = Buckets.fit(b.labels, max(1, len(self.labels)), "label_token_ids")
-        shape = b.shape(tp, ti, labels_bucket, TOP_LOGPROBS if self.token_rows else 0)
+        shape = b.shape(
+            tp,
+            ti,
+            labels_bucket,
+            TOP_LOGPROBS if OUTPUT_TOKEN in self.outputs else 0,
+            self.hidden_size if OUTPUT_HIDDEN in self.outputs else 0,
+            self.token_rows,
+        )
         table = np.zeros((b.segments, b.max_pages), np.int32)
         prefix_len = np.zeros(b.segments, np.int32)
         slot = 1  # row 0: no prefix
@@ -483,7 +499,7 @@ class CallBuilder:
             tokens[dev, where] = offer.rows.flat[lo:hi]
             positions[dev, where] = offer.prefix_len + offer.rows.positions()[lo:hi]
             segment_ids[dev, where] = seg_row
-            token_rows = offer.output == OUTPUT_TOKEN
+            token_rows = offer.per_token
             # an item's id: its first row (its only one, unless it has a row per token)
             first_rows = piece.row + (bounds[:-1] - lo if token_rows else np.arange(piece.count))
             item_ids[dev, where] = np.repeat(first_rows.astype(np.int32), lengths)
@@ -501,7 +517,15 @@ class CallBuilder:
             n_rows[dev] = piece.row + piece.rows
             own_labels = len(self.label_sets[offer.label_set])
             spans.append(
-                RowSpan(offer.ref, piece.first, piece.count, dev * r + piece.row, own_labels, piece.rows, token_rows)
+                RowSpan(
+                    offer.ref,
+                    piece.first,
+                    piece.count,
+                    dev * r + piece.row,
+                    own_labels,
+                    piece.rows,
+                    offer.output,
+                )
             )
             end[dev] = start + piece.tokens
         for dev in range(d):  # the tail up to the next aligned index continues the last run

@@ -17,6 +17,7 @@ from prefixscore.engine.batcher import Batcher
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import DeviceWorker
+from prefixscore.engine.embedding import EmbeddingRequests, EmbedInput
 from prefixscore.engine.likelihood import ItemLikelihood, read_likelihoods
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.templates import ranked
@@ -65,6 +66,7 @@ class Scorer:
         self.template, self.template_choice = template_choice.bind(template, model)
         refusal = self.template_choice.refusal() if model.tokenizer is not None else ""
         self.validator = Validator(self.requests, self.template, refusal)  # the service's one validation pass
+        self.embeddings = EmbeddingRequests(self.requests, model.pooling)
         self.runner = EngineRunner(engine)
         self.last_usage = Usage(0, 0, 0)
         self._lock = threading.Lock()
@@ -193,6 +195,32 @@ class Scorer:
             self.last_usage = Usage(req.prompt_tokens, unit.reply.cached_tokens, len(req.items))
         assert unit.reply.tokens is not None
         return read_likelihoods(req, unit.reply.tokens)
+
+    def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate: bool = False,
+        truncation_direction: str = "right",
+    ) -> np.ndarray:
+        """Embeddings [inputs, dimensions] float32, as sentence-transformers' `encode` computes them
+        on the same checkpoint (engine/embedding.py): each text after its prompt (`prompt_name`,
+        `prompt`, or the model's default), pooled as the model's Pooling says, the first
+        `dimensions` kept, then L2-normalized when the model normalizes (or `normalize` says).
+        The prompt is prefilled once and cached; each input runs over it. Raises ValueError
+        (InvalidInput) naming the field for bad input, before device work."""
+        checked = self.embeddings.validate(
+            EmbedInput(inputs, prompt_name, prompt, dimensions, normalize, truncate, truncation_direction)
+        )
+        with self._lock:
+            unit = self.runner.run_requests([checked.request])[0]
+            self.last_usage = Usage(checked.prompt_tokens, unit.reply.cached_tokens, len(checked.request.items))
+        assert unit.reply.hidden is not None
+        return checked.finish(unit.reply.hidden)
 
     def score_tokens(self, req: TokenizedRequest, mode: str = "prefix") -> np.ndarray:
         """Score an already validated request -> [items, labels] float32."""

@@ -218,7 +218,7 @@ class ScoringEngine:
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (engine/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
-        return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages)
+        return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages, self.cfg.hidden_size)
 
     # ---- executables ----------------------------------------------------------
     def _executable(self, shape: CallShape) -> Any:
@@ -283,6 +283,7 @@ class ScoringEngine:
             static_head=platform in GPU_PLATFORMS,
             mlp_tile=CPU_MLP_TILE if platform == "cpu" else None,
             top_logprobs=shape.top_logprobs,
+            hidden=shape.hidden > 0,
         )
         mapped = jax.shard_map(
             call_fn,
@@ -303,6 +304,7 @@ class ScoringEngine:
         static_head: bool,
         mlp_tile: int | None,
         top_logprobs: int,
+        hidden: bool,
     ):
         probs, pool_k, pool_v = step.score_call(
             params,
@@ -317,8 +319,10 @@ class ScoringEngine:
             shards=self.layout.shards,
             replicas=self.layout.replicas,
             top_logprobs=top_logprobs,
+            hidden=hidden,
         )
-        return self.layout.replicas.gather(probs), pool_k, pool_v  # [replicas * R, L (+ TOKEN_COLUMNS)]
+        # [replicas * R, L (+ TOKEN_COLUMNS) (+ hidden)]
+        return self.layout.replicas.gather(probs), pool_k, pool_v
 
     def compiled_text(self, shape: CallShape) -> str:
         """The compiled HLO of one call shape (compiled now if it was not yet)."""

@@ -19,9 +19,17 @@ import numpy as np
 
 from prefixscore.engine import heads
 from prefixscore.engine.invalid_input import InvalidInput
+from prefixscore.engine.pooling import PoolRows
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, OUTPUT_TOKEN, TOP_LOGPROBS
+from prefixscore.model.call_inputs import (
+    OUTPUT_FULL,
+    OUTPUT_HIDDEN,
+    OUTPUT_LOGIT,
+    OUTPUT_SOFTMAX,
+    OUTPUT_TOKEN,
+    TOP_LOGPROBS,
+)
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.head import output_head
 from prefixscore.model.tokenizer import TextTokenizer
@@ -73,6 +81,8 @@ class TokenizedRequest:
     # top log-probs a response reports at each position (the device computes TOP_LOGPROBS)
     per_token: bool = False
     top_logprobs: int = 0
+    # an embedding (engine/embedding.py): the items' hidden rows, pooled as this says; no labels
+    pool: PoolRows | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
@@ -82,7 +92,15 @@ class TokenizedRequest:
         """What the device returns for each item's labels (model/call_inputs.py OUTPUT_*)."""
         if self.per_token:
             return OUTPUT_TOKEN
+        if self.pool is not None:
+            return OUTPUT_HIDDEN
         return OUTPUT_LOGIT if self.raw_logits else OUTPUT_SOFTMAX if self.apply_softmax else OUTPUT_FULL
+
+    @property
+    def row_per_token(self) -> bool:
+        """Whether each item token takes a row on the device (a likelihood's, a mean's), or only
+        each item's last token."""
+        return self.per_token or (self.pool is not None and self.pool.per_token)
 
     @property
     def prompt_tokens(self) -> int:

@@ -58,6 +58,8 @@ class Reply:
     # a likelihood request's token rows [item tokens, TOKEN_COLUMNS] (model/call_inputs.py), row i
     # of an item its token i's: the next token's log-prob and the top log-probs; None: a score request
     tokens: np.ndarray | None = None
+    # an embedding request's pooled hidden states [items, hidden] (engine/pooling.py); None: none
+    hidden: np.ndarray | None = None
     cached_tokens: int = 0  # prefix tokens served from the prefix cache
     first_scores_at: float | None = None  # time.monotonic() when its first scores came back
     error: BaseException | None = None
@@ -109,6 +111,8 @@ class WorkUnit:
         self.reply = Reply(np.zeros((items, len(self.payload.label_ids)), np.float32), items)
         if self.payload.per_token:
             self.reply.tokens = np.zeros((self.payload.items.total, TOKEN_COLUMNS), np.float32)
+        if self.payload.pool is not None:
+            self.reply.hidden = np.zeros((items, self.payload.pool.hidden), np.float32)
 
     @property
     def queued(self) -> int:

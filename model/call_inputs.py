@@ -20,8 +20,10 @@ LABEL_SETS = 16
 # whose published relevance is a function of one label's logit, engine/templates.py). A token row
 # (OUTPUT_TOKEN) reads one token of an item instead and returns the log-probability of its
 # `target` (the item's next token) over the whole vocabulary, and the vocabulary's top
-# TOP_LOGPROBS there: an item's own likelihood, one row per token (engine/likelihood.py)
-OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT, OUTPUT_TOKEN = 0, 1, 2, 3
+# TOP_LOGPROBS there: an item's own likelihood, one row per token (engine/likelihood.py). A hidden
+# row (OUTPUT_HIDDEN) returns the final-normed hidden state at its token: what an embedding pools
+# (engine/pooling.py), one row per item (its last token) or one per token (a mean)
+OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT, OUTPUT_TOKEN, OUTPUT_HIDDEN = 0, 1, 2, 3, 4
 # the top log-probs a token row returns: the most a request may ask for
 TOP_LOGPROBS = 20
 # a token row's columns, after the call's label columns: its target's log-prob, the top
@@ -35,11 +37,24 @@ class CallShape:
 
     prefill_tokens: int  # Tp: the prefill region (0: none)
     item_tokens: int  # Ti: the item region, per device
-    rows: int  # R: items per device
+    rows: int  # R: rows per device: one per item, or one per item token (R = Ti) in a call
+    # whose items read every token (a likelihood's, a mean-pooled embedding's)
     labels: int  # L: label ids per call (the union of its rows' label sets)
-    # 0: every row is an item's last token; TOP_LOGPROBS: the call has token rows (OUTPUT_TOKEN),
-    # one per item token, so R = Ti, and each row returns TOKEN_COLUMNS more columns
+    # TOP_LOGPROBS: the call has token rows (OUTPUT_TOKEN), and each row returns TOKEN_COLUMNS
+    # more columns; 0: none
     top_logprobs: int = 0
+    # the model's hidden size: the call has hidden rows (OUTPUT_HIDDEN), and each row returns that
+    # many more columns, after the token columns; 0: none
+    hidden: int = 0
+
+    def columns(self, output: int) -> slice:
+        """Where a row of this kind finds its own columns in the call's output [R, ...]."""
+        tokens = TOKEN_COLUMNS if self.top_logprobs else 0
+        if output == OUTPUT_TOKEN:
+            return slice(self.labels, self.labels + tokens)
+        if output == OUTPUT_HIDDEN:
+            return slice(self.labels + tokens, self.labels + tokens + self.hidden)
+        return slice(0, self.labels)
 
 
 @jax.tree_util.register_dataclass
@@ -66,7 +81,7 @@ class ItemRegion:
     item_ids: Any  # [d, Ti] int32
     read_at: Any  # [d, R] int32: the stream index (prefill region included) of the token each row reads
     label_set: Any  # [d, R] int32: row of label_sets
-    output: Any  # [d, R] int8: OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT or OUTPUT_TOKEN
+    output: Any  # [d, R] int8: OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT, OUTPUT_TOKEN or OUTPUT_HIDDEN
     target: Any  # [d, R] int32: a token row's next token, whose log-prob it returns (other rows: 0)
     n_rows: Any  # [d] int32: rows in use
     max_item_len: Any  # [d] int32: the longest item (a hint for the causal part)

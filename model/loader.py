@@ -11,11 +11,13 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from prefixscore.choices import AUTO
 from prefixscore.model import presets, weights_cache
 from prefixscore.model.config import DTYPES, ModelConfig, load_config
 from prefixscore.model.gguf_loader import load_gguf
 from prefixscore.model.quant import NONE
 from prefixscore.model.quant_choice import ProjectionConverter, QuantizeChoice
+from prefixscore.model.sentence_config import Pooling, plain_pooling, read_pooling
 from prefixscore.model.tokenizer import TextTokenizer, has_tokenizer_files, load_tokenizer
 from prefixscore.model.weights import (
     Place,
@@ -49,6 +51,8 @@ class LoadedModel:
     # engine/template_choice.py); "" for presets and GGUF files
     name_or_path: str = ""
     architecture: str = ""
+    # how it embeds (modules.json's Pooling, or --pooling); None: it serves no embeddings
+    pooling: Pooling | None = None
 
 
 def _dtype(dtype: str) -> jnp.dtype:
@@ -62,12 +66,27 @@ def load_model(
     dtype: str = "float32",
     place_for: PlaceFor | None = None,
     quantize: QuantizeChoice | None = None,
+    pooling: str = AUTO,
 ) -> LoadedModel:
     """Load `model`: a preset name, a local directory, a .gguf file, or a hub id (downloads only then).
 
     place_for(cfg): where each weight goes once read (a mesh sends each device its slice, so
     a model larger than one device loads); None: whole on the default device.
-    quantize: what the projections become (model/quant_choice.py; None: as published)."""
+    quantize: what the projections become (model/quant_choice.py; None: as published).
+    pooling: its embeddings: a sentence-transformers checkpoint's own Pooling (auto), or a plain
+    model's hidden states pooled as `last` or `mean` (model/sentence_config.py)."""
+    loaded = _load(model, dtype, place_for, quantize)
+    if pooling != AUTO:
+        if loaded.pooling is not None:
+            raise ValueError(
+                f"pooling: {model} is a sentence-transformers checkpoint whose modules.json says how it "
+                f"pools; serve it with --pooling auto, not {pooling}"
+            )
+        loaded.pooling = plain_pooling(pooling, loaded.cfg.hidden_size)
+    return loaded
+
+
+def _load(model: str, dtype: str, place_for: PlaceFor | None, quantize: QuantizeChoice | None) -> LoadedModel:
     jdtype = _dtype(dtype)
     choice = quantize or QuantizeChoice()
     where = place_for or (lambda cfg: on_default_device)
@@ -139,6 +158,7 @@ def _load_dir(path: Path, name: str, dtype: str, place_for: PlaceFor, choice: Qu
     raw = json.loads((path / "config.json").read_text())
     loaded.name_or_path = str(raw.get("_name_or_path") or "")
     loaded.architecture = str((raw.get("architectures") or [""])[0])
+    loaded.pooling = read_pooling(path, cfg.hidden_size)
     return loaded
 
 

@@ -50,6 +50,7 @@ def score_call(
     shards: ModelShards = UNSPLIT,
     replicas: DataReplicas = ALONE,
     top_logprobs: int = 0,
+    hidden: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's share of a call. pool_k, pool_v: [layers, kv, pages, page_tokens, hd];
     call: this device's CallInputs (prefill and item region arrays with a leading axis of 1).
@@ -64,9 +65,11 @@ def score_call(
     layer's pool write takes every replica's (all-gathered), so every pool gets every page.
     top_logprobs: the call's CallShape.top_logprobs (static): TOP_LOGPROBS adds each row's
     token columns (row_token_logprobs; meaningful for OUTPUT_TOKEN rows only).
+    hidden: the call's CallShape.hidden > 0 (static): adds each row's final-normed hidden state
+    [hidden size] after them (meaningful for OUTPUT_HIDDEN rows only).
     Returns label probabilities [R, L] float32 (column j: the row's j-th label; rows past
-    n_rows and columns past a row's labels are 0), then the token columns if asked, and the
-    pool with the chunks written."""
+    n_rows and columns past a row's labels are 0), then the token and hidden columns if asked,
+    and the pool with the chunks written."""
     prefill = jax.tree.map(lambda a: a[0], call.prefill)
     items = jax.tree.map(lambda a: a[0], call.items)
     split = prefill.tokens.shape[0]
@@ -115,12 +118,13 @@ def score_call(
             rows += (items.target,)
 
         def head(h_last, sets, output, target=None, always_lse=False):
-            probs = row_label_probs(
-                params, cfg, h_last, call.labels, jnp.take(call.label_sets, sets, axis=0), output, always_lse, shards
-            )
-            if target is None:
-                return probs
-            return jnp.concatenate([probs, row_token_logprobs(params, cfg, h_last, target, shards)], axis=1)
+            row_labels = jnp.take(call.label_sets, sets, axis=0)
+            columns = [row_label_probs(params, cfg, h_last, call.labels, row_labels, output, always_lse, shards)]
+            if target is not None:
+                columns.append(row_token_logprobs(params, cfg, h_last, target, shards))
+            if hidden:  # what a sentence-transformers Transformer module returns: after the final norm
+                columns.append(norm(cfg, h_last, params.final_norm).astype(jnp.float32))
+            return jnp.concatenate(columns, axis=1) if len(columns) > 1 else columns[0]
 
         if static_head:
             probs = head(*rows, always_lse=True)

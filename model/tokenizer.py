@@ -28,6 +28,11 @@ class TextTokenizer:
         # the start tokens the tokenizer itself adds (e.g. Llama's BOS); none for Qwen, SmolLM2
         n = len(with_special) - len(plain)
         self.start_ids: list[int] = list(with_special[:n]) if n > 0 and with_special[n:] == plain else []
+        # the end tokens it adds after a text (e.g. Qwen3-Embedding's <|endoftext|>): a sequence
+        # cut to fit keeps them, as the tokenizer's own truncation does
+        lead = len(self.start_ids)
+        ends = with_special[lead + len(plain) :]
+        self.end_ids: list[int] = list(ends) if with_special[lead : lead + len(plain)] == plain else []
         backend = getattr(hf_tokenizer, "backend_tokenizer", None) if getattr(hf_tokenizer, "is_fast", False) else None
         self._backend = backend if hasattr(backend, "encode_batch_fast") else None
 
@@ -52,6 +57,15 @@ class TextTokenizer:
         if self._backend is not None:
             return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False).input_ids]
+
+    def encode_whole_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text with the tokenizer's special tokens, as sentence-transformers
+        tokenizes an input (its prompt already prepended to the text)."""
+        if not texts:
+            return []
+        if self._backend is not None:
+            return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=True)]
+        return [list(ids) for ids in self.hf(list(texts), add_special_tokens=True).input_ids]
 
     def encode_whole(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text as the tokenizer itself encodes a prompt (vLLM's /tokenize): with

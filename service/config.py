@@ -84,11 +84,13 @@ class ServerConfig:
     )
     http_port: int | None = _flag(
         None,
-        "HTTP API port (/v1/score, /v1/rerank, /v1/classify, /v1/models, /health, /ready); 0 picks a free one; "
+        "HTTP API port (/v1/score, /v1/rerank, /v1/classify, /v1/embeddings, /v1/completions, /v1/models, "
+        "/health, /ready); 0 picks a free one; "
         "'off' (the default) disables",
         parse_port_or_off,
     )
     template: str = _engine_flag("template")
+    pooling: str = _engine_flag("pooling")
     classify_labels: tuple[str, ...] = _flag(
         (),
         "a causal LM's /v1/classify labels: label strings, one token each (their softmax is each input's "

@@ -34,6 +34,7 @@ from prefixscore.engine.admission import QueueFull
 from prefixscore.engine.batcher import NonFiniteScores
 from prefixscore.engine.build import build_engine
 from prefixscore.engine.device_loop import DeadlineExpired, DeviceWorker, WorkerFailed, WorkerStopped, run_on_done
+from prefixscore.engine.embedding import EmbeddingRequests
 from prefixscore.engine.page_pins import StreamPin
 from prefixscore.engine.scoring_engine import ScoringEngine, WarmupStage
 from prefixscore.engine.template_choice import TemplateChoice
@@ -169,6 +170,7 @@ class ScoringService:
         self.template_choice = TemplateChoice(None, "not loaded yet")
         self._template_check: asyncio.Future | None = None  # the known-answer check, while it runs
         self.validator: Validator | None = None  # set once ready
+        self.embeddings: EmbeddingRequests | None = None  # embedding requests' validation, set with it
         self.loaded: LoadedModel | None = None
         self.engine: ScoringEngine | None = None
         self.served: ServedModel | None = None  # what is served, once loaded (service/served_model.py)
@@ -338,7 +340,9 @@ class ScoringService:
             max_request_tokens=min(cfg.max_request_tokens, cfg.max_queue_tokens),
         )
         refusal = self.template_choice.refusal() if loaded.tokenizer is not None else ""
-        self.validator = Validator(RequestTokenizer(loaded.cfg, loaded.tokenizer, limits), self.template, refusal)
+        requests = RequestTokenizer(loaded.cfg, loaded.tokenizer, limits)
+        self.validator = Validator(requests, self.template, refusal)
+        self.embeddings = EmbeddingRequests(requests, loaded.pooling)
         if cfg.warmup:  # the template's known-answer check, once (service/template_check.py)
             self._template_check = asyncio.ensure_future(template_check.run(self, self.validator))
         assert self.served is not None
@@ -398,6 +402,12 @@ class ScoringService:
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
+
+    def accepting_embeddings(self) -> EmbeddingRequests:
+        """The embedding requests' validation, while the service takes work (as `accepting`)."""
+        self.accepting()
+        assert self.embeddings is not None  # set with the validator
+        return self.embeddings
 
     def accepting(self) -> Validator:
         """The validator, while the service takes work; else UNAVAILABLE (loading, draining)."""

@@ -1,5 +1,7 @@
 """The HTTP API: SGLang's `/v1/score`, a Cohere/Jina/vLLM-style `/v1/rerank`, vLLM's and SGLang's
-`/v1/classify`, OpenAI's `/v1/completions` as scorers call it (echo and logprobs), vLLM's
+`/v1/classify`, OpenAI's `/v1/completions` as scorers call it (echo and logprobs) and its
+`/v1/embeddings` (a sentence-transformers checkpoint's pooling, engine/embedding.py), Text
+Embeddings Inference's `/embed`, vLLM's
 `/tokenize`, `/detokenize` and `/tokenizer_info`, `/v1/models`,
 `/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the process's
 event loop (the gRPC server's too), on its own port.
@@ -29,6 +31,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -38,6 +41,7 @@ from starlette.exceptions import HTTPException
 
 from prefixscore import prefix_key
 from prefixscore.engine import completions
+from prefixscore.engine.embedding import EmbedInput, ValidatedEmbed
 from prefixscore.engine.known_positions import KnownPositions
 from prefixscore.engine.likelihood import read_likelihoods
 from prefixscore.engine.validation import InvalidInput
@@ -45,10 +49,13 @@ from prefixscore.service.core import Failure, ScoringService, internal_failure, 
 from prefixscore.service.http_bodies import (
     classify_input,
     classify_response,
+    embed_input,
+    embed_response,
     rerank_input,
     rerank_response,
     score_input,
     score_response,
+    tei_embed_input,
 )
 from prefixscore.service.http_completions import completions_input, completions_response
 from prefixscore.service.http_errors import bad_body, error, invalid, refused
@@ -61,6 +68,9 @@ from prefixscore.service.http_schemas import (
     CompletionsResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbedRequest,
     ModelCard,
     ModelList,
     RerankRequest,
@@ -180,6 +190,38 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             scores, cached = (unit.reply.scores, unit.reply.cached_tokens) if unit else (None, 0)
             key = prefix_key.for_score(body.query) if body.query is not None else None
             return _encoded(score_response(checked, scores, cached, model_name(body.model), _label_names(service)), key)
+        return outcome["response"]
+
+    async def embedded(inp: EmbedInput, size: int | None) -> tuple[ValidatedEmbed, np.ndarray, int]:
+        """An embedding request validated, run, and finished: (the request, its embeddings, its
+        tokens read from the prefix cache)."""
+        checked = await validated(size, service.accepting_embeddings().validate, inp)
+        unit = await service.run(checked.request, "HttpEmbed")
+        assert unit.reply.hidden is not None
+        return checked, checked.finish(unit.reply.hidden), unit.reply.cached_tokens
+
+    @app.post(
+        "/v1/embeddings",
+        response_model=EmbeddingResponse,
+        responses=ERRORS,
+        summary="Embed inputs (OpenAI /v1/embeddings), pooled as the checkpoint's sentence-transformers modules say",
+    )
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        with handled("HttpEmbed") as outcome:
+            checked, vectors, cached = await embedded(embed_input(body), _body_bytes(request))
+            return _encoded(embed_response(checked, vectors, cached, model_name(body.model), body.encoding_format))
+        return outcome["response"]
+
+    @app.post(
+        "/embed",
+        response_model=list[list[float]],
+        responses=ERRORS,
+        summary="Embed inputs (Text Embeddings Inference's /embed): one list of floats per input",
+    )
+    async def tei_embed(body: EmbedRequest, request: Request) -> Any:
+        with handled("HttpEmbed") as outcome:
+            _, vectors, _ = await embedded(tei_embed_input(body), _body_bytes(request))
+            return _json(to_json(vectors.tolist()))
         return outcome["response"]
 
     @app.post(
@@ -326,6 +368,9 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             activation_quantization=served.activation_quantization or None,
             quantized_projections=served.quantized_projections or None,
             weight_bytes_per_device=served.weight_bytes_per_device,
+            pooling=served.pooling,
+            embedding_dimensions=served.embedding_dimensions,
+            prompt_names=list(served.prompt_names) or None,
         )
         return ModelList(data=[card])
 

@@ -5,12 +5,14 @@ model. Nothing here knows the service or the event loop."""
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from prefixscore.engine.embedding import EmbedInput, ValidatedEmbed
 from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import (
     ClassifyInput,
@@ -28,6 +30,11 @@ from prefixscore.service.http_schemas import (
     ClassifyRequest,
     ClassifyResponse,
     ClassifyUsage,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    EmbedRequest,
     RerankRequest,
     ScoringRequest,
     ScoringResponse,
@@ -123,6 +130,43 @@ def rerank_response(
         "truncated_tokens": t.item_tokens,
     }
     return {"id": f"rerank-{rid}", "model": model, "results": results, "usage": usage}
+
+
+def embed_input(body: EmbeddingRequest) -> EmbedInput:
+    """A /v1/embeddings body as the input of the embedding validation (engine/embedding.py)."""
+    return EmbedInput(
+        body.input,
+        body.prompt_name,
+        body.prompt,
+        body.dimensions,
+        body.normalize,
+        body.truncate,
+        body.truncation_direction,
+    )
+
+
+def tei_embed_input(body: EmbedRequest) -> EmbedInput:
+    """A TEI /embed body as the input of the embedding validation."""
+    direction = body.truncation_direction.lower()
+    return EmbedInput(body.inputs, body.prompt_name, None, body.dimensions, body.normalize, body.truncate, direction)
+
+
+def embed_response(
+    checked: ValidatedEmbed, embeddings: np.ndarray, cached: int, model: str, encoding_format: str
+) -> EmbeddingResponse:
+    """OpenAI's /v1/embeddings response; `embeddings`: [inputs, dimensions] float32. base64 is the
+    little-endian float32 bytes of each vector, as the OpenAI SDK decodes it."""
+    if encoding_format == "base64":
+        vectors: list = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in embeddings]
+    else:
+        vectors = embeddings.tolist()
+    data = [EmbeddingData(index=j, embedding=vector) for j, vector in enumerate(vectors)]
+    usage = EmbeddingUsage(
+        prompt_tokens=checked.prompt_tokens,
+        total_tokens=checked.prompt_tokens,
+        prompt_tokens_details=CachedTokens(cached_tokens=cached),
+    )
+    return EmbeddingResponse(data=data, model=model, usage=usage)
 
 
 def classify_input(body: ClassifyRequest, labels: Sequence[str]) -> ClassifyInput:

@@ -168,6 +168,70 @@ class ModelCard(BaseModel):
     activation_quantization: str | None = None
     quantized_projections: dict[str, str] | None = None
     weight_bytes_per_device: int  # the weights' bytes on the device holding the most
+    # embeddings (/v1/embeddings, /embed): the pooling (lasttoken, mean, cls; None: none served),
+    # the vectors' width, and the named prompts a request may ask for
+    pooling: str | None = None
+    embedding_dimensions: int | None = None
+    prompt_names: list[str] | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings request, plus sentence-transformers' prompts and TEI's truncation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Echoed in the response; the server serves one model.")
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text(s), or token ids (sequences as given: no prompt, no special tokens added)."
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: a list of numbers; base64: the little-endian float32 bytes, base64-encoded."
+    )
+    dimensions: int | None = Field(None, description="Keep the first n dimensions, then normalize (Matryoshka).")
+    user: str | None = Field(None, description="Accepted and ignored (OpenAI's end-user id).")
+    prompt_name: str | None = Field(
+        None, description="One of the model's named prompts (config_sentence_transformers.json); default: its default."
+    )
+    prompt: str | None = Field(None, description="A prompt's text put before each text input, instead of a name.")
+    normalize: bool | None = Field(None, description="L2-normalize (default: as the model's Normalize module says).")
+    truncate: bool = Field(False, description="Cut an input over the model's limit instead of refusing it.")
+    truncation_direction: Literal["right", "left"] = Field(
+        "right", description="The side of a text a cut input loses tokens from (its prompt stays)."
+    )
+
+
+class EmbedRequest(BaseModel):
+    """Text Embeddings Inference's /embed request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    inputs: str | list[str] | list[int] | list[list[int]] = Field(description="Text(s), or token ids.")
+    normalize: bool = Field(True, description="L2-normalize each embedding (TEI's default: true).")
+    truncate: bool = Field(False, description="Cut an input over the model's limit instead of refusing it.")
+    truncation_direction: Literal["Right", "Left", "right", "left"] = Field(
+        "Right", description="The side of a text a cut input loses tokens from (its prompt stays)."
+    )
+    prompt_name: str | None = Field(None, description="One of the model's named prompts; default: its default.")
+    dimensions: int | None = Field(None, description="Keep the first n dimensions, then normalize.")
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a list of floats, or base64 of the float32 bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int  # every input whole, its prompt and special tokens included
+    total_tokens: int
+    prompt_tokens_details: CachedTokens  # the prompt's tokens read from the prefix cache
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ClassifyRequest(BaseModel):

@@ -48,6 +48,11 @@ class ServedModel:
     activation_quantization: str
     quantized_projections: dict[str, str]
     weight_bytes_per_device: int  # the weights' bytes on the device holding the most
+    # its embeddings (model/sentence_config.py): the pooling mode (None: it serves none), the
+    # vectors' width, and the named prompts a request may ask for
+    pooling: str | None = None
+    embedding_dimensions: int | None = None
+    prompt_names: tuple[str, ...] = ()
     version: str = __version__
 
     @classmethod
@@ -82,6 +87,9 @@ class ServedModel:
             activation_quantization=str(loaded.quantization.get("activations", "")),
             quantized_projections=dict(loaded.quantization.get("projections", {})),
             weight_bytes_per_device=engine.weight_bytes_per_device,
+            pooling=loaded.pooling.mode if loaded.pooling else None,
+            embedding_dimensions=loaded.pooling.dimension if loaded.pooling else None,
+            prompt_names=tuple(sorted(loaded.pooling.prompts)) if loaded.pooling else (),
         )
 
     def log_fields(self) -> dict[str, Any]:
@@ -91,6 +99,7 @@ class ServedModel:
         fields["tokenizer"] = fields.pop("has_tokenizer")
         fields["devices"] = list(self.devices)
         fields["label_names"] = list(self.label_names)
+        fields["prompt_names"] = list(self.prompt_names)
         return fields
 
     def metric_labels(self) -> dict[str, str]:

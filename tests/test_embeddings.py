@@ -1,0 +1,327 @@
+"""Embeddings against sentence-transformers itself (the oracle), on tiny checkpoints it writes.
+
+Each checkpoint is a tiny random Qwen3 causal LM (SmolLM2's tokenizer) with a sentence-transformers
+Transformer -> Pooling -> Normalize configuration saved beside it, as published decoder embedders
+(Qwen3-Embedding, gte-Qwen2) ship: `SentenceTransformer(path).encode` and prefixscore's
+`Scorer.embed` read the same directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from prefixscore import Scorer
+
+QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages\nQuery: "
+TEXTS = [
+    "What is the capital of France?",
+    "ripe yellow bananas",
+    "How do I bake bread at home without a bread machine, using only flour, water and salt?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Berlin is in Germany",
+]
+ATOL = 1e-5  # on unit vectors of 64 float32 components; a wrong token or pool moves them by 1e-2 and more
+
+
+def _st_checkpoint(path, mode: str, include_prompt: bool, normalize: bool) -> str:
+    """A tiny causal LM with sentence-transformers' module configuration saved beside it."""
+    import sentence_transformers as st
+    from conftest import make_torch_model
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    from prefixscore.model.presets import smollm2_tokenizer_dir
+
+    lm_dir, st_dir = path / "lm", path / "st"
+    make_torch_model("qwen3", seed=3, vocab_size=49152, pad_token_id=2).save_pretrained(lm_dir)
+    for f in smollm2_tokenizer_dir().iterdir():
+        if f.name != "chat_template.jinja":  # a plain text embedder: texts are not chat messages
+            shutil.copy(f, lm_dir)
+    modules = [Transformer(str(lm_dir)), Pooling(64, pooling_mode=mode, include_prompt=include_prompt)]
+    if normalize:
+        modules.append(Normalize())
+    model = st.SentenceTransformer(
+        modules=modules, prompts={"query": QUERY_PROMPT, "document": ""}, default_prompt_name="query", device="cpu"
+    )
+    model.save(str(st_dir))
+    # the module configuration beside the causal LM's own weights and config (architectures
+    # Qwen3ForCausalLM, as Qwen3-Embedding publishes them)
+    for name in json.loads((st_dir / "modules.json").read_text()):
+        if name["path"]:
+            shutil.copytree(st_dir / name["path"], lm_dir / name["path"])
+    for f in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"):
+        shutil.copy(st_dir / f, lm_dir / f)
+    return str(lm_dir)
+
+
+CASES = {  # name -> (pooling mode, include_prompt, normalize)
+    "last": ("lasttoken", True, True),
+    "mean_without_prompt": ("mean", False, True),
+    "mean_with_prompt": ("mean", True, False),
+}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """case -> (sentence-transformers' model, prefixscore's Scorer) over one checkpoint, made once."""
+    import sentence_transformers as st
+    from conftest import ONE_SHAPE_BUCKETS
+
+    made = {}
+
+    def get(case: str):
+        if case not in made:
+            path = _st_checkpoint(tmp_path_factory.mktemp(case), *CASES[case])
+            made[case] = st.SentenceTransformer(path, device="cpu"), Scorer.load(path, buckets=ONE_SHAPE_BUCKETS)
+        return made[case]
+
+    return get
+
+
+@pytest.fixture(params=list(CASES))
+def pair(request, pairs):
+    return pairs(request.param)
+
+
+@pytest.fixture(scope="module")
+def served(pairs):
+    """The last-token checkpoint served over HTTP: (sentence-transformers' model, the server's HTTP
+    base URL, its metrics port)."""
+    from helpers.service import server_config
+
+    from prefixscore.service.process import ServerThread
+
+    st_model, scorer = pairs("last")
+    with ServerThread(server_config(scorer, http_port=0, template="none")) as srv:
+        yield st_model, f"http://127.0.0.1:{srv.server.http_port}", srv.server.metrics_port
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    assert (np.sum(unit(got) * unit(want), axis=1) >= 1 - 1e-6).all()
+
+
+@pytest.mark.parametrize("prompt_name", ["query", "document", None])
+def test_encode_equals_sentence_transformers(pair, prompt_name):
+    """Each text after the named prompt (None: the default, `query`), pooled and normalized as the
+    checkpoint says: the whole batch at once, as sentence-transformers encodes it padded."""
+    st_model, scorer = pair
+    want = st_model.encode(TEXTS, prompt_name=prompt_name, convert_to_numpy=True)
+    got = scorer.embed(TEXTS, prompt_name=prompt_name)
+    _close(got, want)
+    assert np.ptp(want[:, 0]) > 1e-2  # the inputs' embeddings differ: a shared or shifted row would show
+
+
+def test_a_batch_padded_either_side_equals_each_input_alone(pair):
+    """sentence-transformers' batch, padded right and then left, and prefixscore's batch: each
+    input gets the embedding it gets alone."""
+    st_model, scorer = pair
+    alone = np.concatenate([st_model.encode([t], convert_to_numpy=True) for t in TEXTS])
+    tokenizer = st_model.tokenizer
+    for side in ("right", "left"):
+        tokenizer.padding_side = side
+        _close(st_model.encode(TEXTS, convert_to_numpy=True), alone)
+    tokenizer.padding_side = "right"
+    _close(scorer.embed(TEXTS), alone)
+    _close(np.concatenate([scorer.embed([t]) for t in TEXTS]), alone)
+
+
+def test_dimensions_truncate_then_normalize(pair):
+    st_model, scorer = pair
+    want = st_model.encode(TEXTS, truncate_dim=16, normalize_embeddings=True, convert_to_numpy=True)
+    got = scorer.embed(TEXTS, dimensions=16, normalize=True)
+    _close(got, want)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+
+
+def test_the_prompt_is_prefilled_once_and_cached(pair):
+    """The query prompt is the request's prefix: a second request with it reads the cached prompt."""
+    _, scorer = pair
+    mode = scorer.model.pooling
+    scorer.embed(["first request"], prompt_name="query")
+    scorer.embed(["second request", "and another"], prompt_name="query")
+    if mode.mode == "mean" and mode.include_prompt:  # the prompt is pooled: inputs run whole
+        assert scorer.last_usage.cached_tokens == 0
+    else:
+        prompt_tokens = len(scorer.model.tokenizer.encode(QUERY_PROMPT))
+        assert prompt_tokens - 1 <= scorer.last_usage.cached_tokens <= prompt_tokens
+
+
+def test_openai_sdk_embeddings_create_float_and_base64(served):
+    """OpenAI's Python SDK against /v1/embeddings: floats and base64 decode to sentence-transformers'
+    embeddings, with OpenAI's usage; `dimensions` and a named prompt (extra_body) as encode's."""
+    import openai
+
+    st_model, url, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    want = st_model.encode(TEXTS, convert_to_numpy=True)
+    # the SDK's default asks for base64 and decodes it itself; asked for explicitly, base64 is
+    # the little-endian float32 bytes OpenAI documents
+    for encoding_format in (openai.NOT_GIVEN, "float", "base64"):
+        res = client.embeddings.create(model="tiny", input=TEXTS, encoding_format=encoding_format)
+        assert [d.index for d in res.data] == list(range(len(TEXTS))) and res.model == "tiny"
+        if encoding_format == "base64":
+            got = np.stack([np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in res.data])
+        else:
+            got = np.asarray([d.embedding for d in res.data], np.float32)
+        _close(got, want)
+    tokenizer = st_model.tokenizer
+    whole = sum(len(tokenizer(QUERY_PROMPT + t)["input_ids"]) for t in TEXTS)
+    assert res.usage.prompt_tokens == res.usage.total_tokens == whole
+    one = client.embeddings.create(model="tiny", input=TEXTS[0])  # a string: one embedding
+    _close(np.asarray([one.data[0].embedding], np.float32), want[:1])
+    res = client.embeddings.create(
+        model="tiny", input=TEXTS, dimensions=16, extra_body={"prompt_name": "document"}, encoding_format="float"
+    )
+    want = st_model.encode(
+        TEXTS, prompt_name="document", truncate_dim=16, normalize_embeddings=True, convert_to_numpy=True
+    )
+    _close(np.asarray([d.embedding for d in res.data], np.float32), want)
+
+
+def test_token_ids_are_sequences_as_given(served):
+    """Token-id inputs: no prompt, no special tokens added; equal to the same ids' text embedded
+    with an empty prompt (SmolLM2's tokenizer adds none)."""
+    import httpx
+
+    st_model, url, _ = served
+    ids = [st_model.tokenizer(t)["input_ids"] for t in TEXTS[:3]]
+    body = httpx.post(f"{url}/v1/embeddings", json={"input": ids}, timeout=60).json()
+    want = st_model.encode(TEXTS[:3], prompt="", convert_to_numpy=True)
+    _close(np.asarray([d["embedding"] for d in body["data"]], np.float32), want)
+    one = httpx.post(f"{url}/v1/embeddings", json={"input": ids[0]}, timeout=60).json()
+    _close(np.asarray([one["data"][0]["embedding"]], np.float32), want[:1])
+
+
+REFUSED = [  # (body, the field the 400 names)
+    ({"input": TEXTS, "dimensions": 0}, "dimensions"),
+    ({"input": TEXTS, "dimensions": 65}, "dimensions"),
+    ({"input": TEXTS, "encoding_format": "int8"}, "encoding_format"),
+    ({"input": TEXTS, "prompt_name": "passage"}, "prompt_name"),
+    ({"input": ["fine", ""]}, "input[1]"),
+    ({"input": []}, "input"),
+    ({"input": ["a " * 600]}, "input[0]"),  # over the 512-token context
+    ({"input": [[1, 2], [3, 49152]]}, "input[1]"),  # outside the vocabulary
+    ({"input": [[1, 2]], "prompt_name": "query"}, "prompt_name"),  # a prompt for token ids
+    ({"input": TEXTS, "truncation_direction": "middle"}, "truncation_direction"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), REFUSED, ids=[f for _, f in REFUSED])
+def test_bad_input_is_refused_naming_the_field(served, body, field):
+    import httpx
+    from helpers.service import scrape
+
+    _, url, metrics_port = served
+    httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[:1]}, timeout=60).raise_for_status()
+    device_tokens = _device_tokens(scrape(metrics_port))
+    assert device_tokens > 0  # the counter counts this route's work
+    r = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["message"].startswith(f"{field}: "), r.json()
+    assert _device_tokens(scrape(metrics_port)) == device_tokens  # refused before any device work
+
+
+def _device_tokens(metrics: dict[str, float]) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith("prefixscore_tokens_total"))
+
+
+def test_an_input_over_the_limit_is_cut_when_asked(served):
+    """truncate: the input is cut to the model's limit on the stated side (the prompt stays), as a
+    sentence-transformers model with that max_seq_length cuts it (the right side)."""
+    import httpx
+
+    st_model, url, _ = served
+    long_text = " ".join(f"word{i}" for i in range(400))
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": [long_text], "truncate": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    kept = r.json()["usage"]["prompt_tokens"]
+    assert kept < len(st_model.tokenizer(QUERY_PROMPT + long_text)["input_ids"])
+    saved, st_model.max_seq_length = st_model.max_seq_length, kept
+    try:
+        want = st_model.encode([long_text], convert_to_numpy=True)
+    finally:
+        st_model.max_seq_length = saved
+    _close(np.asarray([r.json()["data"][0]["embedding"]], np.float32), want)
+    left = httpx.post(
+        f"{url}/v1/embeddings",
+        json={"input": [long_text], "truncate": True, "truncation_direction": "left"},
+        timeout=120,
+    ).json()["data"][0]["embedding"]
+    assert np.abs(np.asarray(left) - want[0]).max() > 1e-2  # another side, another embedding
+
+
+def test_a_model_without_pooling_serves_no_embeddings(tiny_scorer):
+    """A causal LM with no sentence-transformers Pooling (and no --pooling): refused, naming the flag."""
+    with pytest.raises(ValueError, match="--pooling"):
+        tiny_scorer.embed(["text"])
+
+
+def test_tei_embed_through_huggingface_hubs_client(served, monkeypatch):
+    """Text Embeddings Inference's /embed through huggingface_hub's InferenceClient (its
+    feature_extraction posts TEI's body to the URL it is given): sentence-transformers' embeddings."""
+    from huggingface_hub import InferenceClient, constants
+
+    # the suite runs offline (no hub downloads); this client only reaches the loopback server
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    st_model, url, _ = served
+    client = InferenceClient(model=f"{url}/embed")
+    got = client.feature_extraction(TEXTS, prompt_name="document")
+    _close(np.asarray(got, np.float32), st_model.encode(TEXTS, prompt_name="document", convert_to_numpy=True))
+    got = client.feature_extraction(TEXTS, dimensions=16)
+    want = st_model.encode(TEXTS, truncate_dim=16, normalize_embeddings=True, convert_to_numpy=True)
+    _close(np.asarray(got, np.float32), want)
+
+
+def test_models_reports_the_pooling_and_the_dimensions(served):
+    """/v1/models says how the model embeds: sentence-transformers' Pooling mode, the vectors'
+    width and its named prompts."""
+    import httpx
+
+    st_model, url, _ = served
+    card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    assert card["pooling"] == st_model[1].pooling_mode == "lasttoken"
+    assert card["embedding_dimensions"] == st_model.get_embedding_dimension() == 64
+    assert card["prompt_names"] == sorted(st_model.prompts)
+
+
+def test_the_sentence_transformer_class_encodes_as_sentence_transformers(pair):
+    """prefixscore.SentenceTransformer's encode and similarity against sentence-transformers' own,
+    on the same checkpoint: values, shapes, types; truncate_dim after the model's normalization,
+    normalize_embeddings after truncate_dim, as there."""
+    import torch
+
+    from prefixscore import SentenceTransformer
+
+    st_model, scorer = pair
+    ours = SentenceTransformer(scorer)
+    assert ours.get_embedding_dimension() == st_model.get_embedding_dimension()
+    assert (ours.prompts, ours.default_prompt_name) == (st_model.prompts, st_model.default_prompt_name)
+    calls = [
+        ((TEXTS,), {"batch_size": 2}),
+        ((TEXTS[0],), {"prompt_name": "document"}),
+        ((TEXTS,), {"truncate_dim": 8}),
+        ((TEXTS,), {"truncate_dim": 8, "normalize_embeddings": True, "prompt": "Represent this: "}),
+    ]
+    for args, kwargs in calls:
+        want, got = st_model.encode(*args, **kwargs), ours.encode(*args, **kwargs)
+        assert (type(got), got.dtype, got.shape) == (type(want), want.dtype, want.shape)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    want, got = st_model.encode(TEXTS, convert_to_tensor=True), ours.encode(TEXTS, convert_to_tensor=True)
+    assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+    a, b = ours.encode(TEXTS[:2]), ours.encode(TEXTS[2:], normalize_embeddings=False, truncate_dim=64)
+    assert ours.similarity_fn_name == st_model.similarity_fn_name == "cosine"  # as saved
+    try:
+        for name in ("cosine", "dot", "euclidean", "manhattan"):
+            st_model.similarity_fn_name = ours.similarity_fn_name = name
+            want, got = st_model.similarity(a, b), ours.similarity(a, b)
+            assert isinstance(got, torch.Tensor) and got.shape == want.shape == (2, 3)
+            np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=1e-6)
+    finally:
+        st_model.similarity_fn_name = "cosine"
