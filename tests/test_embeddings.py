@@ -62,6 +62,7 @@ CASES = {  # name -> (pooling mode, include_prompt, normalize)
     "last": ("lasttoken", True, True),
     "mean_without_prompt": ("mean", False, True),
     "mean_with_prompt": ("mean", True, False),
+    "cls_without_prompt": ("cls", False, True),
 }
 
 
