@@ -34,7 +34,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from prefixscore.bench.runner import run_workloads
-from prefixscore.bench.workloads import MODES, RERANK_TEMPLATE, W7_MODES, WORKLOADS
+from prefixscore.bench.workloads import MODES, RERANK_TEMPLATE, W7_MODES, W8_MODES, WORKLOADS
 from prefixscore.engine import options
 
 
@@ -74,11 +74,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        type=_list(WORKLOADS, [w for w in WORKLOADS if w not in ("w5", "w7", "soak") and not w.startswith("w6")]),
+        type=_list(WORKLOADS, [w for w in WORKLOADS if w not in ("w5", "w7", "w8", "soak") and not w.startswith("w6")]),
         default=["w1-cold"],
         help=f"comma list of {','.join(WORKLOADS)}, or all (all but w5, which runs through a router: "
         "--target ROUTER --replica-metrics, w6, which needs a one-logit classifier: "
-        "--model bench-cpu-reward, w7, which runs alone, and soak, which runs alone for --duration) [w1-cold]",
+        "--model bench-cpu-reward, w7 and w8, which run alone, and soak, which runs alone for --duration) [w1-cold]",
     )
     p.add_argument(
         "--mode", type=_list(MODES), default=["prefix"], help=f"comma list of {','.join(MODES)}, or all [prefix]"
@@ -146,6 +146,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=list(W7_MODES),
         help=f"W7 modes, comma-separated ({', '.join(W7_MODES)}; a baseline without its model or package is skipped) "
         "[all]",
+    )
+    p.add_argument("--w8-passages", type=int, default=2000, help="W8 passages (64-256 tokens) [%(default)s]")
+    p.add_argument("--w8-queries", type=int, default=200, help="W8 queries (10-30 tokens) [%(default)s]")
+    p.add_argument("--w8-batch", type=int, default=32, help="W8 inputs per request (and encode batch) [%(default)s]")
+    p.add_argument(
+        "--w8-modes",
+        type=_list(W8_MODES),
+        default=list(W8_MODES),
+        help=f"W8 modes, comma-separated ({', '.join(W8_MODES)}) [all]",
     )
     p.add_argument("--w5-queries", type=int, default=12, help="W5 W1-sized queries sent in chunks [%(default)s]")
     p.add_argument("--w5-chunk", type=int, default=25, help="W5 items per request of a chunked query [%(default)s]")
@@ -218,4 +227,10 @@ def run(args: argparse.Namespace) -> int:
         from prefixscore.bench import w7  # lm-eval and transformers load only when W7 runs
 
         return w7.run(args)
+    if "w8" in args.workload:
+        if args.workload != ["w8"]:
+            raise SystemExit("w8 runs alone: --workload w8")
+        from prefixscore.bench import w8  # sentence-transformers and torch load only when W8 runs
+
+        return w8.run(args)
     return run_workloads(args)

@@ -1,4 +1,4 @@
-"""The benchmark workloads (W1-W6; W7 in bench/w7.py; docs/benchmarks.md): their names, and their
+"""The benchmark workloads (W1-W6; W7 in bench/w7.py, W8 in bench/w8.py; docs/benchmarks.md): their names, and their
 requests as generators (token ids).
 
 Every size is a parameter, so CI-sized smoke runs use the same code as the
@@ -35,10 +35,14 @@ WORKLOADS = (
     "w6",
     "w6-one-by-one",
     "w7",
+    "w8",
     "soak",
 )
 # W7's modes (bench/w7.py): the engine's two transports, then the baselines
 W7_MODES = ("completions", "grpc", "hf", "llamacpp")
+# W8's modes (bench/w8.py): the engine over HTTP, in process, without the cached instruction, and
+# sentence-transformers
+W8_MODES = ("http", "inprocess", "whole", "st")
 MODES = ("prefix", "packed", "sequential")
 # many clients at once through gRPC (host-rerank: HTTP); the server runs its prefix path only
 CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank", "w5")

@@ -1,0 +1,236 @@
+"""W8: embeddings with an instruction (docs/benchmarks.md).
+
+Passages of 64-256 tokens (log-uniform) embedded with no prompt, and queries of 10-30 tokens after
+an instruction prompt of about 20 tokens (Qwen3-Embedding's shape), last-token pooling, normalized.
+The checkpoint is a sentence-transformers directory (`--model DIR` with a modules.json), or one
+written here in a preset's shapes (`--model bench-cpu`: random weights, SmolLM2's tokenizer and
+vocabulary), so that sentence-transformers runs the same weights. The modes, one after another,
+each over an untimed set of its own first (its shapes compile), then over the timed set (the same
+texts for every mode):
+
+- `http`: /v1/embeddings in batches of --w8-batch inputs (passages with no prompt, queries with
+  the `query` prompt: the instruction, the prefix the engine caches);
+- `inprocess`: `Scorer.embed`, the same batches, no transport;
+- `whole`: the queries with the instruction written into each text and no prompt, so each input
+  runs whole: what the cached instruction saves;
+- `st`: sentence-transformers' `encode` on the same checkpoint (batch_size --w8-batch).
+
+Every engine mode starts from a cold prefix cache. Each row: inputs/s (passages and queries),
+the queries' own rate, the tokens the engine prefilled and computed, and the largest |embedding
+component - sentence-transformers'|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixscore.bench import workloads as wl
+from prefixscore.bench.session import Bench
+
+INSTRUCTION = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
+ENGINE_MODES = ("http", "inprocess", "whole")
+
+
+@dataclasses.dataclass(frozen=True)
+class Texts:
+    passages: list[str]
+    queries: list[str]
+
+
+def write_st_checkpoint(
+    torch_model: Any,
+    tokenizer_dir: Path,
+    out: Path,
+    mode: str,
+    include_prompt: bool,
+    normalize: bool,
+    prompts: Mapping[str, str],
+) -> Path:
+    """A transformers causal LM with a sentence-transformers Transformer -> Pooling (-> Normalize)
+    configuration beside its own weights and config.json (as Qwen3-Embedding publishes them: its
+    architectures stay *ForCausalLM), `prompts` saved with `query` the default."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    lm_dir, st_dir = out / "checkpoint", out / "saved"
+    torch_model.save_pretrained(lm_dir)
+    for f in tokenizer_dir.iterdir():
+        if f.name != "chat_template.jinja":  # a plain text embedder: texts are not chat messages
+            shutil.copy(f, lm_dir)
+    hidden = torch_model.config.hidden_size
+    modules = [Transformer(str(lm_dir)), Pooling(hidden, pooling_mode=mode, include_prompt=include_prompt)]
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, prompts=dict(prompts), default_prompt_name="query", device="cpu").save(
+        str(st_dir)
+    )
+    for entry in json.loads((st_dir / "modules.json").read_text()):
+        if entry["path"]:
+            shutil.copytree(st_dir / entry["path"], lm_dir / entry["path"])
+    for f in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"):
+        shutil.copy(st_dir / f, lm_dir / f)
+    return lm_dir
+
+
+def preset_checkpoint(preset: str, out: Path, seed: int) -> Path:
+    """A random Qwen3 in the preset's shapes (SmolLM2's vocabulary and tokenizer), as a
+    sentence-transformers checkpoint: last-token pooling, normalized, the instruction as `query`."""
+    import torch
+    import transformers
+
+    from prefixscore.model import presets
+
+    cfg = presets.RANDOM_PRESETS[preset][0]
+    config = transformers.Qwen3Config(
+        vocab_size=49152,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=True,
+        pad_token_id=2,  # SmolLM2's <|im_end|>: sentence-transformers pads batches with it
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    prompts = {"query": INSTRUCTION, "document": ""}
+    return write_st_checkpoint(model, presets.smollm2_tokenizer_dir(), out, "lasttoken", True, True, prompts)
+
+
+def texts(tokenizer: Any, gen: wl.Generator, passages: int, queries: int) -> Texts:
+    """Texts decoded from random ids of the tokenizer's ordinary vocabulary (ids past its
+    special tokens), passages of 64-256 tokens and queries of 10-30, log-uniform."""
+    low = 1000  # past SmolLM2's special and byte tokens
+
+    def text(n: int) -> str:
+        return tokenizer.decode(gen.rng.integers(low, gen.vocab, n).tolist())
+
+    return Texts(
+        [text(gen.log_uniform(64, 256)) for _ in range(passages)],
+        [text(gen.log_uniform(10, 30)) for _ in range(queries)],
+    )
+
+
+Embed = Callable[[list[str], str], np.ndarray]  # (texts, prompt name) -> [texts, dimensions]
+
+
+def _batched(embed: Embed, batch: int) -> Callable[[Texts], np.ndarray]:
+    """The passages (no prompt) then the queries (the `query` prompt), `batch` inputs a request."""
+
+    def run(t: Texts) -> np.ndarray:
+        out = [embed(t.passages[at : at + batch], "document") for at in range(0, len(t.passages), batch)]
+        out += [embed(t.queries[at : at + batch], "query") for at in range(0, len(t.queries), batch)]
+        return np.concatenate(out)
+
+    return run
+
+
+def _http(target: str) -> Embed:
+    import httpx
+
+    client = httpx.Client(base_url=f"http://{target}", timeout=3600)
+
+    def embed(inputs: list[str], prompt_name: str) -> np.ndarray:
+        r = client.post("/v1/embeddings", json={"input": inputs, "prompt_name": prompt_name})
+        r.raise_for_status()
+        return np.asarray([d["embedding"] for d in r.json()["data"]], np.float32)
+
+    return embed
+
+
+def _whole(scorer: Any, batch: int) -> Callable[[Texts], np.ndarray]:
+    """The queries with the instruction in each text and no prompt: each runs whole."""
+    inner = _batched(lambda inputs, _: scorer.embed(inputs, prompt=""), batch)
+    return lambda t: inner(Texts(t.passages, [INSTRUCTION + q for q in t.queries]))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`prefixscore bench --workload w8`: every mode's row printed, and written to --json."""
+    from sentence_transformers import SentenceTransformer
+
+    with tempfile.TemporaryDirectory(prefix="prefixscore-w8-") as scratch:
+        if not (Path(args.model) / "modules.json").is_file():
+            args.model = str(preset_checkpoint(args.model, Path(scratch), args.seed))
+        bench = Bench(args)
+        try:
+            if bench.scorer is None:
+                raise SystemExit("w8 runs the engine in process (no --target): it reads the engine's token counts")
+            scorer, batch = bench.scorer, args.w8_batch
+            st_model = SentenceTransformer(args.model, device="cpu")
+            gen = wl.Generator(bench.vocab, args.seed)
+            sizes = (args.w8_passages, args.w8_queries)
+            warmups = [texts(scorer.model.tokenizer, gen, *sizes) for _ in wl.W8_MODES]
+            timed = texts(scorer.model.tokenizer, gen, *sizes)
+            bench.target("w4")  # serves this engine on free ports (gRPC and HTTP)
+            makers: dict[str, Callable[[], Callable[[Texts], np.ndarray]]] = {
+                "http": lambda: _batched(_http(bench.http_target), batch),
+                "inprocess": lambda: _batched(lambda inputs, name: scorer.embed(inputs, prompt_name=name), batch),
+                "whole": lambda: _whole(scorer, batch),
+                "st": lambda: _batched(
+                    lambda inputs, name: st_model.encode(inputs, prompt_name=name, batch_size=batch), batch
+                ),
+            }
+            engine = scorer.engine
+            records, results = [], {}
+            for mode, warmup in zip(wl.W8_MODES, warmups, strict=True):
+                if mode not in args.w8_modes:
+                    continue
+                fn = makers[mode]()
+                fn(warmup if mode in ENGINE_MODES else Texts(warmup.passages[:batch], warmup.queries[:batch]))
+                engine.prefix_cache.evict_idle()  # nothing of another mode's run is cached
+                before = dict(engine.stats)
+                start = time.perf_counter()
+                results[mode] = fn(timed)
+                seconds = time.perf_counter() - start
+                n = len(timed.passages) + len(timed.queries)
+                record: dict[str, Any] = {
+                    "workload": "w8",
+                    "mode": mode,
+                    "inputs": n,
+                    "seconds": round(seconds, 3),
+                    "inputs_per_s": round(n / seconds, 2),
+                }
+                if mode in ENGINE_MODES:
+                    record |= {
+                        "prefill_tokens": engine.stats["prefill_tokens"] - before["prefill_tokens"],
+                        "tokens": engine.stats["tokens"] - before["tokens"],
+                    }
+                records.append(record)
+            reference = "st" if "st" in results else next(iter(results))
+            for record in records:
+                record[f"max_abs_diff_vs_{reference}"] = float(
+                    np.abs(results[record["mode"]] - results[reference]).max()
+                )
+            tokenizer = scorer.model.tokenizer
+            header = {
+                "passages": len(timed.passages),
+                "queries": len(timed.queries),
+                "passage_tokens": sum(len(tokenizer.encode_whole(p)) for p in timed.passages),
+                "query_tokens": sum(len(tokenizer.encode_whole(INSTRUCTION + q)) for q in timed.queries),
+                "instruction_tokens": len(tokenizer.encode_whole(INSTRUCTION)),
+                "batch": batch,
+            }
+            print(json.dumps({**bench.context(), **header}), file=sys.stderr)
+            for record in records:
+                print(json.dumps(record))
+            if args.json_path:
+                rows = [{**bench.context(), **header, **r} for r in records]
+                Path(args.json_path).write_text(json.dumps(rows, indent=1))
+        finally:
+            bench.close()
+    return 0
