@@ -13,9 +13,10 @@ start (`left`); the prompt and the tokenizer's start and end tokens stay.
 
 **The prompt as a shared prefix.** The prompt's tokens (as sentence-transformers counts them:
 the prompt tokenized alone, less a trailing special token) start every input of the request.
-The longest run of them all inputs share is the request's prefix: prefilled once, kept in the
-prefix cache for the next request with that prompt, and each input is an item over it, so the
-forward pass is the plain one of the whole input whatever the split. The prompt's tokens stay
+They but the last (which a text's first token may merge into), where all inputs start with them,
+are the request's prefix: the same for every request with that prompt, prefilled once and kept in
+the prefix cache for the next, and each input is an item over it, so the forward pass is the plain
+one of the whole input whatever the split. The prompt's tokens stay
 out of a mean or a cls when the model's Pooling says `include_prompt: false` (each item's
 `skip`: the prompt's tokens the prefix did not take). A mean or cls that includes the prompt
 pools every token of the sequence, so such inputs run whole, as do inputs with no prompt.
@@ -194,7 +195,9 @@ class EmbeddingRequests:
         """The prompt's shared run as the prefix, or whole sequences (see the module doc)."""
         shared = 0
         if prompt_len and (pooling.mode == LAST or not pooling.include_prompt):
-            shared = min(prompt_len, min(map(len, sequences)) - 1)  # each item keeps a token
+            # the prompt's tokens but its last, which a text's first may merge into: the same
+            # prefix for every request with this prompt, so the cache serves them all
+            shared = min(prompt_len - 1, min(map(len, sequences)) - 1)  # each item keeps a token
             for seq in sequences[1:]:
                 shared = _common(sequences[0], seq, shared)
         skip = 0 if pooling.include_prompt or pooling.mode == LAST else prompt_len - shared

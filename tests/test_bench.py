@@ -510,3 +510,25 @@ def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     # first 128-token page from the first (the prefix cache lends whole pages)
     assert by["grpc"]["prefill_tokens"] == by["grpc"]["context_tokens"] - 3 - 2 * 128
     assert 0 < by["completions"]["head_flop_share"] < 1
+
+
+def test_w8_embeddings_against_sentence_transformers(tmp_path) -> None:
+    """W8 at its smallest, in tiny-qwen3's shapes (a sentence-transformers checkpoint it writes):
+    every engine mode gives sentence-transformers' embeddings; with the instruction as the prompt
+    it is prefilled once (but its last token, which may merge into a query's first), and without
+    it (whole) every query computes it again."""
+    out = tmp_path / "w8.json"
+    sizes = ["--w8-passages", "6", "--w8-queries", "5", "--w8-batch", "4"]
+    args = parse(["bench", "--model", "tiny-qwen3", "--workload", "w8", "--no-progress", *sizes])
+    args.json_path = str(out)
+    assert args.func(args) == 0
+    by = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(by) == {"http", "inprocess", "whole", "st"} and all(r["inputs"] == 11 for r in by.values())
+    assert all(r["max_abs_diff_vs_st"] < 1e-5 for r in by.values()), by
+    instruction = by["st"]["instruction_tokens"]
+    for mode in ("http", "inprocess"):  # the instruction but its last token, once for both query batches
+        assert by[mode]["prefill_tokens"] == instruction - 1, by[mode]
+    assert by["whole"]["prefill_tokens"] == 0
+    shared = by["http"]["prefill_tokens"]
+    # whole: each of the 5 queries computes the shared run itself; with the prompt it was computed once
+    assert by["whole"]["tokens"] - by["http"]["tokens"] == 5 * shared - shared
