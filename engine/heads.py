@@ -38,6 +38,17 @@ class RequestHead:
     raw_logits: bool = False  # a causal LM's label logits as they are (the activation then applies)
 
 
+def check_head(head: OutputHead, field: str) -> None:
+    """A request that reads a head (scores, a rerank, a classification, a likelihood) needs one:
+    a base model has none and serves embeddings only."""
+    if not head.rows:
+        raise InvalidInput(
+            field,
+            "the model is a base model (a *Model checkpoint: hidden states, no output head); it serves "
+            "embeddings only (/v1/embeddings)",
+        )
+
+
 def for_request(
     head: OutputHead,
     ids: Sequence[int],
@@ -49,6 +60,7 @@ def for_request(
     """A score request's head. A causal LM: its label tokens (`ids` or `labels`, resolved by
     `label_tokens`), no activation. A classifier: every label of its head, in order, and the
     activation resolved; label tokens sent to it are refused, naming the field."""
+    check_head(head, "label_token_ids")
     if activation in (None, ""):
         activation = "auto"
     if activation not in ACTIVATIONS:
@@ -76,6 +88,7 @@ def for_rerank(head: OutputHead, template_label_ids: tuple[int, ...], reads_logi
     (engine/templates.py): the softmax over its labels (p(yes) / (p(yes) + p(no))), or with
     `reads_logit` the first label's raw logit and its sigmoid. A one-label classifier (a reranker
     converted to one score row): the sigmoid of its logit."""
+    check_head(head, "documents")
     if not head.own_rows:
         if reads_logit:
             return RequestHead(template_label_ids[:1], False, "sigmoid", raw_logits=True)
@@ -90,6 +103,7 @@ def for_classify(
 ) -> tuple[RequestHead, tuple[str, ...]]:
     """A classify request's head and its columns' names: a classifier's own labels, or (a causal
     LM) the softmax over the label strings the server was started with."""
+    check_head(head, "input")
     if head.own_rows:
         return for_request(head, (), (), activation, False, label_tokens), head.label_names
     if not labels:

@@ -344,7 +344,8 @@ class RequestTokenizer:
         return self.query_ids(context)
 
     def check_vocabulary_head(self) -> None:
-        """An item's likelihood needs a vocabulary: a classifier's head has none."""
+        """An item's likelihood needs a vocabulary: a classifier's head has none, a base model no head."""
+        heads.check_head(self.head, "loglikelihood")
         if self.head.own_rows:
             raise InvalidInput(
                 "loglikelihood", "the model is a sequence classifier: it has no vocabulary to score an item's tokens"

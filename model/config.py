@@ -25,6 +25,7 @@ from prefixscore.model.families import Windows
 ARCHITECTURES = {
     **{spec.architecture: model_type for model_type, spec in config_inventory.FAMILIES.items()},
     **config_inventory.CLASSIFIERS,
+    **config_inventory.BASE_MODELS,
 }
 
 
@@ -81,6 +82,8 @@ class ModelConfig:
     # probabilities of label tokens); n, a classifier's `score` projection [n, hidden] and its
     # n logits (*ForSequenceClassification: no vocabulary head at all)
     num_labels: int = 0
+    # a base model (*Model): no output head at all, its final-normed hidden states only (embeddings)
+    base_model: bool = False
     # a classifier's label names (id2label, in row order) and whether its problem_type is
     # multi_label_classification (a sigmoid per label by default): names, not math
     label_names: tuple[str, ...] = dataclasses.field(default=(), compare=False)
@@ -273,6 +276,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         attn_softcap=optional_float("attn_logit_softcapping") if decoder.attn_softcap else None,
         final_softcap=optional_float("final_logit_softcapping") if decoder.final_softcap else None,
         num_labels=int(hf.num_labels) if classifier else 0,
+        base_model=bool(archs) and archs[0] in config_inventory.BASE_MODELS,
         label_names=tuple(str(hf.id2label[i]) for i in range(hf.num_labels)) if classifier else (),
         multi_label=classifier and hf.problem_type == "multi_label_classification",
         pad_token_id=hf.pad_token_id if classifier else None,

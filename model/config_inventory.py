@@ -79,8 +79,8 @@ _BASE = (
     Field(
         "architectures",
         COMPUTED,
-        "chooses the family (with model_type) and the output head: *ForCausalLM, or *ForSequenceClassification "
-        "where CLASSIFIERS lists it",
+        "chooses the family (with model_type) and the output head: *ForCausalLM, *ForSequenceClassification "
+        "where CLASSIFIERS lists it, or none for a base *Model where BASE_MODELS lists it",
     ),
     Field("transformers_version", INERT, "the writer's version"),
     Field("output_hidden_states", INERT, "what a forward pass returns, not what it computes"),
@@ -402,6 +402,20 @@ FAMILIES: dict[str, Family] = {  # by model_type
             ),
         ),
     ),
+}
+
+# the base models: config.json's architectures[0] -> the model type whose decoder they are, with
+# no output head (transformers' *Model: its final-normed hidden states). What sentence-transformers
+# saves as an embedding model's Transformer module (e5-mistral's MistralModel, a Qwen3Model
+# fine-tune): served for embeddings only (engine/embedding.py)
+BASE_MODELS: dict[str, str] = {
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
+    "GemmaModel": "gemma",
+    "Gemma2Model": "gemma2",
+    "Gemma3TextModel": "gemma3_text",
 }
 
 # the sequence classifiers: config.json's architectures[0] -> the model type whose decoder runs

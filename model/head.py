@@ -26,17 +26,18 @@ if TYPE_CHECKING:
 # the `head` the API reports (/v1/models, GetModelInfo)
 CAUSAL_LM = "causal_lm"
 SEQUENCE_CLASSIFICATION = "sequence_classification"
+BASE_MODEL = "base_model"  # no head: hidden states only (embeddings)
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputHead:
     """What a model's output head is, for every layer that asks."""
 
-    kind: str  # CAUSAL_LM | SEQUENCE_CLASSIFICATION
+    kind: str  # CAUSAL_LM | SEQUENCE_CLASSIFICATION | BASE_MODEL
     # the Weights field of its own projection [rows, hidden], read from the checkpoint tensor
     # "<weight>.weight"; None: the projection is the embedding (a causal LM's tied head)
     weight: str | None
-    rows: int  # the projection's rows: the vocabulary, or one per label
+    rows: int  # the projection's rows: the vocabulary, or one per label (0: a base model has none)
     hidden: int
     # why the checkpoint must hold `weight` (the message when it is missing)
     weight_needed_because: str = ""
@@ -88,8 +89,10 @@ class OutputHead:
 
 
 def output_head(cfg: ModelConfig) -> OutputHead:
-    """The head `cfg` scores with: its `score` rows when it is a classifier (num_labels), else
-    its vocabulary (lm_head, or the embedding when tied)."""
+    """The head `cfg` scores with: its `score` rows when it is a classifier (num_labels), none for
+    a base model, else its vocabulary (lm_head, or the embedding when tied)."""
+    if cfg.base_model:
+        return OutputHead(kind=BASE_MODEL, weight=None, rows=0, hidden=cfg.hidden_size, own_rows=True)
     if cfg.num_labels:
         return OutputHead(
             kind=SEQUENCE_CLASSIFICATION,

@@ -258,6 +258,8 @@ def row_label_probs(
     Returns [rows, L] float32 (unused columns 0).
     """
     head = output_head(cfg)
+    if not head.rows:  # a base model: no head, and no request names a label (engine/heads.py)
+        return jnp.zeros((h_last.shape[0], labels.shape[0]), jnp.float32)
     h = norm(cfg, h_last, params.final_norm)
     valid = row_labels >= 0
     w = head.projection(params)

@@ -417,8 +417,15 @@ def load_safetensors(
         names = set(handle("model.safetensors").keys())
         weight_map = {n: "model.safetensors" for n in names}
     used = {name for name in weight_map if name.endswith(IGNORED_TENSOR_SUFFIXES)}
+    # a base model saved alone (a *Model, as sentence-transformers saves an embedding model's
+    # Transformer) names its tensors without the causal LM's "model." prefix
+    unprefixed = "model.embed_tokens.weight" not in weight_map and "embed_tokens.weight" in weight_map
+
+    def stored(name: str) -> str:
+        return name.removeprefix("model.") if unprefixed else name
 
     def get(name: str) -> np.ndarray:
+        name = stored(name)
         used.add(name)
         file = handle(weight_map[name])
         if file.get_slice(name).get_dtype() in NUMPY_LACKS:
@@ -426,7 +433,7 @@ def load_safetensors(
         return file.get_tensor(name)
 
     def has(name: str) -> bool:
-        return name in weight_map
+        return stored(name) in weight_map
 
     head = output_head(cfg)
     if head.tensor is not None and head.tensor not in weight_map:  # before reading every layer

@@ -326,3 +326,27 @@ def test_the_sentence_transformer_class_encodes_as_sentence_transformers(pair):
             np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=1e-6)
     finally:
         st_model.similarity_fn_name = "cosine"
+
+
+def test_a_base_model_checkpoint_as_sentence_transformers_saves_it(tmp_path):
+    """The directory sentence-transformers itself saves: a base model (architectures Qwen3Model,
+    tensors without the causal LM's `model.` prefix, no head). It embeds as sentence-transformers
+    loads it, and a request that needs a head is refused, naming the field."""
+    import sentence_transformers as st
+    from conftest import ONE_SHAPE_BUCKETS
+
+    _st_checkpoint(tmp_path, "lasttoken", True, True)
+    saved = tmp_path / "st"
+    assert json.loads((saved / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    st_model, scorer = (
+        st.SentenceTransformer(str(saved), device="cpu"),
+        Scorer.load(str(saved), buckets=ONE_SHAPE_BUCKETS, template="qwen3-reranker"),
+    )
+    _close(scorer.embed(TEXTS), st_model.encode(TEXTS, convert_to_numpy=True))
+    for call, field in (
+        (lambda: scorer.score("query", ["item"], [5, 6]), "label_token_ids"),
+        (lambda: scorer.rerank("query", ["doc"]), "documents"),
+        (lambda: scorer.loglikelihood("a context", [" more"]), "loglikelihood"),
+    ):
+        with pytest.raises(ValueError, match=f"^{field}: the model is a base model"):
+            call()
