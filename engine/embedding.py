@@ -95,7 +95,7 @@ class EmbeddingRequests:
         texts, ids = _inputs(inp.input)
         if texts is not None:
             prompt = self._prompt(inp, pooling)
-            sequences, prompt_len = self._texts(texts, prompt)
+            sequences, prompt_len = self._texts(texts, prompt, inp.truncate)
             tokenizer = self.requests.tokenizer
             assert tokenizer is not None  # _texts refused a model without one
             kept, end_ids = max(prompt_len, len(tokenizer.start_ids)), tokenizer.end_ids
@@ -148,18 +148,28 @@ class EmbeddingRequests:
             raise InvalidInput("prompt_name", f"{name!r} is not one of the model's prompts ({known})")
         return pooling.prompts[name]
 
-    def _texts(self, texts: list[str], prompt: str) -> tuple[list[list[int]], int]:
+    def _texts(self, texts: list[str], prompt: str, truncating: bool) -> tuple[list[list[int]], int]:
         """Each input as `tokenizer(prompt + text)`, and the prompt's tokens as sentence-transformers
-        counts them (the prompt alone, less a trailing special token)."""
+        counts them (the prompt alone, less a trailing special token). Texts surely over their
+        limits are refused from their length, before tokenizing them (a cut one only by its
+        characters' limit)."""
         tokenizer = self.requests.tokenizer
         if tokenizer is None:
             raise InvalidInput("input", f"model {self.requests.cfg.name!r} has no tokenizer; send token ids")
-        limit = self.requests.limits.max_text_chars
+        limits = self.requests.limits
+        if len(texts) > limits.max_items:
+            why = f"{len(texts)} inputs exceed the limit of {limits.max_items} per request"
+            raise InvalidInput("input", why, too_large=True)
         for j, text in enumerate(texts):
             if not text:
                 raise InvalidInput(f"input[{j}]", "the input is empty")
-            if len(prompt) + len(text) > limit:
-                raise InvalidInput(f"input[{j}]", f"text exceeds the limit of {limit} characters")
+            if len(prompt) + len(text) > limits.max_text_chars:
+                raise InvalidInput(f"input[{j}]", f"text exceeds the limit of {limits.max_text_chars} characters")
+            if not truncating:
+                self.requests.check_chars(f"input[{j}]", len(prompt) + len(text), self.max_tokens)
+        if limits.max_request_tokens is not None:
+            chars = sum(map(len, texts)) + len(prompt) * len(texts)
+            self.requests.check_chars("input", chars, limits.max_request_tokens)
         sequences = tokenizer.encode_whole_many([prompt + text for text in texts])
         if not prompt:
             return sequences, 0

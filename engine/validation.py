@@ -177,10 +177,10 @@ class RequestTokenizer:
                 field, f"text of {len(text)} characters exceeds the limit of {self.limits.max_text_chars}"
             )
         if not truncating:
-            self._check_chars(field, len(text), self.max_sequence_tokens)
+            self.check_chars(field, len(text), self.max_sequence_tokens)
         return self.tokenizer.encode(text)
 
-    def _check_chars(self, field: str, chars: int, max_tokens: int) -> None:
+    def check_chars(self, field: str, chars: int, max_tokens: int) -> None:
         """Refuse text that is surely over `max_tokens` from its length alone, before tokenizing it:
         tokenizing megabytes costs seconds of CPU and memory that a refusal should not."""
         assert self.tokenizer is not None
@@ -242,9 +242,9 @@ class RequestTokenizer:
                 raise InvalidInput(field, f"model {self.cfg.name!r} has no tokenizer; send token ids instead of text")
             if not truncating:  # texts that will be cut to fit are not refused for their size
                 for j, it in enumerate(items):
-                    self._check_chars(f"{field}[{j}]", len(it), self.max_sequence_tokens)
+                    self.check_chars(f"{field}[{j}]", len(it), self.max_sequence_tokens)
                 if self.limits.max_request_tokens is not None:
-                    self._check_chars(field, sum(len(it) for it in items), self.limits.max_request_tokens)
+                    self.check_chars(field, sum(len(it) for it in items), self.limits.max_request_tokens)
             rows = TokenRows.from_lists(self.tokenizer.encode_many(list(items)))  # type: ignore[arg-type]
         elif isinstance(items, TokenRows):  # from the wire: integers by the message's type
             rows = items

@@ -200,22 +200,23 @@ def test_token_ids_are_sequences_as_given(served):
     _close(np.asarray([one["data"][0]["embedding"]], np.float32), want[:1])
 
 
-REFUSED = [  # (body, the field the 400 names)
-    ({"input": TEXTS, "dimensions": 0}, "dimensions"),
-    ({"input": TEXTS, "dimensions": 65}, "dimensions"),
-    ({"input": TEXTS, "encoding_format": "int8"}, "encoding_format"),
-    ({"input": TEXTS, "prompt_name": "passage"}, "prompt_name"),
-    ({"input": ["fine", ""]}, "input[1]"),
-    ({"input": []}, "input"),
-    ({"input": ["a " * 600]}, "input[0]"),  # over the 512-token context
-    ({"input": [[1, 2], [3, 49152]]}, "input[1]"),  # outside the vocabulary
-    ({"input": [[1, 2]], "prompt_name": "query"}, "prompt_name"),  # a prompt for token ids
-    ({"input": TEXTS, "truncation_direction": "middle"}, "truncation_direction"),
+REFUSED = [  # (body, the field the refusal names, its status)
+    ({"input": TEXTS, "dimensions": 0}, "dimensions", 400),
+    ({"input": TEXTS, "dimensions": 65}, "dimensions", 400),
+    ({"input": TEXTS, "encoding_format": "int8"}, "encoding_format", 400),
+    ({"input": TEXTS, "prompt_name": "passage"}, "prompt_name", 400),
+    ({"input": ["fine", ""]}, "input[1]", 400),
+    ({"input": []}, "input", 400),
+    ({"input": ["a " * 600]}, "input[0]", 400),  # over the 512-token context
+    ({"input": [[1, 2], [3, 49152]]}, "input[1]", 400),  # outside the vocabulary
+    ({"input": [[1, 2]], "prompt_name": "query"}, "prompt_name", 400),  # a prompt for token ids
+    ({"input": TEXTS, "truncation_direction": "middle"}, "truncation_direction", 400),
+    ({"input": ["x"] * 10_001}, "input", 413),  # more inputs than --max-items
 ]
 
 
-@pytest.mark.parametrize(("body", "field"), REFUSED, ids=[f for _, f in REFUSED])
-def test_bad_input_is_refused_naming_the_field(served, body, field):
+@pytest.mark.parametrize(("body", "field", "status"), REFUSED, ids=[f for _, f, _ in REFUSED])
+def test_bad_input_is_refused_naming_the_field(served, body, field, status):
     import httpx
     from helpers.service import scrape
 
@@ -224,7 +225,7 @@ def test_bad_input_is_refused_naming_the_field(served, body, field):
     device_tokens = _device_tokens(scrape(metrics_port))
     assert device_tokens > 0  # the counter counts this route's work
     r = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)
-    assert r.status_code == 400, r.text
+    assert r.status_code == status, r.text
     assert r.json()["message"].startswith(f"{field}: "), r.json()
     assert _device_tokens(scrape(metrics_port)) == device_tokens  # refused before any device work
 
