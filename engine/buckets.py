@@ -63,6 +63,9 @@ class Buckets:
     labels: label ids per call (the union of its rows' label sets).
     tokens_per_row: an item region of T tokens returns T // tokens_per_row rows.
     head_rows: rows per step of the vocabulary projection (a runtime loop).
+    hidden: the hidden state's columns every call returns (CallShape.hidden): the model's hidden
+      size for an engine that serves embeddings, so the shapes warm-up compiles are the ones
+      embedding requests run (every call carries them; their rows cost a norm); 0: none.
     """
 
     context: int
@@ -76,6 +79,7 @@ class Buckets:
     segments: int = 64
     tokens_per_row: int = 4
     head_rows: int = 256
+    hidden: int = 0
 
     def __post_init__(self) -> None:
         # a chunk never exceeds the region that holds it
@@ -118,18 +122,13 @@ class Buckets:
         return tokens if token_rows else max(1, tokens // self.tokens_per_row)
 
     def shape(
-        self,
-        prefill_tokens: int,
-        item_tokens: int,
-        labels: int,
-        top_logprobs: int = 0,
-        hidden: int = 0,
-        token_rows: bool | None = None,
+        self, prefill_tokens: int, item_tokens: int, labels: int, top_logprobs: int = 0, token_rows: bool | None = None
     ) -> CallShape:
         """The call shape of these buckets (its rows follow from the item tokens, and whether the
         call reads every item token: by default when it has token rows)."""
         per_token = top_logprobs > 0 if token_rows is None else token_rows
-        return CallShape(prefill_tokens, item_tokens, self.rows(item_tokens, per_token), labels, top_logprobs, hidden)
+        rows = self.rows(item_tokens, per_token)
+        return CallShape(prefill_tokens, item_tokens, rows, labels, top_logprobs, self.hidden)
 
     def call_shapes(self) -> list[CallShape]:
         """Every shape a call can have: a prefill region only beside item regions up to

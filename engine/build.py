@@ -109,7 +109,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
         model.cfg,
         model.params,
         model.dtype,
-        spec.buckets_for(model.cfg.context_length),
+        _with_hidden(spec.buckets_for(model.cfg.context_length), model),
         spec.attn_impl,
         mesh=placement.for_model(model.cfg),
         compile_cache_dir=spec.compile_cache,
@@ -124,6 +124,13 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
             engine.devices[0].device_kind,
         )
     return BuiltEngine(model, engine, load_seconds, steps)
+
+
+def _with_hidden(buckets: Buckets | None, model: LoadedModel) -> Buckets | None:
+    """A model that serves embeddings: every call returns its hidden columns (Buckets.hidden)."""
+    if model.pooling is None:
+        return buckets
+    return dataclasses.replace(buckets or Buckets.for_context(model.cfg.context_length), hidden=model.cfg.hidden_size)
 
 
 def has_fp8_units(device: jax.Device) -> bool:

@@ -197,9 +197,8 @@ def _row_ends(ends: np.ndarray, per_token: bool) -> np.ndarray:
 class CallBuilder:
     """Collects one call's work in priority order (see module doc)."""
 
-    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int, hidden_size: int = 0) -> None:
+    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int) -> None:
         self.b = buckets
-        self.hidden_size = hidden_size  # the columns of a hidden row (OUTPUT_HIDDEN)
         self.devices = devices
         self.align = align
         self.pool_pages = pool_pages
@@ -279,8 +278,8 @@ class CallBuilder:
         (per_token) or one row; returns how many were taken."""
         if self.closed or count <= 0:
             return 0
-        if output == OUTPUT_HIDDEN and not self.hidden_size:
-            raise ValueError("hidden rows need the builder's hidden_size")
+        if output == OUTPUT_HIDDEN and not self.b.hidden:
+            raise ValueError("hidden rows need buckets with the hidden columns (Buckets.hidden)")
         ends = rows.offsets[first + 1 : first + count + 1] - rows.offsets[first]
         longest_first = int(ends[0])
         if longest_first > self.item_capacity:
@@ -384,14 +383,7 @@ class CallBuilder:
         b, d = self.b, self.devices
         tp, ti, layout = self._buckets()
         labels_bucket = Buckets.fit(b.labels, max(1, len(self.labels)), "label_token_ids")
-        shape = b.shape(
-            tp,
-            ti,
-            labels_bucket,
-            TOP_LOGPROBS if OUTPUT_TOKEN in self.outputs else 0,
-            self.hidden_size if OUTPUT_HIDDEN in self.outputs else 0,
-            self.token_rows,
-        )
+        shape = b.shape(tp, ti, labels_bucket, TOP_LOGPROBS if OUTPUT_TOKEN in self.outputs else 0, self.token_rows)
         table = np.zeros((b.segments, b.max_pages), np.int32)
         prefix_len = np.zeros(b.segments, np.int32)
         slot = 1  # row 0: no prefix

@@ -218,7 +218,7 @@ class ScoringEngine:
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (engine/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
-        return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages, self.cfg.hidden_size)
+        return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages)
 
     # ---- executables ----------------------------------------------------------
     def _executable(self, shape: CallShape) -> Any:

@@ -78,9 +78,13 @@ def pairs(tmp_path_factory):
         if case not in made:
             path = _st_checkpoint(tmp_path_factory.mktemp(case), *CASES[case])
             made[case] = st.SentenceTransformer(path, device="cpu"), Scorer.load(path, buckets=ONE_SHAPE_BUCKETS)
+            CHECKPOINTS[case] = path
         return made[case]
 
     return get
+
+
+CHECKPOINTS: dict[str, str] = {}  # case -> its checkpoint's directory, once made
 
 
 @pytest.fixture(params=list(CASES))
@@ -351,3 +355,23 @@ def test_a_base_model_checkpoint_as_sentence_transformers_saves_it(tmp_path):
     ):
         with pytest.raises(ValueError, match=f"^{field}: the model is a base model"):
             call()
+
+
+def test_warm_embedding_requests_compile_nothing(pairs):
+    """An engine that serves embeddings returns the hidden columns from every call, so warm-up
+    compiles the shapes last-token requests run: after it, requests of every size, with and
+    without the prompt, and score requests beside them, compile nothing."""
+    from conftest import ONE_SHAPE_BUCKETS
+
+    from prefixscore.telemetry.compiles import CompileCounter
+
+    pairs("last")
+    scorer = Scorer.load(CHECKPOINTS["last"], buckets=ONE_SHAPE_BUCKETS)  # a new engine: nothing compiled yet
+    assert scorer.engine.buckets.hidden == 64
+    scorer.engine.warmup()
+    before = CompileCounter.obtained()
+    for n in (1, 2, 5):
+        scorer.embed(TEXTS[:n])
+        scorer.embed(TEXTS[-n:], prompt_name="document")
+        scorer.score("a query", ["an item", "another"], [5, 6])
+    assert CompileCounter.obtained() == before, "warm embedding requests compiled"
