@@ -10,6 +10,7 @@ texts for every mode):
 
 - `http`: /v1/embeddings in batches of --w8-batch inputs (passages with no prompt, queries with
   the `query` prompt: the instruction, the prefix the engine caches);
+- `grpc`: `Embed` through the Python client (`ScoreClient.embed`), the same batches;
 - `inprocess`: `Scorer.embed`, the same batches, no transport;
 - `whole`: the queries with the instruction written into each text and no prompt, so each input
   runs whole: what the cached instruction saves;
@@ -39,7 +40,7 @@ from prefixscore.bench import workloads as wl
 from prefixscore.bench.session import Bench
 
 INSTRUCTION = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
-ENGINE_MODES = ("http", "inprocess", "whole")
+ENGINE_MODES = ("http", "grpc", "inprocess", "whole")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,13 @@ def _http(target: str) -> Embed:
     return embed
 
 
+def _grpc(client: Any) -> Embed:
+    def embed(inputs: list[str], prompt_name: str) -> np.ndarray:
+        return np.asarray(client.embed(inputs, prompt_name=prompt_name).embeddings, np.float32)
+
+    return embed
+
+
 def _whole(scorer: Any, batch: int) -> Callable[[Texts], np.ndarray]:
     """The queries with the instruction in each text and no prompt: each runs whole."""
     inner = _batched(lambda inputs, _: scorer.embed(inputs, prompt=""), batch)
@@ -179,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             bench.target("w4")  # serves this engine on free ports (gRPC and HTTP)
             makers: dict[str, Callable[[], Callable[[Texts], np.ndarray]]] = {
                 "http": lambda: _batched(_http(bench.http_target), batch),
+                "grpc": lambda: _batched(_grpc(bench.local_remote.client), batch),
                 "inprocess": lambda: _batched(lambda inputs, name: scorer.embed(inputs, prompt_name=name), batch),
                 "whole": lambda: _whole(scorer, batch),
                 "st": lambda: _batched(

@@ -40,9 +40,9 @@ WORKLOADS = (
 )
 # W7's modes (bench/w7.py): the engine's two transports, then the baselines
 W7_MODES = ("completions", "grpc", "hf", "llamacpp")
-# W8's modes (bench/w8.py): the engine over HTTP, in process, without the cached instruction, and
+# W8's modes (bench/w8.py): the engine over HTTP, gRPC, in process, without the cached instruction, and
 # sentence-transformers
-W8_MODES = ("http", "inprocess", "whole", "st")
+W8_MODES = ("http", "grpc", "inprocess", "whole", "st")
 MODES = ("prefix", "packed", "sequential")
 # many clients at once through gRPC (host-rerank: HTTP); the server runs its prefix path only
 CONCURRENT = ("w2", "w3-grpc", "w4", "host", "host-rerank", "w5")

@@ -15,10 +15,13 @@ import grpc
 from prefixscore import prefix_key
 from prefixscore.client.channel import Affinity, channel_options
 from prefixscore.client.messages import (
+    EmbedResult,
     Metadata,
     RerankResult,
     ScoreResult,
     Text,
+    embed_request,
+    embed_result,
     rerank_request,
     rerank_result,
     score_request,
@@ -150,6 +153,26 @@ class ClientCore(abc.ABC, Generic[ScoreOut, RerankOut, StreamOut]):
             request = rerank_request(query, documents, instruction, top_n, max_tokens_per_doc)
             metadata = self._call_metadata(partial(prefix_key.for_rerank, query, instruction))
             return rerank_result((yield from self._unary_steps(self._stub.Rerank, request, timeout, metadata)))
+
+        return self._run(steps())
+
+    def embed(
+        self,
+        inputs: Sequence[Text],
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int = 0,
+        normalize: bool | None = None,
+        truncate: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Each input's embedding (`EmbedResult`; awaitable from the asyncio client), pooled as the
+        served checkpoint says: texts after `prompt_name`'s prompt (unset: the model's default) or
+        `prompt`, or token ids as given; `dimensions` (0: all) kept, then normalized."""
+
+        def steps() -> Steps[EmbedResult]:
+            request = embed_request(inputs, prompt_name, prompt, dimensions, normalize, truncate)
+            return embed_result((yield from self._unary_steps(self._stub.Embed, request, timeout, self._metadata)))
 
         return self._run(steps())
 

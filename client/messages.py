@@ -167,6 +167,37 @@ def rerank_request(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class EmbedResult:
+    embeddings: list[list[float]]  # [inputs][dimensions], in request order
+    usage: Usage  # prompt_tokens: every input whole; cached_tokens: its prompt's, from the prefix cache
+
+
+def embed_request(
+    inputs: Sequence[Text],
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+    dimensions: int = 0,
+    normalize: bool | None = None,
+    truncate: bool = False,
+) -> pb.EmbedRequest:
+    """Build an EmbedRequest: texts (after the prompt, tokenized by the server) or token ids."""
+    if isinstance(inputs, str):
+        raise TypeError("inputs: expected a list of texts or token-id lists, got a string")
+    return pb.EmbedRequest(
+        inputs=[_input(value, f"inputs[{j}]") for j, value in enumerate(inputs)],
+        prompt_name=prompt_name,
+        prompt=prompt,
+        dimensions=dimensions,
+        normalize=normalize,
+        truncate=pb.TRUNCATE_END if truncate else pb.TRUNCATE_NONE,
+    )
+
+
+def embed_result(response: pb.EmbedResponse) -> EmbedResult:
+    return EmbedResult([list(e.values) for e in response.embeddings], usage(response.usage))
+
+
 def usage(msg: pb.Usage) -> Usage:
     return Usage(msg.prompt_tokens, msg.cached_tokens, msg.items)
 

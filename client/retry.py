@@ -20,14 +20,14 @@ from prefixscore.v1 import score_service_pb2 as pb
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ScoreService"].full_name
 # The unary methods, safe to send again: scoring changes nothing on the server. ScoreStream is
 # not among them: gRPC retries a stream only until its first answer, and our failover does more.
-RETRIED_METHODS = ("Score", "Rerank", "GetModelInfo")
+RETRIED_METHODS = ("Score", "Rerank", "Embed", "GetModelInfo")
 
 
 @dataclasses.dataclass(frozen=True)
 class Retry:
     """What a client retries when a replica goes away (`ScoreClient(..., retry=Retry())`).
 
-    Unary calls (Score, Rerank, GetModelInfo): gRPC's own retry policy in the channel's service
+    Unary calls (Score, Rerank, Embed, GetModelInfo): gRPC's own retry policy in the channel's service
     config (`retry_service_config`), on UNAVAILABLE only, at most `attempts` tries of a call
     (the first included; gRPC caps it at 5), each try picked anew by the channel's load
     balancing (round_robin moves on to another replica; ring_hash hashes to the same one,

@@ -46,6 +46,7 @@ from prefixscore.client.core import ClientCore
 from prefixscore.client.errors import BatchRefused as BatchRefused
 from prefixscore.client.errors import retry_after_ms as retry_after_ms
 from prefixscore.client.messages import BatchResult, Metadata, Text
+from prefixscore.client.messages import EmbedResult as EmbedResult
 from prefixscore.client.messages import Likelihood as Likelihood
 from prefixscore.client.messages import RerankedDocument as RerankedDocument
 from prefixscore.client.messages import RerankResult as RerankResult

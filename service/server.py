@@ -37,7 +37,7 @@ from prefixscore.service.core import (
     unit_failure,
     validated,
 )
-from prefixscore.service.wire import RequestConverter, item_scores, parse, usage
+from prefixscore.service.wire import RequestConverter, embed_input, embed_response, item_scores, parse, usage
 from prefixscore.telemetry import request_ids
 from prefixscore.v1 import score_service_pb2 as pb
 
@@ -165,6 +165,9 @@ class GrpcServer:
                         ),
                         "Rerank": grpc.unary_unary_rpc_method_handler(
                             self.rerank, response_serializer=pb.RerankResponse.SerializeToString, **raw
+                        ),
+                        "Embed": grpc.unary_unary_rpc_method_handler(
+                            self.embed, response_serializer=pb.EmbedResponse.SerializeToString, **raw
                         ),
                     },
                 ),
@@ -309,6 +312,16 @@ class GrpcServer:
             results=results, usage=usage(req, unit.reply.cached_tokens, checked.scored.truncation), template=template
         )
 
+    # ---- Embed -----------------------------------------------------------------------------------
+    @_rpc("Embed")
+    async def embed(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        msg = parse(pb.EmbedRequest, raw)
+        embeddings = self.service.accepting_embeddings()  # before any headers, as in Score
+        checked = await validated(len(raw), embeddings.validate, embed_input(msg))
+        unit = await self.service.run(checked.request, "Embed", self._deadline(context))
+        assert unit.reply.hidden is not None
+        return embed_response(checked, checked.finish(unit.reply.hidden), unit.reply.cached_tokens)
+
     # ---- ScoreStream -----------------------------------------------------------------------------
     @_rpc("ScoreStream")
     async def score_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
@@ -386,6 +399,9 @@ class GrpcServer:
             activation_quantization=served.activation_quantization,
             quantized_projections=served.quantized_projections,
             weight_bytes_per_device=served.weight_bytes_per_device,
+            pooling=served.pooling or "",
+            embedding_dimensions=served.embedding_dimensions or 0,
+            prompt_names=served.prompt_names,
         )
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from prefixscore.engine.embedding import EmbedInput, ValidatedEmbed
 from prefixscore.engine.likelihood import ItemLikelihood, read_likelihoods
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.engine.validation import (
@@ -150,6 +152,32 @@ class RequestConverter:
     def stream_batch(self, spec: StreamSpec, msg: pb.ItemBatch) -> TokenizedRequest:
         """One ItemBatch of an open stream -> a validated TokenizedRequest over the stream's query."""
         return self.validator.stream_batch(spec, _items(msg.items))
+
+
+def embed_input(msg: pb.EmbedRequest) -> EmbedInput:
+    """An EmbedRequest as the input of the embedding validation (engine/embedding.py)."""
+    return EmbedInput(
+        _items(msg.inputs),
+        msg.prompt_name if msg.HasField("prompt_name") else None,
+        msg.prompt if msg.HasField("prompt") else None,
+        msg.dimensions or None,
+        msg.normalize if msg.HasField("normalize") else None,
+        _truncate(msg.truncate, "none") == "end",
+        TRUNCATION_SIDE.get(msg.truncation_side, str(msg.truncation_side)),
+    )
+
+
+def embed_response(checked: ValidatedEmbed, embeddings: np.ndarray, cached_tokens: int) -> pb.EmbedResponse:
+    """One Embedding per input, in order, and the request's usage."""
+    return pb.EmbedResponse(
+        embeddings=[pb.Embedding(values=row) for row in embeddings.tolist()],
+        usage=pb.Usage(
+            prompt_tokens=checked.prompt_tokens,
+            cached_tokens=cached_tokens,
+            items=len(embeddings),
+            truncated_items=checked.truncated,
+        ),
+    )
 
 
 def usage(req: TokenizedRequest, cached_tokens: int, truncation: Truncation) -> pb.Usage:

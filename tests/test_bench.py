@@ -523,10 +523,10 @@ def test_w8_embeddings_against_sentence_transformers(tmp_path) -> None:
     args.json_path = str(out)
     assert args.func(args) == 0
     by = {r["mode"]: r for r in json.loads(out.read_text())}
-    assert set(by) == {"http", "inprocess", "whole", "st"} and all(r["inputs"] == 11 for r in by.values())
+    assert set(by) == {"http", "grpc", "inprocess", "whole", "st"} and all(r["inputs"] == 11 for r in by.values())
     assert all(r["max_abs_diff_vs_st"] < 1e-5 for r in by.values()), by
     instruction = by["st"]["instruction_tokens"]
-    for mode in ("http", "inprocess"):  # the instruction but its last token, once for both query batches
+    for mode in ("http", "grpc", "inprocess"):  # the instruction but its last token, once for both query batches
         assert by[mode]["prefill_tokens"] == instruction - 1, by[mode]
     assert by["whole"]["prefill_tokens"] == 0
     shared = by["http"]["prefill_tokens"]

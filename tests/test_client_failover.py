@@ -166,7 +166,7 @@ def test_one_service_config_carries_ring_hash_and_the_retry_policy() -> None:
     merged = json.loads(service_config("ring_hash", Retry(attempts=4)))
     assert merged["loadBalancingConfig"] == json.loads(ring_hash_service_config())["loadBalancingConfig"]
     (method,) = merged["methodConfig"]
-    assert {n["method"] for n in method["name"]} == {"Score", "Rerank", "GetModelInfo"}  # not ScoreStream
+    assert {n["method"] for n in method["name"]} == {"Score", "Rerank", "Embed", "GetModelInfo"}  # not ScoreStream
     assert method["retryPolicy"]["maxAttempts"] == 4
     assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
     assert service_config(None, None) is None

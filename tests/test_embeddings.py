@@ -375,3 +375,37 @@ def test_warm_embedding_requests_compile_nothing(pairs):
         scorer.embed(TEXTS[-n:], prompt_name="document")
         scorer.score("a query", ["an item", "another"], [5, 6])
     assert CompileCounter.obtained() == before, "warm embedding requests compiled"
+
+
+def test_grpc_embed_from_the_python_client(pairs):
+    """gRPC Embed through the Python client (sync and asyncio): sentence-transformers' embeddings
+    with the usage; GetModelInfo reports the pooling; bad input INVALID_ARGUMENT naming the field."""
+    import asyncio
+
+    import grpc
+    from helpers.service import server_config
+
+    from prefixscore.client import AsyncScoreClient, ScoreClient
+    from prefixscore.service.process import ServerThread
+
+    st_model, scorer = pairs("mean_without_prompt")
+    with ServerThread(server_config(scorer, template="none")) as srv, ScoreClient(srv.target) as client:
+        result = client.embed(TEXTS, prompt_name="query")
+        _close(np.asarray(result.embeddings, np.float32), st_model.encode(TEXTS, prompt_name="query"))
+        tokenizer = st_model.tokenizer
+        assert result.usage.prompt_tokens == sum(len(tokenizer(QUERY_PROMPT + t)["input_ids"]) for t in TEXTS)
+        assert result.usage.items == len(TEXTS)
+        want = st_model.encode(TEXTS, prompt_name="document", truncate_dim=8, normalize_embeddings=True)
+        _close(np.asarray(client.embed(TEXTS, prompt_name="document", dimensions=8).embeddings, np.float32), want)
+
+        async def from_asyncio():
+            async with AsyncScoreClient(srv.target) as aclient:
+                return (await aclient.embed(TEXTS[:2], prompt="")).embeddings
+
+        _close(np.asarray(asyncio.run(from_asyncio()), np.float32), st_model.encode(TEXTS[:2], prompt=""))
+        info = client.model_info()
+        assert (info.pooling, info.embedding_dimensions, list(info.prompt_names)) == ("mean", 64, ["document", "query"])
+        with pytest.raises(grpc.RpcError) as refused:
+            client.embed(TEXTS, prompt_name="passage")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("prompt_name: ")

@@ -71,6 +71,7 @@ def test_public_names():
         "ScoreStream": (True, True),
         "GetModelInfo": (False, False),
         "Rerank": (False, False),
+        "Embed": (False, False),
     }
     request = pb.ScoreRequest.DESCRIPTOR.fields_by_name
     assert set(request) >= {"query", "items", "label_token_ids", "labels", "apply_softmax", "item_first"}

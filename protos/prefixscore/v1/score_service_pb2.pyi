@@ -288,7 +288,7 @@ class Limits(_message.Message):
     def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ..., max_queue_tokens: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., max_streams: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., stream_idle_timeout_ms: _Optional[int] = ..., max_pending_batches: _Optional[int] = ..., keepalive_time_ms: _Optional[int] = ..., keepalive_timeout_ms: _Optional[int] = ..., max_connection_idle_ms: _Optional[int] = ..., max_connection_age_ms: _Optional[int] = ..., max_connection_age_grace_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size", "head", "label_names", "quantization", "activation_quantization", "quantized_projections", "weight_bytes_per_device", "template_reason")
+    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size", "head", "label_names", "quantization", "activation_quantization", "quantized_projections", "weight_bytes_per_device", "template_reason", "pooling", "embedding_dimensions", "prompt_names")
     class QuantizedProjectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,9 @@ class GetModelInfoResponse(_message.Message):
     QUANTIZED_PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_PER_DEVICE_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     vocab_size: int
@@ -344,7 +347,10 @@ class GetModelInfoResponse(_message.Message):
     quantized_projections: _containers.ScalarMap[str, str]
     weight_bytes_per_device: int
     template_reason: str
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., head: _Optional[str] = ..., label_names: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., activation_quantization: _Optional[str] = ..., quantized_projections: _Optional[_Mapping[str, str]] = ..., weight_bytes_per_device: _Optional[int] = ..., template_reason: _Optional[str] = ...) -> None: ...
+    pooling: str
+    embedding_dimensions: int
+    prompt_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., head: _Optional[str] = ..., label_names: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., activation_quantization: _Optional[str] = ..., quantized_projections: _Optional[_Mapping[str, str]] = ..., weight_bytes_per_device: _Optional[int] = ..., template_reason: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
     __slots__ = ("query", "documents", "instruction", "top_n", "return_documents", "max_tokens_per_doc", "truncate", "check_tokenization", "truncation_side")
@@ -367,6 +373,38 @@ class RerankRequest(_message.Message):
     check_tokenization: bool
     truncation_side: TruncationSide
     def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., instruction: _Optional[str] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., max_tokens_per_doc: _Optional[int] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., check_tokenization: _Optional[bool] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs", "prompt_name", "prompt", "dimensions", "normalize", "truncate", "truncation_side")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[Input]
+    prompt_name: str
+    prompt: str
+    dimensions: int
+    normalize: bool
+    truncate: Truncate
+    truncation_side: TruncationSide
+    def __init__(self, inputs: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "usage")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: Usage
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "relevance_score", "document", "joined_tokenization_differs")

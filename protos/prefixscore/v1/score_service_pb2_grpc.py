@@ -56,6 +56,11 @@ class ScoreServiceStub:
                 request_serializer=prefixscore_dot_v1_dot_score__service__pb2.RerankRequest.SerializeToString,
                 response_deserializer=prefixscore_dot_v1_dot_score__service__pb2.RerankResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/prefixscore.v1.ScoreService/Embed',
+                request_serializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class ScoreServiceServicer:
@@ -97,6 +102,17 @@ class ScoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns each input's embedding, pooled as the served checkpoint's
+        sentence-transformers modules say (GetModelInfoResponse.pooling): the
+        same vectors as SentenceTransformer.encode. A model that serves no
+        embeddings answers INVALID_ARGUMENT, saying how to serve it with some.
+        Errors name an input as the HTTP API does: input[j].
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ScoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +135,11 @@ def add_ScoreServiceServicer_to_server(servicer, server):
                     servicer.Rerank,
                     request_deserializer=prefixscore_dot_v1_dot_score__service__pb2.RerankRequest.FromString,
                     response_serializer=prefixscore_dot_v1_dot_score__service__pb2.RerankResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedRequest.FromString,
+                    response_serializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +252,33 @@ class ScoreService:
             '/prefixscore.v1.ScoreService/Rerank',
             prefixscore_dot_v1_dot_score__service__pb2.RerankRequest.SerializeToString,
             prefixscore_dot_v1_dot_score__service__pb2.RerankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixscore.v1.ScoreService/Embed',
+            prefixscore_dot_v1_dot_score__service__pb2.EmbedRequest.SerializeToString,
+            prefixscore_dot_v1_dot_score__service__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
