@@ -17,8 +17,8 @@ requests with different labels share a call. A likelihood request's items (OUTPU
 a row per token instead, each with its target (the item's next token), and so do a mean-pooled
 embedding's (OUTPUT_HIDDEN, each row its token's hidden state): a call that holds such items has
 one row per item-region token, and may still carry score items beside them (a row each, at
-their last token). Its shape says which extra columns its rows return (CallShape.top_logprobs,
-CallShape.hidden). Segment starts sit at multiples of the attention
+their last token). Its shape says which extra columns its rows return (CallShape.top_logprobs;
+CallShape.hidden, from the buckets). Segment starts sit at multiples of the attention
 implementation's SEGMENT_ALIGN, so a kernel's query block never meets two
 segments; the gap before an aligned start continues the previous segment.
 
@@ -213,7 +213,9 @@ class CallBuilder:
         self.label_sets: list[tuple[int, ...]] = []
         self.item_capacity = buckets.max_batch_tokens
         self.token_rows = False  # a row per item token (the call holds likelihood or mean-pooled items)
-        self.outputs: set[int] = set()  # the row kinds taken (OUTPUT_*): which extra columns the call returns
+        # the row kinds taken (OUTPUT_*): a call with token rows returns their columns (the hidden
+        # columns are the buckets': every call of an engine serving embeddings returns them)
+        self.outputs: set[int] = set()
         self.closed = False  # an item longer than max_batch_tokens has the call to itself
         self._layout = self._new_layout(self.item_capacity)
         self._choice: tuple[int, int, _Layout] | None = None  # the buckets, once chosen
