@@ -81,7 +81,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def _add_client_security(p: argparse.ArgumentParser) -> None:
-    """Client-side TLS and token options (score, rerank, models)."""
+    """Client-side TLS and token options (score, rerank, embed, models)."""
     p.add_argument(
         "--tls", action="store_true", default=_env("TLS", False, parse_bool), help="use TLS [$PREFIXSCORE_TLS]"
     )
@@ -328,6 +328,44 @@ def run_rerank(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_embed(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "embed",
+        help="embed texts on a running server",
+        description="Embed texts with the served model's pooling (gRPC Embed): one JSON array per text.",
+    )
+    p.add_argument(
+        "--target", default=_env("TARGET", DEFAULT_TARGET), help="host:port [$PREFIXSCORE_TARGET, %(default)s]"
+    )
+    p.add_argument("--input", "-i", action="append", default=[], required=True, help="a text (repeat the flag)")
+    p.add_argument("--prompt-name", help="one of the model's named prompts (default: its default prompt)")
+    p.add_argument("--dimensions", type=int, default=0, help="keep the first N dimensions, then normalize (0: all)")
+    p.add_argument("--truncate", action="store_true", help="cut an input over the model's limit instead of failing")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    _add_client_security(p)
+    p.set_defaults(func=run_embed)
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    import grpc
+
+    with _client(args, args.target) as client:
+        try:
+            result = client.embed(
+                args.input,
+                prompt_name=args.prompt_name,
+                dimensions=args.dimensions,
+                truncate=args.truncate,
+                timeout=args.timeout,
+            )
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    for vector in result.embeddings:
+        print(json.dumps(vector))
+    return 0
+
+
 # ---- models --------------------------------------------------------------------------------------
 def add_models(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the built-in models, or describe a running server's model")
@@ -369,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_score(sub)
     add_rerank(sub)
+    add_embed(sub)
     add_models(sub)
     importlib.import_module("prefixscore.offline.commands").register(sub)  # batch, eval
     importlib.import_module("prefixscore.bench.command").register(sub)

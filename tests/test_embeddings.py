@@ -94,15 +94,15 @@ def pair(request, pairs):
 
 @pytest.fixture(scope="module")
 def served(pairs):
-    """The last-token checkpoint served over HTTP: (sentence-transformers' model, the server's HTTP
-    base URL, its metrics port)."""
+    """The last-token checkpoint served over HTTP and gRPC: (sentence-transformers' model, the
+    server's HTTP base URL, its metrics port, its gRPC target)."""
     from helpers.service import server_config
 
     from prefixscore.service.process import ServerThread
 
     st_model, scorer = pairs("last")
     with ServerThread(server_config(scorer, http_port=0, template="none")) as srv:
-        yield st_model, f"http://127.0.0.1:{srv.server.http_port}", srv.server.metrics_port
+        yield st_model, f"http://127.0.0.1:{srv.server.http_port}", srv.server.metrics_port, srv.target
 
 
 def _close(got: np.ndarray, want: np.ndarray) -> None:
@@ -163,7 +163,7 @@ def test_openai_sdk_embeddings_create_float_and_base64(served):
     embeddings, with OpenAI's usage; `dimensions` and a named prompt (extra_body) as encode's."""
     import openai
 
-    st_model, url, _ = served
+    st_model, url, _, _ = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     want = st_model.encode(TEXTS, convert_to_numpy=True)
     # the SDK's default asks for base64 and decodes it itself; asked for explicitly, base64 is
@@ -195,7 +195,7 @@ def test_token_ids_are_sequences_as_given(served):
     with an empty prompt (SmolLM2's tokenizer adds none)."""
     import httpx
 
-    st_model, url, _ = served
+    st_model, url, _, _ = served
     ids = [st_model.tokenizer(t)["input_ids"] for t in TEXTS[:3]]
     body = httpx.post(f"{url}/v1/embeddings", json={"input": ids}, timeout=60).json()
     want = st_model.encode(TEXTS[:3], prompt="", convert_to_numpy=True)
@@ -224,7 +224,7 @@ def test_bad_input_is_refused_naming_the_field(served, body, field, status):
     import httpx
     from helpers.service import scrape
 
-    _, url, metrics_port = served
+    _, url, metrics_port, _ = served
     httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[:1]}, timeout=60).raise_for_status()
     device_tokens = _device_tokens(scrape(metrics_port))
     assert device_tokens > 0  # the counter counts this route's work
@@ -243,7 +243,7 @@ def test_an_input_over_the_limit_is_cut_when_asked(served):
     sentence-transformers model with that max_seq_length cuts it (the right side)."""
     import httpx
 
-    st_model, url, _ = served
+    st_model, url, _, _ = served
     long_text = " ".join(f"word{i}" for i in range(400))
     r = httpx.post(f"{url}/v1/embeddings", json={"input": [long_text], "truncate": True}, timeout=120)
     assert r.status_code == 200, r.text
@@ -276,7 +276,7 @@ def test_tei_embed_through_huggingface_hubs_client(served, monkeypatch):
 
     # the suite runs offline (no hub downloads); this client only reaches the loopback server
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    st_model, url, _ = served
+    st_model, url, _, _ = served
     client = InferenceClient(model=f"{url}/embed")
     got = client.feature_extraction(TEXTS, prompt_name="document")
     _close(np.asarray(got, np.float32), st_model.encode(TEXTS, prompt_name="document", convert_to_numpy=True))
@@ -290,7 +290,7 @@ def test_models_reports_the_pooling_and_the_dimensions(served):
     width and its named prompts."""
     import httpx
 
-    st_model, url, _ = served
+    st_model, url, _, _ = served
     card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
     assert card["pooling"] == st_model[1].pooling_mode == "lasttoken"
     assert card["embedding_dimensions"] == st_model.get_embedding_dimension() == 64
@@ -377,19 +377,17 @@ def test_warm_embedding_requests_compile_nothing(pairs):
     assert CompileCounter.obtained() == before, "warm embedding requests compiled"
 
 
-def test_grpc_embed_from_the_python_client(pairs):
+def test_grpc_embed_from_the_python_client(served):
     """gRPC Embed through the Python client (sync and asyncio): sentence-transformers' embeddings
     with the usage; GetModelInfo reports the pooling; bad input INVALID_ARGUMENT naming the field."""
     import asyncio
 
     import grpc
-    from helpers.service import server_config
 
     from prefixscore.client import AsyncScoreClient, ScoreClient
-    from prefixscore.service.process import ServerThread
 
-    st_model, scorer = pairs("mean_without_prompt")
-    with ServerThread(server_config(scorer, template="none")) as srv, ScoreClient(srv.target) as client:
+    st_model, _, _, target = served
+    with ScoreClient(target) as client:
         result = client.embed(TEXTS, prompt_name="query")
         _close(np.asarray(result.embeddings, np.float32), st_model.encode(TEXTS, prompt_name="query"))
         tokenizer = st_model.tokenizer
@@ -399,13 +397,28 @@ def test_grpc_embed_from_the_python_client(pairs):
         _close(np.asarray(client.embed(TEXTS, prompt_name="document", dimensions=8).embeddings, np.float32), want)
 
         async def from_asyncio():
-            async with AsyncScoreClient(srv.target) as aclient:
+            async with AsyncScoreClient(target) as aclient:
                 return (await aclient.embed(TEXTS[:2], prompt="")).embeddings
 
         _close(np.asarray(asyncio.run(from_asyncio()), np.float32), st_model.encode(TEXTS[:2], prompt=""))
         info = client.model_info()
-        assert (info.pooling, info.embedding_dimensions, list(info.prompt_names)) == ("mean", 64, ["document", "query"])
+        assert (info.pooling, info.embedding_dimensions) == ("lasttoken", 64)
+        assert list(info.prompt_names) == ["document", "query"]
         with pytest.raises(grpc.RpcError) as refused:
             client.embed(TEXTS, prompt_name="passage")
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.details().startswith("prompt_name: ")
+
+
+def test_the_embed_command(served, capsys):
+    """`prefixscore embed` against a server: one JSON array per text, sentence-transformers'
+    embeddings; a bad prompt name is an error naming it, exit status 1."""
+    from prefixscore import cli
+
+    st_model, _, _, target = served
+    argv = ["embed", "--target", target, "-i", TEXTS[0], "-i", TEXTS[1], "--prompt-name", "document"]
+    assert cli.main(argv) == 0
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    _close(np.asarray(got, np.float32), st_model.encode(TEXTS[:2], prompt_name="document"))
+    assert cli.main(["embed", "--target", target, "-i", "x", "--prompt-name", "passage"]) == 1
+    assert "INVALID_ARGUMENT: prompt_name: " in capsys.readouterr().err
