@@ -13,7 +13,8 @@ The key is CRC-32 (zlib's, IEEE) of the UTF-8 bytes of
 
 as 8 lowercase hex digits, where kind is `rerank` (a rerank: the template wraps the query and
 its instruction, empty for the default) or `score` (a text query); a query of token ids is
-`score-ids` with the ids as little-endian 32-bit integers in place of the text. What the prefix also
+`score-ids` with the ids as little-endian 32-bit integers in place of the text; an embedding
+request is `embed` with its prompt's name as the instruction and no query. What the prefix also
 depends on but every replica of one deployment shares (the model, the template) is left
 out: a client need not know them, and a request's `model` field is only echoed. CRC-32 is
 not a digest of identity, only a routing key: two queries that share it share a replica,
@@ -40,6 +41,12 @@ def for_score(query: str | Sequence[int] | np.ndarray) -> str:
     if isinstance(query, str):
         return _key("score", "", query.encode())
     return _key("score-ids", "", np.asarray(query, dtype="<i4").tobytes())
+
+
+def for_embed(prompt_name: str | None = None) -> str:
+    """The key of an embedding request: its prompt by name (the prefix the engine caches; empty
+    or absent: the model's default prompt), no query."""
+    return _key("embed", prompt_name or "", b"")
 
 
 def for_rerank(query: str, instruction: str | None = None) -> str:

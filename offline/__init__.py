@@ -1,3 +1,3 @@
-"""Offline work: `prefixscore batch` (OpenAI batch files through /v1/score and /v1/rerank),
-the sentence-transformers-style `CrossEncoder`, and `prefixscore eval` (rerank a first-stage run
-and measure it)."""
+"""Offline work: `prefixscore batch` (OpenAI batch files through /v1/score, /v1/rerank and
+/v1/embeddings), the sentence-transformers-style `CrossEncoder` and `SentenceTransformer`, and
+`prefixscore eval` (rerank a first-stage run and measure it)."""

@@ -50,9 +50,9 @@ def backend_from(args: argparse.Namespace) -> Any:
 def add_batch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "batch",
-        help="run an OpenAI-format batch file of /v1/score and /v1/rerank requests",
+        help="run an OpenAI-format batch file of /v1/score, /v1/rerank and /v1/embeddings requests",
         description="Run a batch file (one JSON line per request: custom_id, method, url, body) through "
-        "/v1/score and /v1/rerank, in process or on running servers; write one line per request in "
+        "/v1/score, /v1/rerank and /v1/embeddings, in process or on running servers; write one line per request in "
         "vLLM's run-batch output format.",
     )
     p.add_argument("input", help="the batch file (JSONL)")

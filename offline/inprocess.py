@@ -1,7 +1,7 @@
 """Batch lines scored in this process by a `Scorer`: each body validated by the HTTP API's own
 pydantic models and validation pass, its response built by the API's own functions
 (service/http_schemas.py, http_bodies.py, http_errors.py), so a line's body is what
-`POST /v1/score` or `/v1/rerank` would answer.
+`POST /v1/score`, `/v1/rerank` or `/v1/embeddings` would answer.
 What differs from sending the lines one by one is how they reach the device: a window's
 requests are queued together (`EngineRunner.score_requests`), so one query's lines share one
 prefill and their items fill the same device calls."""
@@ -13,12 +13,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from prefixscore.engine.embedding import ValidatedEmbed
 from prefixscore.engine.scorer import Scorer
 from prefixscore.engine.validation import InvalidInput, TokenizedRequest, Validated, ValidatedRerank
+from prefixscore.engine.work_unit import WorkUnit
 from prefixscore.offline.lines import BatchLine, answered, failed
 from prefixscore.service import http_bodies, http_errors, http_schemas
 from prefixscore.telemetry import request_ids
@@ -31,7 +32,7 @@ MAX_QUEUED_ITEMS = 16384
 class _Checked:
     line: BatchLine
     body: BaseModel  # the route's request model
-    checked: Validated | ValidatedRerank
+    checked: Validated | ValidatedRerank | ValidatedEmbed
 
     @property
     def request(self) -> TokenizedRequest:
@@ -73,33 +74,43 @@ class ScorerBackend:
         if line.kind == "score":
             body = http_schemas.ScoringRequest.model_validate(line.body)
             return _Checked(line, body, validator.score(http_bodies.score_input(body)))
+        if line.kind == "embed":
+            body = http_schemas.EmbeddingRequest.model_validate(line.body)
+            return _Checked(line, body, self.scorer.embeddings.validate(http_bodies.embed_input(body)))
         body = http_schemas.RerankRequest.model_validate(line.body)
         return _Checked(line, body, validator.rerank(http_bodies.rerank_input(body)))
 
     def _run(self, chunk: list[_Checked]) -> Iterator[dict[str, Any]]:
         work = [c for c in chunk if c.request.items]
         try:
-            scores, cached = self.scorer.runner.score_requests([c.request for c in work])
+            units = self.scorer.runner.run_requests([c.request for c in work])
         except Exception:  # one request the pool cannot take fails the lot: run each alone
             for c in work:
                 yield self._alone(c)
         else:
-            done = {id(c): (s, n) for c, s, n in zip(work, scores, cached, strict=True)}
+            done = {id(c): unit for c, unit in zip(work, units, strict=True)}
             for c in chunk:
-                yield self._body(c, *done.get(id(c), (None, 0)))
+                yield self._body(c, done.get(id(c)))
 
     def _alone(self, c: _Checked) -> dict[str, Any]:
         try:
-            scores, cached = self.scorer.runner.score_requests([c.request])
+            (unit,) = self.scorer.runner.run_requests([c.request])
         except Exception as err:
             rid = request_ids.new_id()
             error = http_schemas.ErrorResponse(message=f"{err}", type="InternalServerError", code=500)
             return failed(c.line.custom_id, rid, 500, error.model_dump())
-        return self._body(c, scores[0], cached[0])
+        return self._body(c, unit)
 
-    def _body(self, c: _Checked, scores: np.ndarray | None, cached: int) -> dict[str, Any]:
+    def _body(self, c: _Checked, unit: WorkUnit | None) -> dict[str, Any]:
+        """The route's response body; `unit` None: a request with no items (no device work)."""
         rid = request_ids.new_id()
         model = c.body.model or self.scorer.model.name  # type: ignore[attr-defined]
+        scores, cached = (unit.reply.scores, unit.reply.cached_tokens) if unit is not None else (None, 0)
+        if isinstance(c.checked, ValidatedEmbed):
+            assert unit is not None and unit.reply.hidden is not None  # an embedding request has inputs
+            vectors = c.checked.finish(unit.reply.hidden)
+            body = http_bodies.embed_response(c.checked, vectors, cached, model, c.body.encoding_format)  # type: ignore[attr-defined]
+            return answered(c.line.custom_id, rid, body.model_dump())
         if isinstance(c.checked, ValidatedRerank):
             body = http_bodies.rerank_response(c.body, c.checked, scores, cached, model, rid)  # type: ignore[arg-type]
         else:

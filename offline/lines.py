@@ -1,6 +1,6 @@
 """One line of a batch file in (the OpenAI batch format), one line out (vLLM's run-batch format).
 
-Input: `{"custom_id", "method": "POST", "url": "/v1/score" | "/v1/rerank", "body"}`, the body
+Input: `{"custom_id", "method": "POST", "url": "/v1/score" | "/v1/rerank" | "/v1/embeddings", "body"}`, the body
 exactly as the HTTP API takes it. Output, one line per input line:
 
     {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}
@@ -22,7 +22,13 @@ from typing import Any
 from prefixscore import prefix_key
 
 # the HTTP API's routes (service/http_api.py) -> what they do
-ROUTES = {"/v1/score": "score", "/v1/rerank": "rerank", "/v2/rerank": "rerank", "/rerank": "rerank"}
+ROUTES = {
+    "/v1/score": "score",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v1/embeddings": "embed",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +38,16 @@ class BatchLine:
 
     number: int  # 1-based line number in the input file
     custom_id: str
-    kind: str  # "score" or "rerank"
+    kind: str  # "score", "rerank" or "embed"
     body: dict[str, Any]
 
     @property
     def key(self) -> str:
         """The prefix key (prefix_key.py) of the query the line scores against: lines with
         one key share one prefill; "" when the body has no usable query (it fails validation)."""
+        if self.kind == "embed":  # lines with one prompt share its prefill
+            name = self.body.get("prompt_name")
+            return prefix_key.for_embed(name) if name is None or isinstance(name, str) else ""
         query = self.body.get("query")
         if self.kind == "rerank":
             instruction = self.body.get("instruction")
@@ -52,7 +61,12 @@ class BatchLine:
 
     @property
     def items(self) -> int:
-        """How many items (documents) the line scores, for progress."""
+        """How many items (documents, inputs) the line scores, for progress."""
+        if self.kind == "embed":
+            inputs = self.body.get("input")
+            if isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs):
+                return 1  # one input's token ids
+            return 1 if isinstance(inputs, str) else len(inputs) if isinstance(inputs, list) else 0
         many = self.body.get("documents" if self.kind == "rerank" else "items")
         return 1 if isinstance(many, str) else len(many) if isinstance(many, list) else 0
 

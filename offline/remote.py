@@ -19,7 +19,7 @@ import httpx
 from prefixscore import prefix_key
 from prefixscore.offline.lines import BatchLine, answered, failed
 
-PATHS = {"score": "/v1/score", "rerank": "/v1/rerank"}
+PATHS = {"score": "/v1/score", "rerank": "/v1/rerank", "embed": "/v1/embeddings"}
 RETRY_STATUS = (429, 503)  # queue full, loading or draining: the same request succeeds later
 REFUSED_ATTEMPTS = 30  # of a request answered with RETRY_STATUS, then its answer is the line's
 TRANSPORT_ATTEMPTS = 6  # of a request the target did not answer (refused or dropped connection)

@@ -422,3 +422,32 @@ def test_the_embed_command(served, capsys):
     _close(np.asarray(got, np.float32), st_model.encode(TEXTS[:2], prompt_name="document"))
     assert cli.main(["embed", "--target", target, "-i", "x", "--prompt-name", "passage"]) == 1
     assert "INVALID_ARGUMENT: prompt_name: " in capsys.readouterr().err
+
+
+def test_batch_file_lines_of_embeddings(pairs):
+    """`/v1/embeddings` lines of a batch file, answered in process as the HTTP API answers them:
+    sentence-transformers' embeddings, one prompt's lines under one prefix key, a bad body
+    answered with the API's 400 naming its field."""
+    from prefixscore.offline.inprocess import ScorerBackend
+    from prefixscore.offline.lines import parse
+
+    st_model, scorer = pairs("last")
+    bodies = {
+        "q1": {"input": TEXTS[:2], "prompt_name": "query"},
+        "q2": {"input": TEXTS[2], "prompt_name": "query", "encoding_format": "base64"},
+        "d": {"input": TEXTS[3:], "prompt_name": "document", "dimensions": 8},
+        "bad": {"input": TEXTS, "dimensions": 0},
+    }
+    lines = [
+        parse(n, json.dumps({"custom_id": cid, "url": "/v1/embeddings", "body": body}).encode())
+        for n, (cid, body) in enumerate(bodies.items(), 1)
+    ]
+    assert lines[0].key == lines[1].key != lines[2].key and [line.items for line in lines] == [2, 1, 2, 5]
+    out = {o["custom_id"]: o for o in ScorerBackend(scorer).answer([lines])}
+    got = [d["embedding"] for d in out["q1"]["response"]["body"]["data"]]
+    _close(np.asarray(got, np.float32), st_model.encode(TEXTS[:2], prompt_name="query"))
+    encoded = out["q2"]["response"]["body"]["data"][0]["embedding"]
+    _close(np.frombuffer(base64.b64decode(encoded), "<f4")[None], st_model.encode(TEXTS[2:3], prompt_name="query"))
+    want = st_model.encode(TEXTS[3:], prompt_name="document", truncate_dim=8, normalize_embeddings=True)
+    _close(np.asarray([d["embedding"] for d in out["d"]["response"]["body"]["data"]], np.float32), want)
+    assert out["bad"]["response"]["status_code"] == 400 and out["bad"]["error"]["message"].startswith("dimensions: ")
