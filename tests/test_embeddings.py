@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -451,3 +452,39 @@ def test_batch_file_lines_of_embeddings(pairs):
     want = st_model.encode(TEXTS[3:], prompt_name="document", truncate_dim=8, normalize_embeddings=True)
     _close(np.asarray([d["embedding"] for d in out["d"]["response"]["body"]["data"]], np.float32), want)
     assert out["bad"]["response"]["status_code"] == 400 and out["bad"]["error"]["message"].startswith("dimensions: ")
+
+
+@pytest.mark.parametrize(("mode", "include_prompt"), [("lasttoken", True), ("mean", False)])
+def test_a_tokenizer_that_appends_an_end_token(tmp_path, mode, include_prompt):
+    """Qwen3-Embedding's tokenizer appends <|endoftext|> to every text, and its last-token pooling
+    reads it: the embeddings equal sentence-transformers', the prompt's count leaves the prompt's
+    own end token out (a mean without the prompt skips that many), and a cut input keeps its end
+    token, as the tokenizer's truncation does."""
+    import sentence_transformers as st
+    from conftest import ONE_SHAPE_BUCKETS
+
+    path = Path(_st_checkpoint(tmp_path, mode, include_prompt, True))
+    tokenizer_json = json.loads((path / "tokenizer.json").read_text())
+    end = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    tokenizer_json["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"Sequence": {"id": "A", "type_id": 0}}, end],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}, end],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    st_model = st.SentenceTransformer(str(path), device="cpu")
+    assert st_model.tokenizer(TEXTS[0])["input_ids"][-1] == 0  # the end token is there
+    scorer = Scorer.load(str(path), buckets=ONE_SHAPE_BUCKETS)
+    _close(scorer.embed(TEXTS), st_model.encode(TEXTS, convert_to_numpy=True))
+    scorer.embed(["first"])
+    scorer.embed(["second", "third"])
+    # the prompt's tokens but its trailing end token, then but its last: all cached
+    assert scorer.last_usage.cached_tokens == len(st_model.tokenizer(QUERY_PROMPT)["input_ids"]) - 2
+    long_text = " ".join(f"word{i}" for i in range(400))
+    cut = scorer.embed([long_text], truncate=True)
+    saved, st_model.max_seq_length = st_model.max_seq_length, scorer.last_usage.prompt_tokens
+    try:
+        _close(cut, st_model.encode([long_text], convert_to_numpy=True))
+    finally:
+        st_model.max_seq_length = saved
