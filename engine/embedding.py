@@ -25,15 +25,15 @@ pools every token of the sequence, so such inputs run whole, as do inputs with n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 
 from prefixscore.engine.invalid_input import InvalidInput
-from prefixscore.engine.pooling import LAST, PoolRows
+from prefixscore.engine.known_positions import common_prefix
+from prefixscore.engine.pooling import PoolRows, unit_rows
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
-from prefixscore.model.sentence_config import Pooling
+from prefixscore.model.sentence_config import LAST, Pooling
 
 TRUNCATION_DIRECTIONS = ("right", "left")
 
@@ -63,10 +63,8 @@ class ValidatedEmbed:
         """The request's pooled vectors [inputs, hidden] -> its embeddings [inputs, dimensions]:
         the first `dimensions` kept (Matryoshka truncation), then each scaled to unit L2 norm when
         asked; in that order, as sentence-transformers' `encode(truncate_dim=, normalize_embeddings=True)`."""
-        out = pooled[:, : self.dimensions].astype(np.float64)
-        if self.normalize:
-            out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
-        return out.astype(np.float32)
+        out = pooled[:, : self.dimensions]
+        return (unit_rows(out) if self.normalize else out).astype(np.float32)
 
 
 class EmbeddingRequests:
@@ -208,8 +206,9 @@ class EmbeddingRequests:
             # the prompt's tokens but its last, which a text's first may merge into: the same
             # prefix for every request with this prompt, so the cache serves them all
             shared = min(prompt_len - 1, min(map(len, sequences)) - 1)  # each item keeps a token
+            first = np.asarray(sequences[0])
             for seq in sequences[1:]:
-                shared = _common(sequences[0], seq, shared)
+                shared = min(shared, common_prefix(first, np.asarray(seq)))
         skip = 0 if pooling.include_prompt or pooling.mode == LAST else prompt_len - shared
         items = TokenRows.from_lists([seq[shared:] for seq in sequences])
         empty = np.flatnonzero(items.lengths <= skip)
@@ -229,14 +228,6 @@ class EmbeddingRequests:
         pool = PoolRows(pooling.mode, np.full(len(sequences), skip, np.int64), pooling.dimension)
         prefix = tuple(sequences[0][:shared])
         return TokenizedRequest(prefix, items, (), False, not prefix, pool=pool)
-
-
-def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """The length of the run a and b start with, at most `limit`."""
-    n = 0
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _inputs(value: object) -> tuple[list[str] | None, object]:

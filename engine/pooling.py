@@ -18,18 +18,14 @@ import dataclasses
 import numpy as np
 
 from prefixscore.engine.token_rows import TokenRows
-
-# sentence-transformers' pooling_mode names (sentence_transformers Pooling.POOLING_MODES) of
-# the modes computed here
-LAST, MEAN, CLS = "lasttoken", "mean", "cls"
-MODES = (LAST, MEAN, CLS)
+from prefixscore.model.sentence_config import CLS, LAST
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PoolRows:
     """How a request's hidden rows become one vector per item."""
 
-    mode: str  # LAST, MEAN or CLS
+    mode: str  # model/sentence_config.py's LAST, MEAN or CLS
     skip: np.ndarray  # [items] int64: each item's leading tokens kept out of the pool
     hidden: int  # the model's hidden size: a row's width
 
@@ -52,3 +48,9 @@ class PoolRows:
         counted = index >= np.repeat(skip, lengths)
         sums = np.add.reduceat(np.where(counted[:, None], rows.astype(np.float64), 0.0), offsets[:-1], axis=0)
         return (sums / (lengths - skip)[:, None]).astype(np.float32)
+
+
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    """Each row scaled to unit L2 norm, in float64 (a zero row stays zero)."""
+    x = np.asarray(x, np.float64)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)

@@ -52,9 +52,10 @@ class Pooling:
     max_seq_length: int | None
 
 
-MODES = ("lasttoken", "mean", "cls")  # the pooling modes computed
+LAST, MEAN, CLS = "lasttoken", "mean", "cls"  # sentence-transformers' pooling_mode names
+MODES = (LAST, MEAN, CLS)  # the pooling modes computed (engine/pooling.py)
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")  # SentenceTransformer.SUPPORTED_SIMILARITY_FN_NAMES
-PLAIN_MODES = {"last": "lasttoken", "mean": "mean"}  # --pooling for a plain causal LM -> its mode
+PLAIN_MODES = {"last": LAST, "mean": MEAN}  # --pooling for a plain causal LM -> its mode
 
 _DEFAULT_PROMPTS = {"query": "", "document": ""}  # see Pooling.prompts
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from prefixscore.engine.pooling import unit_rows
+
 if TYPE_CHECKING:
     from prefixscore.engine.scorer import Scorer
 
@@ -75,7 +77,7 @@ class SentenceTransformer:
         if truncate_dim is not None:
             out = out[:, :truncate_dim]
         if normalize_embeddings:
-            out = out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+            out = unit_rows(out)
         out = out.astype(np.float32)
         if single:
             out = out[0]
@@ -94,8 +96,7 @@ class SentenceTransformer:
         y = np.atleast_2d(np.asarray(b, np.float64))
         name = self.similarity_fn_name
         if name == "cosine":
-            unit = lambda m: m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12)  # noqa: E731
-            scores = unit(x) @ unit(y).T
+            scores = unit_rows(x) @ unit_rows(y).T
         elif name == "dot":
             scores = x @ y.T
         elif name == "euclidean":
