@@ -488,3 +488,22 @@ def test_a_tokenizer_that_appends_an_end_token(tmp_path, mode, include_prompt):
         _close(cut, st_model.encode([long_text], convert_to_numpy=True))
     finally:
         st_model.max_seq_length = saved
+
+
+@pytest.mark.parametrize(("pooling", "mode"), [("last", "lasttoken"), ("mean", "mean")])
+def test_a_plain_causal_lm_served_with_pooling(tmp_path, pooling, mode):
+    """`--pooling last|mean` on a plain causal LM (no modules.json): the embeddings of the same
+    weights under sentence-transformers' Pooling of that mode and Normalize, with no prompt; on a
+    checkpoint whose modules.json says how it pools, the option is refused by name."""
+    import sentence_transformers as st
+    from conftest import ONE_SHAPE_BUCKETS
+
+    with_modules = Path(_st_checkpoint(tmp_path, mode, True, True))
+    plain = tmp_path / "plain"
+    shutil.copytree(with_modules, plain)
+    (plain / "modules.json").unlink()
+    st_model = st.SentenceTransformer(str(with_modules), device="cpu")
+    scorer = Scorer.load(str(plain), buckets=ONE_SHAPE_BUCKETS, pooling=pooling)
+    _close(scorer.embed(TEXTS), st_model.encode(TEXTS, prompt="", convert_to_numpy=True))
+    with pytest.raises(ValueError, match="^pooling: "):
+        Scorer.load(str(with_modules), buckets=ONE_SHAPE_BUCKETS, pooling=pooling)
