@@ -63,8 +63,11 @@ def test_a_short_soak_passes_and_reports_every_window(tmp_path, capsys, caplog) 
     assert [w["window"] for w in windows] == list(range(1, 5))  # one warm-up window, the three a trend needs
     for w in windows:
         assert WINDOW_FIELDS <= set(w), w
-        assert w["rss_mib"] > 0 and w["requests"] > 0 and not w["unexpected"]
+        assert w["rss_mib"] > 0 and not w["unexpected"]
         assert not any(w["server_codes"].get(code) for code in soak.SERVER_FAILURES)
+    # past the warm-up, every window answered requests. The warm-up window compiles the call
+    # shapes: on CI's loaded runner (2.5x slower that run) it answered none in its 5 s
+    assert all(w["requests"] > 0 for w in windows[soak.WARMUP_WINDOWS :]), windows
     codes = {code for w in windows for code in w["codes"]}
     # every kind of outcome the mix makes happened: answers, cancels, expired deadlines, bad inputs refused
     assert {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT"} <= codes
