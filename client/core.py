@@ -22,6 +22,7 @@ from prefixscore.client.messages import (
     Text,
     embed_request,
     embed_result,
+    embed_stream_open,
     rerank_request,
     rerank_result,
     score_request,
@@ -176,8 +177,30 @@ class ClientCore(abc.ABC, Generic[ScoreOut, RerankOut, StreamOut]):
 
         return self._run(steps())
 
+    def embed_stream(
+        self,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int = 0,
+        normalize: bool | None = None,
+        truncate: bool = False,
+        timeout: float | None = None,
+    ) -> StreamOut:
+        """Open an EmbedStream session: the prompt (as in `embed`) prefilled once and pinned while
+        it is open; each batch sent (`send`, or `submit` then `result`) gives its inputs'
+        embeddings [inputs][dimensions], as `embed` does. Failover as a ScoreStream's."""
+
+        def steps() -> Steps[Any]:
+            opening = embed_stream_open(prompt_name, prompt, dimensions, normalize, truncate)
+            metadata = self._call_metadata(partial(prefix_key.for_embed, prompt_name))
+            return (yield partial(self._open_stream, opening, timeout, metadata))
+
+        return self._run(steps())
+
     @abc.abstractmethod
-    def _open_stream(self, opening: pb.ScoreStreamRequest, timeout: float | None, metadata: Metadata) -> Any:
+    def _open_stream(
+        self, opening: pb.ScoreStreamRequest | pb.EmbedStreamRequest, timeout: float | None, metadata: Metadata
+    ) -> Any:
         """A session over a new stream, returned once the server acknowledged its open."""
 
     def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None, metadata: Metadata) -> Any:

@@ -194,8 +194,32 @@ def embed_request(
     )
 
 
+def embed_stream_open(
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+    dimensions: int = 0,
+    normalize: bool | None = None,
+    truncate: bool = False,
+) -> pb.EmbedStreamRequest:
+    """Build the opening message of an EmbedStream (the options as in embed_request)."""
+    return pb.EmbedStreamRequest(
+        open=pb.EmbedStreamOpen(
+            prompt_name=prompt_name,
+            prompt=prompt,
+            dimensions=dimensions,
+            normalize=normalize,
+            truncate=pb.TRUNCATE_END if truncate else pb.TRUNCATE_NONE,
+        )
+    )
+
+
 def embed_result(response: pb.EmbedResponse) -> EmbedResult:
-    return EmbedResult([list(e.values) for e in response.embeddings], usage(response.usage))
+    return EmbedResult(vectors(response.embeddings), usage(response.usage))
+
+
+def vectors(msgs: Sequence[pb.Embedding]) -> list[list[float]]:
+    """Embeddings [inputs][dimensions]."""
+    return [list(e.values) for e in msgs]
 
 
 def usage(msg: pb.Usage) -> Usage:

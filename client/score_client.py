@@ -65,6 +65,8 @@ from prefixscore.v1 import score_service_pb2 as pb
 class ScoreStream(StreamCore):
     """A sync ScoreStream session (from `ScoreClient.stream`): the query's KV stays pinned on
     the server until `close()`. Results may come back out of order; they are matched by id.
+    An EmbedStream session (`ScoreClient.embed_stream`) is one too: its prompt pinned, each
+    batch's result its inputs' embeddings [inputs][dimensions].
 
     Failover (a client with `retry=Retry(...)`): when the stream fails UNAVAILABLE (its replica
     killed or restarted, the connection lost, or ended after a GOAWAY at max connection age) or
@@ -85,7 +87,7 @@ class ScoreStream(StreamCore):
     def _new_call(self) -> None:
         # gRPC's own thread reads the requests from this queue until a None
         self._requests: queue.Queue = queue.Queue()
-        self._call = self._stub.ScoreStream(
+        self._call = getattr(self._stub, self._kind.rpc)(
             self._outgoing(self._requests), timeout=self._timeout(), metadata=self._metadata
         )
 
@@ -159,7 +161,9 @@ class ScoreClient(ClientCore[ScoreResult, RerankResult, ScoreStream]):
     _sleep = staticmethod(time.sleep)
     _run = staticmethod(run_blocking)
 
-    def _open_stream(self, opening: pb.ScoreStreamRequest, timeout: float | None, metadata: Metadata) -> ScoreStream:
+    def _open_stream(
+        self, opening: pb.ScoreStreamRequest | pb.EmbedStreamRequest, timeout: float | None, metadata: Metadata
+    ) -> ScoreStream:
         return ScoreStream(self._stub, opening, timeout, metadata, self._retry)
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
@@ -193,7 +197,7 @@ class AsyncScoreStream(StreamCore):
     _opens_when_made = False
 
     def _new_call(self) -> None:
-        self._call = self._stub.ScoreStream(timeout=self._timeout(), metadata=self._metadata)
+        self._call = getattr(self._stub, self._kind.rpc)(timeout=self._timeout(), metadata=self._metadata)
 
     async def _write(self, message: pb.ScoreStreamRequest) -> bool:
         try:
@@ -276,7 +280,7 @@ class AsyncScoreClient(ClientCore[Awaitable[ScoreResult], Awaitable[RerankResult
     _run = staticmethod(run_awaiting)
 
     async def _open_stream(
-        self, opening: pb.ScoreStreamRequest, timeout: float | None, metadata: Metadata
+        self, opening: pb.ScoreStreamRequest | pb.EmbedStreamRequest, timeout: float | None, metadata: Metadata
     ) -> AsyncScoreStream:
         session = AsyncScoreStream(self._stub, opening, timeout, metadata, self._retry)
         await session._run(session._open_steps())

@@ -6,6 +6,7 @@ only give it the I/O of one gRPC stream."""
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -14,11 +15,35 @@ from typing import Any
 import grpc
 
 from prefixscore.client.errors import BatchRefused, replica_lost, status_code
-from prefixscore.client.messages import BatchResult, Metadata, Text, Usage, batch_results, items_message, usage
+from prefixscore.client.messages import (
+    BatchResult,
+    Metadata,
+    Text,
+    Usage,
+    batch_results,
+    items_message,
+    usage,
+    vectors,
+)
 from prefixscore.client.retry import Retry, remaining
 from prefixscore.client.steps import Steps
 from prefixscore.v1 import score_service_pb2 as pb
 from prefixscore.v1 import score_service_pb2_grpc as pb_grpc
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamKind:
+    """What differs between the two streams (ScoreStream, EmbedStream) for a session."""
+
+    rpc: str  # the stub's method
+    request: type[pb.ScoreStreamRequest | pb.EmbedStreamRequest]  # a client message
+    answer: Callable[[Any], BatchResult]  # a batch's answer message -> its result
+
+
+KINDS = {
+    pb.ScoreStreamRequest: StreamKind("ScoreStream", pb.ScoreStreamRequest, lambda batch: batch_results(batch.scores)),
+    pb.EmbedStreamRequest: StreamKind("EmbedStream", pb.EmbedStreamRequest, lambda batch: vectors(batch.embeddings)),
+}
 
 
 class StreamCore(abc.ABC):
@@ -44,11 +69,13 @@ class StreamCore(abc.ABC):
         self._metadata = metadata
         self.prefix_tokens = 0
         self.cached_tokens = 0
-        self.label_token_ids: list[int] = []
+        self.label_token_ids: list[int] = []  # a ScoreStream's
+        self.dimensions = 0  # an EmbedStream's: the components of each embedding
         self.usage: Usage | None = None
         self.opened = False
         self.reopens = 0  # times this stream re-opened on another replica (failover)
         self._opening = opening
+        self._kind = KINDS[type(opening)]
         self._retry = retry
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = False
@@ -147,9 +174,9 @@ class StreamCore(abc.ABC):
             raise result
         return result
 
-    def _batch(self, items: Sequence[Text]) -> pb.ScoreStreamRequest:
+    def _batch(self, items: Sequence[Text]) -> pb.ScoreStreamRequest | pb.EmbedStreamRequest:
         batch_id, self._next_id = self._next_id, self._next_id + 1
-        message = pb.ScoreStreamRequest(batch=pb.ItemBatch(batch_id=batch_id, items=items_message(items)))
+        message = self._kind.request(batch=pb.ItemBatch(batch_id=batch_id, items=items_message(items)))
         self._unanswered[batch_id] = message
         return message
 
@@ -171,16 +198,20 @@ class StreamCore(abc.ABC):
         self.opened = False
         return True
 
-    def _take(self, response: pb.ScoreStreamResponse) -> None:
+    def _take(self, response: pb.ScoreStreamResponse | pb.EmbedStreamResponse) -> None:
         kind = response.WhichOneof("kind")
         if kind == "opened":
+            opened = response.opened
             self.opened = True
-            self.prefix_tokens = response.opened.prefix_tokens
-            self.cached_tokens = response.opened.cached_tokens
-            self.label_token_ids = list(response.opened.label_token_ids)
+            self.prefix_tokens = opened.prefix_tokens
+            self.cached_tokens = opened.cached_tokens
+            if isinstance(opened, pb.StreamOpened):
+                self.label_token_ids = list(opened.label_token_ids)
+            else:
+                self.dimensions = opened.dimensions
         elif kind == "batch":
             self._unanswered.pop(response.batch.batch_id, None)
-            self._results[response.batch.batch_id] = batch_results(response.batch.scores)
+            self._results[response.batch.batch_id] = self._kind.answer(response.batch)
         elif kind == "refused":
             r = response.refused
             self._unanswered.pop(r.batch_id, None)  # an answer too: the caller decides to send it again

@@ -80,16 +80,7 @@ class EmbeddingRequests:
 
     def validate(self, inp: EmbedInput) -> ValidatedEmbed:
         """The request in token ids, or InvalidInput naming the field; no device work."""
-        pooling = self._pooling()
-        dimensions = self._dimensions(inp.dimensions, pooling.dimension)
-        normalize = pooling.normalize if inp.normalize is None else inp.normalize
-        if not isinstance(normalize, bool):
-            raise InvalidInput("normalize", f"{inp.normalize!r} is not a boolean")
-        if not isinstance(inp.truncate, bool):
-            raise InvalidInput("truncate", f"{inp.truncate!r} is not a boolean")
-        if inp.truncation_direction not in TRUNCATION_DIRECTIONS:
-            why = f"{inp.truncation_direction!r} is not one of {', '.join(TRUNCATION_DIRECTIONS)}"
-            raise InvalidInput("truncation_direction", why)
+        pooling, dimensions, normalize = self._options(inp)
         texts, ids = _inputs(inp.input)
         if texts is not None:
             prompt = self._prompt(inp, pooling)
@@ -105,13 +96,41 @@ class EmbeddingRequests:
             prompt_len, kept, end_ids = 0, 0, []
         # the prompt's run is the prefix (less, at most, the token its end merges into a text's
         # first), and an item fits the largest item bucket
-        split = prompt_len > 0 and (pooling.mode == LAST or not pooling.include_prompt)
+        split = prompt_len > 0 and _splits(pooling)
         limit = min(self.max_tokens, self.requests.max_item_tokens + (prompt_len - 1 if split else 0))
         truncated = self._fit(sequences, limit, kept, end_ids, inp.truncate, inp.truncation_direction)
         request = self._layout(sequences, prompt_len, pooling)
         self.requests.check_request_tokens(len(request.prefix) + request.items.total)
         prompt_tokens = sum(map(len, sequences))
         return ValidatedEmbed(request, dimensions, normalize, prompt_tokens, tuple(truncated))
+
+    def stream_open(self, inp: EmbedInput) -> StreamPrompt:
+        """An embedding stream's open (its `input` unused): the options every batch takes, checked
+        as a request's are, and the prompt's shared run the stream pins (see the module doc): the
+        prefix each batch of texts is laid out over, found in the prefix cache."""
+        pooling, dimensions, _ = self._options(inp)
+        prompt = self._prompt(inp, pooling)
+        if not prompt or not _splits(pooling):
+            return StreamPrompt((), dimensions)
+        tokenizer = self.requests.tokenizer
+        if tokenizer is None:
+            raise InvalidInput("prompt", f"model {self.requests.cfg.name!r} has no tokenizer for a prompt")
+        alone, prompt_len = self._prompt_tokens(prompt)
+        return StreamPrompt(tuple(alone[: prompt_len - 1]), dimensions)
+
+    def _options(self, inp: EmbedInput) -> tuple[Pooling, int, bool]:
+        """The model's pooling, the request's dimensions and normalization, its truncation checked."""
+        pooling = self._pooling()
+        dimensions = self._dimensions(inp.dimensions, pooling.dimension)
+        normalize = pooling.normalize if inp.normalize is None else inp.normalize
+        if not isinstance(normalize, bool):
+            raise InvalidInput("normalize", f"{inp.normalize!r} is not a boolean")
+        if not isinstance(inp.truncate, bool):
+            raise InvalidInput("truncate", f"{inp.truncate!r} is not a boolean")
+        if inp.truncation_direction not in TRUNCATION_DIRECTIONS:
+            why = f"{inp.truncation_direction!r} is not one of {', '.join(TRUNCATION_DIRECTIONS)}"
+            raise InvalidInput("truncation_direction", why)
+        return pooling, dimensions, normalize
 
     def _pooling(self) -> Pooling:
         if self.pooling is None:
@@ -169,11 +188,16 @@ class EmbeddingRequests:
             chars = sum(map(len, texts)) + len(prompt) * len(texts)
             self.requests.check_chars("input", chars, limits.max_request_tokens)
         sequences = tokenizer.encode_whole_many([prompt + text for text in texts])
-        if not prompt:
-            return sequences, 0
+        return sequences, self._prompt_tokens(prompt)[1] if prompt else 0
+
+    def _prompt_tokens(self, prompt: str) -> tuple[list[int], int]:
+        """The prompt tokenized alone, and its tokens as sentence-transformers counts them (less a
+        trailing special token)."""
+        tokenizer = self.requests.tokenizer
+        assert tokenizer is not None
         alone = tokenizer.encode_whole_many([prompt])[0]
         special = set(tokenizer.hf.all_special_ids)
-        return sequences, len(alone) - (1 if alone and alone[-1] in special else 0)
+        return alone, len(alone) - (1 if alone and alone[-1] in special else 0)
 
     @staticmethod
     def _fit(
@@ -202,7 +226,7 @@ class EmbeddingRequests:
     def _layout(self, sequences: list[list[int]], prompt_len: int, pooling: Pooling) -> TokenizedRequest:
         """The prompt's shared run as the prefix, or whole sequences (see the module doc)."""
         shared = 0
-        if prompt_len and (pooling.mode == LAST or not pooling.include_prompt):
+        if prompt_len and _splits(pooling):
             # the prompt's tokens but its last, which a text's first may merge into: the same
             # prefix for every request with this prompt, so the cache serves them all
             shared = min(prompt_len - 1, min(map(len, sequences)) - 1)  # each item keeps a token
@@ -228,6 +252,21 @@ class EmbeddingRequests:
         pool = PoolRows(pooling.mode, np.full(len(sequences), skip, np.int64), pooling.dimension)
         prefix = tuple(sequences[0][:shared])
         return TokenizedRequest(prefix, items, (), False, not prefix, pool=pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPrompt:
+    """An embedding stream's open: the prompt's shared run it pins (empty: its inputs run whole)."""
+
+    prefix: tuple[int, ...]
+    dimensions: int  # of each embedding
+
+
+def _splits(pooling: Pooling) -> bool:
+    """Whether inputs with a prompt run as items over its shared run: last-token pooling reads
+    the last token alone, and a mean or cls without the prompt skips the prompt's tokens; a
+    mean or cls over the prompt pools every token, so such inputs run whole."""
+    return pooling.mode == LAST or not pooling.include_prompt
 
 
 def _inputs(value: object) -> tuple[list[str] | None, object]:

@@ -24,9 +24,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixscore import prefix_key
+from prefixscore.engine.embedding import EmbeddingRequests
 from prefixscore.engine.page_pins import StreamPin
 from prefixscore.engine.templates import ranked
-from prefixscore.engine.validation import InvalidInput, StreamSpec
+from prefixscore.engine.validation import InvalidInput, StreamSpec, TokenizedRequest
 from prefixscore.engine.work_unit import WorkUnit
 from prefixscore.service import security
 from prefixscore.service.core import (
@@ -37,7 +38,15 @@ from prefixscore.service.core import (
     unit_failure,
     validated,
 )
-from prefixscore.service.wire import RequestConverter, embed_input, embed_response, item_scores, parse, usage
+from prefixscore.service.wire import (
+    RequestConverter,
+    embed_input,
+    embed_response,
+    embeddings,
+    item_scores,
+    parse,
+    usage,
+)
 from prefixscore.telemetry import request_ids
 from prefixscore.v1 import score_service_pb2 as pb
 
@@ -168,6 +177,9 @@ class GrpcServer:
                         ),
                         "Embed": grpc.unary_unary_rpc_method_handler(
                             self.embed, response_serializer=pb.EmbedResponse.SerializeToString, **raw
+                        ),
+                        "EmbedStream": grpc.stream_stream_rpc_method_handler(
+                            self.embed_stream, response_serializer=pb.EmbedStreamResponse.SerializeToString, **raw
                         ),
                     },
                 ),
@@ -322,9 +334,17 @@ class GrpcServer:
         assert unit.reply.hidden is not None
         return embed_response(checked, checked.finish(unit.reply.hidden), unit.reply.cached_tokens)
 
-    # ---- ScoreStream -----------------------------------------------------------------------------
+    # ---- ScoreStream and EmbedStream --------------------------------------------------------------
     @_rpc("ScoreStream")
     async def score_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await self._stream(_StreamSession(self, context), requests)
+
+    @_rpc("EmbedStream")
+    async def embed_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await self._stream(_EmbedSession(self, context), requests)
+
+    async def _stream(self, session: _StreamSession, requests: Any) -> None:
+        """Run a stream session; both kinds count against one limit of open streams."""
         self._accepting()
         if self.streams >= self.config.max_streams:
             self.service.metrics.rejected.inc()
@@ -333,7 +353,6 @@ class GrpcServer:
                 f"server busy: {self.streams} streams are open (limit {self.config.max_streams}); retry later",
                 retry_after_ms=1000,
             )
-        session = _StreamSession(self, context)
         self.streams += 1
         self.service.metrics.open_streams.inc()
         try:
@@ -405,6 +424,11 @@ class GrpcServer:
         )
 
 
+def _scores(unit: WorkUnit, batch_id: int) -> pb.ScoreStreamResponse:
+    """A ScoreStream batch's answer: its items' scores."""
+    return pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id, scores=item_scores(unit.payload, unit.reply)))
+
+
 def _client_gone(context: grpc.aio.ServicerContext) -> Failure | None:
     """The status of a call its client ended (deadline passed, cancelled, disconnected), or None
     while the client is still there."""
@@ -417,20 +441,33 @@ def _client_gone(context: grpc.aio.ServicerContext) -> Failure | None:
 
 
 # what the stream's handler is told, in order, by its reader task and the device loop
+_StreamResponse = pb.ScoreStreamResponse | pb.EmbedStreamResponse
+
+
 @dataclasses.dataclass(frozen=True)
 class _Write:
-    message: pb.ScoreStreamResponse  # to send as is (`opened`)
+    message: _StreamResponse  # to send as is (`opened`)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Answer:
-    message: pb.ScoreStreamResponse  # a batch's answer without device work: empty, or refused
+    message: _StreamResponse  # a batch's answer without device work: empty, or refused
     batch_id: int
 
 
 @dataclasses.dataclass(frozen=True)
+class _Batch:
+    """A stream's batch, validated: its request, what usage counts for it, and its answer."""
+
+    request: TokenizedRequest
+    prompt_tokens: int
+    answer: Callable[[WorkUnit, int], _StreamResponse]  # (its finished unit, batch id) -> the answer
+
+
+@dataclasses.dataclass(frozen=True)
 class _Scored:
-    unit: WorkUnit  # a batch the device loop finished (scores, or its error)
+    unit: WorkUnit  # a batch the device loop finished (its answer, or its error)
+    batch: _Batch
     batch_id: int
 
 
@@ -443,14 +480,19 @@ _StreamEvent = _Write | _Answer | _Scored | _Ended
 
 
 class _StreamSession:
-    """One ScoreStream: a reader task takes client messages (open, then item batches) and
-    submits work; the handler writes `opened`, each batch's scores as they complete,
-    then the usage once the client half-closed and every batch was answered.
+    """One stream (ScoreStream; EmbedStream below): a reader task takes client messages (open,
+    then item batches) and submits work; the handler writes `opened`, each batch's answer as it
+    completes, then the usage once the client half-closed and every batch was answered. What
+    differs by kind: the messages, what the open pins, and a batch's validation and answer.
 
     Bounded (docs/operations.md): at most `max_pending_batches` batches accepted and not yet
     sent back; past that the reader stops reading, so HTTP/2 flow control pushes back on a
     client that sends without reading, and nothing piles up in server memory. A stream that
     neither sends (with nothing in flight) nor reads for `stream_idle_timeout_s` is ended."""
+
+    method = "ScoreStream"
+    request_type: type[pb.ScoreStreamRequest | pb.EmbedStreamRequest] = pb.ScoreStreamRequest
+    response_type: type[_StreamResponse] = pb.ScoreStreamResponse
 
     def __init__(self, server: GrpcServer, context: grpc.aio.ServicerContext) -> None:
         self.server = server
@@ -458,11 +500,12 @@ class _StreamSession:
         self.context = context
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[_StreamEvent] = asyncio.Queue()
+        self.opened = False
         self.spec: StreamSpec | None = None
         self.converter: RequestConverter | None = None  # set by the open
         self.pinned: StreamPin | None = None
         self.cached_tokens = 0
-        self.item_tokens = 0
+        self.prompt_tokens = 0  # usage: the prefix once, then what each batch adds
         self.items = 0
         self.outstanding: dict[int, WorkUnit] = {}  # id(unit) -> unit
         self.batch_ids: set[int] = set()  # batches accepted and not yet answered
@@ -485,20 +528,15 @@ class _StreamSession:
                 self.outstanding.pop(id(unit), None)
                 if unit.reply.error is not None:
                     raise unit_failure(unit.reply.error)
-                batch = pb.BatchScores(batch_id=happened.batch_id, scores=item_scores(unit.payload, unit.reply))
-                await self._write(pb.ScoreStreamResponse(batch=batch))
+                await self._write(happened.batch.answer(unit, happened.batch_id))
                 self._answered(happened.batch_id)
             elif isinstance(happened, _Ended):
                 if happened.failure is not None:
                     raise happened.failure
                 eof = True
             if eof and not self.outstanding and not self.batch_ids:
-                usage = pb.Usage(
-                    prompt_tokens=len(self.spec.prefix) + self.item_tokens if self.spec else 0,
-                    cached_tokens=self.cached_tokens,
-                    items=self.items,
-                )
-                await self._write(pb.ScoreStreamResponse(usage=usage))
+                usage = pb.Usage(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, items=self.items)
+                await self._write(self.response_type(usage=usage))
                 return
 
     def _idle(self, what: str) -> Failure:
@@ -508,7 +546,7 @@ class _StreamSession:
             f"stream: the client {what} for {self.idle_s:g} s (the server's stream idle timeout); stream ended",
         )
 
-    async def _write(self, message: pb.ScoreStreamResponse) -> None:
+    async def _write(self, message: _StreamResponse) -> None:
         """Write, bounded: a client that reads nothing for the idle timeout loses the stream."""
         try:
             await asyncio.wait_for(self.context.write(message), self.idle_s)
@@ -547,7 +585,7 @@ class _StreamSession:
         messages = requests.__aiter__()
         try:
             while (raw := await self._next(messages)) is not None:
-                msg = parse(pb.ScoreStreamRequest, raw)
+                msg = parse(self.request_type, raw)
                 which = msg.WhichOneof("kind")
                 if which == "open":
                     await self._open(msg.open)
@@ -558,7 +596,7 @@ class _StreamSession:
                     await self._batch(msg.batch)
                 else:
                     raise InvalidInput("request", "set either open or batch")
-            if self.spec is None:
+            if not self.opened:
                 raise InvalidInput("open", "the stream ended before it was opened; send open first")
             self.events.put_nowait(_Ended())
         except Failure as failure:
@@ -576,33 +614,48 @@ class _StreamSession:
             else:
                 self.events.put_nowait(_Ended(internal_failure("reading the stream failed", err)))
 
-    async def _open(self, msg: pb.StreamOpen) -> None:
-        if self.spec is not None:
+    async def _open(self, msg: Any) -> None:
+        if self.opened:
             raise Failure(
                 grpc.StatusCode.FAILED_PRECONDITION, "open: the stream is already open; send open once, first"
             )
-        await echo_prefix_key(_input_key(msg.query))
-        self.converter = self.server._accepting()
-        spec = await validated(msg.ByteSize(), self.converter.stream_open, msg)
-        if spec.prefix:
-            # pin the query's pages (refused at once when the pool cannot hold them) and prefill
+        prefix, opened = await self._opening(msg)
+        if prefix:
+            # pin the prefix's pages (refused at once when the pool cannot hold them) and prefill
             # it now: its KV stays on the device while the stream is open. The pin is recorded
             # before the prefill is awaited, so a stream cancelled during it still unpins (close)
-            self.pinned = self.service.pin(spec.prefix)
+            self.pinned = self.service.pin(prefix)
             try:
                 self.cached_tokens = await asyncio.wrap_future(self.pinned.ready)
             except Exception as err:  # WorkerStopped: UNAVAILABLE; a failed prefill: INTERNAL
                 raise unit_failure(err) from err
+        self.opened = True
+        self.events.put_nowait(_Write(self.response_type(opened=opened(len(prefix), self.cached_tokens))))
+
+    async def _opening(self, msg: pb.StreamOpen) -> tuple[tuple[int, ...], Callable[[int, int], Any]]:
+        """The open validated: the prefix to pin, and its `opened` answer from (prefix tokens,
+        cached tokens). A ScoreStream's prefix is its query."""
+        await echo_prefix_key(_input_key(msg.query))
+        self.converter = self.server._accepting()
+        spec = await validated(msg.ByteSize(), self.converter.stream_open, msg)
         self.spec = spec
-        opened = pb.StreamOpened(
-            prefix_tokens=len(spec.prefix),
-            cached_tokens=self.cached_tokens,
-            label_token_ids=self.converter.validator.requests.head.label_token_ids(spec.label_ids),
+        self.prompt_tokens = len(spec.prefix)
+        label_ids = self.converter.validator.requests.head.label_token_ids(spec.label_ids)
+        return spec.prefix, lambda prefix, cached: pb.StreamOpened(
+            prefix_tokens=prefix, cached_tokens=cached, label_token_ids=label_ids
         )
-        self.events.put_nowait(_Write(pb.ScoreStreamResponse(opened=opened)))
+
+    async def _checked(self, msg: pb.ItemBatch) -> _Batch:
+        """A batch of the open stream, validated (its items over the stream's query)."""
+        # the converter of the open: an open stream is served to its end, draining or not
+        assert self.converter is not None and self.spec is not None
+        spec = self.spec
+        req = await validated(msg.ByteSize(), self.converter.stream_batch, spec, msg)
+        tokens = sum(len(it) for it in req.items) if not spec.item_first else req.prompt_tokens
+        return _Batch(req, tokens, _scores)
 
     async def _batch(self, msg: pb.ItemBatch) -> None:
-        if self.spec is None:
+        if not self.opened:
             raise Failure(
                 grpc.StatusCode.FAILED_PRECONDITION, "batch: items sent before the stream was opened; send open first"
             )
@@ -610,17 +663,14 @@ class _StreamSession:
         if batch_id in self.batch_ids:
             # two answers with one id could not be told apart
             raise InvalidInput("batch_id", f"{batch_id} is already in flight on this stream; use a new id per batch")
-        # the converter of the open: an open stream is served to its end, draining or not
-        assert self.converter is not None
-        req = await validated(msg.ByteSize(), self.converter.stream_batch, self.spec, msg)
+        batch = await self._checked(msg) if msg.items else None
         self.batch_ids.add(batch_id)
-        if not req.items:
-            answer = pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id))
-            self.events.put_nowait(_Answer(answer, batch_id))
+        if batch is None or not batch.request.items:
+            self.events.put_nowait(_Answer(self.response_type(batch={"batch_id": batch_id}), batch_id))
             return
         # the open counted this stream's prefix-cache lookup
-        unit = self.service.unit(req, "ScoreStream", self.server._deadline(self.context), counts_lookup=False)
-        unit.reply.on_done = lambda u: self.events.put_nowait(_Scored(u, batch_id))  # on this loop (_deliver)
+        unit = self.service.unit(batch.request, self.method, self.server._deadline(self.context), counts_lookup=False)
+        unit.reply.on_done = lambda u: self.events.put_nowait(_Scored(u, batch, batch_id))  # on this loop (_deliver)
         self.outstanding[id(unit)] = unit
         try:
             self.service.submit(unit)
@@ -630,18 +680,18 @@ class _StreamSession:
                 raise
             # a full queue refuses this batch only: the stream, the batches it already has in
             # flight and the ones it sends later go on (a stream is long-lived; ending it would
-            # throw away accepted work and the query's prefill)
+            # throw away accepted work and the prefix's prefill)
             refused = pb.BatchRefused(
                 batch_id=batch_id,
                 code=failure.code.value[0],
                 message=failure.message,
                 retry_after_ms=failure.retry_after_ms or 0,
             )
-            self.events.put_nowait(_Answer(pb.ScoreStreamResponse(refused=refused), batch_id))
+            self.events.put_nowait(_Answer(self.response_type(refused=refused), batch_id))
             return
-        # usage counts what is scored: a refused batch is not
-        self.items += len(req.items)
-        self.item_tokens += sum(len(it) for it in req.items) if not self.spec.item_first else req.prompt_tokens
+        # usage counts what is computed: a refused batch is not
+        self.items += len(batch.request.items)
+        self.prompt_tokens += batch.prompt_tokens
 
     def close(self) -> None:
         """Cancel queued work of an ended stream and unpin its prefix."""
@@ -653,3 +703,41 @@ class _StreamSession:
         if self.pinned is not None:
             self.service.release(self.pinned)
             self.pinned = None
+
+
+class _EmbedSession(_StreamSession):
+    """One EmbedStream: the open's prompt (its shared run, engine/embedding.py) pinned, each
+    batch's inputs embedded over it as Embed embeds a request's."""
+
+    method = "EmbedStream"
+    request_type = pb.EmbedStreamRequest
+    response_type = pb.EmbedStreamResponse
+
+    def __init__(self, server: GrpcServer, context: grpc.aio.ServicerContext) -> None:
+        super().__init__(server, context)
+        self.embedding: EmbeddingRequests | None = None  # the validation of the open, for its batches
+        self.open_msg = pb.EmbedStreamOpen()
+
+    async def _opening(self, msg: pb.EmbedStreamOpen) -> tuple[tuple[int, ...], Callable[[int, int], Any]]:
+        await echo_prefix_key(prefix_key.for_embed(msg.prompt_name if msg.HasField("prompt_name") else None))
+        self.embedding = self.service.accepting_embeddings()
+        self.open_msg = msg
+        prompt = await validated(msg.ByteSize(), self.embedding.stream_open, embed_input(msg))
+        return prompt.prefix, lambda prefix, cached: pb.EmbedStreamOpened(
+            prefix_tokens=prefix, cached_tokens=cached, dimensions=prompt.dimensions
+        )
+
+    async def _checked(self, msg: pb.ItemBatch) -> _Batch:
+        assert self.embedding is not None  # an open stream is served to its end, draining or not
+        checked = await validated(msg.ByteSize(), self.embedding.validate, embed_input(self.open_msg, msg.items))
+
+        def answer(unit: WorkUnit, batch_id: int) -> pb.EmbedStreamResponse:
+            assert unit.reply.hidden is not None
+            vectors = checked.finish(unit.reply.hidden)
+            return pb.EmbedStreamResponse(
+                batch=pb.BatchEmbeddings(
+                    batch_id=batch_id, embeddings=embeddings(vectors), truncated_items=checked.truncated
+                )
+            )
+
+        return _Batch(checked.request, checked.prompt_tokens, answer)

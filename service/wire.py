@@ -154,10 +154,11 @@ class RequestConverter:
         return self.validator.stream_batch(spec, _items(msg.items))
 
 
-def embed_input(msg: pb.EmbedRequest) -> EmbedInput:
-    """An EmbedRequest as the input of the embedding validation (engine/embedding.py)."""
+def embed_input(msg: pb.EmbedRequest | pb.EmbedStreamOpen, batch: Sequence[pb.Input] = ()) -> EmbedInput:
+    """An EmbedRequest, or an EmbedStream's open with one `batch` of its inputs, as the input of
+    the embedding validation (engine/embedding.py)."""
     return EmbedInput(
-        _items(msg.inputs),
+        _items(msg.inputs if isinstance(msg, pb.EmbedRequest) else batch),
         msg.prompt_name if msg.HasField("prompt_name") else None,
         msg.prompt if msg.HasField("prompt") else None,
         msg.dimensions or None,
@@ -167,14 +168,18 @@ def embed_input(msg: pb.EmbedRequest) -> EmbedInput:
     )
 
 
-def embed_response(checked: ValidatedEmbed, embeddings: np.ndarray, cached_tokens: int) -> pb.EmbedResponse:
+def embeddings(vectors: np.ndarray) -> list[pb.Embedding]:
+    return [pb.Embedding(values=row) for row in vectors.tolist()]
+
+
+def embed_response(checked: ValidatedEmbed, vectors: np.ndarray, cached_tokens: int) -> pb.EmbedResponse:
     """One Embedding per input, in order, and the request's usage."""
     return pb.EmbedResponse(
-        embeddings=[pb.Embedding(values=row) for row in embeddings.tolist()],
+        embeddings=embeddings(vectors),
         usage=pb.Usage(
             prompt_tokens=checked.prompt_tokens,
             cached_tokens=cached_tokens,
-            items=len(embeddings),
+            items=len(vectors),
             truncated_items=checked.truncated,
         ),
     )

@@ -94,7 +94,7 @@ class ServiceMetrics:
             registry=r,
         )
         self.inflight = Gauge("prefixscore_inflight_requests", "RPCs in progress (unary and streams).", registry=r)
-        self.open_streams = Gauge("prefixscore_open_streams", "ScoreStream sessions open.", registry=r)
+        self.open_streams = Gauge("prefixscore_open_streams", "ScoreStream and EmbedStream sessions open.", registry=r)
         self.rejected = Counter(
             "prefixscore_rejected_total", "Requests refused by admission control (queue full).", registry=r
         )

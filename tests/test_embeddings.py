@@ -411,6 +411,58 @@ def test_grpc_embed_from_the_python_client(served):
         assert refused.value.details().startswith("prompt_name: ")
 
 
+def test_grpc_embed_stream_over_a_pinned_prompt(served):
+    """EmbedStream (sync and asyncio): the prompt's shared run prefilled at the open and pinned
+    while the stream is open; each batch's embeddings are sentence-transformers' (out of order
+    submits matched by id); the usage counts every input whole; a bad open or batch ends the
+    stream INVALID_ARGUMENT naming the field."""
+    import asyncio
+
+    import grpc
+    from helpers.service import scrape
+
+    from prefixscore.client import AsyncScoreClient, ScoreClient
+
+    st_model, _, metrics_port, target = served
+    tokenizer = st_model.tokenizer
+    shared = len(tokenizer(QUERY_PROMPT)["input_ids"]) - 1  # the prompt but its last token
+    want = st_model.encode(TEXTS, prompt_name="query")
+    with ScoreClient(target) as client:
+        with client.embed_stream(prompt_name="query") as stream:
+            assert (stream.prefix_tokens, stream.dimensions) == (shared, 64)
+            pinned = scrape(metrics_port)["prefixscore_prefix_cache_pinned"]
+            assert pinned >= 1  # the prompt stays on the device while the stream is open
+            first, second = stream.submit(TEXTS[:3]), stream.submit(TEXTS[3:])
+            _close(np.asarray(stream.result(second), np.float32), want[3:])
+            _close(np.asarray(stream.result(first), np.float32), want[:3])
+            usage = stream.close()
+        assert scrape(metrics_port)["prefixscore_prefix_cache_pinned"] == pinned - 1  # unpinned at its end
+        assert usage.items == len(TEXTS)
+        assert usage.prompt_tokens == sum(len(tokenizer(QUERY_PROMPT + t)["input_ids"]) for t in TEXTS)
+        with client.embed_stream(prompt_name="query") as again:
+            assert again.cached_tokens == shared  # the prompt from the prefix cache
+        with pytest.raises(grpc.RpcError) as refused:
+            client.embed_stream(prompt_name="passage")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("prompt_name: ")
+        with pytest.raises(grpc.RpcError) as refused, client.embed_stream() as stream:
+            stream.send([TEXTS[0], ""])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("input[1]: ")
+
+    async def from_asyncio():
+        async with AsyncScoreClient(target) as aclient:
+            stream = await aclient.embed_stream(prompt_name="document", dimensions=8)
+            got = await stream.send(TEXTS)
+            await stream.close()
+            return stream.dimensions, got
+
+    dimensions, got = asyncio.run(from_asyncio())
+    assert dimensions == 8
+    want = st_model.encode(TEXTS, prompt_name="document", truncate_dim=8, normalize_embeddings=True)
+    _close(np.asarray(got, np.float32), want)
+
+
 def test_the_embed_command(served, capsys):
     """`prefixscore embed` against a server: one JSON array per text, sentence-transformers'
     embeddings; a bad prompt name is an error naming it, exit status 1."""

@@ -398,6 +398,62 @@ class Embedding(_message.Message):
     values: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class EmbedStreamOpen(_message.Message):
+    __slots__ = ("prompt_name", "prompt", "dimensions", "normalize", "truncate", "truncation_side")
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
+    prompt_name: str
+    prompt: str
+    dimensions: int
+    normalize: bool
+    truncate: Truncate
+    truncation_side: TruncationSide
+    def __init__(self, prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ...) -> None: ...
+
+class EmbedStreamRequest(_message.Message):
+    __slots__ = ("open", "batch")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    open: EmbedStreamOpen
+    batch: ItemBatch
+    def __init__(self, open: _Optional[_Union[EmbedStreamOpen, _Mapping]] = ..., batch: _Optional[_Union[ItemBatch, _Mapping]] = ...) -> None: ...
+
+class EmbedStreamOpened(_message.Message):
+    __slots__ = ("prefix_tokens", "cached_tokens", "dimensions")
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    prefix_tokens: int
+    cached_tokens: int
+    dimensions: int
+    def __init__(self, prefix_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class BatchEmbeddings(_message.Message):
+    __slots__ = ("batch_id", "embeddings", "truncated_items")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    truncated_items: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[int] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., truncated_items: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedStreamResponse(_message.Message):
+    __slots__ = ("opened", "batch", "usage", "refused")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    opened: EmbedStreamOpened
+    batch: BatchEmbeddings
+    usage: Usage
+    refused: BatchRefused
+    def __init__(self, opened: _Optional[_Union[EmbedStreamOpened, _Mapping]] = ..., batch: _Optional[_Union[BatchEmbeddings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., refused: _Optional[_Union[BatchRefused, _Mapping]] = ...) -> None: ...
+
 class EmbedResponse(_message.Message):
     __slots__ = ("embeddings", "usage")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,11 @@ class ScoreServiceStub:
                 request_serializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.EmbedStream = channel.stream_stream(
+                '/prefixscore.v1.ScoreService/EmbedStream',
+                request_serializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamRequest.SerializeToString,
+                response_deserializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamResponse.FromString,
+                _registered_method=True)
 
 
 class ScoreServiceServicer:
@@ -113,6 +118,19 @@ class ScoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EmbedStream(self, request_iterator, context):
+        """EmbedStream is a session over one prompt: the first message opens it (the
+        prompt and the options every batch takes); the prompt's tokens are
+        prefilled once and stay pinned on the device while the stream is open.
+        Each later message carries a batch of inputs, answered with their
+        embeddings (tagged with its batch_id) as soon as they are computed, the
+        same vectors Embed gives. When the client half-closes, the server sends
+        the usage and ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ScoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +158,11 @@ def add_ScoreServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedRequest.FromString,
                     response_serializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedResponse.SerializeToString,
+            ),
+            'EmbedStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.EmbedStream,
+                    request_deserializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamRequest.FromString,
+                    response_serializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -279,6 +302,33 @@ class ScoreService:
             '/prefixscore.v1.ScoreService/Embed',
             prefixscore_dot_v1_dot_score__service__pb2.EmbedRequest.SerializeToString,
             prefixscore_dot_v1_dot_score__service__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/prefixscore.v1.ScoreService/EmbedStream',
+            prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamRequest.SerializeToString,
+            prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
