@@ -66,6 +66,9 @@ class Buckets:
     hidden: the hidden state's columns every call returns (CallShape.hidden): the model's hidden
       size for an engine that serves embeddings, so the shapes warm-up compiles are the ones
       embedding requests run (every call carries them; their rows cost a norm); 0: none.
+    token_rows: every call shape also in its token-rows form (a row per item token) among the
+      shapes warm-up compiles: an engine whose embeddings pool every token (mean, cls), so that
+      its embedding requests find their shapes compiled.
     """
 
     context: int
@@ -80,6 +83,7 @@ class Buckets:
     tokens_per_row: int = 4
     head_rows: int = 256
     hidden: int = 0
+    token_rows: bool = False
 
     def __post_init__(self) -> None:
         # a chunk never exceeds the region that holds it
@@ -139,4 +143,6 @@ class Buckets:
                 if tp and ti > self.max_batch_tokens:
                     continue
                 out += [self.shape(tp, ti, lb) for lb in self.labels]
+                if self.token_rows:
+                    out += [self.shape(tp, ti, lb, token_rows=True) for lb in self.labels]
         return out

@@ -29,6 +29,7 @@ from prefixscore.engine.step_channel import StepLeader
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.model.quant_choice import AUTO, QuantizeChoice
+from prefixscore.model.sentence_config import LAST
 
 log = logging.getLogger("prefixscore.engine")
 
@@ -127,10 +128,15 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
 
 
 def _with_hidden(buckets: Buckets | None, model: LoadedModel) -> Buckets | None:
-    """A model that serves embeddings: every call returns its hidden columns (Buckets.hidden)."""
+    """A model that serves embeddings: every call returns its hidden columns (Buckets.hidden), and
+    one that pools every token (mean, cls) warms its token-rows shapes too (Buckets.token_rows)."""
     if model.pooling is None:
         return buckets
-    return dataclasses.replace(buckets or Buckets.for_context(model.cfg.context_length), hidden=model.cfg.hidden_size)
+    return dataclasses.replace(
+        buckets or Buckets.for_context(model.cfg.context_length),
+        hidden=model.cfg.hidden_size,
+        token_rows=model.pooling.mode != LAST,
+    )
 
 
 def has_fp8_units(device: jax.Device) -> bool:

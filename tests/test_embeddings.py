@@ -358,16 +358,18 @@ def test_a_base_model_checkpoint_as_sentence_transformers_saves_it(tmp_path):
             call()
 
 
-def test_warm_embedding_requests_compile_nothing(pairs):
+@pytest.mark.parametrize("case", ["last", "mean_without_prompt"])
+def test_warm_embedding_requests_compile_nothing(pairs, case):
     """An engine that serves embeddings returns the hidden columns from every call, so warm-up
-    compiles the shapes last-token requests run: after it, requests of every size, with and
-    without the prompt, and score requests beside them, compile nothing."""
+    compiles the shapes last-token requests run, and, for a mean or cls, their token-rows forms
+    (a row per token): after it, requests of every size, with and without the prompt, and score
+    requests beside them, compile nothing."""
     from conftest import ONE_SHAPE_BUCKETS
 
     from prefixscore.telemetry.compiles import CompileCounter
 
-    pairs("last")
-    scorer = Scorer.load(CHECKPOINTS["last"], buckets=ONE_SHAPE_BUCKETS)  # a new engine: nothing compiled yet
+    pairs(case)
+    scorer = Scorer.load(CHECKPOINTS[case], buckets=ONE_SHAPE_BUCKETS)  # a new engine: nothing compiled yet
     assert scorer.engine.buckets.hidden == 64
     scorer.engine.warmup()
     before = CompileCounter.obtained()
