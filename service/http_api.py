@@ -208,8 +208,10 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     )
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         with handled("HttpEmbed") as outcome:
-            checked, vectors, cached = await embedded(embed_input(body), _body_bytes(request))
-            return _encoded(embed_response(checked, vectors, cached, model_name(body.model), body.encoding_format))
+            inp = embed_input(body)
+            checked, vectors, cached = await embedded(inp, _body_bytes(request))
+            response = embed_response(checked, vectors, cached, model_name(body.model), body.encoding_format)
+            return _encoded(response, prefix_key.for_embed(inp.prompt_name))
         return outcome["response"]
 
     @app.post(
@@ -220,8 +222,9 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     )
     async def tei_embed(body: EmbedRequest, request: Request) -> Any:
         with handled("HttpEmbed") as outcome:
-            _, vectors, _ = await embedded(tei_embed_input(body), _body_bytes(request))
-            return _json(to_json(vectors.tolist()))
+            inp = tei_embed_input(body)
+            _, vectors, _ = await embedded(inp, _body_bytes(request))
+            return _json(to_json(vectors.tolist()), prefix_key.for_embed(inp.prompt_name))
         return outcome["response"]
 
     @app.post(

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.sentence_checkpoints import QUERY_PROMPT, st_checkpoint
 
 from prefixscore import Scorer
 
-QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages\nQuery: "
 TEXTS = [
     "What is the capital of France?",
     "ripe yellow bananas",
@@ -27,36 +27,6 @@ TEXTS = [
     "Berlin is in Germany",
 ]
 ATOL = 1e-5  # on unit vectors of 64 float32 components; a wrong token or pool moves them by 1e-2 and more
-
-
-def _st_checkpoint(path, mode: str, include_prompt: bool, normalize: bool) -> str:
-    """A tiny causal LM with sentence-transformers' module configuration saved beside it."""
-    import sentence_transformers as st
-    from conftest import make_torch_model
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-
-    from prefixscore.model.presets import smollm2_tokenizer_dir
-
-    lm_dir, st_dir = path / "lm", path / "st"
-    make_torch_model("qwen3", seed=3, vocab_size=49152, pad_token_id=2).save_pretrained(lm_dir)
-    for f in smollm2_tokenizer_dir().iterdir():
-        if f.name != "chat_template.jinja":  # a plain text embedder: texts are not chat messages
-            shutil.copy(f, lm_dir)
-    modules = [Transformer(str(lm_dir)), Pooling(64, pooling_mode=mode, include_prompt=include_prompt)]
-    if normalize:
-        modules.append(Normalize())
-    model = st.SentenceTransformer(
-        modules=modules, prompts={"query": QUERY_PROMPT, "document": ""}, default_prompt_name="query", device="cpu"
-    )
-    model.save(str(st_dir))
-    # the module configuration beside the causal LM's own weights and config (architectures
-    # Qwen3ForCausalLM, as Qwen3-Embedding publishes them)
-    for name in json.loads((st_dir / "modules.json").read_text()):
-        if name["path"]:
-            shutil.copytree(st_dir / name["path"], lm_dir / name["path"])
-    for f in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"):
-        shutil.copy(st_dir / f, lm_dir / f)
-    return str(lm_dir)
 
 
 CASES = {  # name -> (pooling mode, include_prompt, normalize)
@@ -77,7 +47,7 @@ def pairs(tmp_path_factory):
 
     def get(case: str):
         if case not in made:
-            path = _st_checkpoint(tmp_path_factory.mktemp(case), *CASES[case])
+            path = st_checkpoint(tmp_path_factory.mktemp(case), *CASES[case])
             made[case] = st.SentenceTransformer(path, device="cpu"), Scorer.load(path, buckets=ONE_SHAPE_BUCKETS)
             CHECKPOINTS[case] = path
         return made[case]
@@ -341,7 +311,7 @@ def test_a_base_model_checkpoint_as_sentence_transformers_saves_it(tmp_path):
     import sentence_transformers as st
     from conftest import ONE_SHAPE_BUCKETS
 
-    _st_checkpoint(tmp_path, "lasttoken", True, True)
+    st_checkpoint(tmp_path, "lasttoken", True, True)
     saved = tmp_path / "st"
     assert json.loads((saved / "config.json").read_text())["architectures"] == ["Qwen3Model"]
     st_model, scorer = (
@@ -517,7 +487,7 @@ def test_a_tokenizer_that_appends_an_end_token(tmp_path, mode, include_prompt):
     import sentence_transformers as st
     from conftest import ONE_SHAPE_BUCKETS
 
-    path = Path(_st_checkpoint(tmp_path, mode, include_prompt, True))
+    path = Path(st_checkpoint(tmp_path, mode, include_prompt, True))
     tokenizer_json = json.loads((path / "tokenizer.json").read_text())
     end = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
     tokenizer_json["post_processor"] = {
@@ -552,7 +522,7 @@ def test_a_plain_causal_lm_served_with_pooling(tmp_path, pooling, mode):
     import sentence_transformers as st
     from conftest import ONE_SHAPE_BUCKETS
 
-    with_modules = Path(_st_checkpoint(tmp_path, mode, True, True))
+    with_modules = Path(st_checkpoint(tmp_path, mode, True, True))
     plain = tmp_path / "plain"
     shutil.copytree(with_modules, plain)
     (plain / "modules.json").unlink()

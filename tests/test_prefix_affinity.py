@@ -341,6 +341,35 @@ def test_a_rerank_without_the_header_is_routed_by_its_query(replicas, envoy) -> 
         assert sum(_hits(replicas)) - before == 3, f"query {q}: its four requests were not on one replica"
 
 
+def test_an_embedding_request_without_the_header_is_routed_by_its_prompt(tmp_path) -> None:
+    """The openai SDK sends no key: Envoy's Lua derives an embedding request's from its body's
+    `prompt_name` (prefix_key.for_embed), so every request after one prompt reaches the replica
+    that cached that prompt, through /v1/embeddings and TEI's /embed alike. Routed at random
+    instead, six requests would all meet one of three replicas once in 243 runs."""
+    import openai
+    from conftest import ONE_SHAPE_BUCKETS
+    from helpers.sentence_checkpoints import st_checkpoint
+
+    from prefixscore import Scorer
+
+    scorer = Scorer.load(st_checkpoint(tmp_path, "lasttoken", True, True), buckets=ONE_SHAPE_BUCKETS)
+    with serving_replicas(scorer) as replicas, envoy_in_front(replicas, tmp_path) as ports:
+        base = f"http://127.0.0.1:{ports['http']}"
+        client = openai.OpenAI(api_key="unused", base_url=f"{base}/v1")
+        before = sum(_hits(replicas))
+        for k in range(6):
+            raw = client.embeddings.with_raw_response.create(
+                model="m", input=[f"question {k}"], extra_body={"prompt_name": "query"}
+            )
+            assert raw.headers[prefix_key.HEADER] == prefix_key.for_embed("query")  # the server's echo
+        assert sum(_hits(replicas)) - before == 5, "the prompt's six requests were not on one replica"
+        before = sum(_hits(replicas))
+        for k in range(4):
+            response = httpx.post(f"{base}/embed", json={"inputs": [f"passage {k}"], "prompt_name": "query"})
+            assert response.status_code == 200, response.text
+        assert sum(_hits(replicas)) - before == 4  # the replica that cached the prompt above
+
+
 def test_a_stream_keeps_its_replica_for_its_life(replicas, envoy) -> None:
     query = list(range(3000, 3050))
     with ScoreClient(f"127.0.0.1:{envoy['grpc']}") as client:

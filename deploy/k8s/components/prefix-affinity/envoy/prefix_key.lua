@@ -1,8 +1,9 @@
--- The prefix key of an HTTP request that came without one (the cohere SDK, LangChain, curl):
--- the same function as prefixscore's own (prefix_key.py), CRC-32 of
--- "<kind>\n<instruction>\n<query>" as 8 lowercase hex digits, computed from the `query` and
--- `instruction` the json_to_metadata filter before this one read from the JSON body. A query
--- of token ids (a list) is not read there: such a request is routed without a key.
+-- The prefix key of an HTTP request that came without one (the cohere and openai SDKs,
+-- LangChain, curl): the same function as prefixscore's own (prefix_key.py), CRC-32 of
+-- "<kind>\n<instruction>\n<query>" as 8 lowercase hex digits, computed from the `query`,
+-- `instruction` and `prompt_name` the json_to_metadata filter before this one read from the
+-- JSON body. A query of token ids (a list) is not read there: such a request is routed without
+-- a key. An embedding request's key is its prompt's name (none: the model's default prompt).
 
 local HEADER = "x-prefixscore-prefix-key"
 local NAMESPACE = "prefixscore"
@@ -35,6 +36,9 @@ local function kind_of(path)
   if path:find("^/v1/rerank") or path:find("^/v2/rerank") or path:find("^/rerank") then
     return "rerank"
   end
+  if path:find("^/v1/embeddings") or path:find("^/embed") then
+    return "embed"
+  end
   return nil
 end
 
@@ -47,8 +51,16 @@ function envoy_on_request(handle)
   if kind == nil then
     return
   end
-  local fields = handle:streamInfo():dynamicMetadata():get(NAMESPACE)
-  if fields == nil or type(fields.query) ~= "string" then
+  local fields = handle:streamInfo():dynamicMetadata():get(NAMESPACE) or {}
+  if kind == "embed" then
+    local name = ""
+    if type(fields.prompt_name) == "string" then
+      name = fields.prompt_name
+    end
+    headers:add(HEADER, crc32(kind .. "\n" .. name .. "\n"))
+    return
+  end
+  if type(fields.query) ~= "string" then
     return
   end
   local instruction = ""

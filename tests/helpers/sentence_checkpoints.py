@@ -1,0 +1,40 @@
+"""Tiny sentence-transformers checkpoints, written by sentence-transformers itself: a random Qwen3
+causal LM (SmolLM2's tokenizer) with a Transformer -> Pooling (-> Normalize) configuration saved
+beside it, as published decoder embedders (Qwen3-Embedding, gte-Qwen2) ship them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages\nQuery: "
+
+
+def st_checkpoint(path, mode: str, include_prompt: bool, normalize: bool) -> str:
+    """A tiny causal LM with sentence-transformers' module configuration saved beside it."""
+    import sentence_transformers as st
+    from conftest import make_torch_model
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    from prefixscore.model.presets import smollm2_tokenizer_dir
+
+    lm_dir, st_dir = path / "lm", path / "st"
+    make_torch_model("qwen3", seed=3, vocab_size=49152, pad_token_id=2).save_pretrained(lm_dir)
+    for f in smollm2_tokenizer_dir().iterdir():
+        if f.name != "chat_template.jinja":  # a plain text embedder: texts are not chat messages
+            shutil.copy(f, lm_dir)
+    modules = [Transformer(str(lm_dir)), Pooling(64, pooling_mode=mode, include_prompt=include_prompt)]
+    if normalize:
+        modules.append(Normalize())
+    model = st.SentenceTransformer(
+        modules=modules, prompts={"query": QUERY_PROMPT, "document": ""}, default_prompt_name="query", device="cpu"
+    )
+    model.save(str(st_dir))
+    # the module configuration beside the causal LM's own weights and config (architectures
+    # Qwen3ForCausalLM, as Qwen3-Embedding publishes them)
+    for name in json.loads((st_dir / "modules.json").read_text()):
+        if name["path"]:
+            shutil.copytree(st_dir / name["path"], lm_dir / name["path"])
+    for f in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"):
+        shutil.copy(st_dir / f, lm_dir / f)
+    return str(lm_dir)
