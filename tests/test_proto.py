@@ -72,6 +72,7 @@ def test_public_names():
         "GetModelInfo": (False, False),
         "Rerank": (False, False),
         "Embed": (False, False),
+        "EmbedStream": (True, True),
     }
     request = pb.ScoreRequest.DESCRIPTOR.fields_by_name
     assert set(request) >= {"query", "items", "label_token_ids", "labels", "apply_softmax", "item_first"}
