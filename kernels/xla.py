@@ -110,7 +110,12 @@ def _online_step(
     model's scores by ~3e-2, more than all other bf16 rounding together)."""
     m, acc = carry
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1) * scale)
-    p = jnp.exp(scores * scale - m_new[..., None])
+    # at most 0 in exact arithmetic, but a compiler may contract `scores * scale - m_new` into one
+    # fused multiply-add, which subtracts the rounded max from the unrounded product: a masked row's
+    # (MASK_VALUE * scale, about 1e29) rounding error is about 1e22, and exp of it overflows to inf
+    # (XLA:CPU's classic emitters do this: NaN scores for Gemma 2 without its soft cap). Clamped at
+    # 0, every exponent is what exact arithmetic gives, to the product's rounding
+    p = jnp.exp(jnp.minimum(scores * scale - m_new[..., None], 0.0))
     pv = jnp.einsum(spec, p, v1.astype(jnp.float32), preferred_element_type=jnp.float32)
     return m_new, acc * jnp.exp(m - m_new)[..., None] + pv
 
