@@ -30,8 +30,10 @@ if "PREFIXSCORE_COMPILE_CACHE_DIR" not in os.environ:  # xdist's workers inherit
 # run for milliseconds on tiny models but took seconds each to compile. The first two took about
 # 40% off the compile time of tests/test_config_inventory.py; the emitters 58% of the CPU seconds
 # of compiling 4 call shapes of a small Qwen3 (16.1 -> 6.8 s) and a third of test_heads.py and
-# test_likelihood.py's (83 -> 56 s), with the same scores. The HLO and its passes, and IEEE float
-# semantics (no fast math either way), are unchanged. Set before jax starts; subprocesses inherit it.
+# test_likelihood.py's (83 -> 56 s). The HLO and its passes are unchanged and there is no fast math
+# either way; the classic emitters may contract a multiply and an add into one fused rounding, as GPU
+# compilers do (it found the CPU attention's overflow on masked rows: kernels/xla.py `_online_step`).
+# Set before jax starts; subprocesses inherit it.
 FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 )
