@@ -110,11 +110,11 @@ def _online_step(
     model's scores by ~3e-2, more than all other bf16 rounding together)."""
     m, acc = carry
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1) * scale)
-    # at most 0 in exact arithmetic, but a compiler may contract `scores * scale - m_new` into one
-    # fused multiply-add, which subtracts the rounded max from the unrounded product: a masked row's
-    # (MASK_VALUE * scale, about 1e29) rounding error is about 1e22, and exp of it overflows to inf
-    # (XLA:CPU's classic emitters do this: NaN scores for Gemma 2 without its soft cap). Clamped at
-    # 0, every exponent is what exact arithmetic gives, to the product's rounding
+    # at most 0 in exact arithmetic. Compiled by XLA:CPU's classic emitters, some exponents came out
+    # positive and huge (Gemma 2 without its soft cap, long items: exp overflowed and the scores
+    # were NaN), though materialising the scaled scores and taking the max of those did not change
+    # it; clamped at 0, each exponent is the exact one however the compiler evaluates the row's max,
+    # and those scores equal transformers' to 2e-9
     p = jnp.exp(jnp.minimum(scores * scale - m_new[..., None], 0.0))
     pv = jnp.einsum(spec, p, v1.astype(jnp.float32), preferred_element_type=jnp.float32)
     return m_new, acc * jnp.exp(m - m_new)[..., None] + pv
