@@ -33,7 +33,7 @@ if "PREFIXSCORE_COMPILE_CACHE_DIR" not in os.environ:  # xdist's workers inherit
 # test_likelihood.py's (83 -> 56 s). The HLO and its passes are unchanged and there is no fast math
 # either way, but the emitted code is not the same: under the classic emitters the CPU attention's
 # online softmax overflowed on masked rows until its exponent was clamped (kernels/xla.py
-# `_online_step`; the default emitters gave finite scores without the clamp, and give the same with it).
+# `_online_step`; the default emitters gave finite scores without it, and it changes no exponent <= 0).
 # Set before jax starts; subprocesses inherit it.
 FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
