@@ -242,11 +242,11 @@ class AsyncScoreStream(StreamCore):
                 debug_error_string="a send the call's deadline overtook",
             ) from None
         waited = 0.0
-        while waited < CORE_STATUS_WAIT_S:
+        while waited < CORE_STATUS_WAIT_S and await self._call.details() == GRPCIO_SEND_FAILED:
             await asyncio.sleep(CORE_STATUS_POLL_S)
             waited += CORE_STATUS_POLL_S
-            if await self._call.details() != GRPCIO_SEND_FAILED:
-                await self._call.read()  # the core's status is in: reading raises it
+        if await self._call.details() != GRPCIO_SEND_FAILED:
+            await self._call.read()  # the core's status is in: reading raises it
         raise err
 
     async def submit(self, items: Sequence[Text]) -> int:

@@ -665,7 +665,7 @@ class _StreamSession:
             raise InvalidInput("batch_id", f"{batch_id} is already in flight on this stream; use a new id per batch")
         batch = await self._checked(msg) if msg.items else None
         self.batch_ids.add(batch_id)
-        if batch is None or not batch.request.items:
+        if batch is None:
             self.events.put_nowait(_Answer(self.response_type(batch={"batch_id": batch_id}), batch_id))
             return
         # the open counted this stream's prefix-cache lookup
