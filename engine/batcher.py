@@ -54,6 +54,16 @@ class NonFiniteScores(Exception):
     """A device call returned NaN or Inf for these rows: never answered as OK."""
 
 
+class PlanFailed(Exception):
+    """Planning a call raised: nothing of it was committed (every unit is as it was queued).
+    `units`: the units the failed fill had taken work of, in order; `unit`: the one whose offer
+    raised (the last of them), or None when building the filled call raised."""
+
+    def __init__(self, units: list[WorkUnit], unit: WorkUnit | None, err: BaseException) -> None:
+        super().__init__(f"planning a call failed: {type(err).__name__}: {err}")
+        self.units, self.unit = units, unit
+
+
 def due(unit: WorkUnit) -> float:
     """When the unit is due: its deadline, or DEFAULT_SLACK_S after it arrived."""
     deadline = unit.ticket.deadline
@@ -86,6 +96,7 @@ class _Fill:
     written: dict[int, tuple[CachedPrefix, int]] = dataclasses.field(default_factory=dict)  # id(entry) ->
     offered: dict[int, int] = dataclasses.field(default_factory=dict)  # unit seq -> items taken
     admitted: int = 0  # units that got chunks or items
+    admitted_seqs: list[int] = dataclasses.field(default_factory=list)  # theirs, in order
     # after the k-th admission of the fair pass (index k - 1): what a fill limited to k units can
     # reach. Such a fill is this one's fair pass up to there, then a second pass that only adds
     bounds: list[_Bound] = dataclasses.field(default_factory=list)
@@ -156,6 +167,9 @@ class Batcher:
         groups = [u.lineage.group for u in pending if u.lineage.group is not None]
         group = min(groups) if groups else None  # the oldest isolation group goes alone, first
         pending = [u for u in pending if u.lineage.group == group]
+        if group is not None and any(not u.payload.items for u in pending):
+            # a group's prefills go first, alone (engine/recovery.py): one that fails is found at once
+            pending = [u for u in pending if not u.payload.items]
         best = self._fill(pending, None)
         if best.builder.empty:
             return None
@@ -181,7 +195,10 @@ class Batcher:
             # only a trim: fewer requests must not let one of them take more (fair shares hold)
             if real <= full_real and real / device > best_share:
                 best, best_share = trial, real / device
-        plan = best.builder.build()
+        try:
+            plan = best.builder.build()
+        except Exception as err:
+            raise PlanFailed([self.units[seq] for seq in best.admitted_seqs], None, err) from err
         for entry, upto in best.written.values():
             entry.written = upto
         for seq, took in best.offered.items():
@@ -215,16 +232,22 @@ class Batcher:
                 if limit is not None and seq not in admitted and len(admitted) >= limit:
                     continue
                 chunks = len(builder.chunks)
-                ready = self._prefill(builder, unit, fill.written, prefill_share if fair else None)
-                took, refused = (0, False)
-                if ready:
-                    took, refused = self._offer(builder, unit, fill.offered.get(seq, 0), share if fair else None)
-                    fill.offered[seq] = fill.offered.get(seq, 0) + took
+                try:
+                    ready = self._prefill(builder, unit, fill.written, prefill_share if fair else None)
+                    took, refused = (0, False)
+                    if ready:
+                        took, refused = self._offer(builder, unit, fill.offered.get(seq, 0), share if fair else None)
+                except Exception as err:  # isolated by the device loop (engine/recovery.py), as a failed call
+                    taken = [self.units[s] for s in fill.admitted_seqs if s != seq]
+                    raise PlanFailed([*taken, unit], unit, err) from err
+                fill.offered[seq] = fill.offered.get(seq, 0) + took
                 if took or len(builder.chunks) > chunks:
                     if fair and seq not in admitted:
                         left_over += self._left_over(unit, fill, took)
                         real = builder.real_tokens
                         fill.bounds.append(_Bound(real, real + left_over, builder.extent()))
+                    if seq not in admitted:
+                        fill.admitted_seqs.append(seq)
                     admitted.add(seq)
                 refusals = refusals + 1 if refused else 0
         fill.admitted = len(admitted)

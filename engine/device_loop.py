@@ -36,7 +36,7 @@ import numpy as np
 
 from prefixscore.engine import isolation
 from prefixscore.engine.admission import Admission
-from prefixscore.engine.batcher import Batcher, Call, NonFiniteScores, take_results
+from prefixscore.engine.batcher import Batcher, Call, NonFiniteScores, PlanFailed, take_results
 from prefixscore.engine.loop_metrics import LoopMetrics
 from prefixscore.engine.page_pins import PagePins, StreamPin
 from prefixscore.engine.prefix_cache import PrefixCache
@@ -78,6 +78,7 @@ class _Launched:
     probs: Any  # [devices * rows, labels] on the device
     launched_at: float
     epochs: dict[int, int]  # id(entry) -> its epoch at launch, for the queries the call's items read
+    pool_generation: int  # the pool it was launched onto (Recovery.pool_generation)
 
 
 class DeviceWorker:
@@ -159,13 +160,14 @@ class DeviceWorker:
             self._release(unit)
             self._published.queue_depth(self.batcher.depth)
 
-    def open_prefix(self, prefix: tuple[int, ...]) -> StreamPin:
+    def open_prefix(self, prefix: tuple[int, ...], request_id: str = "") -> StreamPin:
         """Pin `prefix`'s pages for an open stream (prefilling it if new). Raises QueueFull at
-        once when the pool cannot hold it; `ready` resolves with the cached tokens."""
+        once when the pool cannot hold it; `ready` resolves with the cached tokens, or fails with
+        the prefill's error when it failed in a call of its own (engine/isolation.py)."""
         with self._cv:
             self._check_running()
             assert self.batcher is not None and self._pins is not None
-            pin, prefill = self._pins.open_stream(prefix)
+            pin, prefill = self._pins.open_stream(prefix, request_id)
             if prefill is not None:  # its query's chunks, then done
                 self.batcher.add(prefill)
                 self._live += 1
@@ -289,9 +291,13 @@ class DeviceWorker:
                     self._expire(time.monotonic())
                     for unit in self.batcher.prefilled():
                         self._finish(unit, None)
-                    call = self.batcher.next_call(opens_only=bool(self._paused))
+                    planned_at = self._wakeups  # a failed plan's regrouped work wakes the loop again
+                    try:
+                        call = self.batcher.next_call(opens_only=bool(self._paused))
+                    except PlanFailed as failure:
+                        call = None
+                        self._plan_failed(failure)
                     self._published.queue_depth(self.batcher.depth)
-                    planned_at = self._wakeups
                 launched = self._launch(call) if call else None
             self._flush()  # what planning finished (prefills, expiries, failed launches)
             if inflight is not None:
@@ -353,15 +359,20 @@ class DeviceWorker:
         plan = call.plan
         with self._cv:  # on the device from now: a launch that never returns (a host of the
             self._on_device.append(call)  # group lost in a collective) still fails its units
+        generation = self._recovery.pool_generation  # type: ignore[union-attr]
         try:
             probs = engine.launch(plan)
         except Exception as err:
             log.exception("device call failed to launch")
             self._taken_off(call)
-            self._call_failed(call, err)
+            # launched onto a pool that the call still on the device took down: that call is
+            # judged when it is read back, and this one's work is retried as it was
+            with self._cv:
+                earlier = bool(self._on_device)
+            self._call_failed(call, err, collateral=earlier and engine.pool_lost())
             return None
         self._published.launched(plan)
-        return _Launched(call, probs, time.monotonic(), epochs_at_launch(plan))
+        return _Launched(call, probs, time.monotonic(), epochs_at_launch(plan), generation)
 
     def _taken_off(self, call: Call) -> None:
         """The call is off the device (read back, or failed): unless abandon() took it already."""
@@ -378,7 +389,8 @@ class DeviceWorker:
             out = np.asarray(launched.probs)
         except Exception as err:
             log.exception("device call failed")
-            self._call_failed(call, err)
+            # a pool made anew since its launch: an earlier call took down the pool it ran on
+            self._call_failed(call, err, collateral=launched.pool_generation != recovery.pool_generation)
             return
         recovery.succeeded()
         now = time.monotonic()
@@ -436,16 +448,27 @@ class DeviceWorker:
             except Exception:
                 log.exception("delivering results failed")
 
-    def _call_failed(self, call: Call, err: BaseException) -> None:
+    def _call_failed(self, call: Call, err: BaseException, collateral: bool = False) -> None:
         """A call failed: engine/recovery.py retries its work in calls of its own and fails the
-        requests whose work failed alone. Raises DeviceFailing when calls keep failing."""
+        requests whose work failed alone (`collateral`: it failed for an earlier call's fault).
+        Raises DeviceFailing when calls keep failing."""
         recovery = self._recovery
         assert recovery is not None
         if recovery.count_failure():
             self._on_device.append(call)  # its requests fail with everything else (_fail_all)
             raise DeviceFailing(f"{recovery.failed_in_a_row} device calls failed in a row") from err
         with self._cv:
-            recovery.recover(call, err)
+            recovery.recover(call, err, collateral)
+
+    def _plan_failed(self, failure: PlanFailed) -> None:
+        """Lock held: planning a call failed; isolated as a failed call (engine/recovery.py)."""
+        recovery = self._recovery
+        assert recovery is not None
+        log.error("planning a device call failed", exc_info=failure)
+        if recovery.count_failure():
+            raise DeviceFailing(f"{recovery.failed_in_a_row} device calls failed in a row") from failure
+        recovery.plan_failed(failure)
+        self._wake()  # what is left is planned at once, not waited for as a shape to compile
 
     def _fail_all(self, err: BaseException) -> None:
         """The loop ended: fail what is queued and what is on the device (never read back)."""

@@ -71,6 +71,15 @@ def pieces_of(call: Call) -> list[Piece]:
     return out
 
 
+def reads(unit: WorkUnit) -> set[int]:
+    """id() of the prefix entries whose pages the unit's work reads: its query's, and the
+    lender's its query borrows leading pages from."""
+    entry = unit.pin.entry
+    if entry is None:
+        return set()
+    return {id(entry)} if entry.lender is None else {id(entry), id(entry.lender)}
+
+
 def _key(unit: WorkUnit) -> int:
     """Work over one query shares its pages: it is retried, and found at fault, together."""
     return id(unit.pin.entry) if unit.pin.entry is not None else id(root(unit))

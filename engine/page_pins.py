@@ -60,10 +60,11 @@ class PagePins:
             self.cache.release(pin.entry)
             self.metrics.cache(self.cache)
 
-    def open_stream(self, prefix: tuple[int, ...]) -> tuple[StreamPin, WorkUnit | None]:
-        """Pin `prefix`'s pages for an open stream; raises QueueFull when the pool cannot hold
-        it. Returns the pin and, for a query not yet prefilled, the unit to queue for its
-        prefill (no items: it is done once its query's chunks are launched)."""
+    def open_stream(self, prefix: tuple[int, ...], request_id: str = "") -> tuple[StreamPin, WorkUnit | None]:
+        """Pin `prefix`'s pages for an open stream (the open's `request_id`: its prefill's, for
+        the log should it fail); raises QueueFull when the pool cannot hold it. Returns the pin
+        and, for a query not yet prefilled, the unit to queue for its prefill (no items: it is
+        done once its query's chunks are launched)."""
         entry, hit = self._acquire(prefix)
         self.metrics.lookup(hit)
         ready: concurrent.futures.Future = concurrent.futures.Future()
@@ -85,7 +86,7 @@ class PagePins:
         # it holds a pin of its own, so the pages stay its until the prefill is launched even if
         # the stream closes first
         prefill_only = TokenizedRequest(prefix, [], (), False, False)
-        unit = WorkUnit(prefill_only, Ticket(counts_lookup=False), pin=QueryPin(entry))
+        unit = WorkUnit(prefill_only, Ticket(request_id=request_id, counts_lookup=False), pin=QueryPin(entry))
         unit.reply.on_done = done
         self.cache.pin(entry)
         return StreamPin(entry, ready), unit

@@ -17,11 +17,12 @@ import logging
 from collections.abc import Callable
 
 from prefixscore.engine import isolation
-from prefixscore.engine.batcher import Batcher, Call
+from prefixscore.engine.batcher import Batcher, Call, PlanFailed
 from prefixscore.engine.loop_metrics import LoopMetrics
 from prefixscore.engine.planner import CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
 from prefixscore.engine.scoring_engine import ScoringEngine
+from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.engine.work_unit import Lineage, QueryPin, WorkUnit
 
 log = logging.getLogger("prefixscore.worker")
@@ -61,6 +62,9 @@ class Recovery:
         self._wake = wake
         self.failed_in_a_row = 0
         self._groups = itertools.count()  # isolation groups, oldest first
+        # pools made anew after a failed call took one down: a call launched before the last
+        # one ran on the pool that was lost (its own failure is collateral)
+        self.pool_generation = 0
 
     def succeeded(self) -> None:
         """A call came back: the device works."""
@@ -72,26 +76,32 @@ class Recovery:
         self.failed_in_a_row += 1
         return self.failed_in_a_row > MAX_FAILED_CALLS_IN_A_ROW
 
-    def recover(self, call: Call, err: BaseException) -> None:
+    def recover(self, call: Call, err: BaseException, collateral: bool = False) -> None:
         """`call` failed with `err`: its work is retried in calls of its own, and the requests
-        whose work failed alone fail (engine/isolation.py)."""
+        whose work failed alone fail (engine/isolation.py). `collateral`: it ran on (or was
+        launched onto) a pool that an earlier call took down, so its failure says nothing of its
+        work: that is retried as it was, judged by nobody (the earlier call is judged)."""
         engine, batcher, cache = self.engine, self.batcher, self.cache
-        if engine.pool_lost():  # every query's pages went with it
+        if not collateral and engine.pool_lost():  # every query's pages went with it
             engine.reset_pool()
             cache.rewrite_all()
+            self.pool_generation += 1
         for entry in call.written:  # what it wrote may be garbage: prefilled again
             cache.rewrite(entry)
         rewritten = {id(entry) for entry in call.written}
-        # work queued over a rewritten query rides with the retry (its new prefill is isolated
-        # too), unless it is retried already: a group of its own is isolated as it is, and drawing
-        # it into this call's retry would bring a co-rider back beside the culprit at every failure
-        # (the retries never converge: every call that prefills the query again fails)
-        queued = [
-            u
-            for u in batcher.live_units()
-            if u.lineage.group is None and u.pin.entry is not None and id(u.pin.entry) in rewritten
-        ]
-        verdict = isolation.judge(call, isolation.pieces_of(call), queued)
+        # work queued over a rewritten query (or one it borrows pages from) is part of the failed
+        # call's work: its new prefill must be isolated too. Only work of the call's own isolation
+        # scope (its group, or ungrouped work for an ungrouped call): work retried in another group
+        # is isolated as it is, and drawing it into this retry would bring a co-rider back beside
+        # the culprit at every failure (the retries never converge). Work of the call's own group
+        # must be drawn in: a stream open's prefill has no items, and left in its group it would be
+        # planned, and fail, again and again with nobody to blame.
+        queued = [u for u in batcher.live_units() if u.lineage.group == call.group and isolation.reads(u) & rewritten]
+        pieces = isolation.pieces_of(call)
+        if collateral:
+            verdict = isolation.Verdict([], [isolation.Retry(pieces, queued)] if pieces or queued else [])
+        else:
+            verdict = isolation.judge(call, pieces, queued)
         for culprit in verdict.culprits:
             self.metrics.failed_alone()
             log.error("request %s failed in a device call of its own: %s", culprit.ticket.request_id or "-", err)
@@ -104,6 +114,30 @@ class Recovery:
             log.warning("device call failed; retrying in %d calls of their own: %s", len(verdict.retries), ids)
         self.metrics.cache(cache)
         self.metrics.queue_depth(batcher.depth)
+
+    def plan_failed(self, failure: PlanFailed) -> None:
+        """Planning a call raised (nothing of it was committed): the same rule as a failed call's.
+        Work planned alone is the culprit; else the unit whose offer raised is planned alone
+        next, or (building the call raised) the units the fill had taken go in two halves."""
+        units = list({id(u): u for u in failure.units}.values())
+        roots = {id(isolation.root(u)) for u in units}
+        if len(roots) == 1:
+            culprit = isolation.root(units[0])
+            self.metrics.failed_alone()
+            log.error("request %s failed planning a call of its own: %s", culprit.ticket.request_id or "-", failure)
+            for unit in units:
+                self.batcher.cancel(unit)
+            self._finish(culprit, failure)
+        else:
+            halves = (
+                [[failure.unit]] if failure.unit is not None else [units[: len(units) // 2], units[len(units) // 2 :]]
+            )
+            for half in halves:
+                group = next(self._groups)
+                for unit in half:
+                    unit.lineage.group = group
+            log.warning("planning a call failed; planning its work in %d calls of their own", len(halves))
+        self.metrics.queue_depth(self.batcher.depth)
 
     def trusted(self, call: Call, epochs: dict[int, int]) -> Call:
         """`call` (launched when its queries were at `epochs`) without the spans that read a
@@ -120,19 +154,31 @@ class Recovery:
         return dataclasses.replace(call, plan=dataclasses.replace(call.plan, spans=kept))
 
     def _retry(self, retry: isolation.Retry) -> None:
-        """Queue `retry`'s work as one isolation group (engine/batcher.py)."""
+        """Queue `retry`'s work as one isolation group (engine/batcher.py). A query of it that
+        must be prefilled again gets a prefill of its own in the group (a unit without items),
+        which the group's first call carries alone: a prefill that fails is then found at
+        fault in one call, not item by item in every call that carries it."""
         group = next(self._groups)
         for unit in retry.queued:
             unit.lineage.group = group
+        prefilling = {id(u.pin.entry) for u in retry.queued if not u.payload.items}
         for piece in retry.pieces:
             request = piece.root
-            payload = dataclasses.replace(request.payload, items=request.payload.items.rows(piece.first, piece.count))
-            unit = WorkUnit(
-                payload,
-                dataclasses.replace(request.ticket, counts_lookup=False),
-                pin=QueryPin(request.pin.entry, released=True),  # the request holds the pin
-                lineage=Lineage(request, piece.first, group),
-            )
-            request.lineage.pieces.append(unit)
-            self.batcher.add(unit)
+            entry = request.pin.entry
+            if entry is not None and not entry.ready and id(entry) not in prefilling:
+                prefilling.add(id(entry))
+                self._add_piece(request, dataclasses.replace(request.payload, items=[]), 0, group)
+            items = request.payload.items.rows(piece.first, piece.count)
+            self._add_piece(request, dataclasses.replace(request.payload, items=items), piece.first, group)
         self._wake()
+
+    def _add_piece(self, request: WorkUnit, payload: TokenizedRequest, first: int, group: int) -> None:
+        """Queue part of `request`'s work (its scores are the request's; the request holds the pin)."""
+        unit = WorkUnit(
+            payload,
+            dataclasses.replace(request.ticket, counts_lookup=False),
+            pin=QueryPin(request.pin.entry, released=True),
+            lineage=Lineage(request, first, group),
+        )
+        request.lineage.pieces.append(unit)
+        self.batcher.add(unit)

@@ -441,7 +441,7 @@ class ScoringService:
     def pin(self, prefix: tuple[int, ...]) -> StreamPin:
         """Pin a stream's query in the prefix pool and prefill it; raises Failure when refused."""
         with _admission():
-            return self.worker.open_prefix(prefix)
+            return self.worker.open_prefix(prefix, request_ids.current() or "")
 
     def release(self, pin: StreamPin) -> None:
         self.worker.release(pin)
