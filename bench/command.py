@@ -37,6 +37,9 @@ from prefixscore.bench.runner import run_workloads
 from prefixscore.bench.workloads import MODES, RERANK_TEMPLATE, W7_MODES, W8_MODES, WORKLOADS
 from prefixscore.engine import options
 
+# what `all` leaves out: w5 runs through a router, the others run alone
+NOT_IN_ALL = ("w5", "w7", "w8", "soak", "faults")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `bench` subcommand."""
@@ -74,11 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        type=_list(WORKLOADS, [w for w in WORKLOADS if w not in ("w5", "w7", "w8", "soak") and not w.startswith("w6")]),
+        type=_list(WORKLOADS, [w for w in WORKLOADS if w not in NOT_IN_ALL and not w.startswith("w6")]),
         default=["w1-cold"],
         help=f"comma list of {','.join(WORKLOADS)}, or all (all but w5, which runs through a router: "
         "--target ROUTER --replica-metrics, w6, which needs a one-logit classifier: "
-        "--model bench-cpu-reward, w7 and w8, which run alone, and soak, which runs alone for --duration) [w1-cold]",
+        "--model bench-cpu-reward, w7 and w8, which run alone, soak, which runs alone for --duration, and "
+        "faults, which runs alone for --fault-seeds) [w1-cold]",
     )
     p.add_argument(
         "--mode", type=_list(MODES), default=["prefix"], help=f"comma list of {','.join(MODES)}, or all [prefix]"
@@ -146,6 +150,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=list(W7_MODES),
         help=f"W7 modes, comma-separated ({', '.join(W7_MODES)}; a baseline without its model or package is skipped) "
         "[all]",
+    )
+    p.add_argument(
+        "--fault-seeds",
+        type=int,
+        default=200,
+        help="faults: rounds of random work with injected faults, seeds --seed on (bench/faults.py) [%(default)s]",
     )
     p.add_argument("--w8-passages", type=int, default=2000, help="W8 passages (64-256 tokens) [%(default)s]")
     p.add_argument("--w8-queries", type=int, default=200, help="W8 queries (10-30 tokens) [%(default)s]")
@@ -233,4 +243,10 @@ def run(args: argparse.Namespace) -> int:
         from prefixscore.bench import w8  # sentence-transformers and torch load only when W8 runs
 
         return w8.run(args)
+    if "faults" in args.workload:
+        if args.workload != ["faults"]:
+            raise SystemExit("faults runs alone: --workload faults")
+        from prefixscore.bench import faults
+
+        return faults.run(args)
     return run_workloads(args)

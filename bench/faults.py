@@ -22,16 +22,19 @@ ceil(log2(queries)) + ceil(log2(items)) + 2.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
+import json
 import math
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
 from prefixscore.engine.batcher import NonFiniteScores
-from prefixscore.engine.device_loop import DeviceWorker
+from prefixscore.engine.device_loop import DeviceWorker, WorkerStopped
 from prefixscore.engine.page_pins import StreamPin
 from prefixscore.engine.pooling import PoolRows
 from prefixscore.engine.scoring_engine import ScoringEngine
@@ -47,7 +50,7 @@ FAULTS = ("launch", "read-back", "prefill", "oom", "nan", "planner", "pool")
 # measured on the suite's model); a request answered from another's rows, from garbage pages or
 # from a stale epoch moves them by 1e-2 and more
 TOLERANCE = 1e-4
-WAIT_S = 300.0  # a round's answers; longer means the loop hung
+WAIT_S = 120.0  # a round's answers, all of them; longer means the loop hung (or spins on failures)
 
 
 @dataclasses.dataclass
@@ -132,15 +135,21 @@ def make_round(seed: int, vocab: int, page_tokens: int, hidden: int) -> Round:
     for k in range(int(rng.integers(3, 9))):
         kind = kinds_of_job[int(rng.integers(len(kinds_of_job)))]
         q = queries[int(rng.integers(len(queries)))] if rng.random() < 0.9 else ()
-        jobs.append(Job(f"{kind} {k}", _request(kind, q, rng, tokens, hidden)))
+        jobs.append(Job(f"{kind} {k}", _request(kind, q, rng, tokens, hidden, many=k == 0 and rng.random() < 0.5)))
     for s, q in enumerate(opens):
         for b in range(int(rng.integers(1, 3))):
             jobs.append(Job(f"stream {s} batch {b}", _request("score", q, rng, tokens, hidden), stream=s))
     for kind in kinds:
         if kind == "prefill":
             continue
-        j = int(rng.choice([k for k in range(len(jobs)) if all(f.job != k for f in faults)]))
-        jobs[j], fault = _marked(jobs[j], kind, next(markers), rng)
+        j, first = int(rng.choice([k for k in range(len(jobs)) if all(f.job != k for f in faults)])), False
+        many = jobs[0].request
+        if kind == "read-back" and len(many.items) >= 12 and many.prefix and all(0 != f.job for f in faults):
+            # its first item: the call that fails then prefills its query and leaves the rest of its items
+            # to the next call, launched before the failure is read (the items read a stale epoch)
+            j, first = 0, True
+            warm_queries.discard(many.prefix)
+        jobs[j], fault = _marked(jobs[j], kind, next(markers), rng, first)
         faults.append(dataclasses.replace(fault, job=j))
     warm = [_request("score", q, rng, tokens, hidden) for q in warm_queries]
     served = [q for q in queries if all(f.query != q for f in faults)]
@@ -149,9 +158,12 @@ def make_round(seed: int, vocab: int, page_tokens: int, hidden: int) -> Round:
 
 
 def _request(
-    kind: str, prefix: tuple[int, ...], rng: np.random.Generator, tokens: Any, hidden: int
+    kind: str, prefix: tuple[int, ...], rng: np.random.Generator, tokens: Any, hidden: int, many: bool = False
 ) -> TokenizedRequest:
-    items = [tokens(int(rng.integers(1, 11))) for _ in range(int(rng.integers(1, 7)))]
+    """A request of `kind` over `prefix` (empty: whole sequences); `many`: more items than a
+    small engine's call holds, so its work spans calls (and calls overlap on the device)."""
+    count = int(rng.integers(12, 33)) if many else int(rng.integers(1, 7))
+    items = [tokens(int(rng.integers(1, 11))) for _ in range(count)]
     if kind == "likelihood":  # the context's last token leads every item (its row reads the first)
         rows = TokenRows.from_lists([[prefix[-1] if prefix else 7, *it] for it in items])
         return TokenizedRequest(prefix, rows, (), False, not prefix, per_token=True, top_logprobs=2)
@@ -163,11 +175,12 @@ def _request(
     return TokenizedRequest(prefix, items, labels, bool(rng.random() < 0.5), not prefix)
 
 
-def _marked(job: Job, kind: str, marker: int, rng: np.random.Generator) -> tuple[Job, Fault]:
-    """The job with `marker` in one of its items (not a likelihood item's leading token)."""
+def _marked(job: Job, kind: str, marker: int, rng: np.random.Generator, first: bool) -> tuple[Job, Fault]:
+    """The job with `marker` in one of its items (`first`: its first; never a likelihood item's
+    leading token)."""
     req = job.request
     rows = [list(map(int, req.items[i])) for i in range(len(req.items))]
-    i = int(rng.integers(len(rows)))
+    i = 0 if first else int(rng.integers(len(rows)))
     lead = 1 if req.per_token else 0
     rows[i][int(rng.integers(lead, len(rows[i])))] = marker  # a likelihood item has a token past its lead
     marked = dataclasses.replace(req, items=TokenRows.from_lists(rows))
@@ -209,7 +222,7 @@ class Injector:
             raise RuntimeError("RESOURCE_EXHAUSTED: injected out of memory on the call's shape")
         out = self._launch(plan)
         if "read-back" in kinds:
-            self._garbage(np.asarray(inputs.prefill.write_pages))
+            write_garbage(self.engine, np.asarray(inputs.prefill.write_pages))
             return _FailedReadBack()
         if "pool" in kinds:
             for part in self.engine._pool:
@@ -234,20 +247,6 @@ class Injector:
         builder.add_items = faulty
         return builder
 
-    def _garbage(self, pages: np.ndarray) -> None:
-        """What a call that failed on the device may leave in the pages it wrote."""
-        import jax
-        import jax.numpy as jnp
-
-        written = np.unique(pages[pages < self.engine.pool_pages])
-        if written.size == 0:
-            return
-        parts = []
-        for k, part in enumerate(self.engine._pool):
-            noise = jax.random.normal(jax.random.key(k), part[:, :, written].shape, jnp.float32) * 4.0
-            parts.append(part.at[:, :, written].set(noise.astype(part.dtype)))
-        self.engine._pool = tuple(parts)
-
     @staticmethod
     def _rows(inputs: Any, prefill_tokens: int, markers: list[int]) -> np.ndarray:
         """The output rows of the items carrying a marker: [devices * R] indices."""
@@ -260,6 +259,22 @@ class Injector:
             rows = np.flatnonzero((at >= 0) & np.isin(item_ids[d][np.maximum(at, 0)], list(marked)))
             out.append(rows + d * read_at.shape[1])
         return np.concatenate(out)
+
+
+def write_garbage(engine: ScoringEngine, pages: np.ndarray) -> None:
+    """What a call that failed on the device may leave in the pool pages it wrote (`pages`: a
+    call's write_pages, padding included): random K/V, far from any the model computes."""
+    import jax
+    import jax.numpy as jnp
+
+    written = np.unique(pages[pages < engine.pool_pages])
+    if written.size == 0:
+        return
+    parts = []
+    for k, part in enumerate(engine._pool):
+        noise = jax.random.normal(jax.random.key(k), part[:, :, written].shape, jnp.float32) * 4.0
+        parts.append(part.at[:, :, written].set(noise.astype(part.dtype)))
+    engine._pool = tuple(parts)
 
 
 # ---- running a round and judging it --------------------------------------------------------------
@@ -343,22 +358,25 @@ class FaultRounds:
             baseline = _gauges(metrics)
             injector.armed = True
             units, pins, answered = self._submit(worker, rnd)
+            deadline = time.monotonic() + WAIT_S
             culprits, failing_opens = rnd.culprits(), rnd.failing_opens()
+            failing = {f.query for f in rnd.faults if f.query is not None}
             for s, pin in enumerate(pins):
                 try:
-                    pin.ready.result(WAIT_S)
+                    pin.ready.result(max(0.0, deadline - time.monotonic()))
                     if s in failing_opens:
                         failures.append(f"stream {s}: its open's prefill failed in every call, yet it opened")
                 except Exception as err:
                     if s not in failing_opens:
                         failures.append(f"stream {s}: its open failed: {type(err).__name__}: {err}")
             for k, (job, unit, done) in enumerate(zip(rnd.jobs, units, answered, strict=True)):
-                if not done.wait(WAIT_S):
+                if not done.wait(max(0.0, deadline - time.monotonic())):
                     failures.append(f"{job.name}: never answered")
                     continue
                 error = unit.reply.error
                 if k in culprits:
-                    nan = any(f.kind == "nan" and f.job == k for f in rnd.faults)
+                    # NaN alone: its precise error (over a failing query, its prefill fails first)
+                    nan = any(f.kind == "nan" and f.job == k for f in rnd.faults) and job.request.prefix not in failing
                     if error is None or (nan and not isinstance(error, NonFiniteScores)):
                         failures.append(f"{job.name}: a culprit, answered with {error!r}")
                     continue
@@ -396,6 +414,8 @@ class FaultRounds:
             failed_calls = -1
         finally:
             injector.remove()
+            if failures:  # what is left (a loop spinning on failures) fails now, not in the background
+                worker.abandon(WorkerStopped("the fault round failed"))
             worker.stop(30)
         faults = ", ".join(
             f"{f.kind} on {rnd.jobs[f.job].name if f.job is not None else 'a query'}" for f in rnd.faults
@@ -433,3 +453,45 @@ def run_round(engine: ScoringEngine, seed: int) -> Verdict:
         return rounds.round(seed)
     finally:
         rounds.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """`bench --workload faults`: --fault-seeds rounds from --seed on, in process on the engine
+    the options build; each round's line, then the seeds that failed (replay one with
+    `--seed S --fault-seeds 1`). Non-zero when any failed."""
+    from prefixscore.engine.build import EngineSpec, build_engine
+
+    engine = build_engine(EngineSpec.from_options(vars(args), devices=args.devices)).engine
+    rounds = FaultRounds(engine)
+    verdicts = []
+    try:
+        for seed in range(args.seed, args.seed + args.fault_seeds):
+            verdict = rounds.round(seed)
+            verdicts.append(verdict)
+            print(
+                verdict.report()
+                if not verdict.ok
+                else f"seed {seed}: ok, {verdict.failed_calls} failed calls (bound {verdict.bound})",
+                flush=True,
+            )
+    finally:
+        rounds.close()
+    failed = [v.seed for v in verdicts if not v.ok]
+    print(
+        f"faults: {len(verdicts) - len(failed)} of {len(verdicts)} rounds held on {engine.n_devices} device(s); "
+        f"failed seeds: {failed or 'none'}"
+    )
+    if args.json_path:
+        record = {
+            "workload": "faults",
+            "devices": engine.n_devices,
+            "seeds": len(verdicts),
+            "first_seed": args.seed,
+            "failed": failed,
+            "failed_calls": sum(v.failed_calls for v in verdicts),
+            "max_drift": max((v.drift for v in verdicts), default=0.0),
+            "reports": [v.report() for v in verdicts if not v.ok],
+        }
+        with open(args.json_path, "w") as f:
+            json.dump(record, f, indent=2)
+    return 1 if failed else 0

@@ -37,6 +37,7 @@ WORKLOADS = (
     "w7",
     "w8",
     "soak",
+    "faults",
 )
 # W7's modes (bench/w7.py): the engine's two transports, then the baselines
 W7_MODES = ("completions", "grpc", "hf", "llamacpp")

@@ -2,22 +2,27 @@
 
 One device call carries the work of many requests, so when it fails (a device error, an
 out-of-memory on its shape, a read-back error) the request at fault cannot be told from
-the others riding with it. The work is retried instead, in calls that carry less of it,
-halving each time, and only work that fails in a call of its own fails its request:
+the others riding with it. One rule holds for everything a call carries (items of any
+kind, a query's prefill, a stream open's prefill-only unit): the work is retried in calls
+that carry strictly less of it, and only work that fails in a call of its own fails its
+owner:
 
 - a call over several queries: its work is retried one group per query when it carried
   at most ONE_BY_ONE queries, else in two halves by query. Each group is a call of its
   own (engine/batcher.py), which fails again only if something in it is at fault;
+- a group's query that must be prefilled again is prefilled first, alone (engine/
+  recovery.py gives the group a unit without items, the batcher plans it alone): a
+  prefill that fails alone fails every request and stream open over that query;
 - a retried call over one query: its items in two halves (smaller calls: an
-  out-of-memory on a shape also passes this way), down to one item;
-- one item that fails alone, or a query whose prefill fails alone, is the culprit: its
-  request fails (INTERNAL). Requests waiting on that query try once more alone.
+  out-of-memory on a shape also passes this way), down to one item, which fails its
+  request. Requests waiting on that query try once more alone.
 
 Pages the failed call wrote may hold garbage: those queries are prefilled again
-(PrefixCache.rewrite), and requests queued over them ride with their query's group, so
-the new prefill is isolated too. Each halving at least halves what a call carries, so
-a request with n items over q queries in a call is retried at most about
-log2(q) + log2(n) times before it succeeds or fails.
+(PrefixCache.rewrite), and the work of the call's own isolation scope (its group, or
+ungrouped work for an ungrouped call) queued over them rides with its query's retry, so
+the new prefill is isolated too. Each step carries strictly less than the call that
+failed, so a request with n items over q queries in a call is retried at most about
+log2(q) + log2(n) + 2 times before it succeeds or fails.
 """
 
 from __future__ import annotations

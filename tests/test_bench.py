@@ -316,7 +316,7 @@ def test_bench_arguments_for_the_concurrent_workloads() -> None:
         ["bench", "--workload", "all", "--w4-requests", "9", "--w4-concurrency", "5", "--w4-query-tokens", "7"]
     )
     # all but w5 (a router's), w6 (a classifier's), w7 and w8 (alone) and the soak (alone, for its duration)
-    every = [w for w in wl.WORKLOADS if w not in ("w5", "w7", "w8", "soak") and not w.startswith("w6")]
+    every = [w for w in wl.WORKLOADS if w not in ("w5", "w7", "w8", "soak", "faults") and not w.startswith("w6")]
     assert args.workload == every and {"w3-grpc", "w4"} <= set(args.workload)
     assert (args.w4_requests, args.w4_concurrency, args.w4_query_tokens) == (9, 5, 7)
     defaults = parse(["bench"])

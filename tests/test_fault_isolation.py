@@ -161,7 +161,8 @@ def test_fault_rounds_on_a_two_device_mesh(checkpoint, tmp_path):
     out = tmp_path / "faults.json"
     env = {**os.environ, "XLA_FLAGS": xla_flags(2), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "prefixscore.cli", "bench", "--workload", "faults", "--model", checkpoint]
-    cmd += ["--dp-size", "2", "--fault-seeds", str(MESH_SEEDS), "--small-buckets", "--json", str(out)]
+    cmd += ["--dp-size", "2", "--max-batch-tokens", "128", "--max-prefill-tokens", "128"]
+    cmd += ["--fault-seeds", str(MESH_SEEDS), "--json", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads(out.read_text())

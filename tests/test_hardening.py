@@ -24,6 +24,7 @@ from helpers.service import LABELS, scrape, server_config, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixscore.bench.faults import write_garbage
 from prefixscore.client import BatchRefused, retry_after_ms
 from prefixscore.service.process import ServerThread
 from prefixscore.service.server import SERVICE
@@ -297,6 +298,9 @@ def test_a_failing_request_sharing_its_query_fails_alone(server, stub, tiny_scor
         if where == "launch":
             raise RuntimeError("RESOURCE_EXHAUSTED: injected out of memory")
         launch(plan)
+        # a call that fails on the device may leave garbage in the pages it wrote: the query's
+        # pages must be prefilled again before a co-rider reads them
+        write_garbage(engine, np.asarray(plan.inputs.prefill.write_pages))
         return _FailedReadBack()
 
     before = scrape(server.server.metrics_port)
