@@ -34,8 +34,9 @@ GPU_KERNELS = {"_prefix_kernel", "_ragged_kernel"}
 # against transformers' float32 (absolute, on probabilities and log-probs)
 TOLERANCE = 1e-5
 # a mesh against one device, in log space (helpers/compare.py): probabilities near 2e-3, where an
-# absolute 1e-5 let the whole 300-token query be replaced (1e-4 absolute). Measured: MESH_GAP at
-# most over the meshes, head splits and interpreted kernels; the query replaced: REPLACED
+# absolute 1e-5 let the whole 300-token query be replaced (1e-4 absolute). Measured: 9.8e-7 at most
+# on the 8x1, 2x2 and 1x4 meshes (the head splits and interpreted kernels within 1e-5 too); the
+# query replaced moves them by 7.4e-2
 LOG_TOLERANCE = 1e-5
 
 
@@ -62,7 +63,6 @@ def test_meshes_serve_like_one_device(parts) -> None:
     shapes its calls take (warm-up's first stage: items alone and beside a prefill region), the
     shapes steady state and the restart are counted over."""
     result = dict(run_part(parts, "engine"))
-    print("mesh log gaps:", {m: max(r["max_log_gap"].values()) for m, r in result.items() if m != "query_replaced"}, "query replaced:", result["query_replaced"])
     assert result.pop("query_replaced") > 100 * LOG_TOLERANCE  # the tolerance sees a wrong query
     assert set(result) == {"8x1", "2x2", "1x4"} and "restart_compilations" in result["2x2"]
     for mesh, r in result.items():
