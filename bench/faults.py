@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixscore.engine.answers import LabelScores, Pooled, TokenLogprobs, label_scores
 from prefixscore.engine.batcher import NonFiniteScores
 from prefixscore.engine.device_loop import DeviceWorker, WorkerStopped
 from prefixscore.engine.page_pins import StreamPin
@@ -166,13 +167,13 @@ def _request(
     items = [tokens(int(rng.integers(1, 11))) for _ in range(count)]
     if kind == "likelihood":  # the context's last token leads every item (its row reads the first)
         rows = TokenRows.from_lists([[prefix[-1] if prefix else 7, *it] for it in items])
-        return TokenizedRequest(prefix, rows, (), False, not prefix, per_token=True, top_logprobs=2)
+        return TokenizedRequest(prefix, rows, (), TokenLogprobs(2), not prefix)
     if kind == "embed":
         mode = (LAST, MEAN)[int(rng.integers(2))]
         pool = PoolRows(mode, np.zeros(len(items), np.int64), hidden)
-        return TokenizedRequest(prefix, items, (), False, not prefix, pool=pool)
+        return TokenizedRequest(prefix, items, (), Pooled(pool), not prefix)
     labels = tuple(int(t) for t in rng.choice(np.arange(100, 200), size=int(rng.integers(1, 4)), replace=False))
-    return TokenizedRequest(prefix, items, labels, bool(rng.random() < 0.5), not prefix)
+    return TokenizedRequest(prefix, items, labels, label_scores(bool(rng.random() < 0.5)), not prefix)
 
 
 def _marked(job: Job, kind: str, marker: int, rng: np.random.Generator, first: bool) -> tuple[Job, Fault]:
@@ -181,11 +182,9 @@ def _marked(job: Job, kind: str, marker: int, rng: np.random.Generator, first: b
     req = job.request
     rows = [list(map(int, req.items[i])) for i in range(len(req.items))]
     i = 0 if first else int(rng.integers(len(rows)))
-    lead = 1 if req.per_token else 0
+    lead = req.answer.lead
     rows[i][int(rng.integers(lead, len(rows[i])))] = marker  # a likelihood item has a token past its lead
     marked = dataclasses.replace(req, items=TokenRows.from_lists(rows))
-    if req.pool is not None:
-        marked = dataclasses.replace(marked, pool=dataclasses.replace(req.pool, skip=req.pool.skip.copy()))
     return Job(job.name, marked, job.stream), Fault(kind, marker, item_tokens=len(rows[i]))
 
 
@@ -296,12 +295,9 @@ class Verdict:
 
 
 def _answer(unit: WorkUnit) -> np.ndarray:
-    reply = unit.reply
-    if reply.tokens is not None:
-        return reply.tokens.astype(np.float64)
-    if reply.hidden is not None:
-        return reply.hidden.astype(np.float64)
-    return np.log(np.maximum(reply.scores.astype(np.float64), 1e-45))  # probabilities in log space
+    """A request's answer, its label probabilities in log space (the others as they are)."""
+    answer = unit.reply.answer.astype(np.float64)
+    return np.log(np.maximum(answer, 1e-45)) if isinstance(unit.payload.answer, LabelScores) else answer
 
 
 def _start(engine: ScoringEngine) -> tuple[DeviceWorker, ServiceMetrics]:

@@ -30,11 +30,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from prefixscore.engine import heads
 from prefixscore.engine.planner import CallBuilder, CallPlan, Extent
 from prefixscore.engine.prefix_cache import CachedPrefix
 from prefixscore.engine.work_unit import WorkUnit
-from prefixscore.model.call_inputs import OUTPUT_HIDDEN, OUTPUT_TOKEN
 
 # a request without a deadline is scheduled as if due this long after it arrived
 DEFAULT_SLACK_S = 30.0
@@ -326,16 +324,16 @@ class Batcher:
             first,
             count,
             payload.label_ids,
-            payload.output,
+            payload.answer.output,
             unit,
-            payload.row_per_token,
+            payload.answer.each_token,
         )
         return took, took < count
 
 
 def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[WorkUnit]]:
-    """A finished call's output [devices * R, columns] into its requests' replies, one slice per row
-    span (a retried piece's rows go to its request's: engine/isolation.py). Returns (requests
+    """A finished call's output [devices * R, columns] into its requests' answers, one slice per
+    row span (a retried piece's rows go to its request's: engine/isolation.py). Returns (requests
     now complete, requests with a non-finite score: not written, not counted). Requests
     already finished (cancelled while on the device, or failed) are skipped."""
     finite = np.isfinite(out).all(axis=1)  # one pass for the call (unused columns are 0)
@@ -351,20 +349,10 @@ def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[Work
         if not finite[rows].all():
             broken.append(request)
             continue
-        first, reply = unit.lineage.parent_first + span.first, request.reply
-        payload = request.payload
-        if span.output == OUTPUT_TOKEN:  # a row per token: the items' tokens, in order
-            assert reply.tokens is not None
-            at = int(payload.items.offsets[first])
-            reply.tokens[at : at + span.rows] = out[rows, shape.columns(OUTPUT_TOKEN)]
-        elif span.output == OUTPUT_HIDDEN:  # an embedding: its items pooled as they come back
-            assert reply.hidden is not None and payload.pool is not None
-            hidden = out[rows, shape.columns(OUTPUT_HIDDEN)]
-            reply.hidden[first : first + span.count] = payload.pool.pooled(payload.items, first, span.count, hidden)
-        else:
-            reply.scores[first : first + span.count] = heads.activate(
-                out[rows, : span.labels], request.payload.activation
-            )
+        first, reply, payload = unit.lineage.parent_first + span.first, request.reply, request.payload
+        # the span's own columns, written into the answer as its kind says (engine/answers.py)
+        own = out[rows, shape.columns(span.output, span.labels)]
+        payload.answer.fill(reply.answer, payload.items, first, span.count, own)
         reply.remaining -= span.count
         if reply.remaining == 0:
             complete.append(request)

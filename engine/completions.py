@@ -30,6 +30,7 @@ import itertools
 
 import numpy as np
 
+from prefixscore.engine.answers import TokenLogprobs
 from prefixscore.engine.known_positions import Known, KnownPositions, Positions, common_prefix
 from prefixscore.engine.likelihood import ItemLikelihood
 from prefixscore.engine.token_rows import TokenRows
@@ -281,7 +282,7 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
         shared = contexts[js[0]].shared
         rest = TokenRows.from_lists([prompts[j][shared:] for j in js])
         if shared == 0:  # whole sequences: no prefix, a row per token of each prompt
-            request = TokenizedRequest((), rest, (), False, True, per_token=True, top_logprobs=top)
+            request = TokenizedRequest((), rest, (), TokenLogprobs(top), True)
         else:
             request = requests.likelihood(prompts[js[0]][:shared].tolist(), rest, top)
         parts.append(CompletionPart(request, tuple(js), shared))

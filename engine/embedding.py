@@ -28,6 +28,7 @@ import dataclasses
 
 import numpy as np
 
+from prefixscore.engine.answers import Pooled
 from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.known_positions import common_prefix
 from prefixscore.engine.pooling import PoolRows, unit_rows
@@ -251,7 +252,7 @@ class EmbeddingRequests:
             raise InvalidInput(f"input[{j}]", why)
         pool = PoolRows(pooling.mode, np.full(len(sequences), skip, np.int64), pooling.dimension)
         prefix = tuple(sequences[0][:shared])
-        return TokenizedRequest(prefix, items, (), False, not prefix, pool=pool)
+        return TokenizedRequest(prefix, items, (), Pooled(pool), not prefix)
 
 
 @dataclasses.dataclass(frozen=True)

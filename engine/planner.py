@@ -111,7 +111,7 @@ class _Offer:
     count: int
     label_set: int
     output: int  # model/call_inputs.py OUTPUT_*
-    per_token: bool  # a row per token of each item (else one, at its last token)
+    each_token: bool  # a row per token of each item (else one, at its last token)
     ref: WorkUnit  # whose items
 
 
@@ -189,9 +189,9 @@ class _Layout:
         return taken
 
 
-def _row_ends(ends: np.ndarray, per_token: bool) -> np.ndarray:
+def _row_ends(ends: np.ndarray, each_token: bool) -> np.ndarray:
     """Cumulative rows of items whose cumulative tokens are `ends`: a row per token, or one per item."""
-    return ends if per_token else np.arange(1, len(ends) + 1)
+    return ends if each_token else np.arange(1, len(ends) + 1)
 
 
 class CallBuilder:
@@ -273,11 +273,11 @@ class CallBuilder:
         label_ids: tuple[int, ...],
         output: int,
         ref: WorkUnit,
-        per_token: bool = False,
+        each_token: bool = False,
     ) -> int:
         """Items first .. first + count - 1 of `rows` over the prefix `key` (pages, prefix_len;
         prefix_len 0: whole sequences), in order, as many as fit, each with a row per token
-        (per_token) or one row; returns how many were taken."""
+        (each_token) or one row; returns how many were taken."""
         if self.closed or count <= 0:
             return 0
         if output == OUTPUT_HIDDEN and not self.b.hidden:
@@ -297,12 +297,12 @@ class CallBuilder:
             return 0
         set_index, new_labels = labels
         seg = 0 if prefix_len == 0 else self._segments.get(key, len(self._segments) + 1)
-        offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, output, per_token, ref)
-        switched = per_token and not self.token_rows
+        offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, output, each_token, ref)
+        switched = each_token and not self.token_rows
         if switched:  # a row per item-region token from now on: more rows, the same layout
             self.token_rows = True
             self._layout.max_rows = self.b.rows(self._layout.capacity, True)
-        taken = self._layout.place(offer, ends, _row_ends(ends, per_token), self._row_budget())
+        taken = self._layout.place(offer, ends, _row_ends(ends, each_token), self._row_budget())
         if not taken:
             if switched:
                 self.token_rows = False
@@ -350,7 +350,7 @@ class CallBuilder:
         """The offer's cumulative tokens and rows per item."""
         offsets = offer.rows.offsets
         ends = offsets[offer.first + 1 : offer.first + offer.count + 1] - offsets[offer.first]
-        return ends, _row_ends(ends, offer.per_token)
+        return ends, _row_ends(ends, offer.each_token)
 
     @property
     def real_tokens(self) -> int:
@@ -493,7 +493,7 @@ class CallBuilder:
             tokens[dev, where] = offer.rows.flat[lo:hi]
             positions[dev, where] = offer.prefix_len + offer.rows.positions()[lo:hi]
             segment_ids[dev, where] = seg_row
-            token_rows = offer.per_token
+            token_rows = offer.each_token
             # an item's id: its first row (its only one, unless it has a row per token)
             first_rows = piece.row + (bounds[:-1] - lo if token_rows else np.arange(piece.count))
             item_ids[dev, where] = np.repeat(first_rows.astype(np.int32), lengths)

@@ -13,6 +13,7 @@ import numpy as np
 
 from prefixscore import choices
 from prefixscore.engine import heads, options, template_choice
+from prefixscore.engine.answers import LabelScores
 from prefixscore.engine.batcher import Batcher
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.build import EngineSpec, build_engine
@@ -23,6 +24,7 @@ from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.templates import ranked
 from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
 from prefixscore.engine.work_unit import Ticket, WorkUnit
+from prefixscore.model.call_inputs import OUTPUT_LOGIT, OUTPUT_SOFTMAX
 from prefixscore.model.loader import LoadedModel
 from prefixscore.telemetry.metrics import ServiceMetrics
 
@@ -193,8 +195,7 @@ class Scorer:
         with self._lock:
             unit = self.runner.run_requests([req])[0]
             self.last_usage = Usage(req.prompt_tokens, unit.reply.cached_tokens, len(req.items))
-        assert unit.reply.tokens is not None
-        return read_likelihoods(req, unit.reply.tokens)
+        return read_likelihoods(req, unit.reply.answer)
 
     def embed(
         self,
@@ -219,18 +220,17 @@ class Scorer:
         with self._lock:
             unit = self.runner.run_requests([checked.request])[0]
             self.last_usage = Usage(checked.prompt_tokens, unit.reply.cached_tokens, len(checked.request.items))
-        assert unit.reply.hidden is not None
-        return checked.finish(unit.reply.hidden)
+        return checked.finish(unit.reply.answer)
 
     def score_tokens(self, req: TokenizedRequest, mode: str = "prefix") -> np.ndarray:
         """Score an already validated request -> [items, labels] float32."""
-        labels, softmax = req.label_ids, req.apply_softmax
+        rows = req.answer
         # the packed baseline returns probabilities only: a request for raw logits runs sequentially
-        if mode == "packed" and not req.item_first and not req.raw_logits:
+        if mode == "packed" and not req.item_first and isinstance(rows, LabelScores) and rows.output != OUTPUT_LOGIT:
             with self._lock:
-                probs = self.engine.score_packed(req.prefix, req.items, labels, softmax)
+                probs = self.engine.score_packed(req.prefix, req.items, req.label_ids, rows.output == OUTPUT_SOFTMAX)
                 self.last_usage = Usage(req.prompt_tokens, 0, len(req.items))
-            return heads.activate(probs, req.activation)
+            return heads.activate(probs, rows.activation)
         if mode in ("sequential", "packed"):
             # one whole sequence per call: query + item (or item + query) over no prefix
             sequences = req.items if req.item_first else [list(req.prefix) + it for it in req.items]
@@ -284,7 +284,7 @@ class EngineRunner:
     def score_requests(self, reqs: Sequence[TokenizedRequest]) -> tuple[list[np.ndarray], list[int]]:
         """Scores [items, labels] and prefix tokens served from the cache, per request (run_requests)."""
         units = self.run_requests(reqs)
-        return [unit.reply.scores for unit in units], [unit.reply.cached_tokens for unit in units]
+        return [unit.reply.answer for unit in units], [unit.reply.cached_tokens for unit in units]
 
     def run_requests(self, reqs: Sequence[TokenizedRequest]) -> list[WorkUnit]:
         """The requests' units, answered. The requests are queued together before the loop plans,

@@ -18,18 +18,11 @@ from itertools import chain
 import numpy as np
 
 from prefixscore.engine import heads
+from prefixscore.engine.answers import Answer, TokenLogprobs, for_head
 from prefixscore.engine.invalid_input import InvalidInput
-from prefixscore.engine.pooling import PoolRows
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.model.call_inputs import (
-    OUTPUT_FULL,
-    OUTPUT_HIDDEN,
-    OUTPUT_LOGIT,
-    OUTPUT_SOFTMAX,
-    OUTPUT_TOKEN,
-    TOP_LOGPROBS,
-)
+from prefixscore.model.call_inputs import TOP_LOGPROBS
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.head import output_head
 from prefixscore.model.tokenizer import TextTokenizer
@@ -65,50 +58,23 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedRequest:
-    """A validated request in token ids. prefix: start tokens + query (empty for item_first)."""
+    """A validated request in token ids. prefix: start tokens + query (empty for item_first).
+    `answer`: its kind's rows on the device and how they become its answer (engine/answers.py):
+    all the device loop knows of the kind."""
 
     prefix: tuple[int, ...]
     items: TokenRows  # for item_first: whole sequences (start + item + query); lists are converted
     label_ids: tuple[int, ...]
-    apply_softmax: bool
+    answer: Answer
     item_first: bool
-    # a classifier's activation of its logits (engine/heads.py); "": a causal LM's probabilities
-    activation: str = ""
-    # a causal LM: the labels' raw logits instead of probabilities (a reranker whose relevance is
-    # a function of a label's logit: engine/templates.py); apply_softmax is then False
-    raw_logits: bool = False
-    # the items' own likelihood (engine/likelihood.py): a row per item token, no labels; and the
-    # top log-probs a response reports at each position (the device computes TOP_LOGPROBS)
-    per_token: bool = False
-    top_logprobs: int = 0
-    # an embedding (engine/embedding.py): the items' hidden rows, pooled as this says; no labels
-    pool: PoolRows | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
 
     @property
-    def output(self) -> int:
-        """What the device returns for each item's labels (model/call_inputs.py OUTPUT_*)."""
-        if self.per_token:
-            return OUTPUT_TOKEN
-        if self.pool is not None:
-            return OUTPUT_HIDDEN
-        return OUTPUT_LOGIT if self.raw_logits else OUTPUT_SOFTMAX if self.apply_softmax else OUTPUT_FULL
-
-    @property
-    def row_per_token(self) -> bool:
-        """Whether each item token takes a row on the device (a likelihood's, a mean's), or only
-        each item's last token."""
-        return self.per_token or (self.pool is not None and self.pool.per_token)
-
-    @property
     def prompt_tokens(self) -> int:
-        """The query once and every item (a likelihood request's items carry the query's last
-        token: counted once)."""
-        if self.per_token:
-            return len(self.prefix) + self.items.total - len(self.items) + 1
-        return len(self.prefix) + self.items.total
+        """The query once and every item (tokens every item repeats from the query counted once)."""
+        return len(self.prefix) + self.items.total - self.answer.lead * max(0, len(self.items) - 1)
 
 
 def _plain_ints(x: Sequence[object]) -> bool:
@@ -263,9 +229,8 @@ class RequestTokenizer:
         query: list[int],
         items: TokenRows,
         labels: tuple[int, ...],
-        apply_softmax: bool,
+        answer: Answer,
         item_first: bool,
-        activation: str = "",
     ) -> TokenizedRequest:
         """Place start tokens and check every sequence fits the context (array passes over the items)."""
         context, max_item = self.max_sequence_tokens, self.max_item_tokens
@@ -297,9 +262,9 @@ class RequestTokenizer:
         if item_first:
             sequences = TokenRows.from_lists([start + it + query for it in items])
             self.check_request_tokens(sequences.total)
-            return TokenizedRequest((), sequences, labels, apply_softmax, True, activation)
+            return TokenizedRequest((), sequences, labels, answer, True)
         self.check_request_tokens(len(start) + len(query) + items.total)
-        return TokenizedRequest(tuple(start + query), items, labels, apply_softmax, False, activation)
+        return TokenizedRequest(tuple(start + query), items, labels, answer, False)
 
     def _has_tokenizer(self, field: str) -> TextTokenizer:
         if self.tokenizer is None:
@@ -374,7 +339,7 @@ class RequestTokenizer:
         rows = TokenRows(np.insert(items.flat, items.offsets[:-1], lead), items.offsets + np.arange(len(items) + 1))
         prefix = tuple(context[:-1])
         self.check_request_tokens(len(prefix) + rows.total)
-        return TokenizedRequest(prefix, rows, (), False, not prefix, per_token=True, top_logprobs=top_logprobs)
+        return TokenizedRequest(prefix, rows, (), TokenLogprobs(top_logprobs), not prefix)
 
 
 TRUNCATE = ("none", "end")
@@ -477,12 +442,9 @@ class StreamSpec:
     query: list[int]
     kind: str  # "text" or "ids": every batch's items must be the same
     label_ids: tuple[int, ...]
-    apply_softmax: bool
+    answer: Answer  # every batch's (a likelihood stream's: TokenLogprobs)
     item_first: bool
     prefix: tuple[int, ...]
-    activation: str = ""
-    per_token: bool = False  # a likelihood stream (ScoreInput.loglikelihood)
-    top_logprobs: int = 0
 
 
 def _choice(field: str, value: object, allowed: Sequence[str]) -> str:
@@ -628,9 +590,7 @@ class Validator:
         if truncate == "end":
             items, cut = self._cut_items(items, self._room(len(self.requests.start_ids) + len(query)), side)
             report = dataclasses.replace(cut, query_tokens=query_cut)
-        req = self.requests.assemble(
-            query, items, asked.label_ids, asked.apply_softmax, bool(inp.item_first), asked.activation
-        )
+        req = self.requests.assemble(query, items, asked.label_ids, for_head(asked), bool(inp.item_first))
         return Validated(req, report, joined)
 
     def rerank(self, inp: RerankInput) -> ValidatedRerank:
@@ -687,11 +647,7 @@ class Validator:
                     f"documents[{j}]", f"{docs.lengths[j]} tokens, over the {room} that fit (truncate none)"
                 )
         asked = heads.for_rerank(self.requests.head, template.label_ids, template.reads_logit)
-        req = self.requests.assemble(
-            prefix, docs.with_suffix(suffix), asked.label_ids, asked.apply_softmax, False, asked.activation
-        )
-        if asked.raw_logits:
-            req = dataclasses.replace(req, raw_logits=True)
+        req = self.requests.assemble(prefix, docs.with_suffix(suffix), asked.label_ids, for_head(asked), False)
         return ValidatedRerank(Validated(req, report, joined), list(inp.documents), top_n)
 
     def classify(self, inp: ClassifyInput) -> ValidatedClassify:
@@ -735,9 +691,7 @@ class Validator:
         prompt_tokens = sum(len(start) + len(ids) for ids in inputs)
         items = TokenRows.from_lists([ids[shared:] for ids in inputs])
         try:  # without a shared prefix the inputs are whole sequences (start + input)
-            req = self.requests.assemble(
-                first[:shared], items, asked.label_ids, asked.apply_softmax, not shared, asked.activation
-            )
+            req = self.requests.assemble(first[:shared], items, asked.label_ids, for_head(asked), not shared)
         except InvalidInput as err:
             raise InvalidInput(err.field.replace("items", "input", 1), err.message, err.too_large) from err
         return ValidatedClassify(req, names, prompt_tokens, tuple(cut))
@@ -824,23 +778,19 @@ class Validator:
                 raise InvalidInput("query", f"{len(context)} tokens leave no room for an item within {limit} tokens")
             kind = "text" if isinstance(inp.query, str) else "ids"
             prefix = tuple(context[:-1])
-            return StreamSpec(context, kind, (), False, not prefix, prefix, per_token=True, top_logprobs=top)
+            return StreamSpec(context, kind, (), TokenLogprobs(top), not prefix, prefix)
         asked = self.head(inp.label_token_ids, inp.labels, inp.activation, inp.apply_softmax)
         ids = self.requests.query_ids(inp.query)
         # no items yet: this checks the query leaves room for one and gives the prefix
         opened = self.requests.assemble(
-            ids, TokenRows.coerce([]), asked.label_ids, asked.apply_softmax, bool(inp.item_first)
+            ids, TokenRows.coerce([]), asked.label_ids, for_head(asked), bool(inp.item_first)
         )
         kind = "text" if isinstance(inp.query, str) else "ids"
-        return StreamSpec(
-            ids, kind, asked.label_ids, opened.apply_softmax, opened.item_first, opened.prefix, asked.activation
-        )
+        return StreamSpec(ids, kind, asked.label_ids, opened.answer, opened.item_first, opened.prefix)
 
     def stream_batch(self, spec: StreamSpec, items: object) -> TokenizedRequest:
         """One batch of an open stream, over the stream's query."""
         ids = self.requests.item_ids(items, spec.kind)  # type: ignore[arg-type]
-        if spec.per_token:
-            return self.requests.likelihood(spec.query, ids, spec.top_logprobs)
-        return self.requests.assemble(
-            spec.query, ids, spec.label_ids, spec.apply_softmax, spec.item_first, spec.activation
-        )
+        if isinstance(spec.answer, TokenLogprobs):  # a likelihood stream: each batch laid out as one
+            return self.requests.likelihood(spec.query, ids, spec.answer.top_logprobs)
+        return self.requests.assemble(spec.query, ids, spec.label_ids, spec.answer, spec.item_first)

@@ -27,7 +27,6 @@ import numpy as np
 
 from prefixscore.engine.prefix_cache import CachedPrefix
 from prefixscore.engine.validation import TokenizedRequest
-from prefixscore.model.call_inputs import TOKEN_COLUMNS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +51,11 @@ class Reply:
     the query's prefill is launched) or the unit failed (`error` set); never after
     `DeviceWorker.cancel(unit)`."""
 
-    scores: np.ndarray  # [items, labels] float32, written as the calls carrying them come back
-    remaining: int  # items whose scores have not come back
+    # the request's answer, as its kind fills it (engine/answers.py): label scores [items, labels],
+    # token rows [item tokens, TOKEN_COLUMNS], pooled hidden states [items, hidden]
+    answer: np.ndarray
+    remaining: int  # items whose rows have not come back
     on_done: Callable[[WorkUnit], None] = _no_receiver
-    # a likelihood request's token rows [item tokens, TOKEN_COLUMNS] (model/call_inputs.py), row i
-    # of an item its token i's: the next token's log-prob and the top log-probs; None: a score request
-    tokens: np.ndarray | None = None
-    # an embedding request's pooled hidden states [items, hidden] (engine/pooling.py); None: none
-    hidden: np.ndarray | None = None
     cached_tokens: int = 0  # prefix tokens served from the prefix cache
     first_scores_at: float | None = None  # time.monotonic() when its first scores came back
     error: BaseException | None = None
@@ -96,8 +92,8 @@ class Lineage:
 
 @dataclasses.dataclass(eq=False)
 class WorkUnit:
-    """Items that are answered together; see the module doc. The reply's scores are shaped
-    [len(payload.items), len(payload.label_ids)] from the payload."""
+    """Items that are answered together; see the module doc. The reply's answer is shaped by
+    the payload's kind (engine/answers.py)."""
 
     payload: TokenizedRequest
     ticket: Ticket = dataclasses.field(default_factory=Ticket)
@@ -107,12 +103,8 @@ class WorkUnit:
     lineage: Lineage = dataclasses.field(default_factory=Lineage)
 
     def __post_init__(self) -> None:
-        items = len(self.payload.items)
-        self.reply = Reply(np.zeros((items, len(self.payload.label_ids)), np.float32), items)
-        if self.payload.per_token:
-            self.reply.tokens = np.zeros((self.payload.items.total, TOKEN_COLUMNS), np.float32)
-        if self.payload.pool is not None:
-            self.reply.hidden = np.zeros((items, self.payload.pool.hidden), np.float32)
+        payload = self.payload
+        self.reply = Reply(payload.answer.buffer(payload.items, len(payload.label_ids)), len(payload.items))
 
     @property
     def queued(self) -> int:

@@ -47,14 +47,15 @@ class CallShape:
     # many more columns, after the token columns; 0: none
     hidden: int = 0
 
-    def columns(self, output: int) -> slice:
-        """Where a row of this kind finds its own columns in the call's output [R, ...]."""
+    def columns(self, output: int, labels: int | None = None) -> slice:
+        """Where a row of this kind finds its own columns in the call's output [R, ...] (a label
+        row: its own `labels` first columns, else all the call's)."""
         tokens = TOKEN_COLUMNS if self.top_logprobs else 0
         if output == OUTPUT_TOKEN:
             return slice(self.labels, self.labels + tokens)
         if output == OUTPUT_HIDDEN:
             return slice(self.labels + tokens, self.labels + tokens + self.hidden)
-        return slice(0, self.labels)
+        return slice(0, self.labels if labels is None else labels)
 
 
 @jax.tree_util.register_dataclass

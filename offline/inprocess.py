@@ -105,10 +105,10 @@ class ScorerBackend:
         """The route's response body; `unit` None: a request with no items (no device work)."""
         rid = request_ids.new_id()
         model = c.body.model or self.scorer.model.name  # type: ignore[attr-defined]
-        scores, cached = (unit.reply.scores, unit.reply.cached_tokens) if unit is not None else (None, 0)
+        scores, cached = (unit.reply.answer, unit.reply.cached_tokens) if unit is not None else (None, 0)
         if isinstance(c.checked, ValidatedEmbed):
-            assert unit is not None and unit.reply.hidden is not None  # an embedding request has inputs
-            vectors = c.checked.finish(unit.reply.hidden)
+            assert unit is not None  # an embedding request has inputs
+            vectors = c.checked.finish(unit.reply.answer)
             body = http_bodies.embed_response(c.checked, vectors, cached, model, c.body.encoding_format)  # type: ignore[attr-defined]
             return answered(c.line.custom_id, rid, body.model_dump())
         if isinstance(c.checked, ValidatedRerank):

@@ -187,7 +187,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             checked = await validated(_body_bytes(request), service.accepting().score, inp)
             req = checked.request
             unit = await service.run(req, "HttpScore") if req.items else None
-            scores, cached = (unit.reply.scores, unit.reply.cached_tokens) if unit else (None, 0)
+            scores, cached = (unit.reply.answer, unit.reply.cached_tokens) if unit else (None, 0)
             key = prefix_key.for_score(body.query) if body.query is not None else None
             return _encoded(score_response(checked, scores, cached, model_name(body.model), _label_names(service)), key)
         return outcome["response"]
@@ -197,8 +197,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
         tokens read from the prefix cache)."""
         checked = await validated(size, service.accepting_embeddings().validate, inp)
         unit = await service.run(checked.request, "HttpEmbed")
-        assert unit.reply.hidden is not None
-        return checked, checked.finish(unit.reply.hidden), unit.reply.cached_tokens
+        return checked, checked.finish(unit.reply.answer), unit.reply.cached_tokens
 
     @app.post(
         "/v1/embeddings",
@@ -240,7 +239,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             unit = await service.run(checked.request, "HttpClassify")
             rid = request_ids.current() or request_ids.new_id()
             reply = unit.reply
-            return _encoded(classify_response(checked, reply.scores, reply.cached_tokens, model_name(body.model), rid))
+            return _encoded(classify_response(checked, reply.answer, reply.cached_tokens, model_name(body.model), rid))
         return outcome["response"]
 
     async def rerank(body: RerankRequest, request: Request) -> Any:
@@ -249,7 +248,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             checked = await validated(_body_bytes(request), service.accepting().rerank, inp)
             req = checked.scored.request
             unit = await service.run(req, "HttpRerank") if req.items else None
-            scores, cached = (unit.reply.scores, unit.reply.cached_tokens) if unit else (None, 0)
+            scores, cached = (unit.reply.answer, unit.reply.cached_tokens) if unit else (None, 0)
             rid = request_ids.current() or request_ids.new_id()
             response = rerank_response(body, checked, scores, cached, model_name(body.model), rid)
             return _json(to_json(response), prefix_key.for_rerank(body.query, body.instruction))
@@ -292,7 +291,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
 
             def answer() -> Response:
                 parts = zip(planned.parts, units, strict=True)
-                results = [read_likelihoods(part.request, unit.reply.tokens) for part, unit in parts]
+                results = [read_likelihoods(part.request, unit.reply.answer) for part, unit in parts]
                 prompts = completions.prompt_logprobs(planned, results, known)
                 as_ids = body.return_tokens_as_token_ids
                 return _encoded(

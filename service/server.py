@@ -318,7 +318,7 @@ class GrpcServer:
                 document=checked.documents[r.index] if msg.return_documents else "",
                 joined_tokenization_differs=bool(differs and differs[r.index]),
             )
-            for r in ranked(unit.reply.scores, checked.top_n)
+            for r in ranked(unit.reply.answer, checked.top_n)
         ]
         return pb.RerankResponse(
             results=results, usage=usage(req, unit.reply.cached_tokens, checked.scored.truncation), template=template
@@ -331,8 +331,7 @@ class GrpcServer:
         embeddings = self.service.accepting_embeddings()  # before any headers, as in Score
         checked = await validated(len(raw), embeddings.validate, embed_input(msg))
         unit = await self.service.run(checked.request, "Embed", self._deadline(context))
-        assert unit.reply.hidden is not None
-        return embed_response(checked, checked.finish(unit.reply.hidden), unit.reply.cached_tokens)
+        return embed_response(checked, checked.finish(unit.reply.answer), unit.reply.cached_tokens)
 
     # ---- ScoreStream and EmbedStream --------------------------------------------------------------
     @_rpc("ScoreStream")
@@ -732,8 +731,7 @@ class _EmbedSession(_StreamSession):
         checked = await validated(msg.ByteSize(), self.embedding.validate, embed_input(self.open_msg, msg.items))
 
         def answer(unit: WorkUnit, batch_id: int) -> pb.EmbedStreamResponse:
-            assert unit.reply.hidden is not None
-            vectors = checked.finish(unit.reply.hidden)
+            vectors = checked.finish(unit.reply.answer)
             return pb.EmbedStreamResponse(
                 batch=pb.BatchEmbeddings(
                     batch_id=batch_id, embeddings=embeddings(vectors), truncated_items=checked.truncated

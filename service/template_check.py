@@ -81,7 +81,7 @@ async def run(service: ScoringService, validator: Validator) -> CheckResult | No
     except Exception as err:  # shutting down, a full queue, a context too short: no verdict, nothing refused
         event(log, "template_check_skipped", level=logging.WARNING, error=f"{type(err).__name__}: {err}")
         return None
-    result = verdict([RerankTemplate.relevance(u.reply.scores) for u in units])
+    result = verdict([RerankTemplate.relevance(u.reply.answer) for u in units])
     service.metrics.template_check_passed.labels(template.name).set(int(result.passed))
     event(
         log,

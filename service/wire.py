@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from prefixscore.engine.answers import TokenLogprobs
 from prefixscore.engine.embedding import EmbedInput, ValidatedEmbed
 from prefixscore.engine.likelihood import ItemLikelihood, read_likelihoods
 from prefixscore.engine.token_rows import TokenRows
@@ -199,13 +200,12 @@ def usage(req: TokenizedRequest, cached_tokens: int, truncation: Truncation) -> 
 def item_scores(req: TokenizedRequest, reply: Reply) -> list[pb.ItemScores]:
     """One ItemScores per item: its label scores [labels] (float32 on the wire: no precision
     lost), or a likelihood request's likelihood."""
-    if req.per_token:
-        assert reply.tokens is not None
+    if isinstance(req.answer, TokenLogprobs):
         return [
-            pb.ItemScores(likelihood=_likelihood(item, req.top_logprobs))
-            for item in read_likelihoods(req, reply.tokens)
+            pb.ItemScores(likelihood=_likelihood(item, req.answer.top_logprobs))
+            for item in read_likelihoods(req, reply.answer)
         ]
-    return [pb.ItemScores(probabilities=row) for row in reply.scores.tolist()]
+    return [pb.ItemScores(probabilities=row) for row in reply.answer.tolist()]
 
 
 def _likelihood(item: ItemLikelihood, top: int) -> pb.ItemLikelihood:

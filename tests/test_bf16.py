@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from helpers.prerequisites import missing
 
+from prefixscore.engine.answers import label_scores
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.scorer import EngineRunner
 from prefixscore.engine.scoring_engine import ScoringEngine
@@ -34,9 +35,9 @@ def score(engine: ScoringEngine, query: list[int], items: list[list[int]], label
     label_ids = tuple(labels)
     seqs = [query[:50] + it for it in items[:10]]
     reqs = [
-        TokenizedRequest(tuple(query), items, label_ids, True, False),
-        TokenizedRequest(tuple(query), items, label_ids, False, False),
-        TokenizedRequest((), seqs, label_ids, True, True),
+        TokenizedRequest(tuple(query), items, label_ids, label_scores(True), False),
+        TokenizedRequest(tuple(query), items, label_ids, label_scores(False), False),
+        TokenizedRequest((), seqs, label_ids, label_scores(True), True),
     ]
     scores, _ = EngineRunner(engine).score_requests(reqs)
     return scores

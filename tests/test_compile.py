@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_QWEN3
 
+from prefixscore.engine.answers import label_scores
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.scorer import EngineRunner
 from prefixscore.engine.scoring_engine import ScoringEngine
@@ -59,9 +60,9 @@ def test_steady_state_traffic_compiles_nothing(engine: ScoringEngine) -> None:
                 for _ in range(int(rng.integers(1, 30)))
             ]
             labels = tuple(rng.integers(0, CFG.vocab_size, int(rng.integers(1, 6))).tolist())
-            reqs.append(TokenizedRequest(tuple(query), items, labels, bool((step + r) % 2), False))
+            reqs.append(TokenizedRequest(tuple(query), items, labels, label_scores(bool((step + r) % 2)), False))
         first = [it + hot[:50] for it in reqs[0].items[:4]]
-        reqs.append(TokenizedRequest((), first, (3, 7), True, True))  # item_first: whole sequences
+        reqs.append(TokenizedRequest((), first, (3, 7), label_scores(True), True))  # item_first: whole sequences
         scores, _ = runner.score_requests(reqs)
         for req, probs in zip(reqs, scores, strict=True):
             assert probs.shape == (len(req.items), len(req.label_ids)) and np.isfinite(probs).all()
@@ -75,7 +76,7 @@ def test_a_replica_shares_the_executables_and_has_a_pool_of_its_own(engine: Scor
     rng = np.random.default_rng(2)
     query = tuple(rng.integers(0, CFG.vocab_size, 200).tolist())
     items = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (3, 40, 9)]
-    request = TokenizedRequest(query, items, (3, 7, 11), False, False)
+    request = TokenizedRequest(query, items, (3, 7, 11), label_scores(False), False)
     want, _ = EngineRunner(engine).score_requests([request])
     _, cached_again = EngineRunner(engine).score_requests([request])
     assert cached_again == [len(query)]  # the engine holds the query

@@ -79,6 +79,7 @@ def test_engine_on_device_matches_cpu(model: str, hf_checkpoints) -> None:
     prefill chunks, 50 items of mixed lengths over several calls, softmax both ways, whole
     sequences. tiny-qwen3 (its weights without its tokenizer, which token ids do not need) and a
     Gemma 3 checkpoint: a 48-token window on one layer, soft caps, a query scale."""
+    from prefixscore.engine.answers import label_scores
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.scorer import EngineRunner
     from prefixscore.engine.scoring_engine import ScoringEngine
@@ -105,9 +106,9 @@ def test_engine_on_device_matches_cpu(model: str, hf_checkpoints) -> None:
     items = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 60, 50)]
     labels = (28, cfg.vocab_size - 1)
     reqs = [
-        TokenizedRequest(query, items, labels, False, False),
-        TokenizedRequest(query, items, labels, True, False),
-        TokenizedRequest((), [it + list(query[:40]) for it in items[:10]], labels, True, True),
+        TokenizedRequest(query, items, labels, label_scores(False), False),
+        TokenizedRequest(query, items, labels, label_scores(True), False),
+        TokenizedRequest((), [it + list(query[:40]) for it in items[:10]], labels, label_scores(True), True),
     ]
     got, _ = EngineRunner(on_device).score_requests(reqs)
     want, _ = EngineRunner(on_cpu).score_requests(reqs)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixscore import Scorer
+from prefixscore.engine.answers import label_scores
 from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.likelihood import read_likelihoods
 from prefixscore.engine.validation import RequestTokenizer, ScoreInput, TokenizedRequest, Validator
@@ -109,15 +110,16 @@ def test_cache_hits_short_contexts_and_score_requests_beside_likelihoods(hf_chec
     # of its items starts with, so both ride over one prefill)
     context = CONTEXT[5:40]
     labels = (5, 17, 319)
-    score = TokenizedRequest(tuple(context[:-1]), [context[-1:] + c for c in CONTINUATIONS], labels, False, False)
+    score = TokenizedRequest(
+        tuple(context[:-1]), [context[-1:] + c for c in CONTINUATIONS], labels, label_scores(False), False
+    )
     likelihood = scorer.validator.score(ScoreInput(context, CONTINUATIONS, loglikelihood=True)).request
     calls = engine.stats["calls"]
     score_unit, likelihood_unit = scorer.runner.run_requests([score, likelihood])
     assert engine.stats["calls"] == calls + 1
     want = torch_label_probs(torch_model, [context + c for c in CONTINUATIONS], labels, False)
-    np.testing.assert_allclose(np.log(score_unit.reply.scores), np.log(want), atol=TOLERANCE, rtol=0)
-    assert likelihood_unit.reply.tokens is not None
-    got = read_likelihoods(likelihood, likelihood_unit.reply.tokens)
+    np.testing.assert_allclose(np.log(score_unit.reply.answer), np.log(want), atol=TOLERANCE, rtol=0)
+    got = read_likelihoods(likelihood, likelihood_unit.reply.answer)
     assert_like_transformers(torch_model, context, CONTINUATIONS, got)
 
 

@@ -213,6 +213,7 @@ def _model(**overrides):
 
 
 def _requests(cfg, rng, query_tokens=(300, 700, 40)):
+    from prefixscore.engine.answers import label_scores
     from prefixscore.engine.validation import TokenizedRequest
 
     labels = (3, 17, cfg.vocab_size - 1)  # the last real row: next to the padding
@@ -221,11 +222,13 @@ def _requests(cfg, rng, query_tokens=(300, 700, 40)):
     same = [tokens(20) for _ in range(60)]
     mixed = [tokens(n) for n in rng.integers(1, 120, 60)]
     return {
-        "uniform/softmax=False": TokenizedRequest(query, same, labels, False, False),
-        "uniform/softmax=True": TokenizedRequest(query, same[:30], labels[:2], True, False),
-        "long_query/softmax=False": TokenizedRequest(long_query, mixed, labels, False, False),
-        "short_query/softmax=True": TokenizedRequest(short_query, mixed[30:50], (9, 400), True, False),
-        "item_first": TokenizedRequest((), [it + list(query[:50]) for it in mixed[:20]], labels, True, True),
+        "uniform/softmax=False": TokenizedRequest(query, same, labels, label_scores(False), False),
+        "uniform/softmax=True": TokenizedRequest(query, same[:30], labels[:2], label_scores(True), False),
+        "long_query/softmax=False": TokenizedRequest(long_query, mixed, labels, label_scores(False), False),
+        "short_query/softmax=True": TokenizedRequest(short_query, mixed[30:50], (9, 400), label_scores(True), False),
+        "item_first": TokenizedRequest(
+            (), [it + list(query[:50]) for it in mixed[:20]], labels, label_scores(True), True
+        ),
     }
 
 
@@ -354,6 +357,7 @@ def part_heads() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from prefixscore.engine.answers import label_scores
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.mesh import MeshShape
     from prefixscore.engine.scorer import EngineRunner
@@ -384,8 +388,8 @@ def part_heads() -> dict:
         first = [tokens(n) for n in rng.integers(1, 8, 5)]
         second = [tokens(n) for n in rng.integers(1, 8, 3)]
         requests = [
-            TokenizedRequest(tuple(tokens(90)), first, (3, 17, cfg.vocab_size - 1), False, False),
-            TokenizedRequest(tuple(tokens(20)), second, (3, 17), True, False),
+            TokenizedRequest(tuple(tokens(90)), first, (3, 17, cfg.vocab_size - 1), label_scores(False), False),
+            TokenizedRequest(tuple(tokens(20)), second, (3, 17), label_scores(True), False),
         ]
         # the reference attention (the kernels' oracle) compiles in a third of the time; the
         # kernels run under meshes in part_kernels
@@ -513,6 +517,7 @@ def part_load() -> dict:
     from gguf import GGMLQuantizationType as Q
     from helpers.gguf_files import write_gguf
 
+    from prefixscore.engine.answers import label_scores
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.likelihood import read_likelihoods
     from prefixscore.engine.mesh import Layout, MeshShape
@@ -566,13 +571,15 @@ def part_load() -> dict:
             # the split vocabulary), queued together: the likelihood's prefix is the query but its last
             # token, which starts each of its items, so the score request is laid out the same way
             likelihood = RequestTokenizer(loaded.cfg, None).likelihood(query, TokenRows.from_lists(items))
-            score = TokenizedRequest(likelihood.prefix, [query[-1:] + item for item in items], labels, False, False)
+            score = TokenizedRequest(
+                likelihood.prefix, [query[-1:] + item for item in items], labels, label_scores(False), False
+            )
             runner = EngineRunner(engine)
             scored, likelihood_unit = runner.run_requests([score, likelihood])
             runner.close()
-            scores = [scored.reply.scores]
+            scores = [scored.reply.answer]
             want = torch_label_probs(torch_model, [query + item for item in items], labels, False)
-            got = read_likelihoods(likelihood, likelihood_unit.reply.tokens)
+            got = read_likelihoods(likelihood, likelihood_unit.reply.answer)
             ll_diff, top_equal = 0.0, True
             for item, g in zip(items, got, strict=True):
                 with torch.no_grad():
@@ -605,6 +612,7 @@ def part_isolation() -> dict:
 
     import numpy as np
 
+    from prefixscore.engine.answers import label_scores
     from prefixscore.engine.device_loop import DeviceWorker
     from prefixscore.engine.validation import TokenizedRequest
     from prefixscore.engine.work_unit import Ticket, WorkUnit
@@ -618,7 +626,7 @@ def part_isolation() -> dict:
         query = tuple(rng.integers(0, cfg.vocab_size, 60).tolist())
         requests = [
             TokenizedRequest(query, [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 9, 4)],
-                             labels, False, False)
+                             labels, label_scores(False), False)
             for labels in label_sets
         ]  # fmt: skip
         one, _ = _reference().score_requests(requests[1:])
@@ -653,13 +661,15 @@ def part_isolation() -> dict:
                 worker.submit(unit)
         for _ in units:
             left.acquire()
-        after = WorkUnit(TokenizedRequest(query, [[1, 2, 3]], (3, 17), False, False), Ticket(method="InProcess"))
+        after = WorkUnit(
+            TokenizedRequest(query, [[1, 2, 3]], (3, 17), label_scores(False), False), Ticket(method="InProcess")
+        )
         after.reply.on_done = lambda _, left=left: left.release()
         worker.submit(after)
         left.acquire()
         worker.stop(30.0)
         engine.launch = launch
-        got = [np.log(u.reply.scores) for u in units[1:]]
+        got = [np.log(u.reply.answer) for u in units[1:]]
         out[where] = {
             "first_call_riders": riders[0],
             "errors": [type(u.reply.error).__name__ if u.reply.error else None for u in units],

@@ -19,6 +19,7 @@ import pytest
 from conftest import SMALL_QWEN3
 
 from prefixscore.engine import batcher
+from prefixscore.engine.answers import label_scores
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.scorer import EngineRunner
 from prefixscore.engine.scoring_engine import ScoringEngine
@@ -43,12 +44,12 @@ def requests(rng: np.random.Generator) -> tuple[TokenizedRequest, list[Tokenized
     """(the request cached beforehand, the mix)."""
     tokens = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
     items = lambda *lengths: [tokens(n) for n in lengths]  # noqa: E731
-    cached = TokenizedRequest(tuple(tokens(150)), items(4, 33), (5, 9), False, False)
+    cached = TokenizedRequest(tuple(tokens(150)), items(4, 33), (5, 9), label_scores(False), False)
     mix = [
-        TokenizedRequest(tuple(tokens(300)), items(20, 1, 7, 40, 20), (3, 17, 400), False, False),
-        TokenizedRequest(tuple(tokens(40)), items(12, 3, 65), (8, 2), True, False),
+        TokenizedRequest(tuple(tokens(300)), items(20, 1, 7, 40, 20), (3, 17, 400), label_scores(False), False),
+        TokenizedRequest(tuple(tokens(40)), items(12, 3, 65), (8, 2), label_scores(True), False),
         dataclasses.replace(cached, items=items(9, 2, 25), apply_softmax=True),
-        TokenizedRequest((), [tokens(30) + tokens(20), tokens(5)], (3, 17, 400), False, True),
+        TokenizedRequest((), [tokens(30) + tokens(20), tokens(5)], (3, 17, 400), label_scores(False), True),
     ]
     return cached, mix
 

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from prefixscore.engine.answers import label_scores
 from prefixscore.engine.batcher import Batcher, take_results
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.planner import CallBuilder
@@ -26,7 +27,7 @@ def setup(devices: int = 1, align: int = 1) -> tuple[Batcher, PrefixCache]:
 
 
 def unit(cache, prefix=(1, 2, 3), lengths=(3,), labels=(5, 6), softmax=False, item_first=False, **ticket) -> WorkUnit:
-    req = TokenizedRequest(tuple(prefix), [[7] * n for n in lengths], tuple(labels), softmax, item_first)
+    req = TokenizedRequest(tuple(prefix), [[7] * n for n in lengths], tuple(labels), label_scores(softmax), item_first)
     u = WorkUnit(req, Ticket(**ticket))
     if not item_first:
         u.pin.entry, _ = cache.acquire(u.payload.prefix)
@@ -418,7 +419,7 @@ def test_results_split_per_span_and_a_nan_fails_only_its_request():
     out[:3, :2] = [[0.1, 0.2], [0.3, 0.4], [np.nan, 0.5]]
     complete, broken = take_results(call, out)
     assert complete == [good] and broken == [bad]
-    np.testing.assert_array_equal(good.reply.scores, np.float32([[0.1, 0.2], [0.3, 0.4]]))
+    np.testing.assert_array_equal(good.reply.answer, np.float32([[0.1, 0.2], [0.3, 0.4]]))
 
 
 # ---- isolation: what a failed call's work becomes (engine/isolation.py) ----------------------------

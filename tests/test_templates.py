@@ -7,6 +7,7 @@ import pytest
 
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.validation import RerankInput
+from prefixscore.model.call_inputs import OUTPUT_SOFTMAX
 
 QUERY = "What is the capital of China?"
 DOCS = ["The capital of China is Beijing.", "Gravity is a force that attracts two bodies towards each other."]
@@ -42,7 +43,7 @@ def test_qwen3_prompt_tokens_are_the_published_prompt_split_at_the_document(tiny
         assert item == tok.encode(text[split:])
         # and for these texts the split costs nothing: the joined prompt tokenizes the same
         assert list(req.prefix) + item == tok.start_ids + tok.encode(text)
-    assert req.label_ids == (tok.token_id("yes"), tok.token_id("no")) and req.apply_softmax
+    assert req.label_ids == (tok.token_id("yes"), tok.token_id("no")) and req.answer.output == OUTPUT_SOFTMAX
 
 
 @pytest.mark.parametrize(
