@@ -38,9 +38,9 @@ from prefixscore.engine.batcher import NonFiniteScores
 from prefixscore.engine.device_loop import DeviceWorker, WorkerStopped
 from prefixscore.engine.page_pins import StreamPin
 from prefixscore.engine.pooling import PoolRows
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.sentence_config import LAST, MEAN
 from prefixscore.telemetry.metrics import ServiceMetrics

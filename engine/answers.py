@@ -18,7 +18,6 @@ new kind is a new record here, not a branch in the loop.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
 import numpy as np
 
@@ -33,23 +32,6 @@ from prefixscore.model.call_inputs import (
     OUTPUT_TOKEN,
     TOKEN_COLUMNS,
 )
-
-
-class Answer(Protocol):
-    """A request kind's rows and answer (see the module doc)."""
-
-    @property
-    def output(self) -> int: ...
-
-    @property
-    def each_token(self) -> bool: ...
-
-    @property
-    def lead(self) -> int: ...
-
-    def buffer(self, items: TokenRows, labels: int) -> np.ndarray: ...
-
-    def fill(self, answer: np.ndarray, items: TokenRows, first: int, count: int, rows: np.ndarray) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,8 +33,9 @@ import numpy as np
 from prefixscore.engine.answers import TokenLogprobs
 from prefixscore.engine.known_positions import Known, KnownPositions, Positions, common_prefix
 from prefixscore.engine.likelihood import ItemLikelihood
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import InvalidInput, RequestTokenizer, TokenizedRequest, check_top_logprobs
+from prefixscore.engine.validation import InvalidInput, RequestTokenizer, check_top_logprobs
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out

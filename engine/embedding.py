@@ -32,8 +32,9 @@ from prefixscore.engine.answers import Pooled
 from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.known_positions import common_prefix
 from prefixscore.engine.pooling import PoolRows, unit_rows
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
+from prefixscore.engine.validation import RequestTokenizer
 from prefixscore.model.sentence_config import LAST, Pooling
 
 TRUNCATION_DIRECTIONS = ("right", "left")

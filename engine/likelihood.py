@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from prefixscore.engine.validation import TokenizedRequest
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 

@@ -13,10 +13,9 @@ import concurrent.futures
 import dataclasses
 
 from prefixscore.engine.admission import Admission
-from prefixscore.engine.answers import LabelScores
 from prefixscore.engine.loop_metrics import LoopMetrics
 from prefixscore.engine.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
-from prefixscore.engine.validation import TokenizedRequest
+from prefixscore.engine.request import PrefillOnly, TokenizedRequest
 from prefixscore.engine.work_unit import QueryPin, Ticket, WorkUnit
 
 
@@ -86,7 +85,7 @@ class PagePins:
 
         # it holds a pin of its own, so the pages stay its until the prefill is launched even if
         # the stream closes first
-        prefill_only = TokenizedRequest(prefix, [], (), LabelScores(), False)
+        prefill_only = TokenizedRequest(prefix, [], (), PrefillOnly(), False)
         unit = WorkUnit(prefill_only, Ticket(request_id=request_id, counts_lookup=False), pin=QueryPin(entry))
         unit.reply.on_done = done
         self.cache.pin(entry)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -50,8 +50,9 @@ from prefixscore.model.call_inputs import (
     PrefillRegion,
 )
 
-if TYPE_CHECKING:  # the batcher plans with this module: its queue's units are the handles here
-    from prefixscore.engine.work_unit import WorkUnit
+# whose items a row span holds: the caller's handle (the device loop's unit of work), given with
+# the items and handed back with their rows; the planner never looks inside it
+Ref = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ class RowSpan:
     results are split per span (an array slice), not per item. A span of items that read every
     token has a row per token of its items (rows: their tokens); else a row per item (rows == count)."""
 
-    ref: WorkUnit  # whose items these are: the batcher's unit, which carries its reply
+    ref: Ref  # whose items these are: the batcher's unit, which carries its reply
     first: int
     count: int
     row: int  # the first row in the call's output [devices * R, columns]
@@ -112,7 +113,7 @@ class _Offer:
     label_set: int
     output: int  # model/call_inputs.py OUTPUT_*
     each_token: bool  # a row per token of each item (else one, at its last token)
-    ref: WorkUnit  # whose items
+    ref: Ref  # whose items
 
 
 @dataclasses.dataclass
@@ -272,7 +273,7 @@ class CallBuilder:
         count: int,
         label_ids: tuple[int, ...],
         output: int,
-        ref: WorkUnit,
+        ref: Ref,
         each_token: bool = False,
     ) -> int:
         """Items first .. first + count - 1 of `rows` over the prefix `key` (pages, prefix_len;

@@ -21,8 +21,8 @@ from prefixscore.engine.batcher import Batcher, Call, PlanFailed
 from prefixscore.engine.loop_metrics import LoopMetrics
 from prefixscore.engine.planner import CallPlan
 from prefixscore.engine.prefix_cache import PrefixCache
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.engine.work_unit import Lineage, QueryPin, WorkUnit
 
 log = logging.getLogger("prefixscore.worker")

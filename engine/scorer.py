@@ -20,9 +20,10 @@ from prefixscore.engine.build import EngineSpec, build_engine
 from prefixscore.engine.device_loop import DeviceWorker
 from prefixscore.engine.embedding import EmbeddingRequests, EmbedInput
 from prefixscore.engine.likelihood import ItemLikelihood, read_likelihoods
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.engine.templates import ranked
-from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, TokenizedRequest, Validator
+from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, Validator
 from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.call_inputs import OUTPUT_LOGIT, OUTPUT_SOFTMAX
 from prefixscore.model.loader import LoadedModel

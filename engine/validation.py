@@ -18,8 +18,9 @@ from itertools import chain
 import numpy as np
 
 from prefixscore.engine import heads
-from prefixscore.engine.answers import Answer, TokenLogprobs, for_head
+from prefixscore.engine.answers import TokenLogprobs, for_head
 from prefixscore.engine.invalid_input import InvalidInput
+from prefixscore.engine.request import Answer, TokenizedRequest
 from prefixscore.engine.templates import RerankTemplate
 from prefixscore.engine.token_rows import TokenRows
 from prefixscore.model.call_inputs import TOP_LOGPROBS
@@ -54,27 +55,6 @@ class Limits:
                 **overrides,
             }
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizedRequest:
-    """A validated request in token ids. prefix: start tokens + query (empty for item_first).
-    `answer`: its kind's rows on the device and how they become its answer (engine/answers.py):
-    all the device loop knows of the kind."""
-
-    prefix: tuple[int, ...]
-    items: TokenRows  # for item_first: whole sequences (start + item + query); lists are converted
-    label_ids: tuple[int, ...]
-    answer: Answer
-    item_first: bool
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "items", TokenRows.coerce(self.items))
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The query once and every item (tokens every item repeats from the query counted once)."""
-        return len(self.prefix) + self.items.total - self.answer.lead * max(0, len(self.items) - 1)
 
 
 def _plain_ints(x: Sequence[object]) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from prefixscore.engine.prefix_cache import CachedPrefix
-from prefixscore.engine.validation import TokenizedRequest
+from prefixscore.engine.request import TokenizedRequest
 
 
 @dataclasses.dataclass(frozen=True)

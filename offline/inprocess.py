@@ -17,8 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from prefixscore.engine.embedding import ValidatedEmbed
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.scorer import Scorer
-from prefixscore.engine.validation import InvalidInput, TokenizedRequest, Validated, ValidatedRerank
+from prefixscore.engine.validation import InvalidInput, Validated, ValidatedRerank
 from prefixscore.engine.work_unit import WorkUnit
 from prefixscore.offline.lines import BatchLine, answered, failed
 from prefixscore.service import http_bodies, http_errors, http_schemas

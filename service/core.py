@@ -36,10 +36,11 @@ from prefixscore.engine.build import build_engine
 from prefixscore.engine.device_loop import DeadlineExpired, DeviceWorker, WorkerFailed, WorkerStopped, run_on_done
 from prefixscore.engine.embedding import EmbeddingRequests
 from prefixscore.engine.page_pins import StreamPin
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.scoring_engine import ScoringEngine, WarmupStage
 from prefixscore.engine.template_choice import TemplateChoice
 from prefixscore.engine.templates import RerankTemplate
-from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, TokenizedRequest, Validator
+from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, Validator
 from prefixscore.engine.work_unit import Ticket, WorkUnit
 from prefixscore.model.loader import LoadedModel
 from prefixscore.service import template_check

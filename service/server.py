@@ -26,8 +26,9 @@ from grpc_reflection.v1alpha import reflection
 from prefixscore import prefix_key
 from prefixscore.engine.embedding import EmbeddingRequests
 from prefixscore.engine.page_pins import StreamPin
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.templates import ranked
-from prefixscore.engine.validation import InvalidInput, StreamSpec, TokenizedRequest
+from prefixscore.engine.validation import InvalidInput, StreamSpec
 from prefixscore.engine.work_unit import WorkUnit
 from prefixscore.service import security
 from prefixscore.service.core import (

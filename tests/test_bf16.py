@@ -14,9 +14,9 @@ from helpers.prerequisites import missing
 
 from prefixscore.engine.answers import label_scores
 from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.scorer import EngineRunner
 from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.validation import TokenizedRequest
 
 # a 200-token query takes two 128-token prefill chunks
 BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)

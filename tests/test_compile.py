@@ -17,9 +17,9 @@ from conftest import SMALL_QWEN3
 
 from prefixscore.engine.answers import label_scores
 from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.scorer import EngineRunner
 from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.model.weights import random_params
 from prefixscore.telemetry.compiles import CompileCounter
 

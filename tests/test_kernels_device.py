@@ -81,9 +81,9 @@ def test_engine_on_device_matches_cpu(model: str, hf_checkpoints) -> None:
     Gemma 3 checkpoint: a 48-token window on one layer, soft caps, a query scale."""
     from prefixscore.engine.answers import label_scores
     from prefixscore.engine.buckets import Buckets
+    from prefixscore.engine.request import TokenizedRequest
     from prefixscore.engine.scorer import EngineRunner
     from prefixscore.engine.scoring_engine import ScoringEngine
-    from prefixscore.engine.validation import TokenizedRequest
     from prefixscore.model import presets
     from prefixscore.model.loader import load_model
     from prefixscore.model.weights import random_params

@@ -15,7 +15,8 @@ from prefixscore import Scorer
 from prefixscore.engine.answers import label_scores
 from prefixscore.engine.invalid_input import InvalidInput
 from prefixscore.engine.likelihood import read_likelihoods
-from prefixscore.engine.validation import RequestTokenizer, ScoreInput, TokenizedRequest, Validator
+from prefixscore.engine.request import TokenizedRequest
+from prefixscore.engine.validation import RequestTokenizer, ScoreInput, Validator
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # the parity test's buckets: a 128-token item region, 64-token prefill chunks, 16-token pages

@@ -214,7 +214,7 @@ def _model(**overrides):
 
 def _requests(cfg, rng, query_tokens=(300, 700, 40)):
     from prefixscore.engine.answers import label_scores
-    from prefixscore.engine.validation import TokenizedRequest
+    from prefixscore.engine.request import TokenizedRequest
 
     labels = (3, 17, cfg.vocab_size - 1)  # the last real row: next to the padding
     tokens = lambda n: rng.integers(0, cfg.vocab_size, int(n)).tolist()  # noqa: E731
@@ -360,9 +360,9 @@ def part_heads() -> dict:
     from prefixscore.engine.answers import label_scores
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.request import TokenizedRequest
     from prefixscore.engine.scorer import EngineRunner
     from prefixscore.engine.scoring_engine import ScoringEngine
-    from prefixscore.engine.validation import TokenizedRequest
     from prefixscore.model.weights import random_params
 
     # two call shapes (items alone, and beside one prefill region): each engine compiles little
@@ -521,10 +521,11 @@ def part_load() -> dict:
     from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.likelihood import read_likelihoods
     from prefixscore.engine.mesh import Layout, MeshShape
+    from prefixscore.engine.request import TokenizedRequest
     from prefixscore.engine.scorer import EngineRunner
     from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.engine.token_rows import TokenRows
-    from prefixscore.engine.validation import RequestTokenizer, TokenizedRequest
+    from prefixscore.engine.validation import RequestTokenizer
     from prefixscore.model.call_inputs import TOP_LOGPROBS
     from prefixscore.model.loader import load_model
     from prefixscore.model.weights import flat_weights
@@ -614,7 +615,7 @@ def part_isolation() -> dict:
 
     from prefixscore.engine.answers import label_scores
     from prefixscore.engine.device_loop import DeviceWorker
-    from prefixscore.engine.validation import TokenizedRequest
+    from prefixscore.engine.request import TokenizedRequest
     from prefixscore.engine.work_unit import Ticket, WorkUnit
     from prefixscore.telemetry.metrics import ServiceMetrics
 

@@ -21,9 +21,9 @@ from conftest import SMALL_QWEN3
 from prefixscore.engine import batcher
 from prefixscore.engine.answers import label_scores
 from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.scorer import EngineRunner
 from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.model.weights import random_params
 
 # head_dim 64 and 128-token pages: shapes every kernel family tiles (none falls back to XLA)

@@ -12,8 +12,8 @@ from prefixscore.engine.batcher import Batcher, take_results
 from prefixscore.engine.buckets import Buckets
 from prefixscore.engine.planner import CallBuilder
 from prefixscore.engine.prefix_cache import PoolExhausted, PrefixCache
+from prefixscore.engine.request import TokenizedRequest
 from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import TokenizedRequest
 from prefixscore.engine.work_unit import Ticket, WorkUnit
 
 BUCKETS = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256, page_tokens=128)

@@ -1,0 +1,67 @@
+"""The device loop's unit of input: a validated request in token ids, and what its kind declares
+to the loop about its rows (`Answer`). The kinds themselves (engine/answers.py and the
+validation that builds requests) sit above the loop; the loop knows only this record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from prefixscore.engine.token_rows import TokenRows
+from prefixscore.model.call_inputs import OUTPUT_FULL
+
+
+class Answer(Protocol):
+    """A request kind's rows and answer (see the module doc)."""
+
+    @property
+    def output(self) -> int: ...
+
+    @property
+    def each_token(self) -> bool: ...
+
+    @property
+    def lead(self) -> int: ...
+
+    def buffer(self, items: TokenRows, labels: int) -> np.ndarray: ...
+
+    def fill(self, answer: np.ndarray, items: TokenRows, first: int, count: int, rows: np.ndarray) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOnly:
+    """No rows: a unit that only prefills its query (a stream open's, a retried query's)."""
+
+    output = OUTPUT_FULL
+    each_token = False
+    lead = 0
+
+    def buffer(self, items: TokenRows, labels: int) -> np.ndarray:
+        return np.zeros((len(items), labels), np.float32)
+
+    def fill(self, answer: np.ndarray, items: TokenRows, first: int, count: int, rows: np.ndarray) -> None:
+        raise AssertionError("a prefill-only unit has no rows to fill")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedRequest:
+    """A validated request in token ids. prefix: start tokens + query (empty for item_first).
+    `answer`: its kind's rows on the device and how they become its answer (engine/answers.py):
+    all the device loop knows of the kind."""
+
+    prefix: tuple[int, ...]
+    items: TokenRows  # for item_first: whole sequences (start + item + query); lists are converted
+    label_ids: tuple[int, ...]
+    answer: Answer
+    item_first: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "items", TokenRows.coerce(self.items))
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The query once and every item (tokens every item repeats from the query counted once)."""
+        return len(self.prefix) + self.items.total - self.answer.lead * max(0, len(self.items) - 1)
