@@ -114,7 +114,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixscore.telemetry import logs
 
     logs.configure(args.log_format, args.log_level)
-    from prefixscore.engine.hosts import HostGroupError
+    from prefixscore.engine.hosts.hosts import HostGroupError
     from prefixscore.service.core import StartupFailed
     from prefixscore.service.follower import FollowerHost
     from prefixscore.service.process import ScoreServer, exit_now

@@ -13,7 +13,7 @@ token id the request alone carries:
 - in a query's prefill region (`prefill`): every call prefilling it fails, so every request
   and stream open over that query is a culprit.
 
-The round's verdict holds the rule the loop promises (engine/isolation.py), whatever the call
+The round's verdict holds the rule the loop promises (engine/loop/isolation.py), whatever the call
 layout: every request that is no culprit gets the answer it gets alone (a replica without
 faults, one request at a time), every culprit its error; the loop still serves; pins, queue and
 gauges are back at their baseline; and failed calls stay within, per fault,
@@ -33,15 +33,15 @@ from typing import Any
 
 import numpy as np
 
-from prefixscore.engine.answers import LabelScores, Pooled, TokenLogprobs, label_scores
-from prefixscore.engine.batcher import NonFiniteScores
-from prefixscore.engine.device_loop import DeviceWorker, WorkerStopped
-from prefixscore.engine.page_pins import StreamPin
-from prefixscore.engine.pooling import PoolRows
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.work_unit import Ticket, WorkUnit
+from prefixscore.engine.loop.batcher import NonFiniteScores
+from prefixscore.engine.loop.device_loop import DeviceWorker, WorkerStopped
+from prefixscore.engine.loop.page_pins import StreamPin
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import Ticket, WorkUnit
+from prefixscore.engine.requests.answers import LabelScores, Pooled, TokenLogprobs, label_scores
+from prefixscore.engine.requests.pooling import PoolRows
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.sentence_config import LAST, MEAN
 from prefixscore.telemetry.metrics import ServiceMetrics
 

@@ -1,8 +1,11 @@
-"""prefixscore.engine: a request from validation to the device and back.
+"""prefixscore.engine: a request from validation to the device and back, in four rooms.
 
-validation (and templates) -> batcher (the queue of work_unit's WorkUnits, which carry
-their replies) -> planner (one device call's typed inputs) -> executables (compiled per
-call shape) -> device_loop (the one thread that plans, launches and reads back; beside it
-admission, page_pins, recovery and loop_metrics), over the prefix pool's page book
-(prefix_cache). `scorer.Scorer` is the in-process API on top.
+requests/ (the kinds: validation, templates, each kind's rows and answer) -> loop/ (the
+device loop: its input record, the queue of work units that carry their replies, the
+batcher that plans calls, admission, page pins, failure isolation and recovery, metrics)
+-> runtime/ (the planner's typed call inputs, the scoring engine's compiled call shapes,
+the prefix pool's page book, mesh, buckets, compile cache); hosts/ runs one engine over
+several hosts. `scorer.Scorer` (the in-process API) and `build` (an engine from its
+options, engine/options.py) wire them. lint-imports holds the layers and keeps the loop
+from importing a kind.
 """

@@ -3,8 +3,8 @@
 The service (service/core.py), the in-process `Scorer` (engine/scorer.py), the bench and the
 offline runner all build their engine here, so a new choice (a quantization scheme, several
 hosts) is added once. The order matters and is kept here: a host of a group joins the group's
-JAX runtime first (engine/hosts.py), then the model's config is read,
-then the mesh is chosen (engine/mesh.py), then each weight is read and sent to its shards as
+JAX runtime first (engine/hosts/hosts.py), then the model's config is read,
+then the mesh is chosen (engine/runtime/mesh.py), then each weight is read and sent to its shards as
 it arrives (the host holds about one stacked weight, never the whole model), then the engine
 sizes its pool from the memory the weights left.
 """
@@ -19,13 +19,13 @@ from typing import Any
 
 import jax
 
-from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.call_broadcast import ALONE
-from prefixscore.engine.hosts import HostGroup, join
-from prefixscore.engine.mesh import MeshPlacement
+from prefixscore.engine.hosts.hosts import HostGroup, join
+from prefixscore.engine.hosts.step_channel import StepLeader
 from prefixscore.engine.options import OPTIONS
-from prefixscore.engine.scoring_engine import POOL_MEMORY_FRACTION, ScoringEngine
-from prefixscore.engine.step_channel import StepLeader
+from prefixscore.engine.runtime.buckets import Buckets
+from prefixscore.engine.runtime.call_broadcast import ALONE
+from prefixscore.engine.runtime.mesh import MeshPlacement
+from prefixscore.engine.runtime.scoring_engine import POOL_MEMORY_FRACTION, ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.presets import DEFAULT_MODEL
 from prefixscore.model.quant_choice import AUTO, QuantizeChoice
@@ -45,7 +45,7 @@ class EngineSpec:
     attn_impl: str | None = None  # kernels/dispatch.py; None: the platform's default
     # the devices to lay the mesh over: all local ones (None), the first n, or these
     devices: int | Sequence[jax.Device] | None = None
-    # devices on the model axis (tensor parallel) and the data axis; None: chosen (engine/mesh.py)
+    # devices on the model axis (tensor parallel) and the data axis; None: chosen (engine/runtime/mesh.py)
     tp_size: int | None = None
     dp_size: int | None = None
     # the prefix pool on each device: bytes, or (None) a fraction of the device memory left
@@ -58,7 +58,7 @@ class EngineSpec:
     activations: str = AUTO
     # embeddings (model/sentence_config.py): the checkpoint's Pooling (auto), or last | mean
     pooling: str = AUTO
-    # several hosts as one replica (engine/hosts.py): this process's place in the group
+    # several hosts as one replica (engine/hosts/hosts.py): this process's place in the group
     hosts: HostGroup = HostGroup()
     # without `buckets`: the default buckets' sizes, each None (or 0) for Buckets' own
     max_batch_tokens: int | None = None

@@ -77,7 +77,8 @@ OPTIONS: tuple[EngineOption, ...] = (
         None,
         int,
     ),
-    # the engine's POOL_MEMORY_FRACTION (engine/scoring_engine.py; tests/test_engine_options.py checks they agree)
+    # the engine's POOL_MEMORY_FRACTION (engine/runtime/scoring_engine.py; tests/test_engine_options.py checks
+    # they agree)
     EngineOption("pool_memory_fraction", "share of the free device memory the prefix pool takes", 0.5, float),
     EngineOption(
         "compile_cache",
@@ -92,7 +93,7 @@ OPTIONS: tuple[EngineOption, ...] = (
         choices=choices.ATTENTION,
         flag="attention",
     ),
-    # the device mesh (engine/mesh.py): devices on the model axis (tensor parallel) and the data
+    # the device mesh (engine/runtime/mesh.py): devices on the model axis (tensor parallel) and the data
     # axis (replicas); None: chosen (the smallest model axis the weights fit, the rest data)
     EngineOption(
         "tp_size",
@@ -102,7 +103,7 @@ OPTIONS: tuple[EngineOption, ...] = (
         int,
     ),
     EngineOption("dp_size", "devices on the mesh's data axis (replicas); default: the devices left", None, int),
-    # the call shapes (engine/buckets.py's Buckets, whose defaults the help states)
+    # the call shapes (engine/runtime/buckets.py's Buckets, whose defaults the help states)
     EngineOption("max_batch_tokens", "item tokens per device in one call (default 8192)", None, int),
     EngineOption("max_prefill_tokens", "query tokens prefilled in one call (default 4096)", None, int),
 )

@@ -12,19 +12,20 @@ from typing import Any
 import numpy as np
 
 from prefixscore import choices
-from prefixscore.engine import heads, options, template_choice
-from prefixscore.engine.answers import LabelScores
-from prefixscore.engine.batcher import Batcher
-from prefixscore.engine.buckets import Buckets
+from prefixscore.engine import options
 from prefixscore.engine.build import EngineSpec, build_engine
-from prefixscore.engine.device_loop import DeviceWorker
-from prefixscore.engine.embedding import EmbeddingRequests, EmbedInput
-from prefixscore.engine.likelihood import ItemLikelihood, read_likelihoods
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.templates import ranked
-from prefixscore.engine.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, Validator
-from prefixscore.engine.work_unit import Ticket, WorkUnit
+from prefixscore.engine.loop.batcher import Batcher
+from prefixscore.engine.loop.device_loop import DeviceWorker
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import Ticket, WorkUnit
+from prefixscore.engine.requests import heads, template_choice
+from prefixscore.engine.requests.answers import LabelScores
+from prefixscore.engine.requests.embedding import EmbeddingRequests, EmbedInput
+from prefixscore.engine.requests.likelihood import ItemLikelihood, read_likelihoods
+from prefixscore.engine.requests.templates import ranked
+from prefixscore.engine.requests.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, Validator
+from prefixscore.engine.runtime.buckets import Buckets
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.model.call_inputs import OUTPUT_LOGIT, OUTPUT_SOFTMAX
 from prefixscore.model.loader import LoadedModel
 from prefixscore.telemetry.metrics import ServiceMetrics
@@ -86,8 +87,8 @@ class Scorer:
         """Load a preset, local HF directory, .gguf file or hub id (see model/loader.py).
         engine_options: any option of engine/options.py by its name, as `serve`'s flags: template
         (the reranker prompt of `rerank`: auto, the published reranker recognized from the
-        checkpoint, else `rerank` refuses; or a record's name, engine/templates.py), attn_impl,
-        tp_size and dp_size (the device mesh, engine/mesh.py), pool_bytes, pool_memory_fraction,
+        checkpoint, else `rerank` refuses; or a record's name, engine/requests/templates.py), attn_impl,
+        tp_size and dp_size (the device mesh, engine/runtime/mesh.py), pool_bytes, pool_memory_fraction,
         compile_cache, quantize and activations (8-bit projections, model/quant_choice.py).
         Raises TypeError for a name that is no option."""
         options.check_names(engine_options)
@@ -191,7 +192,7 @@ class Scorer:
         self, context: str | Sequence[int], continuations: Sequence[str] | Sequence[Sequence[int]]
     ) -> list[ItemLikelihood]:
         """Per continuation, its tokens' log-probs, whether each is the argmax, and the top
-        log-probs at each position (engine/likelihood.py ItemLikelihood)."""
+        log-probs at each position (engine/requests/likelihood.py ItemLikelihood)."""
         req = self.validator.score(ScoreInput(context, continuations, loglikelihood=True)).request
         with self._lock:
             unit = self.runner.run_requests([req])[0]
@@ -210,7 +211,7 @@ class Scorer:
         truncation_direction: str = "right",
     ) -> np.ndarray:
         """Embeddings [inputs, dimensions] float32, as sentence-transformers' `encode` computes them
-        on the same checkpoint (engine/embedding.py): each text after its prompt (`prompt_name`,
+        on the same checkpoint (engine/requests/embedding.py): each text after its prompt (`prompt_name`,
         `prompt`, or the model's default), pooled as the model's Pooling says, the first
         `dimensions` kept, then L2-normalized when the model normalizes (or `normalize` says).
         The prompt is prefilled once and cached; each input runs over it. Raises ValueError

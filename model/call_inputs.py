@@ -1,6 +1,6 @@
 """The typed inputs of one device call (model/step.py): what crosses into compiled code.
 
-The engine's planner (engine/planner.py) fills them on the host as numpy arrays; the
+The engine's planner (engine/runtime/planner.py) fills them on the host as numpy arrays; the
 executable ships them as they are. Every shape follows from a `CallShape` (the
 executable key) and the buckets: Tp prefill tokens, Ti item tokens and R rows per
 device, d devices, S segments (page-table rows) of P pages, L label ids.
@@ -17,12 +17,12 @@ import jax
 LABEL_SETS = 16
 # what a causal LM's row returns for its labels (ItemRegion.output): each label's probability over
 # the whole vocabulary, the softmax over the row's labels, or the labels' raw logits (a reranker
-# whose published relevance is a function of one label's logit, engine/templates.py). A token row
+# whose published relevance is a function of one label's logit, engine/requests/templates.py). A token row
 # (OUTPUT_TOKEN) reads one token of an item instead and returns the log-probability of its
 # `target` (the item's next token) over the whole vocabulary, and the vocabulary's top
-# TOP_LOGPROBS there: an item's own likelihood, one row per token (engine/likelihood.py). A hidden
+# TOP_LOGPROBS there: an item's own likelihood, one row per token (engine/requests/likelihood.py). A hidden
 # row (OUTPUT_HIDDEN) returns the final-normed hidden state at its token: what an embedding pools
-# (engine/pooling.py), one row per item (its last token) or one per token (a mean)
+# (engine/requests/pooling.py), one row per item (its last token) or one per token (a mean)
 OUTPUT_FULL, OUTPUT_SOFTMAX, OUTPUT_LOGIT, OUTPUT_TOKEN, OUTPUT_HIDDEN = 0, 1, 2, 3, 4
 # the top log-probs a token row returns: the most a request may ask for
 TOP_LOGPROBS = 20

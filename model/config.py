@@ -89,7 +89,7 @@ class ModelConfig:
     label_names: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     multi_label: bool = dataclasses.field(default=False, compare=False)
     # a classifier's pad token: transformers reads the last token that is not it, so a sequence
-    # ending in it is refused (engine/validation.py); None: no pad token, or a causal LM
+    # ending in it is refused (engine/requests/validation.py); None: no pad token, or a causal LM
     pad_token_id: int | None = dataclasses.field(default=None, compare=False)
     # the name is not math: configs that differ only by name share compiled executables
     name: str = dataclasses.field(default="", compare=False)

@@ -407,7 +407,7 @@ FAMILIES: dict[str, Family] = {  # by model_type
 # the base models: config.json's architectures[0] -> the model type whose decoder they are, with
 # no output head (transformers' *Model: its final-normed hidden states). What sentence-transformers
 # saves as an embedding model's Transformer module (e5-mistral's MistralModel, a Qwen3Model
-# fine-tune): served for embeddings only (engine/embedding.py)
+# fine-tune): served for embeddings only (engine/requests/embedding.py)
 BASE_MODELS: dict[str, str] = {
     "LlamaModel": "llama",
     "MistralModel": "mistral",

@@ -5,7 +5,7 @@ next-token probabilities (a softmax over the labels, or each label's share of th
 vocabulary: its log-sum-exp). A sequence classifier's head is its `score` projection
 [num_labels, hidden] (*ForSequenceClassification: no vocabulary head at all): a request names no
 labels, the device returns every label's raw logit, and the host applies the request's activation
-(engine/heads.py).
+(engine/requests/heads.py).
 
 `output_head(cfg)` is the one place that reads which head a config has; the weights, the step,
 the reference decoder, the FLOP count, validation and the transports ask the record it returns.

@@ -48,7 +48,7 @@ class LoadedModel:
     # what is 8-bit and how it is multiplied (weights.quantization_of); {"weights": "none"}: nothing
     quantization: dict[str, object] = dataclasses.field(default_factory=lambda: {"weights": NONE})
     # config.json's _name_or_path and architectures[0] (a reranker template is recognized by them:
-    # engine/template_choice.py); "" for presets and GGUF files
+    # engine/requests/template_choice.py); "" for presets and GGUF files
     name_or_path: str = ""
     architecture: str = ""
     # how it embeds (modules.json's Pooling, or --pooling); None: it serves no embeddings

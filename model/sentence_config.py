@@ -53,7 +53,7 @@ class Pooling:
 
 
 LAST, MEAN, CLS = "lasttoken", "mean", "cls"  # sentence-transformers' pooling_mode names
-MODES = (LAST, MEAN, CLS)  # the pooling modes computed (engine/pooling.py)
+MODES = (LAST, MEAN, CLS)  # the pooling modes computed (engine/requests/pooling.py)
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")  # SentenceTransformer.SUPPORTED_SIMILARITY_FN_NAMES
 PLAIN_MODES = {"last": LAST, "mean": MEAN}  # --pooling for a plain causal LM -> its mode
 

@@ -1,6 +1,6 @@
 """The mesh's axes as the per-device code sees them (inside `shard_map`). On the model axis
 each device holds 1/size of the attention heads, MLP columns and vocabulary rows
-(engine/mesh.py places them); on the data axis each replica runs its own prefill chunks.
+(engine/runtime/mesh.py places them); on the data axis each replica runs its own prefill chunks.
 
 The decoder needs exactly three things from the split, all here: sum the partial outputs
 of a row-split projection (the attention's o and the MLP's down projection: one

@@ -1,6 +1,6 @@
 """The one device call (per device): prefill chunks of new queries and items of many queries,
-over the paged prefix pool. engine/scoring_engine.py wraps it in `shard_map` and `jit`, one executable
-per CallShape (engine/planner.py lays out its inputs).
+over the paged prefix pool. engine/runtime/scoring_engine.py wraps it in `shard_map` and `jit`, one executable
+per CallShape (engine/runtime/planner.py lays out its inputs).
 
 Per layer: the projections of every token of the stream; the prefill region's K/V written
 into the pool pages (in place: the pool is a loop carry, donated to the call); then the
@@ -254,11 +254,11 @@ def row_label_probs(
     own rows' log-sum-exp, combined across devices: the logits never leave a device.
     A head that scores its own rows (a classifier's, model/head.py) has no vocabulary: `labels`
     index its score rows (held whole on every device), and each row gets its raw logits; the
-    activation the request asked for is applied on the host (engine/heads.py).
+    activation the request asked for is applied on the host (engine/requests/heads.py).
     Returns [rows, L] float32 (unused columns 0).
     """
     head = output_head(cfg)
-    if not head.rows:  # a base model: no head, and no request names a label (engine/heads.py)
+    if not head.rows:  # a base model: no head, and no request names a label (engine/requests/heads.py)
         return jnp.zeros((h_last.shape[0], labels.shape[0]), jnp.float32)
     h = norm(cfg, h_last, params.final_norm)
     valid = row_labels >= 0

@@ -42,7 +42,7 @@ Projection = jax.Array | QuantizedMatrix
 
 def _axes(*axes: str | None, optional: bool = False):
     """A weight field named by its logical axes (one per dimension; the fused `*_heads` axes
-    hold heads x head_dim): engine/mesh.py maps them to mesh axes with one rule table."""
+    hold heads x head_dim): engine/runtime/mesh.py maps them to mesh axes with one rule table."""
     if optional:
         return struct.field(default=None, metadata={"axes": axes})
     return struct.field(metadata={"axes": axes})

@@ -1,6 +1,6 @@
 """`CrossEncoder`: sentence-transformers' CrossEncoder interface (`predict`, `rank`) over the
 reranker of the HTTP rerank API: the same template, labels and relevance (the template's
-record: engine/templates.py; `template=` in process, default `auto`), in process or from a server;
+record: engine/requests/templates.py; `template=` in process, default `auto`), in process or from a server;
 or, for a sequence classifier loaded in process, over its head, as sentence-transformers scores it.
 
 A classifier scores each pair exactly as sentence-transformers' `CrossEncoder(model_dir)` (6.x):

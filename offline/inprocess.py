@@ -16,11 +16,11 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from prefixscore.engine.embedding import ValidatedEmbed
-from prefixscore.engine.request import TokenizedRequest
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import WorkUnit
+from prefixscore.engine.requests.embedding import ValidatedEmbed
+from prefixscore.engine.requests.validation import InvalidInput, Validated, ValidatedRerank
 from prefixscore.engine.scorer import Scorer
-from prefixscore.engine.validation import InvalidInput, Validated, ValidatedRerank
-from prefixscore.engine.work_unit import WorkUnit
 from prefixscore.offline.lines import BatchLine, answered, failed
 from prefixscore.service import http_bodies, http_errors, http_schemas
 from prefixscore.telemetry import request_ids

@@ -1,5 +1,5 @@
 """`SentenceTransformer`: sentence-transformers' embedding interface (`encode`, `similarity`) over
-a model loaded in process, pooled as the checkpoint's own modules say (engine/embedding.py).
+a model loaded in process, pooled as the checkpoint's own modules say (engine/requests/embedding.py).
 
 `encode` follows sentence-transformers' order of operations: the model's vectors (pooled, and
 normalized when its modules end in Normalize), then `truncate_dim`, then `normalize_embeddings`.
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefixscore.engine.pooling import unit_rows
+from prefixscore.engine.requests.pooling import unit_rows
 
 if TYPE_CHECKING:
     from prefixscore.engine.scorer import Scorer

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from prefixscore.engine import options
 
 if TYPE_CHECKING:
-    from prefixscore.engine.buckets import Buckets
     from prefixscore.engine.build import EngineSpec
-    from prefixscore.engine.hosts import HostGroup
-    from prefixscore.engine.scoring_engine import ScoringEngine
+    from prefixscore.engine.hosts.hosts import HostGroup
+    from prefixscore.engine.runtime.buckets import Buckets
+    from prefixscore.engine.runtime.scoring_engine import ScoringEngine
     from prefixscore.model.loader import LoadedModel
 
 
@@ -119,7 +119,7 @@ class ServerConfig:
     attn_impl: str | None = _engine_flag("attn_impl")
     tp_size: int | None = _engine_flag("tp_size")
     dp_size: int | None = _engine_flag("dp_size")
-    # several hosts as one replica (engine/hosts.py): every host runs serve with the same flags
+    # several hosts as one replica (engine/hosts/hosts.py): every host runs serve with the same flags
     # and its own --host-index; unset on a multi-host TPU slice: the slice's, from its environment
     num_hosts: int | None = _flag(
         None, "hosts serving this model together, one process each (JAX's multi-controller runtime)", int
@@ -188,8 +188,8 @@ class ServerConfig:
         return EngineSpec.from_options(options.values(self), buckets=self.buckets, hosts=self.host_group())
 
     def host_group(self) -> HostGroup:
-        """This process's place in its group of hosts (engine/hosts.py); raises HostGroupError."""
-        from prefixscore.engine.hosts import HostGroup
+        """This process's place in its group of hosts (engine/hosts/hosts.py); raises HostGroupError."""
+        from prefixscore.engine.hosts.hosts import HostGroup
 
         return HostGroup.from_flags(self.num_hosts, self.host_index, self.coordinator, self.host_timeout_s)
 

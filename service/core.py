@@ -30,18 +30,18 @@ from typing import Any
 
 import grpc
 
-from prefixscore.engine.admission import QueueFull
-from prefixscore.engine.batcher import NonFiniteScores
 from prefixscore.engine.build import build_engine
-from prefixscore.engine.device_loop import DeadlineExpired, DeviceWorker, WorkerFailed, WorkerStopped, run_on_done
-from prefixscore.engine.embedding import EmbeddingRequests
-from prefixscore.engine.page_pins import StreamPin
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.scoring_engine import ScoringEngine, WarmupStage
-from prefixscore.engine.template_choice import TemplateChoice
-from prefixscore.engine.templates import RerankTemplate
-from prefixscore.engine.validation import InvalidInput, Limits, RequestTokenizer, Validator
-from prefixscore.engine.work_unit import Ticket, WorkUnit
+from prefixscore.engine.loop.admission import QueueFull
+from prefixscore.engine.loop.batcher import NonFiniteScores
+from prefixscore.engine.loop.device_loop import DeadlineExpired, DeviceWorker, WorkerFailed, WorkerStopped, run_on_done
+from prefixscore.engine.loop.page_pins import StreamPin
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import Ticket, WorkUnit
+from prefixscore.engine.requests.embedding import EmbeddingRequests
+from prefixscore.engine.requests.template_choice import TemplateChoice
+from prefixscore.engine.requests.templates import RerankTemplate
+from prefixscore.engine.requests.validation import InvalidInput, Limits, RequestTokenizer, Validator
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine, WarmupStage
 from prefixscore.model.loader import LoadedModel
 from prefixscore.service import template_check
 from prefixscore.service.config import ServerConfig

@@ -6,8 +6,8 @@ kernels (as the leader does), reports ready to the leader, and then runs each ca
 sends until the leader says stop (`follow`). Its metrics port answers /metrics, /health
 (alive) and /ready (loaded, compiled, checked) for the orchestrator.
 
-Running the leader's calls: the leader plans (engine/device_loop.py) and sends each call
-before launching it (engine/step_channel.py); a follower plans nothing and reads no result:
+Running the leader's calls: the leader plans (engine/loop/device_loop.py) and sends each call
+before launching it (engine/hosts/step_channel.py); a follower plans nothing and reads no result:
 it launches the same executable on its own devices' shards with the same inputs, in the order
 sent, so every collective of the call meets its peers on the other hosts. It keeps one call in
 flight while the next is already waiting (as the leader overlaps planning with the device),
@@ -29,9 +29,9 @@ import time
 import jax
 
 from prefixscore.engine.build import build_engine
-from prefixscore.engine.hosts import HostGroup, join
-from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.step_channel import CALL, HEARTBEAT, RESET, STOP, LeaderLost, StepFollower
+from prefixscore.engine.hosts.hosts import HostGroup, join
+from prefixscore.engine.hosts.step_channel import CALL, HEARTBEAT, RESET, STOP, LeaderLost, StepFollower
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.service.config import ServerConfig
 from prefixscore.telemetry.compiles import CompileCounter
 from prefixscore.telemetry.logs import event

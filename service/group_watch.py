@@ -1,9 +1,9 @@
 """The leader's group of hosts, as the service sees it (docs/design.md, "Several hosts").
 
-The engine only tells its broadcast each call (engine/call_broadcast.py); everything else
+The engine only tells its broadcast each call (engine/runtime/call_broadcast.py); everything else
 about the group is here, on the leader:
 - **waiting**: the leader is ready only once every follower is loaded, compiled and checked;
-- **watch and loss**: a host gone or stuck (the step channel, engine/step_channel.py, decides)
+- **watch and loss**: a host gone or stuck (the step channel, engine/hosts/step_channel.py, decides)
   means no call can complete: every request held fails UNAVAILABLE at once (the device thread
   may wait in a collective forever), new ones are refused, and the service fails, so the
   process exits non-zero (service/process.py) and the group is restarted together;
@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from prefixscore.engine.device_loop import WorkerFailed
-from prefixscore.engine.step_channel import StepLeader
+from prefixscore.engine.hosts.step_channel import StepLeader
+from prefixscore.engine.loop.device_loop import WorkerFailed
 from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import ServiceMetrics
 

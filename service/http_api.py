@@ -1,12 +1,12 @@
 """The HTTP API: SGLang's `/v1/score`, a Cohere/Jina/vLLM-style `/v1/rerank`, vLLM's and SGLang's
 `/v1/classify`, OpenAI's `/v1/completions` as scorers call it (echo and logprobs) and its
-`/v1/embeddings` (a sentence-transformers checkpoint's pooling, engine/embedding.py), Text
+`/v1/embeddings` (a sentence-transformers checkpoint's pooling, engine/requests/embedding.py), Text
 Embeddings Inference's `/embed`, vLLM's
 `/tokenize`, `/detokenize` and `/tokenizer_info`, `/v1/models`,
 `/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the process's
 event loop (the gRPC server's too), on its own port.
 
-Routes only map JSON onto the transport-neutral inputs of `engine/validation.py` (the one
+Routes only map JSON onto the transport-neutral inputs of `engine/requests/validation.py` (the one
 validation pass gRPC shares) and hand the validated request to the core's `run` (service/core.py), the same
 device loop and batcher as gRPC: items of HTTP and gRPC requests over one query ride in
 the same device calls. Errors keep SGLang's shape,
@@ -40,11 +40,11 @@ from pydantic_core import to_json
 from starlette.exceptions import HTTPException
 
 from prefixscore import prefix_key
-from prefixscore.engine import completions
-from prefixscore.engine.embedding import EmbedInput, ValidatedEmbed
-from prefixscore.engine.known_positions import KnownPositions
-from prefixscore.engine.likelihood import read_likelihoods
-from prefixscore.engine.validation import InvalidInput
+from prefixscore.engine.requests import completions
+from prefixscore.engine.requests.embedding import EmbedInput, ValidatedEmbed
+from prefixscore.engine.requests.known_positions import KnownPositions
+from prefixscore.engine.requests.likelihood import read_likelihoods
+from prefixscore.engine.requests.validation import InvalidInput
 from prefixscore.service.core import Failure, ScoringService, internal_failure, validated
 from prefixscore.service.http_bodies import (
     classify_input,

@@ -1,6 +1,6 @@
 """One HTTP body in, one response body out, for the routes (service/http_api.py) and
 `prefixscore batch` (offline/): a request model as the transport-neutral input of the one
-validation pass (engine/validation.py), and a validated request's scores as the response
+validation pass (engine/requests/validation.py), and a validated request's scores as the response
 model. Nothing here knows the service or the event loop."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from prefixscore.engine.embedding import EmbedInput, ValidatedEmbed
-from prefixscore.engine.templates import ranked
-from prefixscore.engine.validation import (
+from prefixscore.engine.requests.embedding import EmbedInput, ValidatedEmbed
+from prefixscore.engine.requests.templates import ranked
+from prefixscore.engine.requests.validation import (
     ClassifyInput,
     InvalidInput,
     RerankInput,
@@ -133,7 +133,7 @@ def rerank_response(
 
 
 def embed_input(body: EmbeddingRequest) -> EmbedInput:
-    """A /v1/embeddings body as the input of the embedding validation (engine/embedding.py)."""
+    """A /v1/embeddings body as the input of the embedding validation (engine/requests/embedding.py)."""
     return EmbedInput(
         body.input,
         body.prompt_name,

@@ -1,5 +1,5 @@
 """/v1/completions bodies: a request model as the engine's completions input, and each prompt's
-log-probs (engine/completions.py) as OpenAI's response, as vLLM writes it for echo and
+log-probs (engine/requests/completions.py) as OpenAI's response, as vLLM writes it for echo and
 logprobs. Nothing here knows the service or the event loop.
 
 Tokens are reported as vLLM reports them: each id decoded alone (" the", not the vocabulary's
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from prefixscore.engine.completions import CompletionsInput, PlannedCompletions, PromptLogprobs
+from prefixscore.engine.requests.completions import CompletionsInput, PlannedCompletions, PromptLogprobs
 from prefixscore.model.tokenizer import TextTokenizer
 from prefixscore.service.http_schemas import (
     CompletionChoice,

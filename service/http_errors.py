@@ -11,7 +11,7 @@ import grpc
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from prefixscore.engine.validation import InvalidInput
+from prefixscore.engine.requests.validation import InvalidInput
 from prefixscore.service.core import Failure
 from prefixscore.service.http_schemas import ErrorResponse
 

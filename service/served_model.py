@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.template_choice import TemplateChoice
+from prefixscore.engine.requests.template_choice import TemplateChoice
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.model.head import output_head
 from prefixscore.model.loader import LoadedModel
 from prefixscore.version import __version__
@@ -29,16 +29,16 @@ class ServedModel:
     label_names: tuple[str, ...]  # a classifier's labels, in row order
     has_tokenizer: bool
     template: str | None  # the reranker prompt of Rerank and /v1/rerank (None: none, rerank is refused)
-    template_reason: str  # why that one, or why none (engine/template_choice.py)
+    template_reason: str  # why that one, or why none (engine/requests/template_choice.py)
     devices: tuple[str, ...]  # "platform:id" of each device the mesh covers
     tp_size: int  # devices on the mesh's model axis
     dp_size: int  # ... and on its data axis
-    hosts: int  # processes (hosts) the mesh spans: 1, or a group's (engine/hosts.py)
+    hosts: int  # processes (hosts) the mesh spans: 1, or a group's (engine/hosts/hosts.py)
     model_axis_hosts: int  # the most hosts a row of the model axis spans (1: its all-reduces stay on a host)
     kv_heads_per_device: int  # the pool's KV heads each device stores
     kv_head_copies: int  # how often each KV head is stored across the model axis (tp > kv_heads)
     attention: str  # the attention implementation (kernels/dispatch.py)
-    buckets: dict[str, Any]  # the engine's buckets (engine/buckets.py), as plain values
+    buckets: dict[str, Any]  # the engine's buckets (engine/runtime/buckets.py), as plain values
     pool_pages: int
     pool_bytes: int  # the prefix pool's bytes on each device
     pool_tokens: int  # tokens of K/V the pool holds (its pages x the page's tokens)

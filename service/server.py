@@ -24,12 +24,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixscore import prefix_key
-from prefixscore.engine.embedding import EmbeddingRequests
-from prefixscore.engine.page_pins import StreamPin
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.templates import ranked
-from prefixscore.engine.validation import InvalidInput, StreamSpec
-from prefixscore.engine.work_unit import WorkUnit
+from prefixscore.engine.loop.page_pins import StreamPin
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import WorkUnit
+from prefixscore.engine.requests.embedding import EmbeddingRequests
+from prefixscore.engine.requests.templates import ranked
+from prefixscore.engine.requests.validation import InvalidInput, StreamSpec
 from prefixscore.service import security
 from prefixscore.service.core import (
     Failure,
@@ -706,7 +706,7 @@ class _StreamSession:
 
 
 class _EmbedSession(_StreamSession):
-    """One EmbedStream: the open's prompt (its shared run, engine/embedding.py) pinned, each
+    """One EmbedStream: the open's prompt (its shared run, engine/requests/embedding.py) pinned, each
     batch's inputs embedded over it as Embed embeds a request's."""
 
     method = "EmbedStream"

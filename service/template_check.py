@@ -1,4 +1,4 @@
-"""The reranker template at start: which one serves (engine/template_choice.py), said once in the
+"""The reranker template at start: which one serves (engine/requests/template_choice.py), said once in the
 log, and a known-answer check of it once the server is ready after its warm-up.
 
 The check reranks a few built-in (query, relevant, irrelevant) triples through the same path as
@@ -17,9 +17,9 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from prefixscore.engine import template_choice
-from prefixscore.engine.templates import RerankTemplate
-from prefixscore.engine.validation import RerankInput, Validator
+from prefixscore.engine.requests import template_choice
+from prefixscore.engine.requests.templates import RerankTemplate
+from prefixscore.engine.requests.validation import RerankInput, Validator
 from prefixscore.model.loader import LoadedModel
 from prefixscore.telemetry.logs import event
 

@@ -1,7 +1,7 @@
-"""Proto messages <-> the transport-neutral inputs of `engine/validation.py`.
+"""Proto messages <-> the transport-neutral inputs of `engine/requests/validation.py`.
 
 This module only moves fields: every check is the one validation pass in
-engine/validation.py, which HTTP and the in-process `Scorer` share (its `InvalidInput`
+engine/requests/validation.py, which HTTP and the in-process `Scorer` share (its `InvalidInput`
 becomes INVALID_ARGUMENT in service/server.py: a size limit too, retrying cannot help).
 """
 
@@ -13,11 +13,11 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from prefixscore.engine.answers import TokenLogprobs
-from prefixscore.engine.embedding import EmbedInput, ValidatedEmbed
-from prefixscore.engine.likelihood import ItemLikelihood, read_likelihoods
-from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import (
+from prefixscore.engine.loop.work_unit import Reply
+from prefixscore.engine.requests.answers import TokenLogprobs
+from prefixscore.engine.requests.embedding import EmbedInput, ValidatedEmbed
+from prefixscore.engine.requests.likelihood import ItemLikelihood, read_likelihoods
+from prefixscore.engine.requests.validation import (
     InvalidInput,
     RerankInput,
     ScoreInput,
@@ -28,7 +28,7 @@ from prefixscore.engine.validation import (
     ValidatedRerank,
     Validator,
 )
-from prefixscore.engine.work_unit import Reply
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.service.core import Failure
 from prefixscore.v1 import score_service_pb2 as pb
 
@@ -157,7 +157,7 @@ class RequestConverter:
 
 def embed_input(msg: pb.EmbedRequest | pb.EmbedStreamOpen, batch: Sequence[pb.Input] = ()) -> EmbedInput:
     """An EmbedRequest, or an EmbedStream's open with one `batch` of its inputs, as the input of
-    the embedding validation (engine/embedding.py)."""
+    the embedding validation (engine/requests/embedding.py)."""
     return EmbedInput(
         _items(msg.inputs if isinstance(msg, pb.EmbedRequest) else batch),
         msg.prompt_name if msg.HasField("prompt_name") else None,

@@ -56,8 +56,8 @@ if jax.default_backend() == "gpu":
     # (and the tests' own) float32 matmuls as TF32. float32 engines set this themselves.
     jax.config.update("jax_default_matmul_precision", "highest")
 
-from prefixscore.engine import compile_cache  # noqa: E402
-from prefixscore.engine.buckets import Buckets  # noqa: E402
+from prefixscore.engine.runtime import compile_cache  # noqa: E402
+from prefixscore.engine.runtime.buckets import Buckets  # noqa: E402
 from prefixscore.model.config import ModelConfig  # noqa: E402
 
 # every jit of the run through it, the tests' own (oracles, kernels) as well as the engines'

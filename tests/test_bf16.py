@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from helpers.prerequisites import missing
 
-from prefixscore.engine.answers import label_scores
-from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.request import TokenizedRequest
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.requests.answers import label_scores
+from prefixscore.engine.runtime.buckets import Buckets
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.engine.scorer import EngineRunner
-from prefixscore.engine.scoring_engine import ScoringEngine
 
 # a 200-token query takes two 128-token prefill chunks
 BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)

@@ -30,8 +30,8 @@ from conftest import ONE_SHAPE_BUCKETS
 from helpers.service import scrape, server_config
 
 from prefixscore import Scorer
-from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.validation import ClassifyInput, InvalidInput
+from prefixscore.engine.requests.validation import ClassifyInput, InvalidInput
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.model import presets
 from prefixscore.model.loader import LoadedModel
 from prefixscore.model.tokenizer import load_tokenizer

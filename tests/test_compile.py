@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from conftest import SMALL_QWEN3
 
-from prefixscore.engine.answers import label_scores
-from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.request import TokenizedRequest
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.requests.answers import label_scores
+from prefixscore.engine.runtime.buckets import Buckets
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.engine.scorer import EngineRunner
-from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.model.weights import random_params
 from prefixscore.telemetry.compiles import CompileCounter
 
@@ -94,9 +94,9 @@ def test_persistent_cache_makes_restart_compile_nothing(tmp_path) -> None:
     script = textwrap.dedent(
         f"""
         import json, jax.numpy as jnp
-        from prefixscore.engine.buckets import Buckets
+        from prefixscore.engine.runtime.buckets import Buckets
         from prefixscore.model.config import ModelConfig
-        from prefixscore.engine.scoring_engine import ScoringEngine
+        from prefixscore.engine.runtime.scoring_engine import ScoringEngine
         from prefixscore.model.weights import random_params
         cfg = ModelConfig(**{CFG.__dict__!r})
         params = random_params(cfg, 0, jnp.float32)

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from helpers.gguf_files import write_gguf
 
 from prefixscore import Scorer
-from prefixscore.engine.validation import InvalidInput
+from prefixscore.engine.requests.validation import InvalidInput
 from prefixscore.model.config import UnsupportedModelError
 from prefixscore.model.config_inventory import FAMILIES, GGUF_KEYS, Effect, Field, family_fields
 

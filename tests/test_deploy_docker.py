@@ -194,7 +194,7 @@ def test_build_context_installs_the_package(tmp_path):
         "prefixscore/cli.py",
         "prefixscore/service/server.py",
         "prefixscore/service/http_api.py",
-        "prefixscore/engine/device_loop.py",
+        "prefixscore/engine/loop/device_loop.py",
         "prefixscore/model/loader.py",
         "prefixscore/kernels/__init__.py",
         "prefixscore/telemetry/metrics.py",

@@ -196,8 +196,8 @@ def test_the_choice_names_are_those_the_code_gives_a_meaning():
     """Each leaf name has its meaning where the engine uses it, and the defaults agree."""
     from prefixscore import choices
     from prefixscore.engine.build import EngineSpec
-    from prefixscore.engine.scoring_engine import POOL_MEMORY_FRACTION
-    from prefixscore.engine.templates import RECORDS
+    from prefixscore.engine.requests.templates import RECORDS
+    from prefixscore.engine.runtime.scoring_engine import POOL_MEMORY_FRACTION
     from prefixscore.kernels.dispatch import IMPLEMENTATIONS
     from prefixscore.model import quant, quant_choice
     from prefixscore.model.config import DTYPES

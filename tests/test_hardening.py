@@ -215,7 +215,7 @@ def test_a_request_that_fails_calls_fails_alone(server, stub, tiny_scorer, monke
     launch, when its output is read, or taking the prefix pool with it as a call that
     fails after its launch does): that request alone gets INTERNAL, the 15 others the
     scores they get without the fault, and the server stays SERVING."""
-    from prefixscore.engine.isolation import root
+    from prefixscore.engine.loop.isolation import root
 
     worker = server.server.service.worker
     engine = worker.engine
@@ -327,7 +327,7 @@ def test_likelihood_requests_fail_alone_and_ride_unharmed(server, stub, tiny_sco
     rows beside label rows), where every call carrying the culprit's work fails when read back:
     the culprit alone gets INTERNAL; each likelihood co-rider gets, token by token, the log-probs
     of a request served alone without the fault, and each score co-rider its scores."""
-    from prefixscore.engine.isolation import root
+    from prefixscore.engine.loop.isolation import root
 
     worker = server.server.service.worker
     engine = worker.engine
@@ -372,7 +372,7 @@ def test_likelihood_requests_fail_alone_and_ride_unharmed(server, stub, tiny_sco
 def test_a_device_whose_calls_keep_failing_goes_not_serving(tiny_scorer):
     """Every call fails, whatever it carries: after MAX_FAILED_CALLS_IN_A_ROW the loop stops,
     every request is answered (none left hanging) and the process exits 1."""
-    from prefixscore.engine.recovery import MAX_FAILED_CALLS_IN_A_ROW
+    from prefixscore.engine.loop.recovery import MAX_FAILED_CALLS_IN_A_ROW
 
     srv = ServerThread(server_config(tiny_scorer, metrics_port=None)).start()
     try:

@@ -13,7 +13,7 @@ import transformers
 from conftest import ONE_SHAPE_BUCKETS, make_torch_model, torch_label_probs
 
 from prefixscore import Scorer
-from prefixscore.engine.validation import InvalidInput
+from prefixscore.engine.requests.validation import InvalidInput
 from prefixscore.model.config import UnsupportedModelError
 from prefixscore.model.config_inventory import CLASSIFIERS, FAMILIES, Effect, family_fields
 from prefixscore.model.weights import weight_axes
@@ -129,7 +129,7 @@ def test_the_score_head_is_replicated_under_tensor_parallelism():
     classifier needs no vocabulary shards)."""
     from jax.sharding import PartitionSpec as P
 
-    from prefixscore.engine.mesh import Layout
+    from prefixscore.engine.runtime.mesh import Layout
 
     assert Layout.spec(weight_axes()["score"]) == P(None, None)
 

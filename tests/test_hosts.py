@@ -1,5 +1,5 @@
 """Several hosts as one replica: groups of real `prefixscore serve` processes on loopback, 4
-simulated CPU devices each, one JAX runtime over gloo collectives (engine/hosts.py).
+simulated CPU devices each, one JAX runtime over gloo collectives (engine/hosts/hosts.py).
 
 - Meshes over two hosts (2x4, 8x1, 1x8) and three (3x4) score unary and stream requests
   like one process (an in-process server over one device) in log space, and rerank and

@@ -79,11 +79,11 @@ def test_engine_on_device_matches_cpu(model: str, hf_checkpoints) -> None:
     prefill chunks, 50 items of mixed lengths over several calls, softmax both ways, whole
     sequences. tiny-qwen3 (its weights without its tokenizer, which token ids do not need) and a
     Gemma 3 checkpoint: a 48-token window on one layer, soft caps, a query scale."""
-    from prefixscore.engine.answers import label_scores
-    from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.request import TokenizedRequest
+    from prefixscore.engine.loop.request import TokenizedRequest
+    from prefixscore.engine.requests.answers import label_scores
+    from prefixscore.engine.runtime.buckets import Buckets
+    from prefixscore.engine.runtime.scoring_engine import ScoringEngine
     from prefixscore.engine.scorer import EngineRunner
-    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.model import presets
     from prefixscore.model.loader import load_model
     from prefixscore.model.weights import random_params

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.scoring_engine import ScoringEngine
+from prefixscore.engine.runtime.buckets import Buckets
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.model import presets
 from prefixscore.model.call_inputs import TOP_LOGPROBS, CallShape

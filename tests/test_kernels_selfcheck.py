@@ -19,8 +19,8 @@ import pytest
 from conftest import SMALL_BUCKETS
 from jax.experimental.pallas import tpu as pltpu
 
-from prefixscore.engine import compile_cache
-from prefixscore.engine.scoring_engine import ScoringEngine
+from prefixscore.engine.runtime import compile_cache
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.kernels import dispatch, selfcheck, xla
 from prefixscore.kernels.paged import causal_by_region
 from prefixscore.model.loader import load_model

@@ -1,6 +1,7 @@
 """The layout is the architecture: imports only point down (cli > bench, offline > service >
-engine > model > kernels; telemetry and the client apart; the leaf modules import nothing of
-the project), and the two transports never import each other. The contracts live in
+engine > model > kernels, and inside engine/ its rooms; telemetry and the client apart; the
+leaf modules import nothing of the project), the device loop imports no request kind, and the
+two transports never import each other. The contracts live in
 pyproject.toml and `lint-imports` (import-linter) checks them; `make lint` runs it. These tests
 run it on the tree, and on copies of the tree with one upward import planted, to show each
 contract can fail."""
@@ -62,7 +63,9 @@ PLANTED = [
     ("kernels/planted.py", "from prefixscore.model import config", "cli > bench, offline > service"),
     ("engine/planted.py", "from prefixscore.offline import batch", "cli > bench, offline > service"),
     ("client/planted.py", "from prefixscore.service import core", "the client needs only"),
-    ("telemetry/planted.py", "from prefixscore.engine import batcher", "telemetry imports no other part"),
+    ("telemetry/planted.py", "from prefixscore.engine.loop import batcher", "telemetry imports no other part"),
+    ("engine/loop/planted.py", "from prefixscore.engine.requests import answers", "the device loop imports no"),
+    ("engine/runtime/planted.py", "from prefixscore.engine.loop import work_unit", "engine rooms: scorer > build"),
     ("prefix_key_planted.py", None, "the leaf modules import nothing"),
     ("service/planted.py", None, "the two transports never import each other: HTTP imports no gRPC"),
     ("service/planted_grpc.py", None, "the two transports never import each other: gRPC imports no HTTP"),
@@ -75,7 +78,7 @@ def test_a_planted_upward_import_breaks_its_contract(tree_copy: Path, where: str
     if where == "prefix_key_planted.py":  # the leaf itself gains an import
         target = package / "prefix_key.py"
         original = target.read_text()
-        target.write_text(original + "\nfrom prefixscore.engine import buckets  # noqa\n")
+        target.write_text(original + "\nfrom prefixscore.engine.runtime import buckets  # noqa\n")
     elif where == "service/planted.py":  # an HTTP module gains an import of the gRPC wire mapping
         target = package / "service" / "http_bodies.py"
         original = target.read_text()

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixscore import Scorer
-from prefixscore.engine.answers import label_scores
-from prefixscore.engine.invalid_input import InvalidInput
-from prefixscore.engine.likelihood import read_likelihoods
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.validation import RequestTokenizer, ScoreInput, Validator
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.requests.answers import label_scores
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.likelihood import read_likelihoods
+from prefixscore.engine.requests.validation import RequestTokenizer, ScoreInput, Validator
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # the parity test's buckets: a 128-token item region, 64-token prefill chunks, 16-token pages
@@ -325,14 +325,14 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
 
 
 def test_completions_plan_each_prompt_over_the_longest_context_worth_its_prefill():
-    """Host-only: which context each prompt runs over, by the rules engine/completions.py states.
+    """Host-only: which context each prompt runs over, by the rules engine/requests/completions.py states.
     With 16-token pages, a context the request computes must save its other prompts a page more
     tokens than it adds; a kept prompt's context is used as it is; none adds fewer than 8 tokens."""
     from conftest import make_torch_model
 
-    from prefixscore.engine.completions import CompletionsInput, plan
-    from prefixscore.engine.known_positions import KnownPositions, Positions
-    from prefixscore.engine.validation import Limits
+    from prefixscore.engine.requests.completions import CompletionsInput, plan
+    from prefixscore.engine.requests.known_positions import KnownPositions, Positions
+    from prefixscore.engine.requests.validation import Limits
     from prefixscore.model.config import config_from_dict
 
     torch_model = make_torch_model("qwen3")
@@ -467,9 +467,9 @@ def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
     prompt gives."""
     from conftest import make_torch_model
 
-    from prefixscore.engine.completions import CompletionsInput, plan, prompt_logprobs
-    from prefixscore.engine.known_positions import KnownPositions
-    from prefixscore.engine.validation import Limits
+    from prefixscore.engine.requests.completions import CompletionsInput, plan, prompt_logprobs
+    from prefixscore.engine.requests.known_positions import KnownPositions
+    from prefixscore.engine.requests.validation import Limits
     from prefixscore.model.config import config_from_dict
 
     torch_model = make_torch_model("qwen3")
@@ -552,12 +552,12 @@ def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
 
 
 def test_known_positions_find_the_longest_kept_prompt_and_stay_within_their_bytes():
-    """/v1/completions keeps prompts' computed positions (engine/known_positions.py): a new prompt
+    """/v1/completions keeps prompts' computed positions (engine/requests/known_positions.py): a new prompt
     finds the kept prompt it shares the most tokens with (a partial page included), and a prompt
     kept over another stores only its own positions yet gives back every one. Past its bytes the
     least recently used prompt goes first, with the prompts kept over it; a prompt larger than the
     whole store is not kept."""
-    from prefixscore.engine.known_positions import KEY_TOKENS, KnownPositions, Positions
+    from prefixscore.engine.requests.known_positions import KEY_TOKENS, KnownPositions, Positions
 
     def positions(tokens: np.ndarray, start: int = 1) -> Positions:
         # a position's log-prob says which it is: -(index + token / 1000)

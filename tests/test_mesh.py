@@ -178,7 +178,7 @@ def test_a_failing_request_sharing_its_query_fails_alone_on_a_mesh(parts) -> Non
 def test_a_mesh_the_model_or_devices_cannot_take_is_refused_naming_valid_sizes(tp, dp) -> None:
     from conftest import SMALL_QWEN3
 
-    from prefixscore.engine.mesh import MeshError, choose_mesh
+    from prefixscore.engine.runtime.mesh import MeshError, choose_mesh
 
     with pytest.raises(MeshError, match=r"tp-size|dp-size") as err:
         choose_mesh(SMALL_QWEN3, 8, tp, dp)
@@ -189,7 +189,7 @@ def test_a_mesh_the_model_or_devices_cannot_take_is_refused_naming_valid_sizes(t
 def test_the_default_mesh_is_the_smallest_model_axis_the_weights_fit() -> None:
     from conftest import SMALL_QWEN3
 
-    from prefixscore.engine.mesh import MeshShape, choose_mesh
+    from prefixscore.engine.runtime.mesh import MeshShape, choose_mesh
 
     gib = 1 << 30
     assert choose_mesh(SMALL_QWEN3, 8) == MeshShape(8, 1)  # no memory figure (CPU): data parallel
@@ -213,8 +213,8 @@ def _model(**overrides):
 
 
 def _requests(cfg, rng, query_tokens=(300, 700, 40)):
-    from prefixscore.engine.answers import label_scores
-    from prefixscore.engine.request import TokenizedRequest
+    from prefixscore.engine.loop.request import TokenizedRequest
+    from prefixscore.engine.requests.answers import label_scores
 
     labels = (3, 17, cfg.vocab_size - 1)  # the last real row: next to the padding
     tokens = lambda n: rng.integers(0, cfg.vocab_size, int(n)).tolist()  # noqa: E731
@@ -260,7 +260,7 @@ def _engine_model():
     def make():
         import jax.numpy as jnp
 
-        from prefixscore.engine.buckets import Buckets
+        from prefixscore.engine.runtime.buckets import Buckets
         from prefixscore.model.weights import random_params
 
         cfg = _model()
@@ -274,8 +274,8 @@ def _reference():
     """The one-device EngineRunner of _engine_model(): what every mesh must score like."""
 
     def make():
+        from prefixscore.engine.runtime.scoring_engine import ScoringEngine
         from prefixscore.engine.scorer import EngineRunner
-        from prefixscore.engine.scoring_engine import ScoringEngine
 
         cfg, buckets, params = _engine_model()
         return EngineRunner(ScoringEngine(cfg, params, "float32", buckets, devices=1))
@@ -294,8 +294,8 @@ def _mesh_engine(dp: int, tp: int):
     """The (dp, tp) mesh's engine of _engine_model(), warmed up (_warm)."""
 
     def make():
-        from prefixscore.engine.mesh import MeshShape
-        from prefixscore.engine.scoring_engine import ScoringEngine
+        from prefixscore.engine.runtime.mesh import MeshShape
+        from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 
         cfg, buckets, params = _engine_model()
         engine = ScoringEngine(cfg, params, "float32", buckets, mesh=MeshShape(dp, tp))
@@ -310,9 +310,9 @@ def part_engine() -> dict:
 
     import numpy as np
 
-    from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.runtime.mesh import MeshShape
+    from prefixscore.engine.runtime.scoring_engine import ScoringEngine
     from prefixscore.engine.scorer import EngineRunner
-    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.telemetry.compiles import CompileCounter
 
     cfg, buckets, params = _engine_model()
@@ -357,12 +357,12 @@ def part_heads() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from prefixscore.engine.answers import label_scores
-    from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.mesh import MeshShape
-    from prefixscore.engine.request import TokenizedRequest
+    from prefixscore.engine.loop.request import TokenizedRequest
+    from prefixscore.engine.requests.answers import label_scores
+    from prefixscore.engine.runtime.buckets import Buckets
+    from prefixscore.engine.runtime.mesh import MeshShape
+    from prefixscore.engine.runtime.scoring_engine import ScoringEngine
     from prefixscore.engine.scorer import EngineRunner
-    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.model.weights import random_params
 
     # two call shapes (items alone, and beside one prefill region): each engine compiles little
@@ -410,9 +410,9 @@ def part_collectives() -> dict:
     import jax.numpy as jnp
 
     from prefixscore.bench.collectives import format_traffic, traffic
-    from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.mesh import MeshShape
-    from prefixscore.engine.scoring_engine import ScoringEngine
+    from prefixscore.engine.runtime.buckets import Buckets
+    from prefixscore.engine.runtime.mesh import MeshShape
+    from prefixscore.engine.runtime.scoring_engine import ScoringEngine
     from prefixscore.model.weights import flat_weights, random_params
 
     cfg = _model()
@@ -470,10 +470,10 @@ def part_kernels() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.mesh import MeshShape
+    from prefixscore.engine.runtime.buckets import Buckets
+    from prefixscore.engine.runtime.mesh import MeshShape
+    from prefixscore.engine.runtime.scoring_engine import ScoringEngine
     from prefixscore.engine.scorer import EngineRunner
-    from prefixscore.engine.scoring_engine import ScoringEngine
     from prefixscore.model.weights import random_params
 
     buckets = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=512)
@@ -517,15 +517,15 @@ def part_load() -> dict:
     from gguf import GGMLQuantizationType as Q
     from helpers.gguf_files import write_gguf
 
-    from prefixscore.engine.answers import label_scores
-    from prefixscore.engine.buckets import Buckets
-    from prefixscore.engine.likelihood import read_likelihoods
-    from prefixscore.engine.mesh import Layout, MeshShape
-    from prefixscore.engine.request import TokenizedRequest
+    from prefixscore.engine.loop.request import TokenizedRequest
+    from prefixscore.engine.requests.answers import label_scores
+    from prefixscore.engine.requests.likelihood import read_likelihoods
+    from prefixscore.engine.requests.validation import RequestTokenizer
+    from prefixscore.engine.runtime.buckets import Buckets
+    from prefixscore.engine.runtime.mesh import Layout, MeshShape
+    from prefixscore.engine.runtime.scoring_engine import ScoringEngine
+    from prefixscore.engine.runtime.token_rows import TokenRows
     from prefixscore.engine.scorer import EngineRunner
-    from prefixscore.engine.scoring_engine import ScoringEngine
-    from prefixscore.engine.token_rows import TokenRows
-    from prefixscore.engine.validation import RequestTokenizer
     from prefixscore.model.call_inputs import TOP_LOGPROBS
     from prefixscore.model.loader import load_model
     from prefixscore.model.weights import flat_weights
@@ -613,10 +613,10 @@ def part_isolation() -> dict:
 
     import numpy as np
 
-    from prefixscore.engine.answers import label_scores
-    from prefixscore.engine.device_loop import DeviceWorker
-    from prefixscore.engine.request import TokenizedRequest
-    from prefixscore.engine.work_unit import Ticket, WorkUnit
+    from prefixscore.engine.loop.device_loop import DeviceWorker
+    from prefixscore.engine.loop.request import TokenizedRequest
+    from prefixscore.engine.loop.work_unit import Ticket, WorkUnit
+    from prefixscore.engine.requests.answers import label_scores
     from prefixscore.telemetry.metrics import ServiceMetrics
 
     cfg, _, _ = _engine_model()

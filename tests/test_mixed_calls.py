@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from conftest import SMALL_QWEN3
 
-from prefixscore.engine import batcher
-from prefixscore.engine.answers import label_scores
-from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.request import TokenizedRequest
+from prefixscore.engine.loop import batcher
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.requests.answers import label_scores
+from prefixscore.engine.runtime.buckets import Buckets
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.engine.scorer import EngineRunner
-from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.model.weights import random_params
 
 # head_dim 64 and 128-token pages: shapes every kernel family tiles (none falls back to XLA)
@@ -88,7 +88,7 @@ def test_the_gpu_head_scores_like_the_cpu_head(monkeypatch: pytest.MonkeyPatch) 
     """GPU calls run the output head over every row slot with no runtime loop or branch
     (step.score_call's static_head); compiled here for CPU, it must give the same scores as
     the row loop CPUs run, for the whole mix (softmax and full-vocabulary rows, item_first)."""
-    from prefixscore.engine import scoring_engine as engine_module
+    from prefixscore.engine.runtime import scoring_engine as engine_module
 
     params = random_params(CFG, 0, jnp.float32)
     cached, mix = requests(np.random.default_rng(1))

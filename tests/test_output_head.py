@@ -1,5 +1,5 @@
 """The output head chosen once from the config (model/head.py): what each kind of head says to
-the layers that ask it, and the request rules built on it (engine/heads.py). End to end, the
+the layers that ask it, and the request rules built on it (engine/requests/heads.py). End to end, the
 heads are tested against transformers in test_heads.py; these are the record's own answers."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from prefixscore.engine import heads
-from prefixscore.engine.validation import InvalidInput
+from prefixscore.engine.requests import heads
+from prefixscore.engine.requests.validation import InvalidInput
 from prefixscore.model.head import CAUSAL_LM, SEQUENCE_CLASSIFICATION, output_head
 from prefixscore.model.presets import RANDOM_PRESETS
 

@@ -7,14 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from prefixscore.engine.answers import label_scores
-from prefixscore.engine.batcher import Batcher, take_results
-from prefixscore.engine.buckets import Buckets
-from prefixscore.engine.planner import CallBuilder
-from prefixscore.engine.prefix_cache import PoolExhausted, PrefixCache
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.work_unit import Ticket, WorkUnit
+from prefixscore.engine.loop.batcher import Batcher, take_results
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import Ticket, WorkUnit
+from prefixscore.engine.requests.answers import label_scores
+from prefixscore.engine.runtime.buckets import Buckets
+from prefixscore.engine.runtime.planner import CallBuilder
+from prefixscore.engine.runtime.prefix_cache import PoolExhausted, PrefixCache
+from prefixscore.engine.runtime.token_rows import TokenRows
 
 BUCKETS = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256, page_tokens=128)
 POOL_PAGES = 64
@@ -239,7 +239,7 @@ def test_pool_book_stays_consistent_under_random_traffic():
         idle = [e for e in entries if e.pins == 0 and not e.borrowers]
         assert cache._idle_pages == sum(len(e.own_pages) for e in idle) and set(cache._idle.values()) == set(idle)
         # idle: its own tokens written (a lender rewritten since is prefilled again for a borrower
-        # when the borrower is next needed: engine/batcher.py)
+        # when the borrower is next needed: engine/loop/batcher.py)
         assert all(e.written >= len(e.tokens) for e in idle)
         own = [p for e in entries for p in e.own_pages]
         in_use = {p for e in entries for p in e.pages}
@@ -422,7 +422,7 @@ def test_results_split_per_span_and_a_nan_fails_only_its_request():
     np.testing.assert_array_equal(good.reply.answer, np.float32([[0.1, 0.2], [0.3, 0.4]]))
 
 
-# ---- isolation: what a failed call's work becomes (engine/isolation.py) ----------------------------
+# ---- isolation: what a failed call's work becomes (engine/loop/isolation.py) ----------------------------
 def _failed_call(batcher, units, group=None):
     """The call the batcher plans for `units` (their queries prefilled), as if it failed."""
     for u in units:
@@ -434,7 +434,7 @@ def _failed_call(batcher, units, group=None):
 
 
 def test_a_failed_call_over_many_queries_is_retried_in_halves_by_query():
-    from prefixscore.engine import isolation
+    from prefixscore.engine.loop import isolation
 
     batcher, cache = setup()
     units = [unit(cache, prefix=(1, 2, k)) for k in range(6)]
@@ -447,7 +447,7 @@ def test_a_failed_call_over_many_queries_is_retried_in_halves_by_query():
 
 
 def test_a_failed_call_of_one_query_alone_halves_its_items_down_to_the_culprit():
-    from prefixscore.engine import isolation
+    from prefixscore.engine.loop import isolation
 
     batcher, cache = setup()
     alone = unit(cache, lengths=(2, 2, 2, 2, 2))

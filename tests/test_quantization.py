@@ -50,7 +50,7 @@ from conftest import make_torch_model, xla_flags
 from helpers.quant_reference import PUBLISHED_QMAX, full_precision_params, quantize_channels, reference_log_probs
 from helpers.quant_reference import reference_matmul as reference_matmul_of
 
-from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.model.presets import RANDOM_PRESETS
 from prefixscore.model.quant import FP8, INT8, NONE, QuantizationError, QuantizedMatrix
 
@@ -124,7 +124,7 @@ def _ties(kind: str) -> str:
 def scorers():
     """(quantize, activations) -> a loaded Scorer, each loaded once for the module."""
     from prefixscore import Scorer
-    from prefixscore.engine import compile_cache
+    from prefixscore.engine.runtime import compile_cache
 
     compile_cache.enable()  # as the engine does, but before the first load: its random weights' build too
     loaded = {}
@@ -291,7 +291,7 @@ def test_int8_on_meshes_scores_like_one_device(mesh_part, log_scores) -> None:
 
 def part_mesh() -> dict:
     from prefixscore import Scorer
-    from prefixscore.engine import compile_cache
+    from prefixscore.engine.runtime import compile_cache
     from prefixscore.model.weights import flat_weights
 
     assert jax.device_count() == DEVICES, jax.devices()

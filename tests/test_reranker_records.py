@@ -26,10 +26,10 @@ from conftest import ONE_SHAPE_BUCKETS, make_torch_model
 from helpers.service import scrape, server_config, wait_for
 
 from prefixscore import Scorer
-from prefixscore.engine.invalid_input import InvalidInput
-from prefixscore.engine.template_choice import Checkpoint, recognize
-from prefixscore.engine.templates import RECORDS, RerankTemplate
-from prefixscore.engine.validation import RerankInput, ScoreInput, Validator
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.template_choice import Checkpoint, recognize
+from prefixscore.engine.requests.templates import RECORDS, RerankTemplate
+from prefixscore.engine.requests.validation import RerankInput, ScoreInput, Validator
 from prefixscore.model import presets
 from prefixscore.model.loader import load_model
 from prefixscore.service import template_check

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from helpers.service import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import AsyncScoreClient, BatchRefused, ScoreClient, retry_after_ms
-from prefixscore.engine.scoring_engine import ScoringEngine
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.service.core import ScoringService, ServerConfig
 from prefixscore.service.process import ServerThread
 from prefixscore.service.server import SERVICE

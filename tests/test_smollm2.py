@@ -8,7 +8,7 @@ import pytest
 from conftest import torch_label_probs
 
 from prefixscore import Scorer
-from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.model.presets import smollm2_gguf_path
 
 QUERY = "You are a helpful assistant. Is the following a kind of fruit? Answer yes or no.\nCandidate:"

@@ -16,10 +16,10 @@ from conftest import SMALL_BUCKETS
 from helpers.service import LABELS, scrape, server_config, wait_for
 
 from prefixscore.client import ScoreClient
-from prefixscore.engine import compile_cache
-from prefixscore.engine.buckets import Buckets
+from prefixscore.engine.runtime import compile_cache
+from prefixscore.engine.runtime.buckets import Buckets
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.engine.scorer import EngineRunner
-from prefixscore.engine.scoring_engine import ScoringEngine
 from prefixscore.model.call_inputs import CallShape
 from prefixscore.service.process import ServerThread
 from prefixscore.telemetry.compiles import CompileCounter

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixscore.engine.templates import RerankTemplate
-from prefixscore.engine.validation import RerankInput
+from prefixscore.engine.requests.templates import RerankTemplate
+from prefixscore.engine.requests.validation import RerankInput
 from prefixscore.model.call_inputs import OUTPUT_SOFTMAX
 
 QUERY = "What is the capital of China?"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixscore.engine.scoring_engine import ScoringEngine
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 
 LABELS = [1, 2]
 

@@ -12,7 +12,7 @@ import threading
 
 from cli_as_deployed import cli  # as deployed: without torch (first, before anything imports it)
 
-from prefixscore.engine.step_channel import CALL, Step, StepFollower
+from prefixscore.engine.hosts.step_channel import CALL, Step, StepFollower
 
 TRIGGER = os.environ["PREFIXSCORE_TEST_STALL_FILE"]
 received = StepFollower.receive

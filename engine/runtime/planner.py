@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from prefixscore.engine.buckets import Buckets, round_up
-from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.runtime.buckets import Buckets, round_up
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import (
     LABEL_SETS,
     OUTPUT_HIDDEN,

@@ -1,14 +1,14 @@
 """The device worker: the one thread that touches the device.
 
 It loads the model (through the `startup` callable it is given), then loops: plan the
-next device call from all pending work (engine/batcher.py: prefill chunks of new
+next device call from all pending work (engine/loop/batcher.py: prefill chunks of new
 queries and items of any number of queries in one call), launch it, and only then read
 back the previous call, so host-side planning and result delivery overlap device work
 (JAX dispatch is asynchronous).
 
 Other threads call `submit`, `cancel`, `open_prefix` and `release`: they take the
-worker's lock, where admission control (engine/admission.py: the queue's limits in items
-and tokens) and the pins of queries' pages (engine/page_pins.py) refuse at once what the
+worker's lock, where admission control (engine/loop/admission.py: the queue's limits in items
+and tokens) and the pins of queries' pages (engine/loop/page_pins.py) refuse at once what the
 queue or the prefix pool cannot hold (RESOURCE_EXHAUSTED), never an out-of-memory on the
 device. Results come back through each unit's `reply.on_done` callback: the units one call
 finished are handed over together (`deliver`: the server runs their callbacks on its
@@ -16,10 +16,10 @@ event loop, one wake-up per call).
 
 A device call that fails fails none of its requests at once: its work is retried in
 calls of its own, halving, and only work that fails alone fails its request
-(engine/isolation.py decides; engine/recovery.py carries it out). A device whose calls
+(engine/loop/isolation.py decides; engine/loop/recovery.py carries it out). A device whose calls
 keep failing, with none succeeding between them, breaks the loop (the server goes
 NOT_SERVING and exits). The loop's gauges and counters are published in one place,
-engine/loop_metrics.py.
+engine/loop/loop_metrics.py.
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from prefixscore.engine import isolation
-from prefixscore.engine.admission import Admission
-from prefixscore.engine.batcher import Batcher, Call, NonFiniteScores, PlanFailed, take_results
-from prefixscore.engine.loop_metrics import LoopMetrics
-from prefixscore.engine.page_pins import PagePins, StreamPin
-from prefixscore.engine.prefix_cache import PrefixCache
-from prefixscore.engine.recovery import Recovery, epochs_at_launch
-from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.work_unit import WorkUnit
+from prefixscore.engine.loop import isolation
+from prefixscore.engine.loop.admission import Admission
+from prefixscore.engine.loop.batcher import Batcher, Call, NonFiniteScores, PlanFailed, take_results
+from prefixscore.engine.loop.loop_metrics import LoopMetrics
+from prefixscore.engine.loop.page_pins import PagePins, StreamPin
+from prefixscore.engine.loop.recovery import Recovery, epochs_at_launch
+from prefixscore.engine.loop.work_unit import WorkUnit
+from prefixscore.engine.runtime.prefix_cache import PrefixCache
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.telemetry.metrics import ServiceMetrics
 
 log = logging.getLogger("prefixscore.worker")
@@ -163,7 +163,7 @@ class DeviceWorker:
     def open_prefix(self, prefix: tuple[int, ...], request_id: str = "") -> StreamPin:
         """Pin `prefix`'s pages for an open stream (prefilling it if new). Raises QueueFull at
         once when the pool cannot hold it; `ready` resolves with the cached tokens, or fails with
-        the prefill's error when it failed in a call of its own (engine/isolation.py)."""
+        the prefill's error when it failed in a call of its own (engine/loop/isolation.py)."""
         with self._cv:
             self._check_running()
             assert self.batcher is not None and self._pins is not None
@@ -449,7 +449,7 @@ class DeviceWorker:
                 log.exception("delivering results failed")
 
     def _call_failed(self, call: Call, err: BaseException, collateral: bool = False) -> None:
-        """A call failed: engine/recovery.py retries its work in calls of its own and fails the
+        """A call failed: engine/loop/recovery.py retries its work in calls of its own and fails the
         requests whose work failed alone (`collateral`: it failed for an earlier call's fault).
         Raises DeviceFailing when calls keep failing."""
         recovery = self._recovery
@@ -461,7 +461,7 @@ class DeviceWorker:
             recovery.recover(call, err, collateral)
 
     def _plan_failed(self, failure: PlanFailed) -> None:
-        """Lock held: planning a call failed; isolated as a failed call (engine/recovery.py)."""
+        """Lock held: planning a call failed; isolated as a failed call (engine/loop/recovery.py)."""
         recovery = self._recovery
         assert recovery is not None
         log.error("planning a device call failed", exc_info=failure)

@@ -1,5 +1,5 @@
-"""The one error of request validation (engine/validation.py and the head's request rules,
-engine/heads.py): a bad input, naming the field."""
+"""The one error of request validation (engine/requests/validation.py and the head's request rules,
+engine/requests/heads.py): a bad input, naming the field."""
 
 from __future__ import annotations
 

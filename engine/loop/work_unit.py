@@ -2,7 +2,7 @@
 
 A unit is one unary request, one batch of a stream, or (no items) a stream's query to
 prefill. Producers (the service's threads) build units and submit them; the one consumer,
-the device thread, plans calls from the queue (engine/batcher.py) and fills each unit's
+the device thread, plans calls from the queue (engine/loop/batcher.py) and fills each unit's
 reply in place, then hands the unit to its `on_done`.
 
 Its fields are grouped by what they hold and who writes them:
@@ -11,9 +11,9 @@ Its fields are grouped by what they hold and who writes them:
 - `ticket`: who asked, and by when; set by the producer;
 - `reply`: the answer (scores, cached tokens, or an error) and where it goes; written on
   the device thread, read by `on_done`'s receiver;
-- `pin`: the query's pages held for the unit (engine/page_pins.py);
+- `pin`: the query's pages held for the unit (engine/loop/page_pins.py);
 - `progress`: where it stands in the queue (the batcher's order and items taken; finished);
-- `lineage`: the isolation of failed calls (engine/isolation.py): a retried piece's request,
+- `lineage`: the isolation of failed calls (engine/loop/isolation.py): a retried piece's request,
   the group it may ride in only with, a request's pieces still out.
 """
 
@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from prefixscore.engine.prefix_cache import CachedPrefix
-from prefixscore.engine.request import TokenizedRequest
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.runtime.prefix_cache import CachedPrefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Reply:
     the query's prefill is launched) or the unit failed (`error` set); never after
     `DeviceWorker.cancel(unit)`."""
 
-    # the request's answer, as its kind fills it (engine/answers.py): label scores [items, labels],
+    # the request's answer, as its kind fills it (engine/requests/answers.py): label scores [items, labels],
     # token rows [item tokens, TOKEN_COLUMNS], pooled hidden states [items, hidden]
     answer: np.ndarray
     remaining: int  # items whose rows have not come back
@@ -81,7 +81,7 @@ class Progress:
 
 @dataclasses.dataclass(eq=False)
 class Lineage:
-    """Isolation of failed calls (engine/isolation.py): a retried piece is `parent`'s items from
+    """Isolation of failed calls (engine/loop/isolation.py): a retried piece is `parent`'s items from
     `parent_first` on (its scores are the parent's; the parent holds the pin)."""
 
     parent: WorkUnit | None = None
@@ -93,7 +93,7 @@ class Lineage:
 @dataclasses.dataclass(eq=False)
 class WorkUnit:
     """Items that are answered together; see the module doc. The reply's answer is shaped by
-    the payload's kind (engine/answers.py)."""
+    the payload's kind (engine/requests/answers.py)."""
 
     payload: TokenizedRequest
     ticket: Ticket = dataclasses.field(default_factory=Ticket)

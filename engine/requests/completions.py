@@ -3,7 +3,7 @@
 lm-evaluation-harness (`local-completions`), perplexity filters and judges send prompts with
 `echo` and `logprobs` and at most one new token: they want the log-probability of every
 prompt token given the tokens before it, and perhaps the greedy next token. That is the
-likelihood path (engine/likelihood.py) over whole prompts, planned here as engine requests,
+likelihood path (engine/requests/likelihood.py) over whole prompts, planned here as engine requests,
 one per context the prompts run over:
 
 - each prompt runs over the longest context whose positions are known without computing it
@@ -30,12 +30,12 @@ import itertools
 
 import numpy as np
 
-from prefixscore.engine.answers import TokenLogprobs
-from prefixscore.engine.known_positions import Known, KnownPositions, Positions, common_prefix
-from prefixscore.engine.likelihood import ItemLikelihood
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import InvalidInput, RequestTokenizer, check_top_logprobs
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.requests.answers import TokenLogprobs
+from prefixscore.engine.requests.known_positions import Known, KnownPositions, Positions, common_prefix
+from prefixscore.engine.requests.likelihood import ItemLikelihood
+from prefixscore.engine.requests.validation import InvalidInput, RequestTokenizer, check_top_logprobs
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out

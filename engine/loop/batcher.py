@@ -2,7 +2,7 @@
 next device call carries.
 
 A device call holds prefill chunks of new queries and items of any number of queries
-(engine/planner.py). `next_call` offers the planner's `CallBuilder` pending work in
+(engine/runtime/planner.py). `next_call` offers the planner's `CallBuilder` pending work in
 priority order and plans the call once; what the call could not hold stays queued.
 
 Priority: earliest deadline first, where a request without a deadline counts as due
@@ -13,11 +13,11 @@ behind a large one rides in the next call instead of after all of the large one.
 A request's query is prefilled (its chunks placed) before its items are offered; its
 items may ride in the call that carries its last chunk.
 
-Isolation: work retried after a failed device call (engine/isolation.py) carries a
+Isolation: work retried after a failed device call (engine/loop/isolation.py) carries a
 group (`lineage.group`); a call carries one group's work and nothing else, the oldest group first, so a
 request that makes calls fail can fail only the calls it rides in alone.
 
-The queue's entries are WorkUnits (engine/work_unit.py), each carrying its own reply; the
+The queue's entries are WorkUnits (engine/loop/work_unit.py), each carrying its own reply; the
 one consumer, the device thread, plans the calls. Pure Python and not thread-safe: the device
 worker calls it under its lock.
 """
@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from prefixscore.engine.planner import CallBuilder, CallPlan, Extent
-from prefixscore.engine.prefix_cache import CachedPrefix
-from prefixscore.engine.work_unit import WorkUnit
+from prefixscore.engine.loop.work_unit import WorkUnit
+from prefixscore.engine.runtime.planner import CallBuilder, CallPlan, Extent
+from prefixscore.engine.runtime.prefix_cache import CachedPrefix
 
 # a request without a deadline is scheduled as if due this long after it arrived
 DEFAULT_SLACK_S = 30.0
@@ -166,7 +166,7 @@ class Batcher:
         group = min(groups) if groups else None  # the oldest isolation group goes alone, first
         pending = [u for u in pending if u.lineage.group == group]
         if group is not None and any(not u.payload.items for u in pending):
-            # a group's prefills go first, alone (engine/recovery.py): one that fails is found at once
+            # a group's prefills go first, alone (engine/loop/recovery.py): one that fails is found at once
             pending = [u for u in pending if not u.payload.items]
         best = self._fill(pending, None)
         if best.builder.empty:
@@ -235,7 +235,7 @@ class Batcher:
                     took, refused = (0, False)
                     if ready:
                         took, refused = self._offer(builder, unit, fill.offered.get(seq, 0), share if fair else None)
-                except Exception as err:  # isolated by the device loop (engine/recovery.py), as a failed call
+                except Exception as err:  # isolated by the device loop (engine/loop/recovery.py), as a failed call
                     taken = [self.units[s] for s in fill.admitted_seqs if s != seq]
                     raise PlanFailed([*taken, unit], unit, err) from err
                 fill.offered[seq] = fill.offered.get(seq, 0) + took
@@ -333,7 +333,7 @@ class Batcher:
 
 def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[WorkUnit]]:
     """A finished call's output [devices * R, columns] into its requests' answers, one slice per
-    row span (a retried piece's rows go to its request's: engine/isolation.py). Returns (requests
+    row span (a retried piece's rows go to its request's: engine/loop/isolation.py). Returns (requests
     now complete, requests with a non-finite score: not written, not counted). Requests
     already finished (cancelled while on the device, or failed) are skipped."""
     finite = np.isfinite(out).all(axis=1)  # one pass for the call (unused columns are 0)
@@ -350,7 +350,7 @@ def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[Work
             broken.append(request)
             continue
         first, reply, payload = unit.lineage.parent_first + span.first, request.reply, request.payload
-        # the span's own columns, written into the answer as its kind says (engine/answers.py)
+        # the span's own columns, written into the answer as its kind says (engine/requests/answers.py)
         own = out[rows, shape.columns(span.output, span.labels)]
         payload.answer.fill(reply.answer, payload.items, first, span.count, own)
         reply.remaining -= span.count

@@ -1,5 +1,5 @@
 """Embedding requests: inputs tokenized as sentence-transformers tokenizes them, laid out for the
-score path, and their pooled vectors finished (engine/pooling.py).
+score path, and their pooled vectors finished (engine/requests/pooling.py).
 
 A text input is its prompt (named, given, or the model's default) followed by the text,
 tokenized as one string with the tokenizer's special tokens: `tokenizer(prompt + text)`,
@@ -28,13 +28,13 @@ import dataclasses
 
 import numpy as np
 
-from prefixscore.engine.answers import Pooled
-from prefixscore.engine.invalid_input import InvalidInput
-from prefixscore.engine.known_positions import common_prefix
-from prefixscore.engine.pooling import PoolRows, unit_rows
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.token_rows import TokenRows
-from prefixscore.engine.validation import RequestTokenizer
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.requests.answers import Pooled
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.known_positions import common_prefix
+from prefixscore.engine.requests.pooling import PoolRows, unit_rows
+from prefixscore.engine.requests.validation import RequestTokenizer
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.sentence_config import LAST, Pooling
 
 TRUNCATION_DIRECTIONS = ("right", "left")

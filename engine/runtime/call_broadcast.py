@@ -2,7 +2,7 @@
 its pool, whatever the number of hosts.
 
 One host: nobody (`ALONE`). The leader of a group of hosts: every follower, over the step
-channel (engine/step_channel.py `StepLeader`), so each launches the same executable with the
+channel (engine/hosts/step_channel.py `StepLeader`), so each launches the same executable with the
 same inputs in the same order and the collectives of every call meet.
 """
 

@@ -13,7 +13,7 @@ gives the top next tokens after the whole sequence.
 
 A context of one token has no prefix: its items are whole sequences (`context + continuation`),
 which read the same rows. The request is laid out and checked by `RequestTokenizer.likelihood`
-(engine/validation.py), the one validation pass of every transport.
+(engine/requests/validation.py), the one validation pass of every transport.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from prefixscore.engine.request import TokenizedRequest
+from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 

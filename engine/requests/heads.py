@@ -4,7 +4,7 @@ A causal LM's head is its vocabulary: a request names label tokens and gets thei
 probabilities (the device computes them). A sequence classifier's head is its `score`
 projection: a request names no labels, the device returns the raw logits of every label, and
 the activation the request asked for is applied here, on the host, when the scores are read
-back (engine/batcher.py take_results): one compiled head serves every activation.
+back (engine/loop/batcher.py take_results): one compiled head serves every activation.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from prefixscore.engine.invalid_input import InvalidInput
+from prefixscore.engine.requests.invalid_input import InvalidInput
 from prefixscore.model.head import OutputHead
 
 # a classifier request's `activation`: "auto" (the default) is the head's own (a sigmoid for a
@@ -85,7 +85,7 @@ def for_request(
 
 def for_rerank(head: OutputHead, template_label_ids: tuple[int, ...], reads_logit: bool = False) -> RequestHead:
     """A rerank request's head. A causal LM: what the template's relevance formula reads
-    (engine/templates.py): the softmax over its labels (p(yes) / (p(yes) + p(no))), or with
+    (engine/requests/templates.py): the softmax over its labels (p(yes) / (p(yes) + p(no))), or with
     `reads_logit` the first label's raw logit and its sigmoid. A one-label classifier (a reranker
     converted to one score row): the sigmoid of its logit."""
     check_head(head, "documents")

@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from prefixscore.engine.prefix_cache import page_keys
+from prefixscore.engine.runtime.prefix_cache import page_keys
 
 # host memory for kept prompts by default: 168 bytes a position (its token, its log-prob, 20 top
 # ids and 20 top log-probs, 4 bytes each), about 400,000 positions

@@ -1,11 +1,11 @@
 """The scoring engine: owns the parameters and the paged prefix pool on the device(s), and runs
 planned calls. It validates nothing (callers do, before device work) and keeps no per-request
-state: which pages hold which query is the prefix cache's business (engine/prefix_cache.py);
-what goes into a call is the planner's (engine/planner.py). `launch` runs a CallPlan as it is.
+state: which pages hold which query is the prefix cache's business (engine/runtime/prefix_cache.py);
+what goes into a call is the planner's (engine/runtime/planner.py). `launch` runs a CallPlan as it is.
 
 One kind of device call (model/step.py), one executable per CallShape, compiled ahead of time
 (`warmup`, or on first use) and kept in a table, so steady-state traffic never compiles. With
-several devices the call runs under `shard_map` over a 2-D mesh (engine/mesh.py): on the
+several devices the call runs under `shard_map` over a 2-D mesh (engine/runtime/mesh.py): on the
 model axis each device holds its share of the heads, MLP columns, vocabulary rows and the
 pool's KV heads; on the data axis the replicas each run their own prefill chunks (gathering
 every replica's K/V for the pool write, so every replica of the pool gets every page) and
@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from prefixscore.engine import compile_cache
-from prefixscore.engine.buckets import Buckets, round_up
-from prefixscore.engine.call_broadcast import ALONE, CallBroadcast
-from prefixscore.engine.mesh import Layout, MeshShape, default_layout
-from prefixscore.engine.planner import CallBuilder, CallPlan
-from prefixscore.engine.prefix_cache import PrefixCache
+from prefixscore.engine.runtime import compile_cache
+from prefixscore.engine.runtime.buckets import Buckets, round_up
+from prefixscore.engine.runtime.call_broadcast import ALONE, CallBroadcast
+from prefixscore.engine.runtime.mesh import Layout, MeshShape, default_layout
+from prefixscore.engine.runtime.planner import CallBuilder, CallPlan
+from prefixscore.engine.runtime.prefix_cache import PrefixCache
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.kernels.paged import pool_dtype
 from prefixscore.model import packed_baseline, step
@@ -144,7 +144,7 @@ class ScoringEngine:
         # device tokens launched and the real ones among them (padding share = 1 - real / device)
         self.stats = {"calls": 0, "device_tokens": 0, "tokens": 0, "items": 0, "prefill_tokens": 0}
         # told every call (and pool reset) before it happens here: with several hosts, the
-        # leader's step channel, so every host runs the same step (engine/call_broadcast.py)
+        # leader's step channel, so every host runs the same step (engine/runtime/call_broadcast.py)
         self.broadcast = broadcast
         # a call's inputs as the step channel carries them: their leaves, in this tree, of these dtypes
         specs = self._call_specs(self.buckets.call_shapes()[0])
@@ -216,7 +216,7 @@ class ScoringEngine:
         return min(budget, POOL_CONTEXTS * self.buckets.max_pages * self.page_bytes)
 
     def builder(self) -> CallBuilder:
-        """An empty plan for the next call (engine/planner.py), in the shapes compiled so far
+        """An empty plan for the next call (engine/runtime/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
         return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages)
 

@@ -6,8 +6,8 @@ one row per item, at its last token. Mean and cls pooling read a row per token (
 gives such items a row each, as a likelihood's): a mean sums the tokens it counts, a cls takes
 the first one it counts. An item's first `skip` tokens are not counted: the part of a prompt
 the item carries when the prompt stays out of the pool (`include_prompt: false`) and the
-prefix did not take all of it (engine/embedding.py). The rows come back span by span
-(engine/batcher.py take_results); each span is whole items, so it is reduced as it arrives and
+prefix did not take all of it (engine/requests/embedding.py). The rows come back span by span
+(engine/loop/batcher.py take_results); each span is whole items, so it is reduced as it arrives and
 a request never holds a row per token of all its items.
 """
 
@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.sentence_config import CLS, LAST
 
 
@@ -41,7 +41,7 @@ class PoolRows:
             return rows
         offsets = items.offsets[first : first + count + 1] - items.offsets[first]
         lengths = np.diff(offsets)
-        skip = self.skip[first : first + count]  # engine/embedding.py left each item a token past it
+        skip = self.skip[first : first + count]  # engine/requests/embedding.py left each item a token past it
         if self.mode == CLS:
             return rows[offsets[:-1] + skip]
         index = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)  # each row's token in its item

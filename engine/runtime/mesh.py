@@ -30,7 +30,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from prefixscore.engine.buckets import round_up
+from prefixscore.engine.runtime.buckets import round_up
 from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.quant_choice import QuantizeChoice
 from prefixscore.model.shards import DataReplicas, ModelShards

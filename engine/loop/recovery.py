@@ -1,9 +1,9 @@
 """The device loop's side of a failed device call.
 
-engine/isolation.py decides which work a failed call takes down and which is retried; this
+engine/loop/isolation.py decides which work a failed call takes down and which is retried; this
 carries it out on the loop's state: a pool the call consumed (it is donated) is made anew,
 the pages the call wrote are prefilled again (their epoch moves on), the culprits fail, and
-the retried work is queued as isolation groups (engine/batcher.py plans a group alone).
+the retried work is queued as isolation groups (engine/loop/batcher.py plans a group alone).
 Results of a call launched before a rewrite of a query it read are not trusted: that work
 is retried too. Failed calls are counted in a row, none succeeding between them: past
 MAX_FAILED_CALLS_IN_A_ROW the device is taken for broken and the loop stops.
@@ -16,14 +16,14 @@ import itertools
 import logging
 from collections.abc import Callable
 
-from prefixscore.engine import isolation
-from prefixscore.engine.batcher import Batcher, Call, PlanFailed
-from prefixscore.engine.loop_metrics import LoopMetrics
-from prefixscore.engine.planner import CallPlan
-from prefixscore.engine.prefix_cache import PrefixCache
-from prefixscore.engine.request import TokenizedRequest
-from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.work_unit import Lineage, QueryPin, WorkUnit
+from prefixscore.engine.loop import isolation
+from prefixscore.engine.loop.batcher import Batcher, Call, PlanFailed
+from prefixscore.engine.loop.loop_metrics import LoopMetrics
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import Lineage, QueryPin, WorkUnit
+from prefixscore.engine.runtime.planner import CallPlan
+from prefixscore.engine.runtime.prefix_cache import PrefixCache
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 
 log = logging.getLogger("prefixscore.worker")
 # failed device calls in a row, none succeeding between them, after which the device is taken
@@ -78,7 +78,7 @@ class Recovery:
 
     def recover(self, call: Call, err: BaseException, collateral: bool = False) -> None:
         """`call` failed with `err`: its work is retried in calls of its own, and the requests
-        whose work failed alone fail (engine/isolation.py). `collateral`: it ran on (or was
+        whose work failed alone fail (engine/loop/isolation.py). `collateral`: it ran on (or was
         launched onto) a pool that an earlier call took down, so its failure says nothing of its
         work: that is retried as it was, judged by nobody (the earlier call is judged)."""
         engine, batcher, cache = self.engine, self.batcher, self.cache
@@ -154,7 +154,7 @@ class Recovery:
         return dataclasses.replace(call, plan=dataclasses.replace(call.plan, spans=kept))
 
     def _retry(self, retry: isolation.Retry) -> None:
-        """Queue `retry`'s work as one isolation group (engine/batcher.py). A query of it that
+        """Queue `retry`'s work as one isolation group (engine/loop/batcher.py). A query of it that
         must be prefilled again gets a prefill of its own in the group (a unit without items),
         which the group's first call carries alone: a prefill that fails is then found at
         fault in one call, not item by item in every call that carries it."""

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from prefixscore.engine.hosts import JOIN_TIMEOUT_S, HostGroup
+from prefixscore.engine.hosts.hosts import JOIN_TIMEOUT_S, HostGroup
 from prefixscore.model.call_inputs import CallShape
 
 log = logging.getLogger("prefixscore.hosts")

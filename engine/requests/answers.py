@@ -10,7 +10,7 @@ embedding) declares, as data, what its items take on the device and what comes b
 - `buffer`: its answer, zeroed, for a request's items;
 - `fill`: a span of its rows written into that answer as a call comes back.
 
-The loop (engine/batcher.py, engine/work_unit.py) lays out and reads back rows through these
+The loop (engine/loop/batcher.py, engine/loop/work_unit.py) lays out and reads back rows through these
 and never asks which kind a request is; the transports read the answer the kind filled. A
 new kind is a new record here, not a branch in the loop.
 """
@@ -21,9 +21,9 @@ import dataclasses
 
 import numpy as np
 
-from prefixscore.engine import heads
-from prefixscore.engine.pooling import PoolRows
-from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.requests import heads
+from prefixscore.engine.requests.pooling import PoolRows
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import (
     OUTPUT_FULL,
     OUTPUT_HIDDEN,
@@ -39,7 +39,7 @@ class LabelScores:
     """A row per item at its last token, its label columns: the labels' probabilities over the
     vocabulary (OUTPUT_FULL), their softmax (OUTPUT_SOFTMAX), or their raw logits (OUTPUT_LOGIT,
     a classifier's or a logit-reading reranker's), then `activation` on the host
-    (engine/heads.py; "": none). Answer [items, labels] float32."""
+    (engine/requests/heads.py; "": none). Answer [items, labels] float32."""
 
     output: int = OUTPUT_FULL
     activation: str = ""
@@ -61,13 +61,13 @@ def label_scores(apply_softmax: bool = False, activation: str = "", raw_logits: 
 
 
 def for_head(head: heads.RequestHead) -> LabelScores:
-    """The label rows of what a request asks of the model's head (engine/heads.py)."""
+    """The label rows of what a request asks of the model's head (engine/requests/heads.py)."""
     return label_scores(head.apply_softmax, head.activation, head.raw_logits)
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
-    """An item's own likelihood (engine/likelihood.py): a row per item token, each the next
+    """An item's own likelihood (engine/requests/likelihood.py): a row per item token, each the next
     token's log-prob, whether it is the argmax, and the top log-probs; every item starts with
     the query's last token (its row reads the item's first). Answer [item tokens, TOKEN_COLUMNS]
     float32, row i of an item its token i's. `top_logprobs`: how many a response reports."""
@@ -87,7 +87,7 @@ class TokenLogprobs:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pooled:
-    """An embedding (engine/pooling.py): the items' hidden rows (a row per token for a mean or a
+    """An embedding (engine/requests/pooling.py): the items' hidden rows (a row per token for a mean or a
     cls, else one at each item's last token), pooled as they come back. Answer [items, hidden]
     float32."""
 

@@ -2,9 +2,9 @@
 
 Every host runs `prefixscore serve` with the same model and flags and its own index; the
 processes join one JAX runtime (`jax.distributed.initialize`), so `jax.devices()` lists every
-host's devices and one (data, model) mesh spans them (engine/mesh.py keeps the model axis
+host's devices and one (data, model) mesh spans them (engine/runtime/mesh.py keeps the model axis
 within a host where the sizes allow). Host 0, the leader, plans every call and sends it to the
-others before it launches (engine/step_channel.py); each follower launches the same
+others before it launches (engine/hosts/step_channel.py); each follower launches the same
 executable with the same inputs in the same order (service/follower.py), so the collectives of
 every call meet.
 
@@ -95,7 +95,7 @@ def join(group: HostGroup) -> None:
     no-op); a group of one: nothing.
     Returns once every host has joined. JAX's own client ends a process whose peers are gone: at
     once when the leader, which runs JAX's coordination service, dies (racing the step channel,
-    engine/step_channel.py, which logs `leader_lost`), or after its heartbeat timeout."""
+    engine/hosts/step_channel.py, which logs `leader_lost`), or after its heartbeat timeout."""
     if not group.several or jax.distributed.is_initialized():
         return
     # CPU processes exchange their collectives over gloo (TCP); accelerators use their own links

@@ -2,16 +2,16 @@
 
 A request is refused (QueueFull: RESOURCE_EXHAUSTED to the client) when the queue already
 holds `max_items` items or `max_tokens` item tokens, or when the prefix pool cannot hold its
-query (engine/page_pins.py asks for that refusal). The retry hint is how long the queue
+query (engine/loop/page_pins.py asks for that refusal). The retry hint is how long the queue
 needs to drain by half at the recent item rate, which the loop reports as calls come back.
 """
 
 from __future__ import annotations
 
-from prefixscore.engine.batcher import Batcher
-from prefixscore.engine.loop_metrics import LoopMetrics
-from prefixscore.engine.prefix_cache import PoolExhausted
-from prefixscore.engine.work_unit import WorkUnit
+from prefixscore.engine.loop.batcher import Batcher
+from prefixscore.engine.loop.loop_metrics import LoopMetrics
+from prefixscore.engine.loop.work_unit import WorkUnit
+from prefixscore.engine.runtime.prefix_cache import PoolExhausted
 
 # the retry hint of a query larger than the whole pool: it fits no sooner later
 NEVER_FITS_RETRY_MS = 60_000

@@ -2,7 +2,7 @@
 until the stream closes.
 
 Pages are acquired at once, under the device worker's lock, so a query the pool cannot hold
-is refused before it queues (QueueFull, from engine/admission.py), never an out-of-memory
+is refused before it queues (QueueFull, from engine/loop/admission.py), never an out-of-memory
 on the device. A pinned query is never evicted; released, it stays cached until its pages
 are needed.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 
-from prefixscore.engine.admission import Admission
-from prefixscore.engine.loop_metrics import LoopMetrics
-from prefixscore.engine.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
-from prefixscore.engine.request import PrefillOnly, TokenizedRequest
-from prefixscore.engine.work_unit import QueryPin, Ticket, WorkUnit
+from prefixscore.engine.loop.admission import Admission
+from prefixscore.engine.loop.loop_metrics import LoopMetrics
+from prefixscore.engine.loop.request import PrefillOnly, TokenizedRequest
+from prefixscore.engine.loop.work_unit import QueryPin, Ticket, WorkUnit
+from prefixscore.engine.runtime.prefix_cache import CachedPrefix, PoolExhausted, PrefixCache
 
 
 @dataclasses.dataclass
@@ -45,7 +45,7 @@ class PagePins:
             return
         entry, hit = self._acquire(payload.prefix)
         unit.pin.entry = entry
-        # a miss may still borrow leading pages another query wrote (engine/prefix_cache.py)
+        # a miss may still borrow leading pages another query wrote (engine/runtime/prefix_cache.py)
         lent = entry.lender is not None and entry.lender.written >= entry.shared
         unit.reply.cached_tokens = len(payload.prefix) if hit else entry.shared if lent else 0
         # one hit or miss per request (or stream open): hit when no new prefill runs for it

@@ -1,5 +1,5 @@
 """The device loop's unit of input: a validated request in token ids, and what its kind declares
-to the loop about its rows (`Answer`). The kinds themselves (engine/answers.py and the
+to the loop about its rows (`Answer`). The kinds themselves (engine/requests/answers.py and the
 validation that builds requests) sit above the loop; the loop knows only this record.
 """
 
@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import OUTPUT_FULL
 
 
@@ -49,7 +49,7 @@ class PrefillOnly:
 @dataclasses.dataclass(frozen=True)
 class TokenizedRequest:
     """A validated request in token ids. prefix: start tokens + query (empty for item_first).
-    `answer`: its kind's rows on the device and how they become its answer (engine/answers.py):
+    `answer`: its kind's rows on the device and how they become its answer (engine/requests/answers.py):
     all the device loop knows of the kind."""
 
     prefix: tuple[int, ...]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from prefixscore.engine.planner import CallPlan
-from prefixscore.engine.prefix_cache import PrefixCache
-from prefixscore.engine.scoring_engine import ScoringEngine
-from prefixscore.engine.work_unit import WorkUnit
+from prefixscore.engine.loop.work_unit import WorkUnit
+from prefixscore.engine.runtime.planner import CallPlan
+from prefixscore.engine.runtime.prefix_cache import PrefixCache
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.telemetry.compiles import CompileCounter
 from prefixscore.telemetry.logs import event
 from prefixscore.telemetry.metrics import ServiceMetrics

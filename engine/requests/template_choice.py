@@ -1,5 +1,5 @@
 """Which reranker template serves a model: `--template NAME`, or `auto` recognizing a published
-reranker from its checkpoint (the records' `Recognition`, engine/templates.py).
+reranker from its checkpoint (the records' `Recognition`, engine/requests/templates.py).
 
 A prompt is never guessed. A record is chosen by `auto` only when the model's names (the name
 it was loaded by, its directory, config.json's `_name_or_path`) match the record's pattern AND the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from prefixscore.engine.templates import AUTO, RECORDS, TEMPLATES, RerankTemplate, TemplateRecord
+from prefixscore.engine.requests.templates import AUTO, RECORDS, TEMPLATES, RerankTemplate, TemplateRecord
 from prefixscore.model.head import output_head
 from prefixscore.model.loader import LoadedModel
 from prefixscore.model.tokenizer import TextTokenizer

@@ -9,7 +9,7 @@ owner:
 
 - a call over several queries: its work is retried one group per query when it carried
   at most ONE_BY_ONE queries, else in two halves by query. Each group is a call of its
-  own (engine/batcher.py), which fails again only if something in it is at fault;
+  own (engine/loop/batcher.py), which fails again only if something in it is at fault;
 - a group's query that must be prefilled again is prefilled first, alone (engine/
   recovery.py gives the group a unit without items, the batcher plans it alone): a
   prefill that fails alone fails every request and stream open over that query;
@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from prefixscore.engine.batcher import Call
-from prefixscore.engine.work_unit import WorkUnit
+from prefixscore.engine.loop.batcher import Call
+from prefixscore.engine.loop.work_unit import WorkUnit
 
 # a failed call over at most this many queries retries each query alone rather than in halves
 ONE_BY_ONE = 4

@@ -21,7 +21,7 @@ through a chained hash of each page's tokens (checked against the tokens themsel
 is kept while anything borrows from it (never evicted, never dropped); it stays writable as any
 prefix: when its pages are rewritten (a failed call), every borrower's results read from them
 since are untrusted too (their epochs move with it), and the borrowers' next work prefills the
-lender's missing pages first (engine/batcher.py). A borrower never writes a borrowed page.
+lender's missing pages first (engine/loop/batcher.py). A borrower never writes a borrowed page.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from prefixscore.engine.buckets import ceil_div
+from prefixscore.engine.runtime.buckets import ceil_div
 
 
 class PoolExhausted(Exception):

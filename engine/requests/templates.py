@@ -15,7 +15,7 @@ query and the document in one piece: the prefix ends with "<Document>:" and the 
 with " " + document, so a word-initial BPE token (" Paris") stays whole as in the joined piece
 (`check_tokenization` reports a document where it would not).
 
-Which record serves a model is chosen at start-up (engine/template_choice.py: `--template auto`
+Which record serves a model is chosen at start-up (engine/requests/template_choice.py: `--template auto`
 recognizes a published reranker from its checkpoint; README, "Reranker templates").
 """
 
@@ -220,7 +220,7 @@ class RerankTemplate:
     @property
     def reads_logit(self) -> bool:
         """The relevance is a sigmoid of a label's raw logit (else the softmax over the labels,
-        which LABEL_RATIO and LOGIT_DIFFERENCE both are): engine/heads.py for_rerank."""
+        which LABEL_RATIO and LOGIT_DIFFERENCE both are): engine/requests/heads.py for_rerank."""
         return self.record.relevance is Relevance.LOGIT_SIGMOID
 
     def _cached(self, cache: dict[str, list[int]], text: str) -> list[int]:
@@ -281,7 +281,7 @@ class RerankTemplate:
     @staticmethod
     def relevance(scores: np.ndarray) -> list[float]:
         """[documents, labels] scores of a rerank request (the head already applied the record's
-        formula: engine/heads.py) -> each document's relevance."""
+        formula: engine/requests/heads.py) -> each document's relevance."""
         return scores[:, 0].tolist() if len(scores) else []
 
 

@@ -17,12 +17,12 @@ from itertools import chain
 
 import numpy as np
 
-from prefixscore.engine import heads
-from prefixscore.engine.answers import TokenLogprobs, for_head
-from prefixscore.engine.invalid_input import InvalidInput
-from prefixscore.engine.request import Answer, TokenizedRequest
-from prefixscore.engine.templates import RerankTemplate
-from prefixscore.engine.token_rows import TokenRows
+from prefixscore.engine.loop.request import Answer, TokenizedRequest
+from prefixscore.engine.requests import heads
+from prefixscore.engine.requests.answers import TokenLogprobs, for_head
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.templates import RerankTemplate
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.head import output_head
@@ -297,7 +297,7 @@ class RequestTokenizer:
             )
 
     def likelihood(self, context: list[int], items: TokenRows, top_logprobs: int = 0) -> TokenizedRequest:
-        """The items' own likelihood after `context` (engine/likelihood.py), laid out for the
+        """The items' own likelihood after `context` (engine/requests/likelihood.py), laid out for the
         score path: the prefix is the context but its last token, which starts every item (its
         row reads the item's first token); a one-token context has no prefix (whole sequences).
         Checks every sequence fits the context and the request's tokens their limit."""
@@ -343,11 +343,11 @@ class ScoreInput:
     query_truncation: str = "none"  # a query too long: "none" rejects, "left"/"right" drop from that side
     max_query_tokens: int | None = None  # with query_truncation: the most query tokens kept
     check_tokenization: bool = False
-    activation: str = "auto"  # a classifier's logits: auto, none, sigmoid or softmax (engine/heads.py)
+    activation: str = "auto"  # a classifier's logits: auto, none, sigmoid or softmax (engine/requests/heads.py)
     # instead of `query`: a conversation whose next assistant turn each item is (a reward model's
     # candidates); the chat template renders it, split at that turn's content
     messages: object = None
-    # each item's own likelihood after the query instead of label scores (engine/likelihood.py),
+    # each item's own likelihood after the query instead of label scores (engine/requests/likelihood.py),
     # with the top log-probs at each position (0 to TOP_LOGPROBS)
     loglikelihood: bool = False
     top_logprobs: int = 0
@@ -374,7 +374,7 @@ class ClassifyInput:
 
     input: object  # a text, texts, token ids, or token-id lists (None: `messages` instead)
     truncate_prompt_tokens: int | None = None  # keep each input's last n tokens (-1: as many as fit)
-    activation: str = "auto"  # a classifier's logits (engine/heads.py)
+    activation: str = "auto"  # a classifier's logits (engine/requests/heads.py)
     labels: Sequence[str] = ()  # a causal LM: the label strings the server was started with
     # instead of `input`: a conversation (a list of {"role", "content"} messages), or several
     # (a list of them: one result each), rendered whole by the model's chat template
@@ -467,7 +467,7 @@ class Validator:
     def head(
         self, ids: Sequence[int], labels: Sequence[str], activation: object, apply_softmax: bool
     ) -> heads.RequestHead:
-        """What a request asks of the model's head (engine/heads.py)."""
+        """What a request asks of the model's head (engine/requests/heads.py)."""
         return heads.for_request(self.requests.head, ids, labels, activation, apply_softmax, self.labels)
 
     def labels(self, ids: Sequence[int], labels: Sequence[str]) -> tuple[int, ...]:
