@@ -188,7 +188,7 @@ def label_probs(
     """
     head = output_head(cfg)
     h = norm(cfg, h_last, params.final_norm)
-    w = head.projection(params)
+    w = params.projection(head)
     if head.own_rows:
         return jnp.einsum("bh,lh->bl", h, w[label_ids], preferred_element_type=jnp.float32)
     if apply_softmax:

@@ -14,14 +14,8 @@ the reference decoder, the FLOP count, validation and the transports ask the rec
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from prefixscore.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    import jax
-
-    from prefixscore.model.weights import Weights
 
 # the `head` the API reports (/v1/models, GetModelInfo)
 CAUSAL_LM = "causal_lm"
@@ -72,10 +66,6 @@ class OutputHead:
     def own_labels(self) -> tuple[int, ...]:
         """The rows every request scores, in order (a classifier's every label); (): a request names them."""
         return tuple(range(self.rows)) if self.own_rows else ()
-
-    def projection(self, params: Weights) -> jax.Array:
-        """Its projection [rows, hidden] among the weights (the embedding when tied)."""
-        return params.embed if self.weight is None else getattr(params, self.weight)
 
     def projected_rows(self, apply_softmax: bool, n_labels: int) -> int:
         """Rows of the projection one item's last token multiplies: only the request's labels, unless

@@ -217,7 +217,7 @@ def row_token_logprobs(
     log-probs (descending), their ids (as float32).
     """
     h = norm(cfg, h_at, params.final_norm)
-    w = output_head(cfg).projection(params)
+    w = params.projection(output_head(cfg))
     target_logit = jnp.einsum("rh,rh->r", h, shards.take_rows(w, target), preferred_element_type=jnp.float32)
     target_logit = softcap(target_logit, cfg.final_softcap)
     local = w.shape[0]
@@ -262,7 +262,7 @@ def row_label_probs(
         return jnp.zeros((h_last.shape[0], labels.shape[0]), jnp.float32)
     h = norm(cfg, h_last, params.final_norm)
     valid = row_labels >= 0
-    w = head.projection(params)
+    w = params.projection(head)
     if head.own_rows:
         logits = jnp.einsum("bh,lh->bl", h, jnp.take(w, labels, axis=0), preferred_element_type=jnp.float32)
         return jnp.where(valid, jnp.take_along_axis(logits, jnp.maximum(row_labels, 0), axis=1), 0.0)

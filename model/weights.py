@@ -101,6 +101,10 @@ class Weights:
     # "labels" axis has no mesh rule and every device holds it whole
     score: jax.Array | None = _axes("labels", "embed", optional=True)  # [num_labels, hidden]
 
+    def projection(self, head: OutputHead) -> jax.Array:
+        """The head's projection [rows, hidden] (the embedding when tied)."""
+        return self.embed if head.weight is None else getattr(self, head.weight)
+
 
 @functools.cache
 def weight_axes() -> dict[str, tuple[str | None, ...]]:

@@ -345,7 +345,8 @@ class ScoringService:
         self.validator = Validator(requests, self.template, refusal)
         self.embeddings = EmbeddingRequests(requests, loaded.pooling)
         if cfg.warmup:  # the template's known-answer check, once (service/template_check.py)
-            self._template_check = asyncio.ensure_future(template_check.run(self, self.validator))
+            check = template_check.run(self.run, self.metrics.template_check_passed, self.validator)
+            self._template_check = asyncio.ensure_future(check)
         assert self.served is not None
         self.metrics.model_info.info(self.served.metric_labels())
         self.metrics.mesh_devices.labels("model").set(self.served.tp_size)

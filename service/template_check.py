@@ -15,16 +15,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
+from prometheus_client import Gauge
+
+from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import WorkUnit
 from prefixscore.engine.requests import template_choice
 from prefixscore.engine.requests.templates import RerankTemplate
 from prefixscore.engine.requests.validation import RerankInput, Validator
 from prefixscore.model.loader import LoadedModel
 from prefixscore.telemetry.logs import event
-
-if TYPE_CHECKING:
-    from prefixscore.service.core import ScoringService
 
 log = logging.getLogger("prefixscore.service")
 
@@ -69,20 +70,22 @@ def verdict(scores: list[list[float]]) -> CheckResult:
     return CheckResult(all(rel > irrel for rel, irrel in pairs), pairs)
 
 
-async def run(service: ScoringService, validator: Validator) -> CheckResult | None:
-    """The check on the service's device loop (None: not run, see the module doc); the gauge and
-    the log say how it went."""
+async def run(
+    score: Callable[[TokenizedRequest, str], Awaitable[WorkUnit]], passed: Gauge, validator: Validator
+) -> CheckResult | None:
+    """The check on the service's device loop (`score`: a request's unit once answered; None:
+    not run, see the module doc); the gauge `passed` and the log say how it went."""
     template = validator.template
     if template is None or template.record.client_phrased:
         return None
     try:
         checked = [validator.rerank(RerankInput(q, [relevant, irrelevant])) for q, relevant, irrelevant in TRIPLES]
-        units = await asyncio.gather(*(service.run(c.scored.request, "TemplateCheck") for c in checked))
+        units = await asyncio.gather(*(score(c.scored.request, "TemplateCheck") for c in checked))
     except Exception as err:  # shutting down, a full queue, a context too short: no verdict, nothing refused
         event(log, "template_check_skipped", level=logging.WARNING, error=f"{type(err).__name__}: {err}")
         return None
     result = verdict([RerankTemplate.relevance(u.reply.answer) for u in units])
-    service.metrics.template_check_passed.labels(template.name).set(int(result.passed))
+    passed.labels(template.name).set(int(result.passed))
     event(
         log,
         "template_check",

@@ -101,3 +101,47 @@ def test_a_planted_upward_import_breaks_its_contract(tree_copy: Path, where: str
     broken = [line for line in run.stdout.splitlines() if line.endswith("BROKEN")]
     # a leaf that imports upward also breaks the client's contract (the client imports the leaf)
     assert any(name.startswith(contract) for name in broken), run.stdout
+
+
+def _cycles(package_parent: Path | None = None) -> list[list[str]]:
+    """Groups of the package's modules that import each other in a circle (any import: at the
+    top, in a function, or only under TYPE_CHECKING), found on grimp's graph (import-linter's)."""
+    code = (
+        "import grimp, json\n"
+        "g = grimp.build_graph('prefixscore', include_external_packages=False)\n"
+        "edges = {m: g.find_modules_directly_imported_by(m) for m in g.modules}\n"
+        # a module in a circle reaches itself; the circle is what it reaches that reaches it back
+        "def reach(m):\n"
+        "    seen, todo = set(), list(edges[m])\n"
+        "    while todo:\n"
+        "        n = todo.pop()\n"
+        "        if n not in seen:\n"
+        "            seen.add(n)\n"
+        "            todo.extend(edges[n])\n"
+        "    return seen\n"
+        "reached = {m: reach(m) for m in edges}\n"
+        "circles = {tuple(sorted(n for n in reached[m] if m in reached[n])) for m in edges if m in reached[m]}\n"
+        "print(json.dumps(sorted(map(list, circles))))\n"
+    )
+    env = dict(os.environ)
+    if package_parent is not None:
+        env["PYTHONPATH"] = str(package_parent)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    import json
+
+    return json.loads(run.stdout)
+
+
+def test_no_module_imports_itself_through_others(tree_copy: Path) -> None:
+    """No import circle, type-only ones included; one planted (model/config.py importing the
+    weights, which import it) is found."""
+    assert _cycles() == []
+    target = tree_copy / "prefixscore" / "model" / "config.py"
+    original = target.read_text()
+    target.write_text(original + "\nif False:\n    from prefixscore.model import weights  # noqa\n")
+    try:
+        planted = _cycles(tree_copy)
+    finally:
+        target.write_text(original)
+    assert any("prefixscore.model.config" in c and "prefixscore.model.weights" in c for c in planted), planted

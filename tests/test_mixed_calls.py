@@ -48,7 +48,7 @@ def requests(rng: np.random.Generator) -> tuple[TokenizedRequest, list[Tokenized
     mix = [
         TokenizedRequest(tuple(tokens(300)), items(20, 1, 7, 40, 20), (3, 17, 400), label_scores(False), False),
         TokenizedRequest(tuple(tokens(40)), items(12, 3, 65), (8, 2), label_scores(True), False),
-        dataclasses.replace(cached, items=items(9, 2, 25), apply_softmax=True),
+        dataclasses.replace(cached, items=items(9, 2, 25), answer=label_scores(True)),
         TokenizedRequest((), [tokens(30) + tokens(20), tokens(5)], (3, 17, 400), label_scores(False), True),
     ]
     return cached, mix
