@@ -15,6 +15,8 @@ AUTO = "auto"  # decided from the checkpoint (quantize, activations, template)
 DEFAULT_MODEL = "smollm2-135m"  # the embedded SmolLM2 package (model/presets.py)
 DTYPES = ("float32", "bfloat16")  # the weights' and the pool's dtype
 DEFAULT_DTYPE = "float32"
+# a classifier's activation of its logits (engine/requests/heads.py): its own (auto), none, or one asked
+HEAD_ACTIVATIONS = (AUTO, "none", "sigmoid", "softmax")
 # 8-bit projections: as the checkpoint holds them, dequantized, or quantized at load
 QUANTIZE = (AUTO, "none", "int8", "fp8")
 # how 8-bit projections are multiplied: per-token 8-bit activations (W8A8) or none (W8A16)

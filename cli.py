@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prefixscore.choices import DEFAULT_MODEL
+from prefixscore.choices import DEFAULT_MODEL, HEAD_ACTIVATIONS
 from prefixscore.service.config import ServerConfig, flag_fields, parse_bool
 
 DEFAULT_TARGET = "localhost:50051"
@@ -175,7 +175,7 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--item-first", action="store_true", help="score item + query")
     p.add_argument(
         "--activation",
-        choices=("auto", "none", "sigmoid", "softmax"),
+        choices=HEAD_ACTIVATIONS,
         default="auto",
         help="a classifier model's outputs (send no labels to it): raw logits, sigmoid or softmax; auto: "
         "sigmoid for one label, softmax for several",

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from prefixscore.choices import DEFAULT_DTYPE
 from prefixscore.engine.hosts.hosts import HostGroup, join
 from prefixscore.engine.hosts.step_channel import StepLeader
 from prefixscore.engine.options import OPTIONS
@@ -39,7 +40,7 @@ class EngineSpec:
     """What to serve and how: every choice that shapes the engine, in one record."""
 
     model: str = DEFAULT_MODEL  # a preset, a local HF directory, a .gguf file or a hub id (model/loader.py)
-    dtype: str = "float32"  # the weights' and the pool's dtype (model/config.DTYPES)
+    dtype: str = DEFAULT_DTYPE  # the weights' and the pool's dtype (choices.DTYPES)
     # None: the engine's default for the model's context; or a function of the context
     buckets: Buckets | Callable[[int], Buckets] | None = None
     attn_impl: str | None = None  # kernels/dispatch.py; None: the platform's default

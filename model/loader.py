@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from prefixscore.choices import AUTO
+from prefixscore.choices import AUTO, DEFAULT_DTYPE
 from prefixscore.model import presets, weights_cache
 from prefixscore.model.config import DTYPES, ModelConfig, load_config
 from prefixscore.model.gguf_loader import load_gguf
@@ -63,7 +63,7 @@ def _dtype(dtype: str) -> jnp.dtype:
 
 def load_model(
     model: str,
-    dtype: str = "float32",
+    dtype: str = DEFAULT_DTYPE,
     place_for: PlaceFor | None = None,
     quantize: QuantizeChoice | None = None,
     pooling: str = AUTO,

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixscore.choices import HEAD_ACTIVATIONS
+
 
 class ErrorResponse(BaseModel):
     """SGLang's (and vLLM's) error body."""
@@ -56,7 +58,7 @@ class ScoringRequest(BaseModel):
         description="Instead of query: a conversation; each item is a candidate next assistant turn (a reward "
         "model's candidates), rendered by the model's chat template. The conversation is the shared prefix.",
     )
-    activation: Literal["auto", "none", "sigmoid", "softmax"] | None = Field(
+    activation: Literal[HEAD_ACTIVATIONS] | None = Field(  # type: ignore[valid-type]
         None,
         description="A classifier model (see /v1/models `head`): its logits as they are ('none'), each label's "
         "sigmoid, or their softmax; 'auto' (default): sigmoid for one label, softmax for several. Send no "
@@ -251,7 +253,7 @@ class ClassifyRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, description="Keep each input's last n tokens (-1: all that fit).")
     user: str | None = Field(None, description="Accepted and ignored (OpenAI's end-user id).")
     use_activation: bool | None = Field(None, description="vLLM's: false returns raw logits (activation 'none').")
-    activation: Literal["auto", "none", "sigmoid", "softmax"] | None = Field(
+    activation: Literal[HEAD_ACTIVATIONS] | None = Field(  # type: ignore[valid-type]
         None, description="As in /v1/score: a classifier's activation (default auto)."
     )
 

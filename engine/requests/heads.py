@@ -14,13 +14,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from prefixscore.choices import HEAD_ACTIVATIONS
 from prefixscore.engine.requests.invalid_input import InvalidInput
 from prefixscore.model.head import OutputHead
 
 # a classifier request's `activation`: "auto" (the default) is the head's own (a sigmoid for a
 # one-label head or a multi-label problem_type, else a softmax over the labels); "none" returns
 # raw logits
-ACTIVATIONS = ("auto", "none", "sigmoid", "softmax")
+ACTIVATIONS = HEAD_ACTIVATIONS
 
 # a causal LM's label tokens from a request's label_token_ids and label strings, checked
 LabelTokens = Callable[[Sequence[int], Sequence[str]], tuple[int, ...]]

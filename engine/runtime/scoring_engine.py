@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from prefixscore.choices import DEFAULT_DTYPE
 from prefixscore.engine.runtime import compile_cache
 from prefixscore.engine.runtime.buckets import Buckets, round_up
 from prefixscore.engine.runtime.call_broadcast import ALONE, CallBroadcast
@@ -97,7 +98,7 @@ class ScoringEngine:
         self,
         cfg: ModelConfig,
         params: Weights,
-        dtype: str = "float32",
+        dtype: str = DEFAULT_DTYPE,
         buckets: Buckets | None = None,
         attn_impl: str | None = None,
         *,
