@@ -81,15 +81,17 @@ class Round:
     faults: list[Fault]
     after: TokenizedRequest  # a request without a fault, sent once the round is over
 
+    def failing_queries(self) -> set[tuple[int, ...]]:
+        """The queries whose prefill fails in every call."""
+        return {f.query for f in self.faults if f.query is not None}
+
     def culprits(self) -> set[int]:
         """The jobs that must fail: marked by an item fault (but oom), or over a failing query."""
         out = {f.job for f in self.faults if f.job is not None and f.kind != "oom"}
-        bad = {f.query for f in self.faults if f.query is not None}
-        return out | {j for j, job in enumerate(self.jobs) if job.request.prefix in bad}
+        return out | {j for j, job in enumerate(self.jobs) if job.request.prefix in self.failing_queries()}
 
     def failing_opens(self) -> set[int]:
-        bad = {f.query for f in self.faults if f.query is not None}
-        return {s for s, q in enumerate(self.opens) if q in bad}
+        return {s for s, q in enumerate(self.opens) if q in self.failing_queries()}
 
     def bound(self) -> int:
         """Failed calls the round may take: per fault, ceil(log2(queries)) + ceil(log2(items)) + 2."""
@@ -213,7 +215,7 @@ class Injector:
             return self._launch(plan)
         inputs = plan.inputs
         prefill, items = np.asarray(inputs.prefill.tokens), np.asarray(inputs.items.tokens)
-        hit = [f for f in self.faults if (prefill if f.kind == "prefill" else items).__eq__(f.marker).any()]
+        hit = [f for f in self.faults if ((prefill if f.kind == "prefill" else items) == f.marker).any()]
         kinds = {f.kind for f in hit}
         if "launch" in kinds or "prefill" in kinds:
             raise RuntimeError("injected fault: the call failed to launch")
@@ -356,7 +358,7 @@ class FaultRounds:
             units, pins, answered = self._submit(worker, rnd)
             deadline = time.monotonic() + WAIT_S
             culprits, failing_opens = rnd.culprits(), rnd.failing_opens()
-            failing = {f.query for f in rnd.faults if f.query is not None}
+            failing = rnd.failing_queries()
             for s, pin in enumerate(pins):
                 try:
                     pin.ready.result(max(0.0, deadline - time.monotonic()))

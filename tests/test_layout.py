@@ -8,6 +8,7 @@ contract can fail."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -128,8 +129,6 @@ def _cycles(package_parent: Path | None = None) -> list[list[str]]:
         env["PYTHONPATH"] = str(package_parent)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    import json
-
     return json.loads(run.stdout)
 
 

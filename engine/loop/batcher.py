@@ -93,11 +93,14 @@ class _Fill:
     builder: CallBuilder
     written: dict[int, tuple[CachedPrefix, int]] = dataclasses.field(default_factory=dict)  # id(entry) ->
     offered: dict[int, int] = dataclasses.field(default_factory=dict)  # unit seq -> items taken
-    admitted: int = 0  # units that got chunks or items
-    admitted_seqs: list[int] = dataclasses.field(default_factory=list)  # theirs, in order
+    admitted_seqs: list[int] = dataclasses.field(default_factory=list)  # units that got chunks or items, in order
     # after the k-th admission of the fair pass (index k - 1): what a fill limited to k units can
     # reach. Such a fill is this one's fair pass up to there, then a second pass that only adds
     bounds: list[_Bound] = dataclasses.field(default_factory=list)
+
+    @property
+    def admitted(self) -> int:
+        return len(self.admitted_seqs)
 
 
 class Batcher:
@@ -246,9 +249,8 @@ class Batcher:
                         fill.bounds.append(_Bound(real, real + left_over, builder.extent()))
                     if seq not in admitted:
                         fill.admitted_seqs.append(seq)
-                    admitted.add(seq)
+                        admitted.add(seq)
                 refusals = refusals + 1 if refused else 0
-        fill.admitted = len(admitted)
         return fill
 
     @staticmethod
