@@ -10,18 +10,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import importlib
 import json
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from prefixscore.choices import DEFAULT_MODEL, HEAD_ACTIVATIONS
 from prefixscore.service.config import ServerConfig, flag_fields, parse_bool
 
 DEFAULT_TARGET = "localhost:50051"
+T = TypeVar("T")
 
 
 def _env(name: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
@@ -80,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**values)
 
 
-def _add_client_security(p: argparse.ArgumentParser) -> None:
+def _add_client_security(p: argparse._ActionsContainer) -> None:
     """Client-side TLS and token options (score, rerank, embed, models)."""
     p.add_argument(
         "--tls", action="store_true", default=_env("TLS", False, parse_bool), help="use TLS [$PREFIXSCORE_TLS]"
@@ -289,81 +291,96 @@ def run_score(args: argparse.Namespace) -> int:
 
 
 # ---- rerank --------------------------------------------------------------------------------------
+def _client_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    call: Callable[[Any, argparse.Namespace], T],
+    show: Callable[[argparse.Namespace, T], None],
+    **texts: str,
+) -> argparse.ArgumentParser:
+    """A subcommand of one call to a running server: `call(client, args)`, then `show(args, its
+    result)`. The caller adds its own flags to the parser returned; --target, --timeout and the
+    TLS and token flags are its `server` group."""
+    p = sub.add_parser(name, **texts)
+    server = p.add_argument_group("server")
+    server.add_argument(
+        "--target", default=_env("TARGET", DEFAULT_TARGET), help="host:port [$PREFIXSCORE_TARGET, %(default)s]"
+    )
+    server.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    _add_client_security(server)
+    p.set_defaults(func=functools.partial(_run_call, call=call, show=show))
+    return p
+
+
+def _run_call(
+    args: argparse.Namespace,
+    call: Callable[[Any, argparse.Namespace], T],
+    show: Callable[[argparse.Namespace, T], None],
+) -> int:
+    """A `_client_command`'s run: 0, or 1 with the server's error printed."""
+    import grpc
+
+    with _client(args, args.target) as client:
+        try:
+            result = call(client, args)
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    show(args, result)
+    return 0
+
+
 def add_rerank(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _client_command(
+        sub,
         "rerank",
+        lambda client, args: client.rerank(
+            args.query, args.document, instruction=args.instruction, top_n=args.top_n, timeout=args.timeout
+        ),
+        _show_ranking,
         help="rank documents by relevance to a query on a running server",
         description="Rank documents by relevance to a query with the server's reranker template (gRPC Rerank).",
-    )
-    p.add_argument(
-        "--target", default=_env("TARGET", DEFAULT_TARGET), help="host:port [$PREFIXSCORE_TARGET, %(default)s]"
     )
     p.add_argument("--query", "-q", required=True, help="query text")
     p.add_argument("--document", "-d", action="append", default=[], help="a document (repeat the flag)")
     p.add_argument("--instruction", help="the template's task instruction")
     p.add_argument("--top-n", type=int, default=0, help="only the top N documents (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    _add_client_security(p)
-    p.set_defaults(func=run_rerank)
 
 
-def run_rerank(args: argparse.Namespace) -> int:
-    import grpc
-
-    with _client(args, args.target) as client:
-        try:
-            result = client.rerank(
-                args.query, args.document, instruction=args.instruction, top_n=args.top_n, timeout=args.timeout
-            )
-        except grpc.RpcError as err:
-            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
+def _show_ranking(args: argparse.Namespace, result: Any) -> None:
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
-        return 0
+        return
     for r in result.results:
         text = r.document if len(r.document) <= 60 else r.document[:59] + "…"
         print(f"{r.index:>4}  {r.relevance_score:.6f}  {text}")
-    return 0
 
 
 def add_embed(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _client_command(
+        sub,
         "embed",
+        lambda client, args: client.embed(
+            args.input,
+            prompt_name=args.prompt_name,
+            dimensions=args.dimensions,
+            truncate=args.truncate,
+            timeout=args.timeout,
+        ),
+        _show_embeddings,
         help="embed texts on a running server",
         description="Embed texts with the served model's pooling (gRPC Embed): one JSON array per text.",
-    )
-    p.add_argument(
-        "--target", default=_env("TARGET", DEFAULT_TARGET), help="host:port [$PREFIXSCORE_TARGET, %(default)s]"
     )
     p.add_argument("--input", "-i", action="append", default=[], required=True, help="a text (repeat the flag)")
     p.add_argument("--prompt-name", help="one of the model's named prompts (default: its default prompt)")
     p.add_argument("--dimensions", type=int, default=0, help="keep the first N dimensions, then normalize (0: all)")
     p.add_argument("--truncate", action="store_true", help="cut an input over the model's limit instead of failing")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    _add_client_security(p)
-    p.set_defaults(func=run_embed)
 
 
-def run_embed(args: argparse.Namespace) -> int:
-    import grpc
-
-    with _client(args, args.target) as client:
-        try:
-            result = client.embed(
-                args.input,
-                prompt_name=args.prompt_name,
-                dimensions=args.dimensions,
-                truncate=args.truncate,
-                timeout=args.timeout,
-            )
-        except grpc.RpcError as err:
-            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
+def _show_embeddings(args: argparse.Namespace, result: Any) -> None:
     for vector in result.embeddings:
         print(json.dumps(vector))
-    return 0
 
 
 # ---- models --------------------------------------------------------------------------------------

@@ -19,57 +19,46 @@ from typing import Any
 
 import jax
 
-from prefixscore.choices import DEFAULT_DTYPE
+from prefixscore.engine import options
 from prefixscore.engine.hosts.hosts import HostGroup, join
 from prefixscore.engine.hosts.step_channel import StepLeader
-from prefixscore.engine.options import OPTIONS
 from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.call_broadcast import ALONE
 from prefixscore.engine.runtime.mesh import MeshPlacement
-from prefixscore.engine.runtime.scoring_engine import POOL_MEMORY_FRACTION, ScoringEngine
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.model.loader import LoadedModel, load_model
-from prefixscore.model.presets import DEFAULT_MODEL
-from prefixscore.model.quant_choice import AUTO, QuantizeChoice
+from prefixscore.model.quant_choice import QuantizeChoice
 from prefixscore.model.sentence_config import LAST
 
 log = logging.getLogger("prefixscore.engine")
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineSpec:
-    """What to serve and how: every choice that shapes the engine, in one record."""
+# the fields of the engine's options, made from engine/options.py's rows (name, type, default):
+# a new option is one row there, and EngineSpec has its field
+EngineOptionFields = options.fields_class("EngineOptionFields", __name__, engine_only=True, frozen=True)
 
-    model: str = DEFAULT_MODEL  # a preset, a local HF directory, a .gguf file or a hub id (model/loader.py)
-    dtype: str = DEFAULT_DTYPE  # the weights' and the pool's dtype (choices.DTYPES)
-    # None: the engine's default for the model's context; or a function of the context
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec(EngineOptionFields):
+    """What to serve and how: every choice that shapes the engine, in one record.
+
+    Every engine option of engine/options.py (model, dtype, quantize, ... each with its row's type
+    and default) is a field, inherited from EngineOptionFields, which is made from the table so
+    that an option is declared once; the fields below are no option."""
+
+    # None: the engine's default for the model's context (sized by max_batch_tokens and
+    # max_prefill_tokens); or a function of the context
     buckets: Buckets | Callable[[int], Buckets] | None = None
-    attn_impl: str | None = None  # kernels/dispatch.py; None: the platform's default
     # the devices to lay the mesh over: all local ones (None), the first n, or these
     devices: int | Sequence[jax.Device] | None = None
-    # devices on the model axis (tensor parallel) and the data axis; None: chosen (engine/runtime/mesh.py)
-    tp_size: int | None = None
-    dp_size: int | None = None
-    # the prefix pool on each device: bytes, or (None) a fraction of the device memory left
-    # after the weights
-    pool_bytes: int | None = None
-    pool_memory_fraction: float = POOL_MEMORY_FRACTION
-    compile_cache: str | None = None  # None: $PREFIXSCORE_COMPILE_CACHE_DIR or the user's cache dir; "off"
-    # 8-bit projections (model/quant_choice.py): auto | none | int8 | fp8, and auto | dynamic | none
-    quantize: str = AUTO
-    activations: str = AUTO
-    # embeddings (model/sentence_config.py): the checkpoint's Pooling (auto), or last | mean
-    pooling: str = AUTO
     # several hosts as one replica (engine/hosts/hosts.py): this process's place in the group
     hosts: HostGroup = HostGroup()
-    # without `buckets`: the default buckets' sizes, each None (or 0) for Buckets' own
-    max_batch_tokens: int | None = None
-    max_prefill_tokens: int | None = None
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any], **rest: Any) -> EngineSpec:
         """The spec of engine/options.py's option values (a command's flags, Scorer.load's keywords),
         options left out at their defaults; `rest`: the fields that are no option (buckets, devices, hosts)."""
-        fields = {o.name: values.get(o.name, o.default) for o in OPTIONS if o.engine_field}
+        fields = {o.name: values.get(o.name, o.default) for o in options.OPTIONS if o.engine_field}
         return cls(**fields, **rest)
 
     def buckets_for(self, context_length: int) -> Buckets | None:

@@ -3,8 +3,8 @@
 Every way of building an engine reads this table: `prefixscore serve` (ServerConfig's fields,
 service/config.py, with their PREFIXSCORE_* variables), `bench`, `eval` and `batch` (`add_flags`)
 and the keywords of `Scorer.load`; `EngineSpec.from_options` (engine/build.py) is the one mapping
-to the engine. A new option is one row here (and a field of EngineSpec, or a keyword of Scorer
-for the template). No JAX is imported: every command line reads it.
+to the engine. A new option is one row here: EngineSpec's and ServerConfig's fields are made
+from the rows (`fields_class`), not written again. No JAX is imported: every command line reads it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from prefixscore import choices
 @dataclasses.dataclass(frozen=True)
 class EngineOption:
     """One option: `name` is the keyword of Scorer.load, the attribute of parsed arguments, the
-    ServerConfig field and (unless `engine_field` is False) the EngineSpec field."""
+    ServerConfig field and (unless `engine_field` is False) the EngineSpec field, both made from
+    this row (`fields_class`)."""
 
     name: str
     help: str
@@ -34,6 +35,13 @@ class EngineOption:
     @property
     def flag_name(self) -> str:
         return "--" + (self.flag or self.name.replace("_", "-"))
+
+    @property
+    def annotation(self) -> str:
+        """The field's type as an annotation spells it: the parsed value's type, `| None` where
+        None is the default (None: unset, the engine chooses)."""
+        kind = self.parse.__name__ if isinstance(self.parse, type) else "object"
+        return kind if self.default is not None else f"{kind} | None"
 
 
 OPTIONS: tuple[EngineOption, ...] = (
@@ -77,7 +85,7 @@ OPTIONS: tuple[EngineOption, ...] = (
         None,
         int,
     ),
-    # the engine's POOL_MEMORY_FRACTION (engine/runtime/scoring_engine.py; tests/test_engine_options.py checks
+    # the engine's POOL_MEMORY_FRACTION (engine/runtime/pool_size.py; tests/test_engine_options.py checks
     # they agree)
     EngineOption("pool_memory_fraction", "share of the free device memory the prefix pool takes", 0.5, float),
     EngineOption(
@@ -108,6 +116,29 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("max_prefill_tokens", "query tokens prefilled in one call (default 4096)", None, int),
 )
 BY_NAME: dict[str, EngineOption] = {option.name: option for option in OPTIONS}
+
+
+def fields_class(
+    name: str,
+    module: str,
+    *,
+    engine_only: bool = False,
+    frozen: bool = False,
+    metadata: Callable[[EngineOption], Mapping[str, Any]] | None = None,
+) -> type:
+    """A dataclass with a field for each option (its name, its type `annotation`, its default), in
+    the table's order: the base EngineSpec (engine/build.py) and ServerConfig (service/config.py)
+    extend with their other fields, so an option's field is declared once, as its row here.
+    `engine_only`: only the engine's options (engine_field); `metadata`: each field's (ServerConfig's
+    Flag); `frozen` as the class that extends it (a dataclass cannot mix the two)."""
+    fields = [
+        (o.name, o.annotation, dataclasses.field(default=o.default, metadata=metadata(o) if metadata else None))
+        for o in OPTIONS
+        if o.engine_field or not engine_only
+    ]
+    made = dataclasses.make_dataclass(name, fields, frozen=frozen)
+    made.__module__, made.__doc__ = module, "The engine's options (engine/options.py) as fields."
+    return made
 
 
 def add_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None) -> None:

@@ -18,12 +18,14 @@ from prefixscore.engine.loop.batcher import Batcher
 from prefixscore.engine.loop.device_loop import DeviceWorker
 from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.loop.work_unit import Ticket, WorkUnit
-from prefixscore.engine.requests import heads, template_choice
+from prefixscore.engine.requests import catalog, heads, template_choice
 from prefixscore.engine.requests.answers import LabelScores
-from prefixscore.engine.requests.embedding import EmbeddingRequests, EmbedInput
-from prefixscore.engine.requests.likelihood import ItemLikelihood, read_likelihoods
-from prefixscore.engine.requests.templates import ranked
-from prefixscore.engine.requests.validation import Limits, RequestTokenizer, RerankInput, ScoreInput, Validator
+from prefixscore.engine.requests.embedding import EmbedInput
+from prefixscore.engine.requests.kind import Done, Served, served, to_run
+from prefixscore.engine.requests.likelihood import ItemLikelihood
+from prefixscore.engine.requests.rerank import RerankInput
+from prefixscore.engine.requests.score import ScoreInput
+from prefixscore.engine.requests.validation import Limits, RequestTokenizer
 from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.model.call_inputs import OUTPUT_LOGIT, OUTPUT_SOFTMAX
@@ -65,12 +67,11 @@ class Scorer:
     ) -> None:
         self.model = model
         self.engine = engine
-        self.requests = RequestTokenizer(model.cfg, model.tokenizer, limits or Limits.for_engine(engine))
         # `auto`: the published reranker recognized from the checkpoint, else none (rerank refused)
         self.template, self.template_choice = template_choice.bind(template, model)
-        refusal = self.template_choice.refusal() if model.tokenizer is not None else ""
-        self.validator = Validator(self.requests, self.template, refusal)  # the service's one validation pass
-        self.embeddings = EmbeddingRequests(self.requests, model.pooling)
+        # the service's kinds and validation, built as the service builds them
+        limits = limits or Limits.for_engine(engine)
+        self.kinds = catalog.for_model(model, limits, self.template, self.template_choice)
         self.runner = EngineRunner(engine)
         self.last_usage = Usage(0, 0, 0)
         self._lock = threading.Lock()
@@ -100,6 +101,25 @@ class Scorer:
     @property
     def cfg(self):
         return self.model.cfg
+
+    @property
+    def requests(self) -> RequestTokenizer:
+        """The model's validation and tokenization, shared by every kind."""
+        return self.kinds.requests
+
+    def serve(self, kind: str, inp: Any) -> Served:
+        """A request of any kind (engine/requests/catalog.py), as the gRPC and HTTP APIs serve it:
+        validated and planned, its requests run together on the device loop, then answered.
+        Raises ValueError (InvalidInput) naming the field for bad input, before device work."""
+        served_kind = self.kinds[kind]
+        plan = served_kind.plan(inp)
+        with self._lock:
+            todo = to_run(plan)
+            units = self.runner.run_requests(todo) if todo else []
+            answer = served(served_kind, plan, [Done(u.reply.answer, u.reply.cached_tokens) for u in units])
+            usage = answer.usage()
+            self.last_usage = Usage(usage["prompt_tokens"], usage["cached_tokens"], usage["items"])
+        return answer
 
     def score(
         self,
@@ -144,7 +164,7 @@ class Scorer:
         inp = ScoreInput(
             query, items, label_token_ids, apply_softmax=apply_softmax, item_first=item_first, activation=activation
         )
-        return self.validator.score(inp).request
+        return self.kinds["score"].plan(inp).request
 
     def rerank(
         self,
@@ -158,7 +178,8 @@ class Scorer:
     ) -> list[RerankResult]:
         """Documents sorted by the template's relevance to `query`, highest first (the `top_n`
         first when given), as the gRPC Rerank and HTTP /v1/rerank return them."""
-        checked = self.validator.rerank(
+        answer = self.serve(
+            "rerank",
             RerankInput(
                 query,
                 list(documents),
@@ -167,16 +188,9 @@ class Scorer:
                 max_tokens_per_doc=max_tokens_per_doc,
                 truncate=truncate,
                 truncation_side=truncation_side,
-            )
+            ),
         )
-        req = checked.scored.request
-        if not req.items:
-            self.last_usage = Usage(0, 0, 0)
-            return []
-        scores = self.score_requests([req])[0]
-        return [
-            RerankResult(r.index, r.relevance_score, checked.documents[r.index]) for r in ranked(scores, checked.top_n)
-        ]
+        return [RerankResult(r.index, r.relevance_score, answer.plan.documents[r.index]) for r in answer.result]
 
     def loglikelihood(
         self, context: str | Sequence[int], continuations: Sequence[str] | Sequence[Sequence[int]]
@@ -193,11 +207,7 @@ class Scorer:
     ) -> list[ItemLikelihood]:
         """Per continuation, its tokens' log-probs, whether each is the argmax, and the top
         log-probs at each position (engine/requests/likelihood.py ItemLikelihood)."""
-        req = self.validator.score(ScoreInput(context, continuations, loglikelihood=True)).request
-        with self._lock:
-            unit = self.runner.run_requests([req])[0]
-            self.last_usage = Usage(req.prompt_tokens, unit.reply.cached_tokens, len(req.items))
-        return read_likelihoods(req, unit.reply.answer)
+        return self.serve("likelihood", ScoreInput(context, continuations, loglikelihood=True)).result
 
     def embed(
         self,
@@ -216,13 +226,8 @@ class Scorer:
         `dimensions` kept, then L2-normalized when the model normalizes (or `normalize` says).
         The prompt is prefilled once and cached; each input runs over it. Raises ValueError
         (InvalidInput) naming the field for bad input, before device work."""
-        checked = self.embeddings.validate(
-            EmbedInput(inputs, prompt_name, prompt, dimensions, normalize, truncate, truncation_direction)
-        )
-        with self._lock:
-            unit = self.runner.run_requests([checked.request])[0]
-            self.last_usage = Usage(checked.prompt_tokens, unit.reply.cached_tokens, len(checked.request.items))
-        return checked.finish(unit.reply.answer)
+        inp = EmbedInput(inputs, prompt_name, prompt, dimensions, normalize, truncate, truncation_direction)
+        return self.serve("embed", inp).result
 
     def score_tokens(self, req: TokenizedRequest, mode: str = "prefix") -> np.ndarray:
         """Score an already validated request -> [items, labels] float32."""

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ValidationError
 
 from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.loop.work_unit import WorkUnit
-from prefixscore.engine.requests.embedding import ValidatedEmbed
-from prefixscore.engine.requests.validation import InvalidInput, Validated, ValidatedRerank
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.kind import Done, Plan, RequestKind, served
 from prefixscore.engine.scorer import Scorer
 from prefixscore.offline.lines import BatchLine, answered, failed
 from prefixscore.service import http_bodies, http_errors, http_schemas
@@ -29,16 +29,25 @@ from prefixscore.telemetry import request_ids
 MAX_QUEUED_ITEMS = 16384
 
 
+# a line's kind: its route's request model, that model as the kind's input, and the kind's name
+_ROUTES = {
+    "score": (http_schemas.ScoringRequest, http_bodies.score_input, "score"),
+    "embed": (http_schemas.EmbeddingRequest, http_bodies.embed_input, "embed"),
+    "rerank": (http_schemas.RerankRequest, http_bodies.rerank_input, "rerank"),
+}
+
+
 @dataclasses.dataclass
 class _Checked:
     line: BatchLine
     body: BaseModel  # the route's request model
-    checked: Validated | ValidatedRerank | ValidatedEmbed
+    kind: RequestKind
+    checked: Plan
 
     @property
     def request(self) -> TokenizedRequest:
-        c = self.checked
-        return c.scored.request if isinstance(c, ValidatedRerank) else c.request
+        (request,) = self.checked.requests  # the batch's kinds plan one engine request each
+        return request
 
 
 class ScorerBackend:
@@ -71,15 +80,10 @@ class ScorerBackend:
         yield from self._run(chunk)
 
     def _validate(self, line: BatchLine) -> _Checked:
-        validator = self.scorer.validator
-        if line.kind == "score":
-            body = http_schemas.ScoringRequest.model_validate(line.body)
-            return _Checked(line, body, validator.score(http_bodies.score_input(body)))
-        if line.kind == "embed":
-            body = http_schemas.EmbeddingRequest.model_validate(line.body)
-            return _Checked(line, body, self.scorer.embeddings.validate(http_bodies.embed_input(body)))
-        body = http_schemas.RerankRequest.model_validate(line.body)
-        return _Checked(line, body, validator.rerank(http_bodies.rerank_input(body)))
+        model, as_input, name = _ROUTES[line.kind]
+        body = model.model_validate(line.body)
+        kind = self.scorer.kinds[name]
+        return _Checked(line, body, kind, kind.plan(as_input(body)))  # type: ignore[operator]
 
     def _run(self, chunk: list[_Checked]) -> Iterator[dict[str, Any]]:
         work = [c for c in chunk if c.request.items]
@@ -106,17 +110,17 @@ class ScorerBackend:
         """The route's response body; `unit` None: a request with no items (no device work)."""
         rid = request_ids.new_id()
         model = c.body.model or self.scorer.model.name  # type: ignore[attr-defined]
-        scores, cached = (unit.reply.answer, unit.reply.cached_tokens) if unit is not None else (None, 0)
-        if isinstance(c.checked, ValidatedEmbed):
-            assert unit is not None  # an embedding request has inputs
-            vectors = c.checked.finish(unit.reply.answer)
-            body = http_bodies.embed_response(c.checked, vectors, cached, model, c.body.encoding_format)  # type: ignore[attr-defined]
+        answer = served(c.kind, c.checked, [Done(unit.reply.answer, unit.reply.cached_tokens)] if unit else [])
+        result, cached = answer.result, answer.cached_tokens
+        if c.line.kind == "embed":
+            body = http_bodies.embed_response(c.checked, result, cached, model, c.body.encoding_format)  # type: ignore[arg-type, attr-defined]
             return answered(c.line.custom_id, rid, body.model_dump())
-        if isinstance(c.checked, ValidatedRerank):
-            body = http_bodies.rerank_response(c.body, c.checked, scores, cached, model, rid)  # type: ignore[arg-type]
+        if c.line.kind == "rerank":
+            body = http_bodies.rerank_response(c.body, c.checked, result, cached, model, rid)  # type: ignore[arg-type]
         else:
             names = self.scorer.cfg.label_names
-            body = http_bodies.score_response(c.checked, scores, cached, model, names).model_dump(exclude_none=True)
+            response = http_bodies.score_response(c.checked, result, cached, model, names)  # type: ignore[arg-type]
+            body = response.model_dump(exclude_none=True)
         return answered(c.line.custom_id, rid, body)
 
 

@@ -42,7 +42,7 @@ class SentenceTransformer:
     @property
     def max_seq_length(self) -> int:
         """The longest input, in tokens, its prompt and special tokens included."""
-        return self.scorer.embeddings.max_tokens
+        return self.scorer.kinds["embed"].max_tokens  # type: ignore[attr-defined]
 
     def get_embedding_dimension(self) -> int:
         return self.pooling.dimension

@@ -63,20 +63,24 @@ def _flag(default: Any, help: str, parse: Callable[[str], Any] = str, **how: Any
     return dataclasses.field(default=default, metadata={"flag": Flag(help, parse, **how)})
 
 
-def _engine_flag(name: str) -> Any:
-    """A ServerConfig field for the engine option `name`: as declared in engine/options.py."""
-    option = options.BY_NAME[name]
-    return _flag(option.default, option.help, option.parse, name=option.flag, env=option.env, choices=option.choices)
+def _option_flag(option: options.EngineOption) -> dict[str, Flag]:
+    """The metadata of the field of an engine option: its flag, as declared in engine/options.py."""
+    return {"flag": Flag(option.help, option.parse, name=option.flag, env=option.env, choices=option.choices)}
+
+
+# a field with its flag for each engine option, made from engine/options.py's rows (name, type,
+# default, flag): a new option is one row there, and `serve` has its field, flag and variable
+EngineOptionFlags = options.fields_class("EngineOptionFlags", __name__, metadata=_option_flag)
 
 
 @dataclasses.dataclass
-class ServerConfig:
-    """Everything `prefixscore serve` can set; each field with a Flag is a `serve` flag."""
+class ServerConfig(EngineOptionFlags):
+    """Everything `prefixscore serve` can set; each field with a Flag is a `serve` flag.
 
-    model: str = _engine_flag("model")
-    dtype: str = _engine_flag("dtype")
-    quantize: str = _engine_flag("quantize")
-    activations: str = _engine_flag("activations")
+    The engine's options (model, dtype, quantize, ... with their types, defaults and flags) are
+    fields inherited from EngineOptionFlags, made from engine/options.py's table so that each is
+    declared once (they come first, as `serve --help` lists them); the fields below are serve's own."""
+
     host: str = _flag("0.0.0.0", "address the gRPC (and HTTP) server binds")
     port: int = _flag(50051, "gRPC port; 0 picks a free one", int)  # 0: see ScoreServer.port
     metrics_port: int | None = _flag(
@@ -89,8 +93,6 @@ class ServerConfig:
         "'off' (the default) disables",
         parse_port_or_off,
     )
-    template: str = _engine_flag("template")
-    pooling: str = _engine_flag("pooling")
     classify_labels: tuple[str, ...] = _flag(
         (),
         "a causal LM's /v1/classify labels: label strings, one token each (their softmax is each input's "
@@ -100,9 +102,6 @@ class ServerConfig:
     )
     max_queue_items: int = _flag(65_536, "items waiting for the device before RESOURCE_EXHAUSTED", int)
     max_items: int = _flag(10_000, "items per request or stream batch", int)
-    pool_bytes: int | None = _engine_flag("pool_bytes")
-    pool_memory_fraction: float = _engine_flag("pool_memory_fraction")
-    compile_cache: str | None = _engine_flag("compile_cache")
     drain_seconds: float = _flag(30.0, "on SIGTERM, how long in-flight RPCs may finish", float)
     warmup: bool = _flag(True, "compile every shape bucket before SERVING", parse_bool)
     serve_early: bool = _flag(
@@ -111,14 +110,9 @@ class ServerConfig:
         "and used as each is ready; false: all before SERVING",
         parse_bool,
     )
-    # None: the engine's default for the model's context, sized by the two flags below; or
-    # buckets (or a function of the context) given in code
+    # None: the engine's default for the model's context, sized by max_batch_tokens and
+    # max_prefill_tokens (engine options); or buckets (or a function of the context) given in code
     buckets: Buckets | Callable[[int], Buckets] | None = None
-    max_batch_tokens: int | None = _engine_flag("max_batch_tokens")
-    max_prefill_tokens: int | None = _engine_flag("max_prefill_tokens")
-    attn_impl: str | None = _engine_flag("attn_impl")
-    tp_size: int | None = _engine_flag("tp_size")
-    dp_size: int | None = _engine_flag("dp_size")
     # several hosts as one replica (engine/hosts/hosts.py): every host runs serve with the same flags
     # and its own --host-index; unset on a multi-host TPU slice: the slice's, from its environment
     num_hosts: int | None = _flag(

@@ -1,19 +1,17 @@
 """The service's core: what both transports call, so that neither imports the other.
 
-gRPC (service/server.py) and HTTP (service/http_api.py) each map their wire format onto
-the engine's validation inputs and their status codes onto `Failure`; everything else
-is here, once:
+gRPC (service/server.py) and HTTP (service/http_api.py) each map their wire format onto a
+request kind's input (engine/requests/kind.py) and the core's `Failure` (service/failures.py)
+onto their status codes; everything else is here, once:
 
 - **life**: `start()` loads the model and compiles on the device thread, `become_ready()`
   waits for it, `wait_idle()` lets in-flight requests finish, `stop()`;
-- **admission**: `accepting()` hands out the one `Validator` while the service takes work
-  (UNAVAILABLE while loading or draining), `validated()` runs it inline or in a thread;
-- **run**: `run()` scores a validated request on the device loop and awaits it; streams
-  `submit`, `pin`, `cancel` and `release` on the same loop;
+- **admission**: `accepting()` hands out the kinds served while the service takes work
+  (UNAVAILABLE while loading or draining);
+- **serve**: `serve()` validates and plans a request of any kind, runs its requests on the
+  device loop and answers it; streams `submit`, `pin`, `cancel` and `release` on the same loop;
 - **accounting**: `accounted()` counts every request once (in flight, by status, latency);
-- **probe**: readiness and liveness for the admin port and HTTP `/ready`;
-- **one error type**: `Failure`, a canonical status code (gRPC's names, which HTTP maps to
-  its statuses) with a message for the client and an optional retry hint.
+- **probe**: readiness and liveness for the admin port and HTTP `/ready`.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import resource
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -31,20 +28,22 @@ from typing import Any
 import grpc
 
 from prefixscore.engine.build import build_engine
-from prefixscore.engine.loop.admission import QueueFull
-from prefixscore.engine.loop.batcher import NonFiniteScores
-from prefixscore.engine.loop.device_loop import DeadlineExpired, DeviceWorker, WorkerFailed, WorkerStopped, run_on_done
+from prefixscore.engine.loop.device_loop import DeviceWorker, WorkerFailed, run_on_done
 from prefixscore.engine.loop.page_pins import StreamPin
 from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.loop.work_unit import Ticket, WorkUnit
-from prefixscore.engine.requests.embedding import EmbeddingRequests
+from prefixscore.engine.requests import catalog
+from prefixscore.engine.requests.catalog import Kinds
+from prefixscore.engine.requests.kind import Done, RequestKind, Served, served, to_run
 from prefixscore.engine.requests.template_choice import TemplateChoice
 from prefixscore.engine.requests.templates import RerankTemplate
-from prefixscore.engine.requests.validation import InvalidInput, Limits, RequestTokenizer, Validator
-from prefixscore.engine.runtime.scoring_engine import ScoringEngine, WarmupStage
+from prefixscore.engine.requests.validation import Limits
+from prefixscore.engine.runtime.scoring_engine import ScoringEngine
+from prefixscore.engine.runtime.warmup import WarmupStage
 from prefixscore.model.loader import LoadedModel
-from prefixscore.service import template_check
+from prefixscore.service import template_check, warmup
 from prefixscore.service.config import ServerConfig
+from prefixscore.service.failures import Failure, StartupFailed, admission, unit_failure
 from prefixscore.service.group_watch import GroupWatch
 from prefixscore.service.served_model import ServedModel
 from prefixscore.telemetry import request_ids
@@ -58,69 +57,6 @@ log = logging.getLogger("prefixscore.server")
 # well under a millisecond, less than the hop to a worker thread and back costs the host;
 # larger ones go to a thread so the loop keeps serving everyone else meanwhile
 INLINE_VALIDATION_BYTES = 32 << 10
-
-# a background warm-up compiles on this many threads, niced: requests are being served beside it
-# (measured on 2 cores, SmolLM2 from a warm cache: 4 threads at normal priority doubled the first
-# request's 2.1 s)
-BACKGROUND_COMPILE_THREADS = 2
-
-
-def peak_host_memory() -> int:
-    """The process's peak resident memory in bytes (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class StartupFailed(RuntimeError):
-    """The model could not be loaded or compiled."""
-
-
-class Failure(Exception):
-    """The one error the core hands a transport: ends a request with `code` (gRPC's canonical
-    codes; HTTP maps each to a status) and `message`. `retry_after_ms`: when the client may
-    retry (admission refusals), sent as gRPC trailing metadata or an HTTP Retry-After."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_ms = retry_after_ms
-
-
-def invalid(err: InvalidInput) -> Failure:
-    # INVALID_ARGUMENT also past a size limit: RESOURCE_EXHAUSTED tells clients to retry, and
-    # the same request can never succeed (HTTP says 413 for it, from `err.too_large`)
-    code = grpc.StatusCode.FAILED_PRECONDITION if err.precondition else grpc.StatusCode.INVALID_ARGUMENT
-    return Failure(code, str(err))
-
-
-def internal_failure(what: str, err: BaseException) -> Failure:
-    """INTERNAL that says what failed, not how: paths and device details go to the log only,
-    under the request id the client is given to find them."""
-    rid = request_ids.current() or request_ids.new_id()
-    log.error("%s (request id %s): %s: %s", what, rid, type(err).__name__, err, exc_info=err)
-    return Failure(grpc.StatusCode.INTERNAL, f"{what}; request id {rid} (details in the server log)")
-
-
-def unit_failure(err: BaseException) -> Failure:
-    """The status of a unit the device loop finished with an error."""
-    if isinstance(err, DeadlineExpired):
-        return Failure(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
-    if isinstance(err, WorkerStopped):
-        return Failure(grpc.StatusCode.UNAVAILABLE, str(err))
-    if isinstance(err, NonFiniteScores):
-        return internal_failure("the model produced non-finite scores (NaN or Inf)", err)
-    return internal_failure("the device call failed", err)
-
-
-@contextlib.contextmanager
-def _admission() -> Iterator[None]:
-    """Admission control refusals as failures: RESOURCE_EXHAUSTED with a retry hint."""
-    try:
-        yield
-    except QueueFull as full:
-        raise Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {full}", full.retry_after_ms) from full
-    except WorkerStopped as err:
-        raise Failure(grpc.StatusCode.UNAVAILABLE, str(err)) from err
 
 
 async def validated(size: int | None, fn: Callable[..., Any], *args: Any) -> Any:
@@ -143,19 +79,6 @@ def _settle(future: asyncio.Future, value: Any) -> None:
         future.set_result(value)
 
 
-def _warmup_report(
-    engine: ScoringEngine, report: dict, compiles: int, compile_s: float, started: float
-) -> dict[str, Any]:
-    """The log fields of a warm-up (or its first stage) since `started` and the counts then."""
-    return dict(
-        executables=report.get("executables"),
-        compilations=CompileCounter.count() - compiles,
-        compile_seconds=round(CompileCounter.seconds() - compile_s, 3),
-        seconds=round(time.monotonic() - started, 3),
-        compile_cache=engine.compile_cache_dir,
-    )
-
-
 class ScoringService:
     """The model, its device loop and the service's state, for any transport; see the module doc.
 
@@ -170,8 +93,7 @@ class ScoringService:
         self.template: RerankTemplate | None = None
         self.template_choice = TemplateChoice(None, "not loaded yet")
         self._template_check: asyncio.Future | None = None  # the known-answer check, while it runs
-        self.validator: Validator | None = None  # set once ready
-        self.embeddings: EmbeddingRequests | None = None  # embedding requests' validation, set with it
+        self.kinds: Kinds | None = None  # the kinds served and their validation, set once ready
         self.loaded: LoadedModel | None = None
         self.engine: ScoringEngine | None = None
         self.served: ServedModel | None = None  # what is served, once loaded (service/served_model.py)
@@ -231,7 +153,7 @@ class ScoringService:
             **self.served.log_fields(),
             # the most host memory the process has held so far: loading a checkpoint stays near one
             # stacked weight (each is sent to its shards as it is read), not the whole model
-            peak_host_memory_bytes=peak_host_memory(),
+            peak_host_memory_bytes=warmup.peak_host_memory(),
             seconds=round(load_seconds, 3),
         )
         compiles, compile_s = CompileCounter.count(), CompileCounter.seconds()
@@ -246,7 +168,7 @@ class ScoringService:
         # the kernels against the oracle on this very device: never serve a miscompiled kernel
         event(log, "attention_checked", attention=engine.attn_impl, max_abs_error=engine.check_attention())
         self.group.wait_ready(steps)
-        warmed = _warmup_report(engine, report, compiles, compile_s, loaded_at)
+        warmed = warmup.report(engine, report, compiles, compile_s, loaded_at)
         if later:
             event(log, "serving_early", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes, **warmed)
             self._warm_in_background(engine, later)
@@ -273,22 +195,9 @@ class ScoringService:
             event(log, "warmup_stage", call_shapes_ready=engine.shapes_ready, call_shapes=self.call_shapes)
             self.worker.shapes_changed()
 
-        def run() -> None:
-            compiles, compile_s, started = CompileCounter.count(), CompileCounter.seconds(), time.monotonic()
-            try:
-                report = engine.compile_stages(
-                    stages, BACKGROUND_COMPILE_THREADS, on_stage=stage_ready, stop=self._warming_stop, nice=10
-                )
-            except Exception as err:
-                log.exception("background warm-up failed")
-                self._on_worker_failure(err)
-                return
-            if engine.shapes_ready == self.call_shapes:
-                warmed = _warmup_report(engine, report, compiles, compile_s, started)
-                event(log, "warmed_up", warmup=True, background=True, **warmed)
-
-        self._warming = threading.Thread(target=run, name="prefixscore-warmup", daemon=True)
-        self._warming.start()
+        self._warming = warmup.in_background(
+            engine, stages, self.call_shapes, self._warming_stop, stage_ready, self._on_worker_failure
+        )
 
     @property
     def compiling_in_background(self) -> bool:
@@ -340,12 +249,9 @@ class ScoringService:
             max_items=min(cfg.max_items, cfg.max_queue_items),
             max_request_tokens=min(cfg.max_request_tokens, cfg.max_queue_tokens),
         )
-        refusal = self.template_choice.refusal() if loaded.tokenizer is not None else ""
-        requests = RequestTokenizer(loaded.cfg, loaded.tokenizer, limits)
-        self.validator = Validator(requests, self.template, refusal)
-        self.embeddings = EmbeddingRequests(requests, loaded.pooling)
+        self.kinds = catalog.for_model(loaded, limits, self.template, self.template_choice)
         if cfg.warmup:  # the template's known-answer check, once (service/template_check.py)
-            check = template_check.run(self.run, self.metrics.template_check_passed, self.validator)
+            check = template_check.run(self.serve, self.metrics.template_check_passed, self.kinds["rerank"])  # type: ignore[arg-type]
             self._template_check = asyncio.ensure_future(check)
         assert self.served is not None
         self.metrics.model_info.info(self.served.metric_labels())
@@ -405,19 +311,13 @@ class ScoringService:
             if self.inflight == 0:
                 self._idle.set()
 
-    def accepting_embeddings(self) -> EmbeddingRequests:
-        """The embedding requests' validation, while the service takes work (as `accepting`)."""
-        self.accepting()
-        assert self.embeddings is not None  # set with the validator
-        return self.embeddings
-
-    def accepting(self) -> Validator:
-        """The validator, while the service takes work; else UNAVAILABLE (loading, draining)."""
+    def accepting(self) -> Kinds:
+        """The kinds served, while the service takes work; else UNAVAILABLE (loading, draining)."""
         if self.draining:
             raise Failure(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
-        if not self.ready or self.validator is None:
+        if not self.ready or self.kinds is None:
             raise Failure(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
-        return self.validator
+        return self.kinds
 
     def _deliver(self, units: list[WorkUnit]) -> None:
         """The worker's finished units (one device call's): one wake-up of the event loop for
@@ -434,7 +334,7 @@ class ScoringService:
 
     def submit(self, unit: WorkUnit) -> None:
         """Queue `unit` (its on_done runs on this loop); raises Failure when refused."""
-        with _admission():
+        with admission():
             self.worker.submit(unit)
 
     def cancel(self, unit: WorkUnit) -> None:
@@ -442,7 +342,7 @@ class ScoringService:
 
     def pin(self, prefix: tuple[int, ...]) -> StreamPin:
         """Pin a stream's query in the prefix pool and prefill it; raises Failure when refused."""
-        with _admission():
+        with admission():
             return self.worker.open_prefix(prefix, request_ids.current() or "")
 
     def release(self, pin: StreamPin) -> None:
@@ -465,3 +365,17 @@ class ScoringService:
         if unit.reply.error is not None:
             raise unit_failure(unit.reply.error)
         return unit
+
+    async def serve(
+        self, kind: RequestKind, inp: Any, method: str, size: int | None = None, deadline: float | None = None
+    ) -> Served:
+        """A request of any kind, whatever the transport: validated and planned (inline or in a
+        thread, by its `size` in bytes), its requests run side by side on the device loop (their
+        items join the same calls as everyone's), then answered by its kind. Raises Failure, or
+        InvalidInput naming the field before any device work."""
+        plan = await validated(size, kind.plan, inp)
+        units = await asyncio.gather(*(self.run(r, method, deadline) for r in to_run(plan)), return_exceptions=True)
+        failed = next((u for u in units if isinstance(u, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return served(kind, plan, [Done(u.reply.answer, u.reply.cached_tokens) for u in units])

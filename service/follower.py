@@ -8,10 +8,10 @@ sends until the leader says stop (`follow`). Its metrics port answers /metrics, 
 
 Running the leader's calls: the leader plans (engine/loop/device_loop.py) and sends each call
 before launching it (engine/hosts/step_channel.py); a follower plans nothing and reads no result:
-it launches the same executable on its own devices' shards with the same inputs, in the order
-sent, so every collective of the call meets its peers on the other hosts. It keeps one call in
-flight while the next is already waiting (as the leader overlaps planning with the device),
-and reports each call started and finished.
+it launches the same executable on its own devices' shards with the same inputs
+(engine/hosts/follower_steps.py), in the order sent, so every collective of the call meets its
+peers on the other hosts. It keeps one call in flight while the next is already waiting (as the
+leader overlaps planning with the device), and reports each call started and finished.
 
 It exits with the leader: 0 when the leader stopped it, non-zero when the leader is gone or
 silent, or on any failure here (which the leader sees as its step channel closing). SIGTERM
@@ -29,6 +29,7 @@ import time
 import jax
 
 from prefixscore.engine.build import build_engine
+from prefixscore.engine.hosts.follower_steps import SentCalls
 from prefixscore.engine.hosts.hosts import HostGroup, join
 from prefixscore.engine.hosts.step_channel import CALL, HEARTBEAT, RESET, STOP, LeaderLost, StepFollower
 from prefixscore.engine.runtime.scoring_engine import ScoringEngine
@@ -43,6 +44,7 @@ log = logging.getLogger("prefixscore.server")
 def follow(engine: ScoringEngine, channel: StepFollower) -> int:
     """Run the leader's steps until it says stop; returns the calls run. Raises LeaderLost
     (the leader is gone) or the device's error."""
+    sent = SentCalls(engine)
     in_flight: tuple[int, jax.Array] | None = None  # (seq, probabilities) launched, not yet done
 
     def finish() -> None:
@@ -73,7 +75,7 @@ def follow(engine: ScoringEngine, channel: StepFollower) -> int:
             # the call ahead is reported done before a compile that may outlast --host-timeout
             finish()
             channel.compiling(step.seq)
-        probs = engine.run_sent(step.shape, step.arrays)
+        probs = sent.run(step.shape, step.arrays)
         channel.started(step.seq)
         finish()
         in_flight = (step.seq, probs)

@@ -6,10 +6,10 @@ Embeddings Inference's `/embed`, vLLM's
 `/health`, `/ready` and `/openapi.json`, served by FastAPI on uvicorn in the process's
 event loop (the gRPC server's too), on its own port.
 
-Routes only map JSON onto the transport-neutral inputs of `engine/requests/validation.py` (the one
-validation pass gRPC shares) and hand the validated request to the core's `run` (service/core.py), the same
-device loop and batcher as gRPC: items of HTTP and gRPC requests over one query ride in
-the same device calls. Errors keep SGLang's shape,
+Routes only map JSON onto a request kind's input (engine/requests/kind.py: the one validation
+gRPC shares) and hand it to the core's `serve` (service/core.py), the same device loop and
+batcher as gRPC: items of HTTP and gRPC requests over one query ride in the same device calls.
+`POST /v1/run/{kind}` serves any kind by name, its input's fields as the JSON body. Errors keep SGLang's shape,
 `{"object": "error", "message", "type", "param", "code"}`, with `message` starting with
 the field at fault: 400 bad input, 413 over a size limit, 429 queue full (Retry-After),
 503 loading or draining, 504 deadline, 500 internal.
@@ -31,7 +31,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -40,12 +39,11 @@ from pydantic_core import to_json
 from starlette.exceptions import HTTPException
 
 from prefixscore import prefix_key
-from prefixscore.engine.requests import completions
-from prefixscore.engine.requests.embedding import EmbedInput, ValidatedEmbed
-from prefixscore.engine.requests.known_positions import KnownPositions
-from prefixscore.engine.requests.likelihood import read_likelihoods
-from prefixscore.engine.requests.validation import InvalidInput
-from prefixscore.service.core import Failure, ScoringService, internal_failure, validated
+from prefixscore.engine.requests.embedding import EmbedInput
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.kind import Served, input_of, plain
+from prefixscore.service.core import ScoringService, validated
+from prefixscore.service.failures import Failure, internal_failure
 from prefixscore.service.http_bodies import (
     classify_input,
     classify_response,
@@ -75,6 +73,7 @@ from prefixscore.service.http_schemas import (
     ModelList,
     RerankRequest,
     RerankResponse,
+    RunResponse,
     ScoringRequest,
     ScoringResponse,
     Status,
@@ -145,9 +144,6 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
 
-    # /v1/completions: prompts' computed positions, for later prompts that start alike
-    known = KnownPositions()
-
     def model_name(requested: str | None) -> str:
         return requested or (service.loaded.name if service.loaded else "")
 
@@ -183,21 +179,19 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     )
     async def score(body: ScoringRequest, request: Request) -> Any:
         with handled("HttpScore") as outcome:
-            inp = score_input(body)
-            checked = await validated(_body_bytes(request), service.accepting().score, inp)
-            req = checked.request
-            unit = await service.run(req, "HttpScore") if req.items else None
-            scores, cached = (unit.reply.answer, unit.reply.cached_tokens) if unit else (None, 0)
+            answer = await service.serve(
+                service.accepting()["score"], score_input(body), "HttpScore", _body_bytes(request)
+            )
             key = prefix_key.for_score(body.query) if body.query is not None else None
-            return _encoded(score_response(checked, scores, cached, model_name(body.model), _label_names(service)), key)
+            names = _label_names(service)
+            return _encoded(
+                score_response(answer.plan, answer.result, answer.cached_tokens, model_name(body.model), names), key
+            )
         return outcome["response"]
 
-    async def embedded(inp: EmbedInput, size: int | None) -> tuple[ValidatedEmbed, np.ndarray, int]:
-        """An embedding request validated, run, and finished: (the request, its embeddings, its
-        tokens read from the prefix cache)."""
-        checked = await validated(size, service.accepting_embeddings().validate, inp)
-        unit = await service.run(checked.request, "HttpEmbed")
-        return checked, checked.finish(unit.reply.answer), unit.reply.cached_tokens
+    async def embedded(inp: EmbedInput, size: int | None) -> Served:
+        """An embedding request served (its plan, its embeddings, its tokens read from the prefix cache)."""
+        return await service.serve(service.accepting()["embed"], inp, "HttpEmbed", size)
 
     @app.post(
         "/v1/embeddings",
@@ -208,8 +202,9 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         with handled("HttpEmbed") as outcome:
             inp = embed_input(body)
-            checked, vectors, cached = await embedded(inp, _body_bytes(request))
-            response = embed_response(checked, vectors, cached, model_name(body.model), body.encoding_format)
+            answer = await embedded(inp, _body_bytes(request))
+            model = model_name(body.model)
+            response = embed_response(answer.plan, answer.result, answer.cached_tokens, model, body.encoding_format)
             return _encoded(response, prefix_key.for_embed(inp.prompt_name))
         return outcome["response"]
 
@@ -222,8 +217,8 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     async def tei_embed(body: EmbedRequest, request: Request) -> Any:
         with handled("HttpEmbed") as outcome:
             inp = tei_embed_input(body)
-            _, vectors, _ = await embedded(inp, _body_bytes(request))
-            return _json(to_json(vectors.tolist()), prefix_key.for_embed(inp.prompt_name))
+            answer = await embedded(inp, _body_bytes(request))
+            return _json(to_json(answer.result.tolist()), prefix_key.for_embed(inp.prompt_name))
         return outcome["response"]
 
     @app.post(
@@ -235,22 +230,21 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     async def classify(body: ClassifyRequest, request: Request) -> Any:
         with handled("HttpClassify") as outcome:
             inp = classify_input(body, service.config.classify_labels)
-            checked = await validated(_body_bytes(request), service.accepting().classify, inp)
-            unit = await service.run(checked.request, "HttpClassify")
+            answer = await service.serve(service.accepting()["classify"], inp, "HttpClassify", _body_bytes(request))
             rid = request_ids.current() or request_ids.new_id()
-            reply = unit.reply
-            return _encoded(classify_response(checked, reply.answer, reply.cached_tokens, model_name(body.model), rid))
+            model = model_name(body.model)
+            return _encoded(classify_response(answer.plan, answer.result, answer.cached_tokens, model, rid))
         return outcome["response"]
 
     async def rerank(body: RerankRequest, request: Request) -> Any:
         with handled("HttpRerank") as outcome:
-            inp = rerank_input(body)
-            checked = await validated(_body_bytes(request), service.accepting().rerank, inp)
-            req = checked.scored.request
-            unit = await service.run(req, "HttpRerank") if req.items else None
-            scores, cached = (unit.reply.answer, unit.reply.cached_tokens) if unit else (None, 0)
+            answer = await service.serve(
+                service.accepting()["rerank"], rerank_input(body), "HttpRerank", _body_bytes(request)
+            )
             rid = request_ids.current() or request_ids.new_id()
-            response = rerank_response(body, checked, scores, cached, model_name(body.model), rid)
+            response = rerank_response(
+                body, answer.plan, answer.result, answer.cached_tokens, model_name(body.model), rid
+            )
             return _json(to_json(response), prefix_key.for_rerank(body.query, body.instruction))
         return outcome["response"]
 
@@ -277,31 +271,40 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     )
     async def complete(body: CompletionsRequest, request: Request) -> Any:
         with handled("HttpCompletions") as outcome:
-            requests = service.accepting().requests
-            inp = completions_input(body)
-            planned = await validated(_body_bytes(request), completions.plan, requests, inp, known)
+            kinds = service.accepting()
             # the parts run side by side: each its prompts over one context (or whole)
-            units = await asyncio.gather(
-                *(service.run(part.request, "HttpCompletions") for part in planned.parts), return_exceptions=True
+            served = await service.serve(
+                kinds["completions"], completions_input(body), "HttpCompletions", _body_bytes(request)
             )
-            failed = next((u for u in units if isinstance(u, BaseException)), None)
-            if failed is not None:
-                raise failed
             rid = request_ids.current() or request_ids.new_id()
 
             def answer() -> Response:
-                parts = zip(planned.parts, units, strict=True)
-                results = [read_likelihoods(part.request, unit.reply.answer) for part, unit in parts]
-                prompts = completions.prompt_logprobs(planned, results, known)
-                as_ids = body.return_tokens_as_token_ids
-                return _encoded(
-                    completions_response(planned, prompts, requests.tokenizer, as_ids, model_name(body.model), rid)
-                )
+                planned, as_ids, model = served.plan, body.return_tokens_as_token_ids, model_name(body.model)
+                tokenizer = kinds.requests.tokenizer
+                return _encoded(completions_response(planned, served.result, tokenizer, as_ids, model, rid))
 
             # a position is a dict in the response: a long echo is written off the event loop
-            if planned.prompt_tokens > INLINE_ANSWER_TOKENS:
+            if served.plan.prompt_tokens > INLINE_ANSWER_TOKENS:
                 return await asyncio.to_thread(answer)
             return answer()
+        return outcome["response"]
+
+    @app.post(
+        "/v1/run/{kind}",
+        response_model=RunResponse,
+        responses=ERRORS,
+        summary="Serve a request of any kind by name (score, likelihood, rerank, classify, completions, embed, or "
+        "a kind added to the server): its input's fields as the body, its result as JSON",
+    )
+    async def run(kind: str, request: Request) -> Any:
+        with handled("HttpRun") as outcome:
+            served_kind = service.accepting()[kind]
+            try:
+                fields = await request.json()
+            except ValueError as err:
+                raise InvalidInput("body", f"is not JSON: {err}") from err
+            answer = await service.serve(served_kind, input_of(served_kind, fields), "HttpRun", _body_bytes(request))
+            return _json(to_json({"kind": kind, "result": plain(answer.result), "usage": answer.usage()}))
         return outcome["response"]
 
     @app.get(
@@ -352,29 +355,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
         served = service.served
         if not service.ready or served is None:
             return error(503, "the model is still loading; wait for /ready", "ServiceUnavailableError")
-        card = ModelCard(
-            id=served.name,
-            created=int(service.started_at),
-            max_model_len=served.context_length,
-            sliding_window=served.sliding_window,
-            max_position_embeddings=served.max_position_embeddings,
-            tp_size=served.tp_size,
-            dp_size=served.dp_size,
-            hosts=served.hosts,
-            model_axis_hosts=served.model_axis_hosts,
-            template=served.template,
-            template_reason=served.template_reason,
-            head=served.head,
-            label_names=list(served.label_names) or None,
-            quantization=served.quantization,
-            activation_quantization=served.activation_quantization or None,
-            quantized_projections=served.quantized_projections or None,
-            weight_bytes_per_device=served.weight_bytes_per_device,
-            pooling=served.pooling,
-            embedding_dimensions=served.embedding_dimensions,
-            prompt_names=list(served.prompt_names) or None,
-        )
-        return ModelList(data=[card])
+        return ModelList(data=[ModelCard.of(served, created=int(service.started_at))])
 
     @app.get("/health", response_model=Status, summary="Liveness: the process answers")
     async def health() -> Status:

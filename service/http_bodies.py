@@ -1,7 +1,6 @@
 """One HTTP body in, one response body out, for the routes (service/http_api.py) and
-`prefixscore batch` (offline/): a request model as the transport-neutral input of the one
-validation pass (engine/requests/validation.py), and a validated request's scores as the response
-model. Nothing here knows the service or the event loop."""
+`prefixscore batch` (offline/): a request model as a request kind's input (engine/requests/kind.py),
+and the kind's result as the response model. Nothing here knows the service or the event loop."""
 
 from __future__ import annotations
 
@@ -12,18 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from prefixscore.engine.requests.classify import ClassifyInput, ValidatedClassify
 from prefixscore.engine.requests.embedding import EmbedInput, ValidatedEmbed
-from prefixscore.engine.requests.templates import ranked
-from prefixscore.engine.requests.validation import (
-    ClassifyInput,
-    InvalidInput,
-    RerankInput,
-    ScoreInput,
-    Truncation,
-    Validated,
-    ValidatedClassify,
-    ValidatedRerank,
-)
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.rerank import RerankInput, ValidatedRerank
+from prefixscore.engine.requests.score import ScoreInput, Validated
+from prefixscore.engine.requests.templates import Ranked
+from prefixscore.engine.requests.truncation import Truncation
 from prefixscore.service.http_schemas import (
     CachedTokens,
     ClassifyData,
@@ -43,7 +37,7 @@ from prefixscore.service.http_schemas import (
 
 
 def score_input(body: ScoringRequest) -> ScoreInput:
-    """A /v1/score body as the transport-neutral input of the one validation pass."""
+    """A /v1/score body as the score kind's input."""
     items = [body.items] if isinstance(body.items, str) else body.items
     return ScoreInput(
         query=body.query,
@@ -63,13 +57,13 @@ def score_input(body: ScoringRequest) -> ScoreInput:
 
 
 def score_response(
-    checked: Validated, scores: np.ndarray | None, cached: int, model: str, label_names: Sequence[str] = ()
+    checked: Validated, scores: np.ndarray, cached: int, model: str, label_names: Sequence[str] = ()
 ) -> ScoringResponse:
-    """The /v1/score response of a validated request; `scores` None when it had no items;
+    """The /v1/score response of a validated request and its scores [items, labels];
     label_names: a classifier's (its scores' columns), none for a causal LM."""
     req = checked.request
     return ScoringResponse(
-        scores=[] if scores is None else scores.tolist(),
+        scores=scores.tolist(),
         model=model,
         usage=_score_usage(req.prompt_tokens, cached, len(req.items), checked.truncation),
         joined_tokenization_differs=checked.joined_differs,
@@ -90,7 +84,7 @@ def _score_usage(prompt_tokens: int, cached: int, items: int, t: Truncation) -> 
 
 
 def rerank_input(body: RerankRequest) -> RerankInput:
-    """A /v1/rerank body as the transport-neutral input of the one validation pass."""
+    """A /v1/rerank body as the rerank kind's input."""
     return RerankInput(
         query=body.query,
         documents=[d if isinstance(d, str) else d.text for d in body.documents],
@@ -105,14 +99,14 @@ def rerank_input(body: RerankRequest) -> RerankInput:
 
 
 def rerank_response(
-    body: RerankRequest, checked: ValidatedRerank, scores: np.ndarray | None, cached: int, model: str, rid: str
+    body: RerankRequest, checked: ValidatedRerank, ranked: list[Ranked], cached: int, model: str, rid: str
 ) -> dict[str, Any]:
-    """The /v1/rerank response of a validated request as plain data (`RerankResponse`'s shape):
-    a model per result cost more host time than the rest of the response."""
+    """The /v1/rerank response of a validated request and its ranked documents, as plain data
+    (`RerankResponse`'s shape): a model per result cost more host time than the rest of the response."""
     req = checked.scored.request
     results: list[dict[str, Any]] = []
     differs = checked.scored.joined_differs
-    for r in ranked(scores, checked.top_n) if scores is not None else ():
+    for r in ranked:
         result: dict[str, Any] = {"index": r.index, "relevance_score": r.relevance_score}
         if body.return_documents:
             doc = body.documents[r.index]
@@ -170,7 +164,7 @@ def embed_response(
 
 
 def classify_input(body: ClassifyRequest, labels: Sequence[str]) -> ClassifyInput:
-    """A /v1/classify body as the transport-neutral input of the one validation pass; `labels`: a
+    """A /v1/classify body as the classify kind's input; `labels`: a
     causal LM's label strings (the server's --classify-labels). vLLM's `use_activation: false` is
     activation 'none'."""
     activation = body.activation or ("none" if body.use_activation is False else "auto")

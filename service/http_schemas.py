@@ -7,11 +7,14 @@ with the same models."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixscore.choices import HEAD_ACTIVATIONS
+
+if TYPE_CHECKING:
+    from prefixscore.service.served_model import ServedModel
 
 
 class ErrorResponse(BaseModel):
@@ -175,6 +178,19 @@ class ModelCard(BaseModel):
     pooling: str | None = None
     embedding_dimensions: int | None = None
     prompt_names: list[str] | None = None
+
+    @classmethod
+    def of(cls, served: ServedModel, created: int) -> ModelCard:
+        """The card of the served model's one description (service/served_model.py): the fields
+        the card shows, under OpenAI's names where it has its own, an empty one as null."""
+        card = served.describe(CARD_NAMES, only=cls.model_fields)
+        card.update((name, card[name] or None) for name in CARD_NULL_WHEN_EMPTY)
+        return cls(created=created, **card)
+
+
+# the card's spellings of ServedModel's fields, and the ones it shows as null when they are empty
+CARD_NAMES = {"name": "id", "context_length": "max_model_len"}
+CARD_NULL_WHEN_EMPTY = ("label_names", "activation_quantization", "quantized_projections", "prompt_names")
 
 
 class EmbeddingRequest(BaseModel):
@@ -424,3 +440,11 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class RunResponse(BaseModel):
+    """POST /v1/run/{kind}: a request of any kind, answered."""
+
+    kind: str
+    result: Any = Field(description="the kind's result as JSON")
+    usage: dict[str, int] = Field(description="prompt_tokens, cached_tokens (served by the prefix cache), items")

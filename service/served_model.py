@@ -5,6 +5,7 @@ HTTP's /v1/models. A field added here reaches them all alike; none assembles its
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container, Mapping
 from typing import Any
 
 from prefixscore.engine.requests.template_choice import TemplateChoice
@@ -92,24 +93,26 @@ class ServedModel:
             prompt_names=tuple(sorted(loaded.pooling.prompts)) if loaded.pooling else (),
         )
 
+    def describe(self, names: Mapping[str, str] | None = None, only: Container[str] | None = None) -> dict[str, Any]:
+        """The record as plain values (a list for each tuple, copies of its dicts), in its order:
+        what every surface renders. `names` are a surface's own spellings of some fields (the
+        record's name -> the surface's), `only` the surface's names it keeps (None: all)."""
+        names = names or {}
+        fields = {names.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return {k: v for k, v in fields.items() if only is None or k in only}
+
     def log_fields(self) -> dict[str, Any]:
         """The `model_loaded` event's description of the model (JSON values)."""
-        fields = dataclasses.asdict(self)
-        fields["model"] = fields.pop("name")
-        fields["tokenizer"] = fields.pop("has_tokenizer")
-        fields["devices"] = list(self.devices)
-        fields["label_names"] = list(self.label_names)
-        fields["prompt_names"] = list(self.prompt_names)
-        return fields
+        return self.describe(LOG_NAMES)
 
     def metric_labels(self) -> dict[str, str]:
         """The `prefixscore_model_info` labels: the few a dashboard groups by (dashboards key on
         these names, so the set stays as it is)."""
-        return dict(
-            model=self.name,
-            family=self.family,
-            dtype=self.dtype,
-            devices=",".join(self.devices),
-            tp_size=str(self.tp_size),
-            dp_size=str(self.dp_size),
-        )
+        labels = self.describe(METRIC_NAMES, only=METRIC_LABELS)
+        return {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in labels.items()}
+
+
+# each surface's spellings of the record's fields, where it has its own
+LOG_NAMES = {"name": "model", "has_tokenizer": "tokenizer"}
+METRIC_NAMES = {"name": "model"}
+METRIC_LABELS = ("model", "family", "dtype", "devices", "tp_size", "dp_size")

@@ -19,11 +19,10 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import Gauge
 
-from prefixscore.engine.loop.request import TokenizedRequest
-from prefixscore.engine.loop.work_unit import WorkUnit
 from prefixscore.engine.requests import template_choice
+from prefixscore.engine.requests.kind import RequestKind, Served
+from prefixscore.engine.requests.rerank import RerankInput, RerankKind
 from prefixscore.engine.requests.templates import RerankTemplate
-from prefixscore.engine.requests.validation import RerankInput, Validator
 from prefixscore.model.loader import LoadedModel
 from prefixscore.telemetry.logs import event
 
@@ -71,20 +70,25 @@ def verdict(scores: list[list[float]]) -> CheckResult:
 
 
 async def run(
-    score: Callable[[TokenizedRequest, str], Awaitable[WorkUnit]], passed: Gauge, validator: Validator
+    serve: Callable[[RequestKind, RerankInput, str], Awaitable[Served]], passed: Gauge, rerank: RerankKind
 ) -> CheckResult | None:
-    """The check on the service's device loop (`score`: a request's unit once answered; None:
+    """The check on the service's device loop (`serve`: a request of a kind, answered; None:
     not run, see the module doc); the gauge `passed` and the log say how it went."""
-    template = validator.template
+    template = rerank.template
     if template is None or template.record.client_phrased:
         return None
     try:
-        checked = [validator.rerank(RerankInput(q, [relevant, irrelevant])) for q, relevant, irrelevant in TRIPLES]
-        units = await asyncio.gather(*(score(c.scored.request, "TemplateCheck") for c in checked))
+        answers = await asyncio.gather(
+            *(
+                serve(rerank, RerankInput(q, [relevant, irrelevant]), "TemplateCheck")
+                for q, relevant, irrelevant in TRIPLES
+            )
+        )
     except Exception as err:  # shutting down, a full queue, a context too short: no verdict, nothing refused
         event(log, "template_check_skipped", level=logging.WARNING, error=f"{type(err).__name__}: {err}")
         return None
-    result = verdict([RerankTemplate.relevance(u.reply.answer) for u in units])
+    # each document's relevance in the request's order (the result ranks them)
+    result = verdict([RerankTemplate.relevance(a.done[0].answer) for a in answers])
     passed.labels(template.name).set(int(result.passed))
     event(
         log,

@@ -1,8 +1,8 @@
-"""Proto messages <-> the transport-neutral inputs of `engine/requests/validation.py`.
+"""Proto messages <-> the inputs and results of the request kinds (engine/requests/kind.py).
 
-This module only moves fields: every check is the one validation pass in
-engine/requests/validation.py, which HTTP and the in-process `Scorer` share (its `InvalidInput`
-becomes INVALID_ARGUMENT in service/server.py: a size limit too, retrying cannot help).
+This module only moves fields: every check is the kind's own validation, which HTTP and the
+in-process `Scorer` share (its `InvalidInput` becomes INVALID_ARGUMENT in service/server.py: a
+size limit too, retrying cannot help).
 """
 
 from __future__ import annotations
@@ -13,23 +13,16 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from prefixscore.engine.loop.work_unit import Reply
+from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.requests.answers import TokenLogprobs
 from prefixscore.engine.requests.embedding import EmbedInput, ValidatedEmbed
-from prefixscore.engine.requests.likelihood import ItemLikelihood, read_likelihoods
-from prefixscore.engine.requests.validation import (
-    InvalidInput,
-    RerankInput,
-    ScoreInput,
-    StreamSpec,
-    TokenizedRequest,
-    Truncation,
-    Validated,
-    ValidatedRerank,
-    Validator,
-)
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.likelihood import ItemLikelihood
+from prefixscore.engine.requests.rerank import RerankInput
+from prefixscore.engine.requests.score import ScoreInput
+from prefixscore.engine.requests.truncation import Truncation
 from prefixscore.engine.runtime.token_rows import TokenRows
-from prefixscore.service.core import Failure
+from prefixscore.service.failures import Failure
 from prefixscore.v1 import score_service_pb2 as pb
 
 TRUNCATE = {pb.TRUNCATE_NONE: "none", pb.TRUNCATE_END: "end"}
@@ -78,7 +71,7 @@ def _query(msg: pb.ScoreRequest | pb.StreamOpen) -> str | list[int]:
     return _input("query", msg.query)
 
 
-def _items(items: Sequence[pb.Input]) -> list[str | list[int]] | TokenRows:
+def items_of(items: Sequence[pb.Input]) -> list[str | list[int]] | TokenRows:
     """Token-id items straight into one array (integers by the message's type: no check per
     token); texts, or a mix that validation refuses, as a list."""
     if items and all(it.WhichOneof("kind") == "token_ids" for it in items):
@@ -90,76 +83,68 @@ def _truncate(value: int, default: str) -> str:
     return TRUNCATE.get(value, default)
 
 
-class RequestConverter:
-    """Turns the service's messages into validated requests, through the core's one validator."""
+def score_kind(inp: ScoreInput) -> str:
+    """The kind a ScoreRequest (or a stream's open) asks for: label scores, or with
+    `loglikelihood` the items' own likelihood."""
+    return "likelihood" if inp.loglikelihood else "score"
 
-    def __init__(self, validator: Validator) -> None:
-        self.validator = validator
 
-    def score_request(self, msg: pb.ScoreRequest) -> Validated:
-        """A ScoreRequest -> a validated request; raises InvalidInput."""
-        messages = [{"role": m.role, "content": m.content} for m in msg.messages] or None
-        return self.validator.score(
-            ScoreInput(
-                query=None if messages and not msg.HasField("query") else _query(msg),
-                items=_items(msg.items),
-                label_token_ids=list(msg.label_token_ids),
-                labels=list(msg.labels),
-                apply_softmax=msg.apply_softmax,
-                item_first=msg.item_first,
-                truncate=_truncate(msg.truncate, "none"),
-                truncation_side=TRUNCATION_SIDE.get(msg.truncation_side, str(msg.truncation_side)),
-                query_truncation=QUERY_TRUNCATION.get(msg.query_truncation, "none"),
-                max_query_tokens=msg.max_query_tokens or None,
-                check_tokenization=msg.check_tokenization,
-                activation=ACTIVATION.get(msg.activation, str(msg.activation)),
-                messages=messages,
-                loglikelihood=msg.loglikelihood,
-                top_logprobs=msg.top_logprobs,
-            )
-        )
+def score_input(msg: pb.ScoreRequest) -> ScoreInput:
+    """A ScoreRequest as the score (or likelihood) kind's input."""
+    messages = [{"role": m.role, "content": m.content} for m in msg.messages] or None
+    return ScoreInput(
+        query=None if messages and not msg.HasField("query") else _query(msg),
+        items=items_of(msg.items),
+        label_token_ids=list(msg.label_token_ids),
+        labels=list(msg.labels),
+        apply_softmax=msg.apply_softmax,
+        item_first=msg.item_first,
+        truncate=_truncate(msg.truncate, "none"),
+        truncation_side=TRUNCATION_SIDE.get(msg.truncation_side, str(msg.truncation_side)),
+        query_truncation=QUERY_TRUNCATION.get(msg.query_truncation, "none"),
+        max_query_tokens=msg.max_query_tokens or None,
+        check_tokenization=msg.check_tokenization,
+        activation=ACTIVATION.get(msg.activation, str(msg.activation)),
+        messages=messages,
+        loglikelihood=msg.loglikelihood,
+        top_logprobs=msg.top_logprobs,
+    )
 
-    def rerank_request(self, msg: pb.RerankRequest) -> ValidatedRerank:
-        return self.validator.rerank(
-            RerankInput(
-                query=msg.query,
-                documents=list(msg.documents),
-                instruction=msg.instruction or None,
-                top_n=msg.top_n or None,
-                return_documents=msg.return_documents,
-                max_tokens_per_doc=msg.max_tokens_per_doc or None,
-                truncate=_truncate(msg.truncate, "end"),
-                truncation_side=TRUNCATION_SIDE.get(msg.truncation_side, str(msg.truncation_side)),
-                check_tokenization=msg.check_tokenization,
-            )
-        )
 
-    def stream_open(self, msg: pb.StreamOpen) -> StreamSpec:
-        """A StreamOpen -> the stream's validated query, labels and options."""
-        return self.validator.stream_open(
-            ScoreInput(
-                query=_query(msg),
-                items=[],
-                label_token_ids=list(msg.label_token_ids),
-                labels=list(msg.labels),
-                apply_softmax=msg.apply_softmax,
-                item_first=msg.item_first,
-                activation=ACTIVATION.get(msg.activation, str(msg.activation)),
-                loglikelihood=msg.loglikelihood,
-                top_logprobs=msg.top_logprobs,
-            )
-        )
+def rerank_input(msg: pb.RerankRequest) -> RerankInput:
+    return RerankInput(
+        query=msg.query,
+        documents=list(msg.documents),
+        instruction=msg.instruction or None,
+        top_n=msg.top_n or None,
+        return_documents=msg.return_documents,
+        max_tokens_per_doc=msg.max_tokens_per_doc or None,
+        truncate=_truncate(msg.truncate, "end"),
+        truncation_side=TRUNCATION_SIDE.get(msg.truncation_side, str(msg.truncation_side)),
+        check_tokenization=msg.check_tokenization,
+    )
 
-    def stream_batch(self, spec: StreamSpec, msg: pb.ItemBatch) -> TokenizedRequest:
-        """One ItemBatch of an open stream -> a validated TokenizedRequest over the stream's query."""
-        return self.validator.stream_batch(spec, _items(msg.items))
+
+def stream_open_input(msg: pb.StreamOpen) -> ScoreInput:
+    """A StreamOpen as the input of its kind's `stream_open` (no items yet)."""
+    return ScoreInput(
+        query=_query(msg),
+        items=[],
+        label_token_ids=list(msg.label_token_ids),
+        labels=list(msg.labels),
+        apply_softmax=msg.apply_softmax,
+        item_first=msg.item_first,
+        activation=ACTIVATION.get(msg.activation, str(msg.activation)),
+        loglikelihood=msg.loglikelihood,
+        top_logprobs=msg.top_logprobs,
+    )
 
 
 def embed_input(msg: pb.EmbedRequest | pb.EmbedStreamOpen, batch: Sequence[pb.Input] = ()) -> EmbedInput:
     """An EmbedRequest, or an EmbedStream's open with one `batch` of its inputs, as the input of
     the embedding validation (engine/requests/embedding.py)."""
     return EmbedInput(
-        _items(msg.inputs if isinstance(msg, pb.EmbedRequest) else batch),
+        items_of(msg.inputs if isinstance(msg, pb.EmbedRequest) else batch),
         msg.prompt_name if msg.HasField("prompt_name") else None,
         msg.prompt if msg.HasField("prompt") else None,
         msg.dimensions or None,
@@ -197,15 +182,13 @@ def usage(req: TokenizedRequest, cached_tokens: int, truncation: Truncation) -> 
     )
 
 
-def item_scores(req: TokenizedRequest, reply: Reply) -> list[pb.ItemScores]:
+def item_scores(req: TokenizedRequest, result: np.ndarray | list[ItemLikelihood]) -> list[pb.ItemScores]:
     """One ItemScores per item: its label scores [labels] (float32 on the wire: no precision
     lost), or a likelihood request's likelihood."""
     if isinstance(req.answer, TokenLogprobs):
-        return [
-            pb.ItemScores(likelihood=_likelihood(item, req.answer.top_logprobs))
-            for item in read_likelihoods(req, reply.answer)
-        ]
-    return [pb.ItemScores(probabilities=row) for row in reply.answer.tolist()]
+        top = req.answer.top_logprobs
+        return [pb.ItemScores(likelihood=_likelihood(item, top)) for item in result]  # type: ignore[union-attr]
+    return [pb.ItemScores(probabilities=row) for row in result.tolist()]  # type: ignore[union-attr]
 
 
 def _likelihood(item: ItemLikelihood, top: int) -> pb.ItemLikelihood:

@@ -30,7 +30,8 @@ from conftest import ONE_SHAPE_BUCKETS
 from helpers.service import scrape, server_config
 
 from prefixscore import Scorer
-from prefixscore.engine.requests.validation import ClassifyInput, InvalidInput
+from prefixscore.engine.requests.classify import ClassifyInput
+from prefixscore.engine.requests.invalid_input import InvalidInput
 from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.model import presets
 from prefixscore.model.loader import LoadedModel
@@ -231,7 +232,7 @@ def test_a_causal_lm_classifies_with_its_configured_label_tokens():
         np.testing.assert_allclose(data["probs"], want, atol=1e-5)
         assert data["num_classes"] == 2 and data["label"] == [" yes", " no"][int(np.argmax(want))]
     with pytest.raises(InvalidInput, match="^input: .*serve --classify-labels"):
-        causal.validator.classify(ClassifyInput(text))
+        causal.kinds["classify"].plan(ClassifyInput(text))
 
 
 def test_readme_classify_curl_works(server):

@@ -311,7 +311,7 @@ def test_truncation_side_reaches_rerank_and_score_from_both_transports(http, grp
         )
         assert [(r.index, r.relevance_score) for r in reply.results] == [(r.index, r.relevance_score) for r in want]
     item = list(range(1, 601))  # longer than the 512-token context: cut to fit
-    room = tiny_scorer.validator.max_sequence_tokens - 3
+    room = tiny_scorer.requests.max_sequence_tokens - 3
     for side, kept in (("left", item[-room:]), ("right", item[:room])):
         body = {
             "query": [7, 8, 9],

@@ -15,8 +15,9 @@ from prefixscore import Scorer
 from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.requests.answers import label_scores
 from prefixscore.engine.requests.invalid_input import InvalidInput
-from prefixscore.engine.requests.likelihood import read_likelihoods
-from prefixscore.engine.requests.validation import RequestTokenizer, ScoreInput, Validator
+from prefixscore.engine.requests.likelihood import LikelihoodKind, read_likelihoods
+from prefixscore.engine.requests.score import ScoreInput
+from prefixscore.engine.requests.validation import RequestTokenizer
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # the parity test's buckets: a 128-token item region, 64-token prefill chunks, 16-token pages
@@ -114,7 +115,7 @@ def test_cache_hits_short_contexts_and_score_requests_beside_likelihoods(hf_chec
     score = TokenizedRequest(
         tuple(context[:-1]), [context[-1:] + c for c in CONTINUATIONS], labels, label_scores(False), False
     )
-    likelihood = scorer.validator.score(ScoreInput(context, CONTINUATIONS, loglikelihood=True)).request
+    likelihood = scorer.kinds["likelihood"].plan(ScoreInput(context, CONTINUATIONS, loglikelihood=True)).request
     calls = engine.stats["calls"]
     score_unit, likelihood_unit = scorer.runner.run_requests([score, likelihood])
     assert engine.stats["calls"] == calls + 1
@@ -153,7 +154,7 @@ def test_bad_likelihood_input_is_refused_naming_the_field_before_device_work(tin
     }
     for field, options in refused.items():
         with pytest.raises(InvalidInput) as err:
-            scorer.validator.score(ScoreInput([1, 2], [[3]], loglikelihood=True, **options))
+            scorer.kinds["likelihood"].plan(ScoreInput([1, 2], [[3]], loglikelihood=True, **options))
         assert err.value.field == field, (field, err.value)
     assert scorer.engine.stats["calls"] == calls
 
@@ -167,8 +168,8 @@ def test_a_classifier_has_no_likelihood():
     raw = {**classifier.config.to_dict(), "architectures": [type(classifier).__name__]}
     requests = RequestTokenizer(config_from_dict(raw), None)
     assert requests.head.own_rows
-    validator = Validator(requests)
-    for validate in (validator.score, validator.stream_open):
+    kind = LikelihoodKind(requests)
+    for validate in (kind.plan, kind.stream_open):
         with pytest.raises(InvalidInput, match="sequence classifier") as err:
             validate(ScoreInput([1, 2, 3], [[4]], loglikelihood=True))
         assert err.value.field == "loglikelihood"

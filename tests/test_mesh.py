@@ -519,7 +519,7 @@ def part_load() -> dict:
 
     from prefixscore.engine.loop.request import TokenizedRequest
     from prefixscore.engine.requests.answers import label_scores
-    from prefixscore.engine.requests.likelihood import read_likelihoods
+    from prefixscore.engine.requests.likelihood import layout, read_likelihoods
     from prefixscore.engine.requests.validation import RequestTokenizer
     from prefixscore.engine.runtime.buckets import Buckets
     from prefixscore.engine.runtime.mesh import Layout, MeshShape
@@ -571,7 +571,7 @@ def part_load() -> dict:
             # the items' label scores, and their own likelihood (the head at every item token, over
             # the split vocabulary), queued together: the likelihood's prefix is the query but its last
             # token, which starts each of its items, so the score request is laid out the same way
-            likelihood = RequestTokenizer(loaded.cfg, None).likelihood(query, TokenRows.from_lists(items))
+            likelihood = layout(RequestTokenizer(loaded.cfg, None), query, TokenRows.from_lists(items))
             score = TokenizedRequest(
                 likelihood.prefix, [query[-1:] + item for item in items], labels, label_scores(False), False
             )

@@ -27,9 +27,10 @@ from helpers.service import scrape, server_config, wait_for
 
 from prefixscore import Scorer
 from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.rerank import RerankInput, RerankKind
+from prefixscore.engine.requests.score import ScoreInput
 from prefixscore.engine.requests.template_choice import Checkpoint, recognize
 from prefixscore.engine.requests.templates import RECORDS, RerankTemplate
-from prefixscore.engine.requests.validation import RerankInput, ScoreInput, Validator
 from prefixscore.model import presets
 from prefixscore.model.loader import load_model
 from prefixscore.service import template_check
@@ -129,15 +130,15 @@ def flag_llm_reranker(tok, query: str, doc: str, prompt: str | None = None, max_
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-def bound(scorer: Scorer, name: str) -> Validator:
-    """The scorer's validation pass with the record `name` (as `--template name` serves it)."""
-    return Validator(scorer.requests, RerankTemplate(name, scorer.model.tokenizer))
+def bound(scorer: Scorer, name: str) -> RerankKind:
+    """The scorer's rerank kind with the record `name` (as `--template name` serves it)."""
+    return RerankKind(scorer.requests, RerankTemplate(name, scorer.model.tokenizer))
 
 
 def prompt_ids(
-    validator: Validator, docs: list[str], instruction: str | None = None, query: str = QUERY, **options
+    rerank: RerankKind, docs: list[str], instruction: str | None = None, query: str = QUERY, **options
 ) -> list[list[int]]:
-    req = validator.rerank(RerankInput(query, docs, instruction, **options)).scored.request
+    req = rerank.plan(RerankInput(query, docs, instruction, **options)).scored.request
     return [list(req.prefix) + item for item in req.items]
 
 
@@ -222,7 +223,7 @@ def test_mxbai_relevance_is_the_sigmoid_of_the_difference_of_the_label_logits(ti
     label's full-vocabulary probability at the reference's last token (log p1 - log p0 = l1 - l0)."""
     tok = tiny_scorer.model.tokenizer.hf
     one, zero = (tok("1", add_special_tokens=False)["input_ids"][0], tok("0", add_special_tokens=False)["input_ids"][0])
-    req = bound(tiny_scorer, "mxbai-rerank-v2").rerank(RerankInput(QUERY, DOCS)).scored.request
+    req = bound(tiny_scorer, "mxbai-rerank-v2").plan(RerankInput(QUERY, DOCS)).scored.request
     got = RerankTemplate.relevance(tiny_scorer.score_requests([req])[0])
     for j, doc in enumerate(DOCS):
         ids = mxbai_v2(tok, QUERY, doc)
@@ -238,7 +239,8 @@ def test_bge_gemma_record_is_flagembeddings_prompt_and_relevance(bge):
     assert scorer.template_choice.template == "bge-reranker-v2-gemma"
     assert "recognized" in scorer.template_choice.reason and "GemmaForCausalLM" in scorer.template_choice.reason
     for prompt in (None, "Does passage B answer query A? Yes or No."):
-        assert prompt_ids(scorer.validator, DOCS, prompt) == [flag_llm_reranker(hf, QUERY, d, prompt) for d in DOCS]
+        want = [flag_llm_reranker(hf, QUERY, d, prompt) for d in DOCS]
+        assert prompt_ids(scorer.kinds["rerank"], DOCS, prompt) == want
     yes_loc = hf("Yes", add_special_tokens=False)["input_ids"][0]
     docs = DOCS[:3]  # their items fit one device call: one executable compiled
     got = {r.index: r.relevance_score for r in scorer.rerank(QUERY, docs)}
@@ -329,7 +331,7 @@ def test_instructions_follow_the_record(tiny_scorer):
         template = RerankTemplate(name, tok)
         if place is None:
             with pytest.raises(InvalidInput, match=f"^instruction: the {name} template's prompt takes no"):
-                bound(tiny_scorer, name).rerank(RerankInput(QUERY, DOCS, "an instruction"))
+                bound(tiny_scorer, name).plan(RerankInput(QUERY, DOCS, "an instruction"))
             continue
         where, default_instruction = place
         other = "prefix" if where == "suffix" else "suffix"
@@ -349,15 +351,15 @@ def test_instructions_follow_the_record(tiny_scorer):
 def test_rerank_cuts_a_document_from_the_side_asked(tiny_scorer, name):
     """right: the document's first tokens stay; left: its last, after the record's document
     marker ("B: " stays a bge document's opening)."""
-    validator = bound(tiny_scorer, name)
+    rerank = bound(tiny_scorer, name)
     tok = tiny_scorer.model.tokenizer
     doc = "one two three four five six seven eight nine ten"
-    whole = tok.encode(validator.template.document_text(doc))
-    suffix = validator.template.prompt(QUERY, None).suffix_ids
-    right = validator.rerank(RerankInput(QUERY, [doc], max_tokens_per_doc=4)).scored
-    left = validator.rerank(RerankInput(QUERY, [doc], max_tokens_per_doc=4, truncation_side="left")).scored
+    whole = tok.encode(rerank.template.document_text(doc))
+    suffix = rerank.template.prompt(QUERY, None).suffix_ids
+    right = rerank.plan(RerankInput(QUERY, [doc], max_tokens_per_doc=4)).scored
+    left = rerank.plan(RerankInput(QUERY, [doc], max_tokens_per_doc=4, truncation_side="left")).scored
     assert list(right.request.items[0]) == whole[:4] + suffix
-    lead = validator.template.lead_ids
+    lead = rerank.template.lead_ids
     kept = 0
     while kept < len(lead) and whole[kept] == lead[kept]:
         kept += 1
@@ -365,15 +367,15 @@ def test_rerank_cuts_a_document_from_the_side_asked(tiny_scorer, name):
     assert (name == "bge-reranker-v2-gemma") == (kept > 0)
     assert right.truncation == left.truncation and left.truncation.items == (0,)
     with pytest.raises(InvalidInput, match="^truncation_side: 'middle' is not one of right, left"):
-        validator.rerank(RerankInput(QUERY, [doc], truncation_side="middle"))
+        rerank.plan(RerankInput(QUERY, [doc], truncation_side="middle"))
 
 
 def test_score_cuts_an_item_from_the_side_asked(tiny_scorer):
-    validator = tiny_scorer.validator
+    score = tiny_scorer.kinds["score"]
     item = list(range(1, 601))  # over the 512-token context
-    room = validator.max_sequence_tokens - 3
-    right = validator.score(ScoreInput([7, 8, 9], [item], [5], truncate="end")).request
-    left = validator.score(ScoreInput([7, 8, 9], [item], [5], truncate="end", truncation_side="left")).request
+    room = tiny_scorer.requests.max_sequence_tokens - 3
+    right = score.plan(ScoreInput([7, 8, 9], [item], [5], truncate="end")).request
+    left = score.plan(ScoreInput([7, 8, 9], [item], [5], truncate="end", truncation_side="left")).request
     assert list(right.items[0]) == item[:room] and list(left.items[0]) == item[-room:]
 
 

@@ -153,7 +153,7 @@ def test_loglikelihood_equals_in_process_scorer_sync_async_and_streamed(server, 
     result = client.loglikelihood(query, items, top_logprobs=top)
     assert result.scores == [] and result.label_token_ids == []
     assert_likelihoods_equal(result.likelihoods, want, top)
-    context = len(tiny_scorer.requests.context_ids(query))
+    context = len(tiny_scorer.requests.start_ids) * isinstance(query, str) + len(tiny_scorer.requests.query_ids(query))
     assert result.usage.prompt_tokens == context + sum(len(w.tokens) for w in want)
     assert result.usage.items == len(items)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from prefixscore.engine.requests.rerank import RerankInput
 from prefixscore.engine.requests.templates import RerankTemplate
-from prefixscore.engine.requests.validation import RerankInput
 from prefixscore.model.call_inputs import OUTPUT_SOFTMAX
 
 QUERY = "What is the capital of China?"
@@ -33,7 +33,7 @@ def published_prompt(query: str, doc: str, instruction: str = INSTRUCTION) -> st
 
 def test_qwen3_prompt_tokens_are_the_published_prompt_split_at_the_document(tiny_scorer):
     tok = tiny_scorer.model.tokenizer
-    checked = tiny_scorer.validator.rerank(RerankInput(QUERY, DOCS))
+    checked = tiny_scorer.kinds["rerank"].plan(RerankInput(QUERY, DOCS))
     req = checked.scored.request
     assert checked.scored.request.label_ids == RerankTemplate("qwen3-reranker", tok).label_ids
     for doc, item in zip(DOCS, req.items, strict=True):

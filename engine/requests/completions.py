@@ -27,14 +27,23 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
 from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.requests.answers import TokenLogprobs
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.kind import Done
 from prefixscore.engine.requests.known_positions import Known, KnownPositions, Positions, common_prefix
-from prefixscore.engine.requests.likelihood import ItemLikelihood
-from prefixscore.engine.requests.validation import InvalidInput, RequestTokenizer, check_top_logprobs
+from prefixscore.engine.requests.likelihood import (
+    ItemLikelihood,
+    check_top_logprobs,
+    check_vocabulary_head,
+    layout,
+    read_likelihoods,
+)
+from prefixscore.engine.requests.validation import RequestTokenizer
 from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
@@ -102,6 +111,10 @@ class PlannedCompletions:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def requests(self) -> tuple[TokenizedRequest, ...]:
+        return tuple(part.request for part in self.parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +274,7 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
     """Validate a completions request and plan its engine requests (see the module doc). `known`:
     prompts whose positions earlier requests computed."""
     max_tokens = _options(inp)
-    requests.check_vocabulary_head()
+    check_vocabulary_head(requests)
     rows, texts = _prompt_rows(requests, inp)
     # a prompt may run whole (a row per token in the item region): within an item's limit too
     limit = min(requests.max_sequence_tokens, requests.max_item_tokens)
@@ -285,7 +298,7 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
         if shared == 0:  # whole sequences: no prefix, a row per token of each prompt
             request = TokenizedRequest((), rest, (), TokenLogprobs(top), True)
         else:
-            request = requests.likelihood(prompts[js[0]][:shared].tolist(), rest, top)
+            request = layout(requests, prompts[js[0]][:shared].tolist(), rest, top)
         parts.append(CompletionPart(request, tuple(js), shared))
     return PlannedCompletions(prompts, texts, tuple(parts), tuple(contexts), max_tokens, bool(inp.echo), inp.logprobs)
 
@@ -333,3 +346,22 @@ def prompt_logprobs(
             kept[j] = known.keep(planned.prompts[j], stored, parent, start)
     assert all(p is not None for p in out)
     return out  # type: ignore[return-value]
+
+
+class CompletionsKind:
+    """/v1/completions (see the module doc). It keeps the positions of the prompts it computed
+    (`known`) for later requests. Result: a PromptLogprobs per prompt."""
+
+    name = "completions"
+    input_type = CompletionsInput
+
+    def __init__(self, requests: RequestTokenizer, known: KnownPositions | None = None) -> None:
+        self.requests = requests
+        self.known = KnownPositions() if known is None else known
+
+    def plan(self, inp: CompletionsInput) -> PlannedCompletions:
+        return plan(self.requests, inp, self.known)
+
+    def answer(self, planned: PlannedCompletions, done: Sequence[Done]) -> list[PromptLogprobs]:
+        results = [read_likelihoods(part.request, d.answer) for part, d in zip(planned.parts, done, strict=True)]
+        return prompt_logprobs(planned, results, self.known)

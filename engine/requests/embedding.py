@@ -25,12 +25,14 @@ pools every token of the sequence, so such inputs run whole, as do inputs with n
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.requests.answers import Pooled
 from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.kind import Done
 from prefixscore.engine.requests.known_positions import common_prefix
 from prefixscore.engine.requests.pooling import PoolRows, unit_rows
 from prefixscore.engine.requests.validation import RequestTokenizer
@@ -61,6 +63,10 @@ class ValidatedEmbed:
     prompt_tokens: int  # every input whole (its prompt and special tokens included)
     truncated: tuple[int, ...] = ()  # the inputs cut to fit
 
+    @property
+    def requests(self) -> tuple[TokenizedRequest, ...]:
+        return (self.request,)
+
     def finish(self, pooled: np.ndarray) -> np.ndarray:
         """The request's pooled vectors [inputs, hidden] -> its embeddings [inputs, dimensions]:
         the first `dimensions` kept (Matryoshka truncation), then each scaled to unit L2 norm when
@@ -69,8 +75,12 @@ class ValidatedEmbed:
         return (unit_rows(out) if self.normalize else out).astype(np.float32)
 
 
-class EmbeddingRequests:
-    """Validates embedding requests for one model and its pooling (None: it serves none)."""
+class EmbedKind:
+    """Embeddings (see the module doc) for one model and its pooling (None: it serves none).
+    Result: [inputs, dimensions] float32."""
+
+    name = "embed"
+    input_type = EmbedInput
 
     def __init__(self, requests: RequestTokenizer, pooling: Pooling | None) -> None:
         self.requests = requests
@@ -80,7 +90,7 @@ class EmbeddingRequests:
             limits.append(pooling.max_seq_length)
         self.max_tokens = min(limits)  # one input, whole
 
-    def validate(self, inp: EmbedInput) -> ValidatedEmbed:
+    def plan(self, inp: EmbedInput) -> ValidatedEmbed:
         """The request in token ids, or InvalidInput naming the field; no device work."""
         pooling, dimensions, normalize = self._options(inp)
         texts, ids = _inputs(inp.input)
@@ -105,6 +115,10 @@ class EmbeddingRequests:
         self.requests.check_request_tokens(len(request.prefix) + request.items.total)
         prompt_tokens = sum(map(len, sequences))
         return ValidatedEmbed(request, dimensions, normalize, prompt_tokens, tuple(truncated))
+
+    def answer(self, plan: ValidatedEmbed, done: Sequence[Done]) -> np.ndarray:
+        (pooled,) = done
+        return plan.finish(pooled.answer)
 
     def stream_open(self, inp: EmbedInput) -> StreamPrompt:
         """An embedding stream's open (its `input` unused): the options every batch takes, checked

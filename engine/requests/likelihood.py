@@ -12,18 +12,42 @@ a continuation's tokens are the item's first len(continuation); its last row has
 gives the top next tokens after the whole sequence.
 
 A context of one token has no prefix: its items are whole sequences (`context + continuation`),
-which read the same rows. The request is laid out and checked by `RequestTokenizer.likelihood`
-(engine/requests/validation.py), the one validation pass of every transport.
+which read the same rows. The kind (`LikelihoodKind`: a score request with `loglikelihood`, gRPC
+Score and ScoreStream, `Scorer.loglikelihood`) lays it out with `layout`, which /v1/completions
+(engine/requests/completions.py) shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.requests import heads
+from prefixscore.engine.requests.answers import TokenLogprobs
+from prefixscore.engine.requests.invalid_input import InvalidInput
+from prefixscore.engine.requests.kind import Done
+from prefixscore.engine.requests.score import ScoreInput, StreamSpec, Validated, input_kind
+from prefixscore.engine.requests.validation import RequestTokenizer
+from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import TOP_LOGPROBS
+
+# a score request's options that apply to label scores only: a likelihood request refuses each by
+# name when it is sent (the value that means unset, per option)
+_LABEL_OPTIONS = {
+    "label_token_ids": lambda inp: bool(inp.label_token_ids),
+    "labels": lambda inp: bool(inp.labels),
+    "apply_softmax": lambda inp: bool(inp.apply_softmax),
+    "item_first": lambda inp: bool(inp.item_first),
+    "activation": lambda inp: inp.activation not in (None, "", "auto"),
+    "messages": lambda inp: inp.messages is not None,
+    "truncate": lambda inp: inp.truncate != "none",
+    "query_truncation": lambda inp: inp.query_truncation != "none",
+    "max_query_tokens": lambda inp: bool(inp.max_query_tokens),
+    "check_tokenization": lambda inp: bool(inp.check_tokenization),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +107,101 @@ def read_likelihoods(request: TokenizedRequest, token_rows: np.ndarray) -> list[
             )
         )
     return out
+
+
+def check_top_logprobs(field: str, value: object) -> int:
+    """How many top log-probs a likelihood reports at each position: 0 to TOP_LOGPROBS (the
+    device computes that many)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= TOP_LOGPROBS:
+        raise InvalidInput(field, f"{value!r} is not an integer from 0 to {TOP_LOGPROBS}")
+    return value
+
+
+def check_vocabulary_head(requests: RequestTokenizer) -> None:
+    """An item's likelihood needs a vocabulary: a classifier's head has none, a base model no head."""
+    heads.check_head(requests.head, "loglikelihood")
+    if requests.head.own_rows:
+        raise InvalidInput(
+            "loglikelihood", "the model is a sequence classifier: it has no vocabulary to score an item's tokens"
+        )
+
+
+def layout(requests: RequestTokenizer, context: list[int], items: TokenRows, top_logprobs: int = 0) -> TokenizedRequest:
+    """The items' own likelihood after `context`, laid out for the score path (see the module doc):
+    the prefix is the context but its last token, which starts every item (its row reads the
+    item's first token); a one-token context has no prefix (whole sequences). Checks every
+    sequence fits the context and the request's tokens their limit."""
+    check_vocabulary_head(requests)
+    if not len(items):
+        raise InvalidInput("items", "at least one item (continuation) is required")
+    limit, item_limit = requests.max_sequence_tokens, requests.max_item_tokens
+    totals = len(context) + items.lengths
+    over = totals > limit
+    if len(context) > 1:  # an item: the context's last token and the continuation
+        over |= items.lengths + 1 > item_limit
+    if over.any():
+        j = int(np.flatnonzero(over)[0])
+        if totals[j] > limit:
+            why = f"query + item is {totals[j]} tokens, over the limit of {limit}"
+        else:
+            why = f"{items.lengths[j]} tokens, over the item limit of {item_limit - 1} after a query"
+        raise InvalidInput(f"items[{j}]", why)
+    lead = np.full(len(items), context[-1], np.int64)
+    rows = TokenRows(np.insert(items.flat, items.offsets[:-1], lead), items.offsets + np.arange(len(items) + 1))
+    prefix = tuple(context[:-1])
+    requests.check_request_tokens(len(prefix) + rows.total)
+    return TokenizedRequest(prefix, rows, (), TokenLogprobs(top_logprobs), not prefix)
+
+
+class LikelihoodKind:
+    """Each item's own likelihood after the query (see the module doc): a score request with
+    `loglikelihood`. Result: an ItemLikelihood per item."""
+
+    name = "likelihood"
+    input_type = ScoreInput
+
+    def __init__(self, requests: RequestTokenizer) -> None:
+        self.requests = requests
+
+    def _top_logprobs(self, inp: ScoreInput) -> int:
+        """The request's top_logprobs, once the options that apply to label scores only are
+        checked unset (each refused by name)."""
+        for field, sent in _LABEL_OPTIONS.items():
+            if sent(inp):
+                raise InvalidInput(
+                    field, "applies to label scores; a loglikelihood request scores the items' own tokens"
+                )
+        return check_top_logprobs("top_logprobs", inp.top_logprobs)
+
+    def _context(self, query: object) -> list[int]:
+        """The context: a text gets the model's start tokens (as a score request's query does);
+        token ids are taken as given."""
+        ids = self.requests.query_ids(query)  # type: ignore[arg-type]
+        return list(self.requests.start_ids) + ids if isinstance(query, str) else ids
+
+    def plan(self, inp: ScoreInput) -> Validated:
+        top = self._top_logprobs(inp)
+        context = self._context(inp.query)
+        items = self.requests.item_ids(inp.items, input_kind(inp.query))  # type: ignore[arg-type]
+        return Validated(layout(self.requests, context, items, top))
+
+    def answer(self, plan: Validated, done: Sequence[Done]) -> list[ItemLikelihood]:
+        (rows,) = done
+        return read_likelihoods(plan.request, rows.answer)
+
+    def stream_open(self, inp: ScoreInput) -> StreamSpec:
+        """A likelihood stream's context (no items yet): checked to leave room for an item."""
+        top = self._top_logprobs(inp)
+        context = self._context(inp.query)
+        check_vocabulary_head(self.requests)
+        limit = self.requests.max_sequence_tokens
+        if len(context) + 1 > limit:
+            raise InvalidInput("query", f"{len(context)} tokens leave no room for an item within {limit} tokens")
+        prefix = tuple(context[:-1])
+        return StreamSpec(context, input_kind(inp.query), (), TokenLogprobs(top), not prefix, prefix)
+
+    def stream_batch(self, spec: StreamSpec, items: object) -> TokenizedRequest:
+        """One batch of an open stream, laid out as a request of its own over the stream's context."""
+        assert isinstance(spec.answer, TokenLogprobs)
+        ids = self.requests.item_ids(items, spec.kind)  # type: ignore[arg-type]
+        return layout(self.requests, spec.query, ids, spec.answer.top_logprobs)

@@ -14,13 +14,9 @@ score their own share of the item region.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import functools
-import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,15 +26,17 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from prefixscore.choices import DEFAULT_DTYPE
-from prefixscore.engine.runtime import compile_cache
-from prefixscore.engine.runtime.buckets import Buckets, round_up
+from prefixscore.engine.runtime import compile_cache, packed_call
+from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.call_broadcast import ALONE, CallBroadcast
 from prefixscore.engine.runtime.mesh import Layout, MeshShape, default_layout
 from prefixscore.engine.runtime.planner import CallBuilder, CallPlan
+from prefixscore.engine.runtime.pool_size import POOL_MEMORY_FRACTION, page_bytes, pool_pages
 from prefixscore.engine.runtime.prefix_cache import PrefixCache
+from prefixscore.engine.runtime.warmup import WarmupStage, compile_in_stages, plan_stages
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.kernels.paged import pool_dtype
-from prefixscore.model import packed_baseline, step
+from prefixscore.model import step
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
 from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.weights import Weights
@@ -49,13 +47,6 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # on CPUs the MLP runs this many tokens at a time, so its activations stay in cache
 # (decoder.tiled_mlp); accelerators run it whole
 CPU_MLP_TILE = 1024
-# the pool's share of the device memory left after the weights, on devices that report it
-POOL_MEMORY_FRACTION = 0.5
-# without a device memory figure (CPU): this budget
-DEFAULT_POOL_BYTES = 1 << 30
-# never more than this many full contexts, unless asked for in bytes: more pages than any
-# traffic pins would only slow the page book, and small models would take a device's memory
-POOL_CONTEXTS = 64
 
 
 def _all_fields(region: type, value: Any) -> Any:
@@ -63,32 +54,10 @@ def _all_fields(region: type, value: Any) -> Any:
     return region(**{field.name: value for field in dataclasses.fields(region)})
 
 
-def _niced(nice: int) -> None:
-    """Lower this thread's priority: Linux keeps a nice value per thread."""
-    if nice and hasattr(os, "setpriority"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmupStage:
-    """One step of a staged warm-up: the call shapes it compiles, and the buckets calls may be
-    planned in once they (and every earlier stage's) are compiled."""
-
-    buckets: Buckets
-    shapes: tuple[CallShape, ...]
-
-
 @dataclasses.dataclass
 class _Slot:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     exe: Any = None
-
-
-def page_bytes(cfg: ModelConfig, dtype: str, page_tokens: int, kv_heads: int) -> int:
-    """Bytes of one page on one device: keys and values of page_tokens tokens in every layer,
-    for the `kv_heads` KV heads that device stores."""
-    return 2 * cfg.num_layers * kv_heads * page_tokens * cfg.head_dim * jnp.dtype(DTYPES[dtype]).itemsize
 
 
 class ScoringEngine:
@@ -120,8 +89,8 @@ class ScoringEngine:
         self.devices = self.layout.devices
         self.params = self.layout.place_weights(params)
         self.page_bytes = page_bytes(cfg, dtype, self.buckets.page_tokens, self.layout.local_kv_heads)
-        budget = self._pool_budget(pool_bytes, pool_memory_fraction)
-        self.pool_pages = int(max(self.buckets.max_pages + 1, budget // self.page_bytes))
+        device, max_pages = self.layout.local_devices[0], self.buckets.max_pages
+        self.pool_pages = pool_pages(device, self.page_bytes, max_pages, pool_bytes, pool_memory_fraction)
         stored = pool_dtype(DTYPES[dtype], self._impl.POOL_AS_BITS)
         self._zeros = jax.jit(
             lambda: jnp.zeros(self._pool_shape(), stored), out_shardings=self.layout.pool
@@ -147,10 +116,6 @@ class ScoringEngine:
         # told every call (and pool reset) before it happens here: with several hosts, the
         # leader's step channel, so every host runs the same step (engine/runtime/call_broadcast.py)
         self.broadcast = broadcast
-        # a call's inputs as the step channel carries them: their leaves, in this tree, of these dtypes
-        specs = self._call_specs(self.buckets.call_shapes()[0])
-        self._inputs_tree = jax.tree.structure(specs)
-        self._input_dtypes = [spec.dtype for spec in jax.tree.leaves(specs)]
 
     def replica(self) -> ScoringEngine:
         """Another engine in this process over the same placed weights, layout, buckets and
@@ -204,18 +169,6 @@ class ScoringEngine:
         c = self.cfg
         return (c.num_layers, self.layout.kv_heads, self.pool_pages, self.buckets.page_tokens, c.head_dim)
 
-    def _pool_budget(self, pool_bytes: int | None, fraction: float) -> int:
-        """Explicit bytes; else a fraction of the device memory left after the weights, or (CPU)
-        DEFAULT_POOL_BYTES, either capped at POOL_CONTEXTS full contexts."""
-        if pool_bytes:
-            return pool_bytes
-        stats = self.layout.local_devices[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            budget = int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-        else:
-            budget = DEFAULT_POOL_BYTES
-        return min(budget, POOL_CONTEXTS * self.buckets.max_pages * self.page_bytes)
-
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (engine/runtime/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
@@ -243,7 +196,7 @@ class ScoringEngine:
         with dispatch.lowering_for(platform):
             return self._traced(shape, platform).lower(lowering_platforms=(platform,))
 
-    def _call_specs(self, shape: CallShape) -> CallInputs:
+    def call_specs(self, shape: CallShape) -> CallInputs:
         """ShapeDtypeStructs (with shardings) of a call's inputs: what an executable is traced on."""
         b, d, layout = self.buckets, self.data_replicas, self.layout
         rep = lambda *s, t=jnp.int32: jax.ShapeDtypeStruct(s, t, sharding=layout.replicated)  # noqa: E731
@@ -294,7 +247,7 @@ class ScoringEngine:
             check_vma=False,
         )
         with jax.default_matmul_precision(self._precision):
-            return jax.jit(mapped, donate_argnums=(1, 2)).trace(params, pool, pool, self._call_specs(shape))
+            return jax.jit(mapped, donate_argnums=(1, 2)).trace(params, pool, pool, self.call_specs(shape))
 
     def _call_fn(
         self,
@@ -342,50 +295,13 @@ class ScoringEngine:
     def warmup(
         self, workers: int | None = None, progress: Callable[[int, int], None] | None = None
     ) -> dict[str, float]:
-        """Compile every call shape up front (in parallel: XLA compiles without the GIL).
-
-        Returns {"executables", "compilations", "seconds"}; with a warm persistent
-        compilation cache, compilations is 0.
-        """
+        """Compile every call shape up front, in stages (in parallel: XLA compiles without the GIL).
+        Returns {"executables", "compilations", "seconds"}; with a warm cache, compilations is 0."""
         return self.compile_stages(self.warmup_stages(), workers, progress)
 
     def warmup_stages(self) -> list[WarmupStage]:
-        """Every call shape, in stages in the order traffic needs them (see WarmupStage).
-
-        The first stage is the smallest item bucket, with and without the smallest prefill
-        region that holds a chunk: it serves any request whose items fit that bucket (more
-        work runs as more calls). Then the item buckets up to max_batch_tokens, smallest
-        first (fuller calls), the larger prefill regions (longer new queries per call), and
-        last the buckets for items longer than max_batch_tokens, which run alone. Each stage
-        adds one bucket of one axis beside every bucket of the other axis already compiled."""
-        b = self.buckets
-        short = [t for t in b.tokens if t <= b.max_batch_tokens] or [b.tokens[0]]
-        long = [t for t in b.tokens if t not in short]
-        first_prefill = Buckets.fit(b.prefill[1:], b.prefill_chunk, "prefill tokens")
-        tokens, prefill = [short[0]], [0, first_prefill]
-        steps = [(None, None)]
-        steps += [("tokens", t) for t in short[1:]]
-        steps += [("prefill", p) for p in b.prefill[1:] if p != first_prefill]
-        steps += [("tokens", t) for t in long]
-        stages: list[WarmupStage] = []
-        seen: set[CallShape] = set()
-        for axis, size in steps:
-            if axis == "tokens":
-                tokens.append(size)
-            elif axis == "prefill":
-                prefill.append(size)
-            ready_short = [t for t in tokens if t <= b.max_batch_tokens]
-            buckets = dataclasses.replace(
-                b,
-                tokens=tuple(sorted(tokens)),
-                prefill=tuple(sorted(prefill)),
-                max_batch_tokens=max(ready_short, default=b.max_batch_tokens),
-                max_prefill_tokens=max(prefill),
-            )
-            shapes = buckets.call_shapes()
-            stages.append(WarmupStage(buckets, tuple(s for s in shapes if s not in seen)))
-            seen.update(shapes)
-        return stages
+        """Every call shape, in stages in the order traffic needs them (engine/runtime/warmup.py)."""
+        return plan_stages(self.buckets)
 
     def compile_stages(
         self,
@@ -396,47 +312,24 @@ class ScoringEngine:
         stop: threading.Event | None = None,
         nice: int = 0,
     ) -> dict[str, float]:
-        """Compile the stages' shapes in order, each stage's in parallel (XLA compiles without
-        the GIL); once a stage is compiled, calls are planned in its buckets and `on_stage()` is
-        called. `stop` set: no further shape is started, and calls are planned in every bucket again
-        (compiling on first use). `nice`: the compiling threads' niceness
-        (Linux), below the threads that serve while they compile. Returns {"executables",
-        "compilations", "seconds"}; with a warm persistent cache, compilations is 0."""
-        count, started = CompileCounter.count(), time.perf_counter()
-        workers = workers or min(4, os.cpu_count() or 1)
-        total = sum(len(stage.shapes) for stage in stages)
-        done = 0
-        with concurrent.futures.ThreadPoolExecutor(workers, initializer=_niced, initargs=(nice,)) as pool:
-            for stage in stages:
-                if stop is not None and stop.is_set():
-                    break
-                for _ in pool.map(self._compiled_unless(stop), stage.shapes):
-                    done += 1
-                    if progress:
-                        progress(done, total)
-                if stop is not None and stop.is_set():
-                    break
-                self.shapes_ready += len(stage.shapes)
-                self.serving = stage.buckets
-                if on_stage:
-                    on_stage()
+        """Compile the stages' shapes in order (engine/runtime/warmup.py `compile_in_stages`); once
+        a stage is compiled, calls are planned in its buckets and `on_stage()` is called. `stop`
+        set: no further shape is started, and calls are planned in every bucket again (compiling
+        on first use). `nice`: the compiling threads' niceness, below the threads that serve."""
+
+        def ready(stage: WarmupStage) -> None:
+            self.shapes_ready += len(stage.shapes)
+            self.serving = stage.buckets
+            if on_stage:
+                on_stage()
+
+        report = compile_in_stages(stages, self._executable, ready, workers, progress, stop, nice)
         if stop is not None and stop.is_set():
             # Stopped part-way (its server shut down): planning goes back to every bucket, each shape
             # compiled on first use, as without a warm-up. The engine may outlive the server (a
             # Scorer's, in process): work needing a later stage must not wait for one never coming.
             self.serving = self.buckets
-        return {
-            "executables": total,
-            "compilations": CompileCounter.count() - count,
-            "seconds": time.perf_counter() - started,
-        }
-
-    def _compiled_unless(self, stop: threading.Event | None) -> Callable[[CallShape], None]:
-        def compile_one(shape: CallShape) -> None:
-            if stop is None or not stop.is_set():
-                self._executable(shape)
-
-        return compile_one
+        return report
 
     def check_attention(self) -> dict[str, float]:
         """The attention implementation against the reference at this model's head shapes and
@@ -464,13 +357,11 @@ class ScoringEngine:
         self.stats["items"] += plan.items
         return probs
 
-    def run_sent(self, shape: CallShape, arrays: Sequence[np.ndarray]) -> jax.Array:
-        """On a follower: launch the call the leader sent (its shape and its inputs' leaves), as
-        the leader launched it; returns the probabilities (replicated: every host has them)."""
-        exe = self._executable(shape)
-        # the leader's Python scalars travel as int64: the executable takes its own dtypes
-        leaves = [a if a.dtype == t else a.astype(t) for a, t in zip(arrays, self._input_dtypes, strict=True)]
-        probs, *self._pool = exe(self.params, *self._pool, jax.tree.unflatten(self._inputs_tree, leaves))
+    def run(self, shape: CallShape, inputs: CallInputs) -> jax.Array:
+        """Run one call of `shape` over `inputs` (arrays of call_specs' shapes and dtypes) as it is,
+        telling no other host: a follower's launch of the call its leader sent
+        (engine/hosts/follower_steps.py); a planned call is `launch`ed."""
+        probs, *self._pool = self._executable(shape)(self.params, *self._pool, inputs)
         self.stats["calls"] += 1
         return probs
 
@@ -494,41 +385,11 @@ class ScoringEngine:
     def score_packed(
         self, query_ids: Sequence[int], items: Sequence[Sequence[int]], label_ids: Sequence[int], apply_softmax: bool
     ) -> np.ndarray:
-        """Query and all items in one sequence under a block-diagonal mask (the seeds' `packed`).
-
-        A baseline: compiled on first use per length (multiples of packed_baseline.PACKED_ALIGN), not warmed up;
-        on one device's whole model (a model axis of 1)."""
+        """Query and all items in one sequence under a block-diagonal mask (the seeds' `packed`,
+        engine/runtime/packed_call.py): a baseline, on one device's whole model (a model axis of 1)."""
         if self.layout.shape.model > 1 or self.layout.hosts > 1:
             raise ValueError("the packed baseline runs the whole model on each device of one host: use tp-size 1")
-        total = len(query_ids) + sum(len(it) for it in items)
-        s = round_up(total, packed_baseline.PACKED_ALIGN)
-        tokens = np.zeros(s, np.int32)
-        positions = np.zeros(s, np.int32)
-        segments = np.full(s, -1, np.int32)
-        q = len(query_ids)
-        tokens[:q], positions[:q], segments[:q] = query_ids, np.arange(q), 0
-        read_at = np.zeros(len(items), np.int32)
-        at = q
-        for i, item in enumerate(items):
-            n = len(item)
-            tokens[at : at + n] = item
-            positions[at : at + n] = q + np.arange(n)
-            segments[at : at + n] = i + 1
-            read_at[i] = at + n - 1
-            at += n
-        ids = np.zeros(Buckets.fit(self.buckets.labels, len(label_ids), "label_token_ids"), np.int32)
-        ids[: len(label_ids)] = label_ids
-        valid = np.arange(len(ids)) < len(label_ids)
         with jax.default_matmul_precision(self._precision):
-            probs = packed_baseline.score_packed(
-                self.params,
-                self.cfg,
-                jnp.asarray(tokens),
-                jnp.asarray(positions),
-                jnp.asarray(segments),
-                jnp.asarray(read_at),
-                jnp.asarray(ids),
-                jnp.asarray(valid),
-                apply_softmax=apply_softmax,
+            return packed_call.score_packed(
+                self.params, self.cfg, self.buckets.labels, query_ids, items, label_ids, apply_softmax
             )
-        return np.asarray(probs)[:, : len(label_ids)]

@@ -483,3 +483,19 @@ class RerankResponse(_message.Message):
     usage: Usage
     template: str
     def __init__(self, results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., template: _Optional[str] = ...) -> None: ...
+
+class RunRequest(_message.Message):
+    __slots__ = ("kind", "input")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    input: str
+    def __init__(self, kind: _Optional[str] = ..., input: _Optional[str] = ...) -> None: ...
+
+class RunResponse(_message.Message):
+    __slots__ = ("result", "usage")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    result: str
+    usage: Usage
+    def __init__(self, result: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...

@@ -66,6 +66,11 @@ class ScoreServiceStub:
                 request_serializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamRequest.SerializeToString,
                 response_deserializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamResponse.FromString,
                 _registered_method=True)
+        self.Run = channel.unary_unary(
+                '/prefixscore.v1.ScoreService/Run',
+                request_serializer=prefixscore_dot_v1_dot_score__service__pb2.RunRequest.SerializeToString,
+                response_deserializer=prefixscore_dot_v1_dot_score__service__pb2.RunResponse.FromString,
+                _registered_method=True)
 
 
 class ScoreServiceServicer:
@@ -131,6 +136,17 @@ class ScoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Run(self, request, context):
+        """Run serves a request of any kind the server serves by name (score,
+        likelihood, rerank, classify, completions, embed, and kinds added to the
+        server), its input and its result as JSON: the generic path, the same
+        validation, device loop and answer as the kind's own RPC or HTTP route.
+        An unknown kind or field is INVALID_ARGUMENT naming it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ScoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +179,11 @@ def add_ScoreServiceServicer_to_server(servicer, server):
                     servicer.EmbedStream,
                     request_deserializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamRequest.FromString,
                     response_serializer=prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamResponse.SerializeToString,
+            ),
+            'Run': grpc.unary_unary_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=prefixscore_dot_v1_dot_score__service__pb2.RunRequest.FromString,
+                    response_serializer=prefixscore_dot_v1_dot_score__service__pb2.RunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -329,6 +350,33 @@ class ScoreService:
             '/prefixscore.v1.ScoreService/EmbedStream',
             prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamRequest.SerializeToString,
             prefixscore_dot_v1_dot_score__service__pb2.EmbedStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixscore.v1.ScoreService/Run',
+            prefixscore_dot_v1_dot_score__service__pb2.RunRequest.SerializeToString,
+            prefixscore_dot_v1_dot_score__service__pb2.RunResponse.FromString,
             options,
             channel_credentials,
             insecure,
