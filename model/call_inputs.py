@@ -47,6 +47,17 @@ class CallShape:
     # many more columns, after the token columns; 0: none
     hidden: int = 0
 
+    @staticmethod
+    def top_count(outputs: set[int] | frozenset[int]) -> int:
+        """How many top log-probs a row returns in a call whose rows read these outputs (its shape's
+        `top_logprobs`)."""
+        return TOP_LOGPROBS if OUTPUT_TOKEN in outputs else 0
+
+    @staticmethod
+    def reads_hidden(output: int) -> bool:
+        """Whether a row of this output returns hidden columns (the buckets must have them)."""
+        return output == OUTPUT_HIDDEN
+
     def columns(self, output: int, labels: int | None = None) -> slice:
         """Where a row of this kind finds its own columns in the call's output [R, ...] (a label
         row: its own `labels` first columns, else all the call's)."""

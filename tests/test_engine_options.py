@@ -192,6 +192,31 @@ def test_the_choice_names_import_no_jax():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_a_new_option_is_one_row_of_the_table():
+    """A row added to OPTIONS (before the modules that read it are imported: a fresh process) is an
+    EngineSpec field with its type and default and a ServerConfig field with its `serve` flag and
+    variable, and reaches the spec: EngineSpec and ServerConfig declare no option themselves."""
+    code = (
+        "import dataclasses, os\n"
+        "from prefixscore.engine import options\n"
+        "row = options.EngineOption('new_knob', 'a knob', None, int)\n"
+        "options.OPTIONS, options.BY_NAME['new_knob'] = (*options.OPTIONS, row), row\n"
+        "from prefixscore import cli\n"
+        "from prefixscore.engine.build import EngineSpec\n"
+        "from prefixscore.service.config import ServerConfig\n"
+        "for cls in (EngineSpec, ServerConfig):\n"
+        "    field = {f.name: f for f in dataclasses.fields(cls)}['new_knob']\n"
+        "    assert (field.type, field.default) == ('int | None', None), (cls, field)\n"
+        "assert EngineSpec.from_options({'new_knob': 3}).new_knob == 3\n"
+        "config = cli.config_from_args(cli.build_parser().parse_args(['serve', '--new-knob', '8']))\n"
+        "assert config.new_knob == 8 and config.engine_spec().new_knob == 8\n"
+        "os.environ['PREFIXSCORE_NEW_KNOB'] = '9'\n"
+        "assert cli.config_from_args(cli.build_parser().parse_args(['serve'])).new_knob == 9\n"
+    )
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFIXSCORE_")}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
 def test_the_choice_names_are_those_the_code_gives_a_meaning():
     """Each leaf name has its meaning where the engine uses it, and the defaults agree."""
     from prefixscore import choices

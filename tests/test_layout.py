@@ -144,3 +144,24 @@ def test_no_module_imports_itself_through_others(tree_copy: Path) -> None:
     finally:
         target.write_text(original)
     assert any("prefixscore.model.config" in c and "prefixscore.model.weights" in c for c in planted), planted
+
+
+# what a request kind is made of: its modules' names and the flags a kind was once carried as
+KIND_WORDS = (
+    "per_token", "raw_logits", "apply_softmax", "top_logprobs", "PoolRows", "payload.pool",
+    "payload.activation", "OUTPUT_HIDDEN", "OUTPUT_TOKEN", "LabelScores", "TokenLogprobs", "Pooled",
+    "ScoreKind", "RerankKind", "ClassifyKind", "LikelihoodKind", "EmbedKind", "CompletionsKind",
+)  # fmt: skip
+# the loop's files: they see only what a kind declares as data (engine/loop/request.py's Answer)
+LOOP_FILES = (*sorted((ROOT / "engine" / "loop").glob("*.py")), ROOT / "engine" / "runtime" / "planner.py")
+
+
+def kind_words(paths) -> list[str]:
+    return [f"{p.name}: {w}" for p in paths for w in KIND_WORDS if w in p.read_text()]
+
+
+def test_the_loop_names_no_kind_and_no_kind_flag(tmp_path: Path) -> None:
+    assert len(LOOP_FILES) > 5 and kind_words(LOOP_FILES) == []
+    planted = tmp_path / "batcher.py"
+    planted.write_text((ROOT / "engine" / "loop" / "batcher.py").read_text() + "\n# if unit.payload.pool:\n")
+    assert kind_words([planted]) == ["batcher.py: payload.pool"]

@@ -12,13 +12,13 @@ Pure host code (numpy), no device. A call (model/step.py) has two regions:
   query per device (the query's pages, prefix = the query's length); whole
   sequences (item_first, the sequential baseline) in segment 0, which has no prefix.
 
-Each row (item) carries its own label set and output (model/call_inputs.py OUTPUT_*), so
-requests with different labels share a call. A likelihood request's items (OUTPUT_TOKEN) take
-a row per token instead, each with its target (the item's next token), and so do a mean-pooled
-embedding's (OUTPUT_HIDDEN, each row its token's hidden state): a call that holds such items has
-one row per item-region token, and may still carry score items beside them (a row each, at
-their last token). Its shape says which extra columns its rows return (CallShape.top_logprobs;
-CallShape.hidden, from the buckets). Segment starts sit at multiples of the attention
+Each row (item) carries its own label set and output (model/call_inputs.py: the columns it
+reads), so requests with different labels share a call. Items whose kind reads every token take
+a row per token instead (each_token; a token row's target is the item's next token): a call that
+holds such items has one row per item-region token, and may still carry items of a row each
+beside them (at their last token). Its shape says which extra columns its rows return
+(CallShape.top_count the outputs it holds; CallShape.hidden, from the buckets). The
+planner never asks which kind a request is. Segment starts sit at multiples of the attention
 implementation's SEGMENT_ALIGN, so a kernel's query block never meets two
 segments; the gap before an aligned start continues the previous segment.
 
@@ -41,9 +41,6 @@ from prefixscore.engine.runtime.buckets import Buckets, round_up
 from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import (
     LABEL_SETS,
-    OUTPUT_HIDDEN,
-    OUTPUT_TOKEN,
-    TOP_LOGPROBS,
     CallInputs,
     CallShape,
     ItemRegion,
@@ -281,7 +278,7 @@ class CallBuilder:
         (each_token) or one row; returns how many were taken."""
         if self.closed or count <= 0:
             return 0
-        if output == OUTPUT_HIDDEN and not self.b.hidden:
+        if CallShape.reads_hidden(output) and not self.b.hidden:
             raise ValueError("hidden rows need buckets with the hidden columns (Buckets.hidden)")
         ends = rows.offsets[first + 1 : first + count + 1] - rows.offsets[first]
         longest_first = int(ends[0])
@@ -386,7 +383,7 @@ class CallBuilder:
         b, d = self.b, self.devices
         tp, ti, layout = self._buckets()
         labels_bucket = Buckets.fit(b.labels, max(1, len(self.labels)), "label_token_ids")
-        shape = b.shape(tp, ti, labels_bucket, TOP_LOGPROBS if OUTPUT_TOKEN in self.outputs else 0, self.token_rows)
+        shape = b.shape(tp, ti, labels_bucket, CallShape.top_count(self.outputs), self.token_rows)
         table = np.zeros((b.segments, b.max_pages), np.int32)
         prefix_len = np.zeros(b.segments, np.int32)
         slot = 1  # row 0: no prefix
