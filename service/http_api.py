@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -144,6 +144,11 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
 
+    def api(method: str, path: str, model: Any, summary: str, **more: Any) -> Callable:
+        """A route and what the OpenAPI document says of it: its response model (its handler encodes
+        the response itself), its errors and its summary."""
+        return app.api_route(path, methods=[method], response_model=model, responses=ERRORS, summary=summary, **more)
+
     def model_name(requested: str | None) -> str:
         return requested or (service.loaded.name if service.loaded else "")
 
@@ -170,13 +175,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
                 seconds = round(time.monotonic() - started, 6)
                 event(log, "http_request", logging.DEBUG, method=method, status=counted.status, seconds=seconds)
 
-    @app.post(
-        "/v1/score",
-        response_model=ScoringResponse,
-        response_model_exclude_none=True,
-        responses=ERRORS,
-        summary="Score items against a query (SGLang /v1/score)",
-    )
+    @api("POST", "/v1/score", ScoringResponse, "Score items against a query (SGLang /v1/score)")
     async def score(body: ScoringRequest, request: Request) -> Any:
         with handled("HttpScore") as outcome:
             answer = await service.serve(
@@ -193,13 +192,9 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
         """An embedding request served (its plan, its embeddings, its tokens read from the prefix cache)."""
         return await service.serve(service.accepting()["embed"], inp, "HttpEmbed", size)
 
-    @app.post(
-        "/v1/embeddings",
-        response_model=EmbeddingResponse,
-        responses=ERRORS,
-        summary="Embed inputs (OpenAI /v1/embeddings), pooled as the checkpoint's sentence-transformers modules say",
-    )
+    @api("POST", "/v1/embeddings", EmbeddingResponse, "Embed inputs (OpenAI /v1/embeddings)")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        """Pooled as the checkpoint's sentence-transformers modules say."""
         with handled("HttpEmbed") as outcome:
             inp = embed_input(body)
             answer = await embedded(inp, _body_bytes(request))
@@ -208,26 +203,18 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             return _encoded(response, prefix_key.for_embed(inp.prompt_name))
         return outcome["response"]
 
-    @app.post(
-        "/embed",
-        response_model=list[list[float]],
-        responses=ERRORS,
-        summary="Embed inputs (Text Embeddings Inference's /embed): one list of floats per input",
-    )
+    @api("POST", "/embed", list[list[float]], "Embed inputs (Text Embeddings Inference's /embed)")
     async def tei_embed(body: EmbedRequest, request: Request) -> Any:
+        """One list of floats per input."""
         with handled("HttpEmbed") as outcome:
             inp = tei_embed_input(body)
             answer = await embedded(inp, _body_bytes(request))
             return _json(to_json(answer.result.tolist()), prefix_key.for_embed(inp.prompt_name))
         return outcome["response"]
 
-    @app.post(
-        "/v1/classify",
-        response_model=ClassifyResponse,
-        responses=ERRORS,
-        summary="Classify inputs (vLLM / SGLang /v1/classify): a classifier's head, or a causal LM's label tokens",
-    )
+    @api("POST", "/v1/classify", ClassifyResponse, "Classify inputs (vLLM / SGLang /v1/classify)")
     async def classify(body: ClassifyRequest, request: Request) -> Any:
+        """By a classifier's head, or a causal LM's label tokens."""
         with handled("HttpClassify") as outcome:
             inp = classify_input(body, service.config.classify_labels)
             answer = await service.serve(service.accepting()["classify"], inp, "HttpClassify", _body_bytes(request))
@@ -250,26 +237,12 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
 
     summary = "Rerank documents by relevance to a query (Cohere / Jina / vLLM shape)"
     for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
-        app.add_api_route(
-            path,
-            rerank,
-            methods=["POST"],
-            response_model=RerankResponse,
-            response_model_exclude_none=True,
-            responses=ERRORS,
-            summary=summary,
-            include_in_schema=path == "/v1/rerank",  # one documented path; the others are aliases
-        )
+        # one documented path; the others are aliases
+        api("POST", path, RerankResponse, summary, include_in_schema=path == "/v1/rerank")(rerank)
 
-    @app.post(
-        "/v1/completions",
-        response_model=CompletionsResponse,
-        response_model_exclude_none=True,
-        responses=ERRORS,
-        summary="Log-probs of whole prompts and their greedy next token (OpenAI /v1/completions with echo, "
-        "logprobs and max_tokens 0 or 1)",
-    )
+    @api("POST", "/v1/completions", CompletionsResponse, "Log-probs of whole prompts (OpenAI /v1/completions)")
     async def complete(body: CompletionsRequest, request: Request) -> Any:
+        """Every prompt token's log-prob and the greedy next token: echo, logprobs, max_tokens 0 or 1."""
         with handled("HttpCompletions") as outcome:
             kinds = service.accepting()
             # the parts run side by side: each its prompts over one context (or whole)
@@ -289,14 +262,10 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             return answer()
         return outcome["response"]
 
-    @app.post(
-        "/v1/run/{kind}",
-        response_model=RunResponse,
-        responses=ERRORS,
-        summary="Serve a request of any kind by name (score, likelihood, rerank, classify, completions, embed, or "
-        "a kind added to the server): its input's fields as the body, its result as JSON",
-    )
+    @api("POST", "/v1/run/{kind}", RunResponse, "Serve a request of any kind by name")
     async def run(kind: str, request: Request) -> Any:
+        """score, likelihood, rerank, classify, completions, embed, or a kind added to the server:
+        its input's fields as the body, its result as JSON."""
         with handled("HttpRun") as outcome:
             served_kind = service.accepting()[kind]
             try:
@@ -307,12 +276,11 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             return _json(to_json({"kind": kind, "result": plain(answer.result), "usage": answer.usage()}))
         return outcome["response"]
 
-    @app.get(
+    @api(
+        "GET",
         "/tokenizer_info",
-        response_model=TokenizerInfo,
-        response_model_exclude_none=True,
-        responses=ERRORS,
-        summary="The served tokenizer's special tokens and chat template (vLLM /tokenizer_info)",
+        TokenizerInfo,
+        "The served tokenizer's special tokens and chat template (vLLM /tokenizer_info)",
     )
     async def tokenizer_info() -> Any:
         with handled("HttpTokenizerInfo") as outcome:
@@ -320,13 +288,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             return _encoded(TokenizerInfo(**requests.tokenizer_info()))
         return outcome["response"]
 
-    @app.post(
-        "/tokenize",
-        response_model=TokenizeResponse,
-        response_model_exclude_none=True,
-        responses=ERRORS,
-        summary="Token ids of a text (vLLM /tokenize)",
-    )
+    @api("POST", "/tokenize", TokenizeResponse, "Token ids of a text (vLLM /tokenize)")
     async def tokenize(body: TokenizeRequest, request: Request) -> Any:
         with handled("HttpTokenize") as outcome:
             requests = service.accepting().requests
@@ -338,12 +300,7 @@ def build_app(service: ScoringService, tokens: TokenFile | None = None) -> FastA
             )
         return outcome["response"]
 
-    @app.post(
-        "/detokenize",
-        response_model=DetokenizeResponse,
-        responses=ERRORS,
-        summary="The text of token ids (vLLM /detokenize)",
-    )
+    @api("POST", "/detokenize", DetokenizeResponse, "The text of token ids (vLLM /detokenize)")
     async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
         with handled("HttpDetokenize") as outcome:
             text = await validated(_body_bytes(request), service.accepting().requests.text_of, body.tokens)

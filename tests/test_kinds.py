@@ -125,6 +125,7 @@ def test_the_generic_routes_name_what_they_refuse(http, run_rpc):
         ("no_such_kind", body, "kind"),
         (FixedTokenLogprobs.name, {**body, "labels": ["a"]}, "labels"),  # not a field of the kind
         (FixedTokenLogprobs.name, {"query": QUERY, "items": ITEMS}, "token_ids"),  # a field it needs
+        (FixedTokenLogprobs.name, {**body, "token_ids": [5, "five"]}, "token_ids[1]"),  # not its type
     ]
     for kind, sent, field in refused:
         response = http.post(f"/v1/run/{kind}", json=sent)

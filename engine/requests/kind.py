@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
+import pydantic
 
 from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.requests.invalid_input import InvalidInput
@@ -102,8 +103,9 @@ def served(kind: RequestKind, plan: Plan, ran: Sequence[Done]) -> Served:
 
 
 def input_of(kind: RequestKind, fields: object) -> Any:
-    """A kind's input from a JSON object's fields (the generic routes); a field the input does not
-    have, or one it needs and is not given, is refused by name."""
+    """A kind's input from a JSON object's fields (the generic routes), each of its declared type; a
+    field the input does not have, one it needs and is not given, or one of another type is
+    refused by name."""
     if not isinstance(fields, Mapping):
         raise InvalidInput("input", f"must be a JSON object of {kind.name}'s fields")
     declared = {f.name: f for f in dataclasses.fields(kind.input_type)}
@@ -117,7 +119,12 @@ def input_of(kind: RequestKind, fields: object) -> Any:
     ]
     if missing:
         raise InvalidInput(missing[0], "is required")
-    return kind.input_type(**fields)
+    try:  # each field's declared type (a field of `object` is the kind's own to check)
+        return pydantic.TypeAdapter(kind.input_type).validate_python(dict(fields))
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        name, *inside = first["loc"] or ("input",)
+        raise InvalidInput(f"{name}" + "".join(f"[{at}]" for at in inside), first["msg"]) from err
 
 
 def plain(value: object) -> Any:
