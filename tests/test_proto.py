@@ -73,6 +73,7 @@ def test_public_names():
         "Rerank": (False, False),
         "Embed": (False, False),
         "EmbedStream": (True, True),
+        "Run": (False, False),
     }
     request = pb.ScoreRequest.DESCRIPTOR.fields_by_name
     assert set(request) >= {"query", "items", "label_token_ids", "labels", "apply_softmax", "item_first"}
