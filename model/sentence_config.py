@@ -24,6 +24,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import jinja2
+import jinja2.meta
+
 from prefixscore.model.config_inventory import COMPUTED, INERT, LIMITED, Field
 
 
@@ -50,6 +53,21 @@ class Pooling:
     # model's context length bounds them): sentence_bert_config.json's max_seq_length, where older
     # releases saved it, else the tokenizer's model_max_length, where 6.2 saves it
     max_seq_length: int | None
+    # texts rendered through the tokenizer's chat template (sentence-transformers 6's `message`
+    # modality); None: texts are tokenized as they are, after their prompt
+    chat: ChatInputs | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatInputs:
+    """sentence-transformers 6's `message` modality: each text becomes the conversation
+    [system: the prompt (when there is one), user: the text], rendered by the tokenizer's chat
+    template with `template_kwargs` and tokenized without adding special tokens (the template
+    writes them). `restore_suffix`: a text cut to fit keeps the template's fixed tail."""
+
+    format: str  # "flat": a message's content is the text; "structured": [{"type": "text", "text": ...}]
+    template_kwargs: Mapping[str, Any]  # processing_kwargs' chat_template arguments (add_generation_prompt, ...)
+    restore_suffix: bool
 
 
 LAST, MEAN, CLS = "lasttoken", "mean", "cls"  # sentence-transformers' pooling_mode names
@@ -88,6 +106,15 @@ _LEGACY_MODES = {
 # the Transformer's inputs and output when sentence-transformers embeds plain text: its default
 # for feature-extraction, and what it assumes for a checkpoint saved before modality_config existed
 _TEXT_ONLY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+
+# the `message` modality's entry as sentence-transformers 6 saves it; its `format` (how a message's
+# content is written) is one of MESSAGE_FORMATS ("auto" is resolved when it saves)
+_MESSAGE = {"method": "forward", "method_output_name": "last_hidden_state"}
+MESSAGE_FORMATS = ("flat", "structured")
+# processing_kwargs' chat_template arguments computed: sentence-transformers' own flag and the
+# arguments of apply_chat_template that change what is rendered; any other is computed when it is
+# a variable of the template (enable_thinking, ...), else refused
+_CHAT_ARGUMENTS = {"restore_suffix", "add_generation_prompt", "continue_final_message"}
 
 # transformers' VERY_LARGE_INTEGER: a tokenizer's model_max_length meaning "no limit"
 _NO_LIMIT = int(1e30)
@@ -255,10 +282,10 @@ SENTENCE_BERT_KEYS = _table(
     Field(
         "modality_config",
         LIMITED,
-        f"how each kind of input reaches the model: {_TEXT_ONLY} is computed. A 'message' entry (saved "
-        "when the tokenizer has a chat template) renders every text through the chat template, its prompt "
-        "as a system message",
-        accepts=_is(_TEXT_ONLY),
+        f"how each kind of input reaches the model: text ({_TEXT_ONLY['text']}) and message ({_MESSAGE} with a "
+        f"format of {', '.join(MESSAGE_FORMATS)}; saved when the tokenizer has a chat template: every text is "
+        "rendered through the chat template, its prompt as a system message) are computed",
+        accepts=lambda v, file: _modalities_ok(v),
     ),
     Field(
         "module_output_name",
@@ -269,8 +296,9 @@ SENTENCE_BERT_KEYS = _table(
     Field(
         "processing_kwargs",
         LIMITED,
-        "arguments for the tokenizer or the chat template; none is computed",
-        accepts=lambda v, file: not v,
+        "arguments for the tokenizer or the chat template: the chat_template entry's are computed ("
+        f"{', '.join(sorted(_CHAT_ARGUMENTS))}, and the template's own variables, checked when it is read)",
+        accepts=lambda v, file: not v or (isinstance(v, dict) and set(v) == {"chat_template"} and _chat_ok(v)),
     ),
     Field(
         "unpad_inputs",
@@ -297,6 +325,66 @@ NORMALIZE_KEYS = _table(
         accepts=lambda v, file: v in (None, "sentence_embedding"),
     ),
 )
+
+
+def _modalities_ok(v: Any) -> bool:
+    if not isinstance(v, dict) or not v or not set(v) <= {"text", "message"}:
+        return False
+    message = v.get("message")
+    return v.get("text", _TEXT_ONLY["text"]) == _TEXT_ONLY["text"] and (
+        message is None
+        or (
+            isinstance(message, dict)
+            and {k: message.get(k) for k in _MESSAGE} == _MESSAGE
+            and set(message) <= {*_MESSAGE, "format"}
+            and message.get("format", "flat") in MESSAGE_FORMATS
+        )
+    )
+
+
+def _chat_ok(v: dict) -> bool:
+    arguments = v["chat_template"]
+    return isinstance(arguments, dict) and all(
+        isinstance(value, bool) for key, value in arguments.items() if key in _CHAT_ARGUMENTS
+    )
+
+
+def _chat_template(root: Path) -> str | None:
+    """The tokenizer's chat template, where transformers reads it: chat_template.jinja, else
+    tokenizer_config.json's chat_template."""
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text(encoding="utf-8")
+    tokenizer = _json(root, "tokenizer_config.json")
+    template = tokenizer.get("chat_template") if isinstance(tokenizer, dict) else None
+    return template if isinstance(template, str) else None
+
+
+def _chat_inputs(root: Path, sentence_bert: _File | None) -> ChatInputs | None:
+    """The `message` modality of sentence_bert_config.json (None: texts as they are), its
+    arguments checked against the chat template they are given to."""
+    raw = sentence_bert.raw if sentence_bert is not None else {}
+    message = (raw.get("modality_config") or {}).get("message")
+    if message is None:
+        return None
+    where = "sentence_bert_config.json modality_config"
+    template = _chat_template(root)
+    if template is None:
+        raise SentenceConfigError(f"{where} renders texts through the chat template, but the tokenizer has none")
+    variables = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    if "task" in variables:
+        # sentence-transformers gives it only to encode_query / encode_document, which a request does not name
+        raise SentenceConfigError(
+            f"{where}: the chat template reads a `task` variable (query or document), which is not computed"
+        )
+    arguments = dict((raw.get("processing_kwargs") or {}).get("chat_template", {}))
+    unknown = sorted(set(arguments) - _CHAT_ARGUMENTS - variables)
+    if unknown:
+        raise SentenceConfigError(
+            f"sentence_bert_config.json processing_kwargs chat_template {unknown} are neither arguments computed "
+            f"({', '.join(sorted(_CHAT_ARGUMENTS))}) nor variables of the chat template"
+        )
+    restore = arguments.pop("restore_suffix", True)
+    return ChatInputs(message.get("format", "flat"), types.MappingProxyType(arguments), restore)
 
 
 def _json(root: Path, name: str) -> Any:
@@ -426,15 +514,19 @@ def read_pooling(path: Path, hidden_size: int) -> Pooling | None:
     if model is not None:
         _checked(model, SENTENCE_TRANSFORMERS_KEYS)
     raw = model.raw if model is not None else {}
+    chat = _chat_inputs(root, sentence_bert)
     return Pooling(
         mode=mode,
-        include_prompt=pooling.raw.get("include_prompt", True),
+        # a rendered input's prompt is pooled whatever the Pooling says: sentence-transformers 6.2 does
+        # not take it out of a message's pool (it keeps no prompt length for messages)
+        include_prompt=pooling.raw.get("include_prompt", True) or chat is not None,
         normalize=normalize_dir is not None,
         dimension=dimension,
         prompts=types.MappingProxyType(_prompts(raw)),
         default_prompt_name=raw.get("default_prompt_name"),
         similarity=raw.get("similarity_fn_name") or "cosine",
         max_seq_length=_max_seq_length(root, sentence_bert),
+        chat=chat,
     )
 
 

@@ -178,6 +178,8 @@ class ModelCard(BaseModel):
     pooling: str | None = None
     embedding_dimensions: int | None = None
     prompt_names: list[str] | None = None
+    # what a text input becomes: text, or message (rendered through the chat template)
+    embedding_modality: str | None = None
 
     @classmethod
     def of(cls, served: ServedModel, created: int) -> ModelCard:

@@ -54,6 +54,8 @@ class ServedModel:
     pooling: str | None = None
     embedding_dimensions: int | None = None
     prompt_names: tuple[str, ...] = ()
+    # what a text input becomes: "text", or "message" (rendered by the chat template); None: no embeddings
+    embedding_modality: str | None = None
     version: str = __version__
 
     @classmethod
@@ -91,6 +93,7 @@ class ServedModel:
             pooling=loaded.pooling.mode if loaded.pooling else None,
             embedding_dimensions=loaded.pooling.dimension if loaded.pooling else None,
             prompt_names=tuple(sorted(loaded.pooling.prompts)) if loaded.pooling else (),
+            embedding_modality=("message" if loaded.pooling.chat else "text") if loaded.pooling else None,
         )
 
     def describe(self, names: Mapping[str, str] | None = None, only: Container[str] | None = None) -> dict[str, Any]:

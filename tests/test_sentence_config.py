@@ -107,6 +107,7 @@ def _reference(path) -> dict:
         default_prompt_name=model.default_prompt_name,
         similarity=model.similarity_fn_name,
         max_seq_length=model.max_seq_length,
+        renders_messages="message" in model[0].modality_config,
     )
 
 
@@ -117,6 +118,7 @@ def _agrees(path, hidden) -> Pooling:
     # without a limit of the checkpoint's own, sentence-transformers truncates at the model's positions
     positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
     fields = {**vars(record), "prompts": dict(record.prompts)}
+    fields["renders_messages"] = fields.pop("chat") is not None
     fields["max_seq_length"] = record.max_seq_length if record.max_seq_length is not None else positions
     assert fields == _reference(path)
     return record
@@ -328,14 +330,58 @@ def test_a_pooling_width_other_than_the_hidden_size_is_refused(tmp_path, transfo
     _refused(path, hidden, f"1_Pooling/config.json word_embedding_dimension={hidden + 8} is not supported")
 
 
-def test_a_chat_template_backbone_is_refused(tmp_path, decoder, hidden):
+@pytest.fixture
+def chat_ckpt(tmp_path, decoder, hidden):
     """With a chat template, sentence-transformers 6 saves a 'message' modality and embeds every
-    text through the template, its prompt as a system message."""
+    text through the template, its prompt as a system message (mean pooling without the prompt,
+    which it does not apply to a rendered input)."""
     chat = shutil.copytree(decoder, tmp_path / "chat")
     shutil.copy(smollm2_tokenizer_dir() / "chat_template.jinja", chat)
-    path = _save(tmp_path / "st", stm.Transformer(str(chat)), stm.Pooling(hidden, pooling_mode="lasttoken"))
-    assert "message" in SentenceTransformer(str(path))[0].modality_config
-    _refused(path, hidden, "sentence_bert_config.json modality_config=", "'message'")
+    transformer = stm.Transformer(str(chat), processing_kwargs={"chat_template": {"add_generation_prompt": True}})
+    pooling = stm.Pooling(hidden, pooling_mode="mean", include_prompt=False)
+    path = _save(tmp_path / "st", transformer, pooling)
+    assert SentenceTransformer(str(path))[0].modality_config["message"]["format"] == "flat"
+    return path
+
+
+def test_a_chat_template_backbone_renders_its_texts(chat_ckpt, hidden):
+    pooling = read_pooling(chat_ckpt, hidden)
+    assert pooling.chat is not None and pooling.chat.format == "flat" and pooling.chat.restore_suffix
+    assert dict(pooling.chat.template_kwargs) == {"add_generation_prompt": True}
+    assert pooling.mode == "mean" and pooling.include_prompt  # as sentence-transformers 6.2 pools a message
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (
+            {
+                "modality_config": {
+                    "message": {"method": "forward", "method_output_name": "last_hidden_state", "format": "auto"}
+                }
+            },
+            "modality_config=",
+        ),  # noqa: E501
+        (
+            {"modality_config": {"image": {"method": "forward", "method_output_name": "last_hidden_state"}}},
+            "modality_config=",
+        ),  # noqa: E501
+        ({"processing_kwargs": {"text": {"max_length": 16}}}, "processing_kwargs="),
+        ({"processing_kwargs": {"chat_template": {"max_length": 16}}}, "['max_length']"),
+        ({"processing_kwargs": {"chat_template": {"restore_suffix": "yes"}}}, "processing_kwargs="),
+    ],
+)
+def test_a_message_modality_not_computed_is_refused(chat_ckpt, hidden, change, named):
+    _edit(chat_ckpt / "sentence_bert_config.json", **change)
+    _refused(chat_ckpt, hidden, "sentence_bert_config.json", named)
+
+
+def test_a_template_that_reads_the_task_or_no_template_is_refused(chat_ckpt, hidden):
+    template = chat_ckpt / "chat_template.jinja"
+    template.write_text("{% if task == 'query' %}Q: {% endif %}" + template.read_text())
+    _refused(chat_ckpt, hidden, "`task` variable")
+    template.unlink()
+    _refused(chat_ckpt, hidden, "the tokenizer has none")
 
 
 def test_a_truncated_embedding_is_refused(tmp_path, transformer, hidden):

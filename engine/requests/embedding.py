@@ -35,6 +35,7 @@ from prefixscore.engine.requests.invalid_input import InvalidInput
 from prefixscore.engine.requests.kind import Done
 from prefixscore.engine.requests.known_positions import common_prefix
 from prefixscore.engine.requests.pooling import PoolRows, unit_rows
+from prefixscore.engine.requests.rendered_texts import RenderedTexts
 from prefixscore.engine.requests.validation import RequestTokenizer
 from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.sentence_config import LAST, Pooling
@@ -89,6 +90,9 @@ class EmbedKind:
         if pooling is not None and pooling.max_seq_length:
             limits.append(pooling.max_seq_length)
         self.max_tokens = min(limits)  # one input, whole
+        chat = pooling.chat if pooling is not None else None
+        # a checkpoint whose texts are rendered through the chat template (engine/requests/rendered_texts.py)
+        self.rendered = RenderedTexts(requests.tokenizer, chat) if chat and requests.tokenizer else None
 
     def plan(self, inp: EmbedInput) -> ValidatedEmbed:
         """The request in token ids, or InvalidInput naming the field; no device work."""
@@ -100,6 +104,9 @@ class EmbedKind:
             tokenizer = self.requests.tokenizer
             assert tokenizer is not None  # _texts refused a model without one
             kept, end_ids = max(prompt_len, len(tokenizer.start_ids)), tokenizer.end_ids
+            if self.rendered is not None:  # the template's head and tail stay; a cut text loses its own tokens
+                head, tail = self.rendered.frame(prompt)
+                kept, end_ids = len(head), tail if self.rendered.chat.restore_suffix else []
         else:
             if inp.prompt is not None or inp.prompt_name is not None:
                 field = "prompt" if inp.prompt is not None else "prompt_name"
@@ -126,6 +133,9 @@ class EmbedKind:
         prefix each batch of texts is laid out over, found in the prefix cache."""
         pooling, dimensions, _ = self._options(inp)
         prompt = self._prompt(inp, pooling)
+        if self.rendered is not None and _splits(pooling):  # the frame's head, with or without a prompt
+            head, _ = self.rendered.frame(prompt)
+            return StreamPrompt(tuple(head[: len(head) - 1]), dimensions)
         if not prompt or not _splits(pooling):
             return StreamPrompt((), dimensions)
         tokenizer = self.requests.tokenizer
@@ -203,6 +213,8 @@ class EmbedKind:
         if limits.max_request_tokens is not None:
             chars = sum(map(len, texts)) + len(prompt) * len(texts)
             self.requests.check_chars("input", chars, limits.max_request_tokens)
+        if self.rendered is not None:  # the prompt is the system message: the frame's head is the shared run
+            return self.rendered.ids(texts, prompt), len(self.rendered.frame(prompt)[0])
         sequences = tokenizer.encode_whole_many([prompt + text for text in texts])
         return sequences, self._prompt_tokens(prompt)[1] if prompt else 0
 

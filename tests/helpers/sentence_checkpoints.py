@@ -10,8 +10,11 @@ import shutil
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages\nQuery: "
 
 
-def st_checkpoint(path, mode: str, include_prompt: bool, normalize: bool) -> str:
-    """A tiny causal LM with sentence-transformers' module configuration saved beside it."""
+def st_checkpoint(path, mode: str, include_prompt: bool, normalize: bool, chat: dict | None = None) -> str:
+    """A tiny causal LM with sentence-transformers' module configuration saved beside it. `chat`:
+    the tokenizer keeps SmolLM2's chat template, so sentence-transformers 6 saves the `message`
+    modality (every text rendered through it), with these chat_template arguments; None: a plain
+    text embedder (the template removed)."""
     import sentence_transformers as st
     from conftest import make_torch_model
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
@@ -21,9 +24,11 @@ def st_checkpoint(path, mode: str, include_prompt: bool, normalize: bool) -> str
     lm_dir, st_dir = path / "lm", path / "st"
     make_torch_model("qwen3", seed=3, vocab_size=49152, pad_token_id=2).save_pretrained(lm_dir)
     for f in smollm2_tokenizer_dir().iterdir():
-        if f.name != "chat_template.jinja":  # a plain text embedder: texts are not chat messages
+        if chat is not None or f.name != "chat_template.jinja":  # a plain text embedder: texts are not chat messages
             shutil.copy(f, lm_dir)
-    modules = [Transformer(str(lm_dir)), Pooling(64, pooling_mode=mode, include_prompt=include_prompt)]
+    processing = {"processing_kwargs": {"chat_template": chat}} if chat else {}
+    transformer = Transformer(str(lm_dir), **processing)
+    modules = [transformer, Pooling(64, pooling_mode=mode, include_prompt=include_prompt)]
     if normalize:
         modules.append(Normalize())
     model = st.SentenceTransformer(

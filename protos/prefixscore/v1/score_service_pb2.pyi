@@ -288,7 +288,7 @@ class Limits(_message.Message):
     def __init__(self, max_items: _Optional[int] = ..., max_labels: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_queue_items: _Optional[int] = ..., max_sequence_tokens: _Optional[int] = ..., max_item_tokens: _Optional[int] = ..., max_queue_tokens: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., max_streams: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., stream_idle_timeout_ms: _Optional[int] = ..., max_pending_batches: _Optional[int] = ..., keepalive_time_ms: _Optional[int] = ..., keepalive_timeout_ms: _Optional[int] = ..., max_connection_idle_ms: _Optional[int] = ..., max_connection_age_ms: _Optional[int] = ..., max_connection_age_grace_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size", "head", "label_names", "quantization", "activation_quantization", "quantized_projections", "weight_bytes_per_device", "template_reason", "pooling", "embedding_dimensions", "prompt_names")
+    __slots__ = ("model", "family", "vocab_size", "context_length", "dtype", "devices", "limits", "has_tokenizer", "attention", "version", "template", "call_shapes_ready", "call_shapes", "sliding_window", "max_position_embeddings", "tp_size", "dp_size", "head", "label_names", "quantization", "activation_quantization", "quantized_projections", "weight_bytes_per_device", "template_reason", "pooling", "embedding_dimensions", "prompt_names", "embedding_modality")
     class QuantizedProjectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,7 @@ class GetModelInfoResponse(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_MODALITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     vocab_size: int
@@ -350,7 +351,8 @@ class GetModelInfoResponse(_message.Message):
     pooling: str
     embedding_dimensions: int
     prompt_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., head: _Optional[str] = ..., label_names: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., activation_quantization: _Optional[str] = ..., quantized_projections: _Optional[_Mapping[str, str]] = ..., weight_bytes_per_device: _Optional[int] = ..., template_reason: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    embedding_modality: str
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., has_tokenizer: _Optional[bool] = ..., attention: _Optional[str] = ..., version: _Optional[str] = ..., template: _Optional[str] = ..., call_shapes_ready: _Optional[int] = ..., call_shapes: _Optional[int] = ..., sliding_window: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., head: _Optional[str] = ..., label_names: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., activation_quantization: _Optional[str] = ..., quantized_projections: _Optional[_Mapping[str, str]] = ..., weight_bytes_per_device: _Optional[int] = ..., template_reason: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., embedding_modality: _Optional[str] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
     __slots__ = ("query", "documents", "instruction", "top_n", "return_documents", "max_tokens_per_doc", "truncate", "check_tokenization", "truncation_side")
