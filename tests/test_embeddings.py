@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.sentence_checkpoints import QUERY_PROMPT, st_checkpoint
+from helpers.sentence_checkpoints import QUERY_PROMPT, batch_and_alone, st_checkpoint
 
 from prefixscore import Scorer
 
@@ -98,14 +98,9 @@ def test_a_batch_padded_either_side_equals_each_input_alone(pair):
     """sentence-transformers' batch, padded right and then left, and prefixscore's batch: each
     input gets the embedding it gets alone."""
     st_model, scorer = pair
-    alone = np.concatenate([st_model.encode([t], convert_to_numpy=True) for t in TEXTS])
-    tokenizer = st_model.tokenizer
-    for side in ("right", "left"):
-        tokenizer.padding_side = side
-        _close(st_model.encode(TEXTS, convert_to_numpy=True), alone)
-    tokenizer.padding_side = "right"
-    _close(scorer.embed(TEXTS), alone)
-    _close(np.concatenate([scorer.embed([t]) for t in TEXTS]), alone)
+    alone, padded, batch, each = batch_and_alone(st_model, scorer, TEXTS)
+    for got in (*padded, batch, each):
+        _close(got, alone)
 
 
 def test_dimensions_truncate_then_normalize(pair):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.sentence_checkpoints import QUERY_PROMPT, st_checkpoint
+from helpers.sentence_checkpoints import QUERY_PROMPT, batch_and_alone, st_checkpoint
 
 from prefixscore import Scorer
 
@@ -84,14 +84,9 @@ def test_encode_equals_sentence_transformers(pair, prompt):
 
 def test_a_batch_padded_either_side_equals_each_input_alone(pair):
     st_model, scorer, _ = pair
-    alone = np.concatenate([st_model.encode([t], convert_to_numpy=True) for t in TEXTS])
-    tokenizer = st_model.tokenizer
-    for side in ("right", "left"):
-        tokenizer.padding_side = side
-        _close(st_model.encode(TEXTS, convert_to_numpy=True), alone)
-    tokenizer.padding_side = "right"
-    _close(scorer.embed(TEXTS), alone)
-    _close(np.concatenate([scorer.embed([t]) for t in TEXTS]), alone)
+    alone, padded, batch, each = batch_and_alone(st_model, scorer, TEXTS)
+    for got in (*padded, batch, each):
+        _close(got, alone)
 
 
 def test_the_rendered_prompt_is_a_cached_prefix(pairs):

@@ -10,6 +10,21 @@ import shutil
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages\nQuery: "
 
 
+def batch_and_alone(st_model, scorer, texts: list[str]):
+    """(each text's embedding alone by sentence-transformers; its batch padded right, then left;
+    prefixscore's batch; prefixscore's each alone): all four equal when a batch does not change
+    an input's embedding."""
+    import numpy as np
+
+    alone = np.concatenate([st_model.encode([t], convert_to_numpy=True) for t in texts])
+    padded = []
+    for side in ("right", "left"):
+        st_model.tokenizer.padding_side = side
+        padded.append(st_model.encode(texts, convert_to_numpy=True))
+    st_model.tokenizer.padding_side = "right"
+    return alone, padded, scorer.embed(texts), np.concatenate([scorer.embed([t]) for t in texts])
+
+
 def st_checkpoint(path, mode: str, include_prompt: bool, normalize: bool, chat: dict | None = None) -> str:
     """A tiny causal LM with sentence-transformers' module configuration saved beside it. `chat`:
     the tokenizer keeps SmolLM2's chat template, so sentence-transformers 6 saves the `message`
