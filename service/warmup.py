@@ -63,6 +63,8 @@ def in_background(
             event(
                 log, "warmed_up", warmup=True, background=True, **report(engine, compiled, compiles, compile_s, started)
             )
+        elif stop.is_set():  # shut down first: the compile in progress ended, the rest never started
+            event(log, "warmup_stopped", call_shapes_ready=engine.shapes_ready, call_shapes=call_shapes)
 
     thread = threading.Thread(target=run, name="prefixscore-warmup", daemon=True)
     thread.start()

@@ -227,7 +227,10 @@ def test_sigterm_during_a_background_compile_exits_within_two_seconds(tmp_path):
     SIGTERM with nothing in flight drains at once, and the process must exit within 2 s of it,
     not when the compile in progress ends (the interpreter would join the compiling threads; a
     bench-cpu shape takes several seconds to compile). Beside the whole suite on 2 cores the
-    exit took 1.0-1.3 s, so the README's bound is 2 s."""
+    exit took 1.0-1.3 s, so the README's bound is 2 s. Whether a compile is still running when the
+    drain ends is the machine's timing (a small shape may finish within it): the process then says
+    it abandoned the compile (`exiting`), or that the warm-up stopped before the exit
+    (`warmup_stopped`); either way within the bound."""
     # a compile cache of its own: cached shapes would finish the warm-up before the signal
     env = {"PREFIXSCORE_COMPILE_CACHE_DIR": str(tmp_path / "compile-cache")}
     args = ["--model", "bench-cpu", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "off"]
@@ -242,7 +245,9 @@ def test_sigterm_during_a_background_compile_exits_within_two_seconds(tmp_path):
         took = time.monotonic() - signalled
         assert code == 0, events
         assert took < 2.0, f"exited {took:.1f} s after SIGTERM"
-        wait_for(lambda: seen("exiting"), 5, "the exiting event")
+        wait_for(lambda: seen("exiting") or seen("warmup_stopped"), 5, "the exiting or warmup_stopped event")
+        abandoned = [e.get("abandoned") for e in events if e.get("event") == "exiting"]
+        assert abandoned in ([], ["background compile"]), events
     finally:
         if proc.poll() is None:
             proc.kill()
