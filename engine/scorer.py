@@ -116,7 +116,7 @@ class Scorer:
         with self._lock:
             todo = to_run(plan)
             units = self.runner.run_requests(todo) if todo else []
-            answer = served(served_kind, plan, [Done(u.reply.answer, u.reply.cached_tokens) for u in units])
+            answer = served(served_kind, plan, [Done.of(u) for u in units])
             usage = answer.usage()
             self.last_usage = Usage(usage["prompt_tokens"], usage["cached_tokens"], usage["items"])
         return answer

@@ -114,7 +114,7 @@ MESSAGE_FORMATS = ("flat", "structured")
 # processing_kwargs' chat_template arguments computed: sentence-transformers' own flag and the
 # arguments of apply_chat_template that change what is rendered; any other is computed when it is
 # a variable of the template (enable_thinking, ...), else refused
-_CHAT_ARGUMENTS = {"restore_suffix", "add_generation_prompt", "continue_final_message"}
+_CHAT_ARGUMENTS = {"restore_suffix", "add_generation_prompt"}
 
 # transformers' VERY_LARGE_INTEGER: a tokenizer's model_max_length meaning "no limit"
 _NO_LIMIT = int(1e30)

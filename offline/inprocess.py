@@ -110,7 +110,7 @@ class ScorerBackend:
         """The route's response body; `unit` None: a request with no items (no device work)."""
         rid = request_ids.new_id()
         model = c.body.model or self.scorer.model.name  # type: ignore[attr-defined]
-        answer = served(c.kind, c.checked, [Done(unit.reply.answer, unit.reply.cached_tokens)] if unit else [])
+        answer = served(c.kind, c.checked, [Done.of(unit)] if unit else [])
         result, cached = answer.result, answer.cached_tokens
         if c.line.kind == "embed":
             body = http_bodies.embed_response(c.checked, result, cached, model, c.body.encoding_format)  # type: ignore[arg-type, attr-defined]

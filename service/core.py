@@ -378,4 +378,4 @@ class ScoringService:
         failed = next((u for u in units if isinstance(u, BaseException)), None)
         if failed is not None:
             raise failed
-        return served(kind, plan, [Done(u.reply.answer, u.reply.cached_tokens) for u in units])
+        return served(kind, plan, [Done.of(u) for u in units])

@@ -264,7 +264,7 @@ class StreamSession:
         tokens = sum(len(it) for it in req.items) if not spec.item_first else req.prompt_tokens
 
         def answer(unit: WorkUnit, batch_id: int) -> pb.ScoreStreamResponse:
-            result = kind.answer(Validated(req), [Done(unit.reply.answer, unit.reply.cached_tokens)])
+            result = kind.answer(Validated(req), [Done.of(unit)])
             return pb.ScoreStreamResponse(batch=pb.BatchScores(batch_id=batch_id, scores=item_scores(req, result)))
 
         return _Batch(req, tokens, answer)
@@ -346,7 +346,7 @@ class EmbedSession(StreamSession):
         checked = await validated(msg.ByteSize(), kind.plan, embed_input(self.open_msg, msg.items))
 
         def answer(unit: WorkUnit, batch_id: int) -> pb.EmbedStreamResponse:
-            vectors = kind.answer(checked, [Done(unit.reply.answer, unit.reply.cached_tokens)])
+            vectors = kind.answer(checked, [Done.of(unit)])
             return pb.EmbedStreamResponse(
                 batch=pb.BatchEmbeddings(
                     batch_id=batch_id, embeddings=embeddings(vectors), truncated_items=checked.truncated

@@ -24,6 +24,13 @@ TEXTS = [
 ]
 ATOL = 1e-5  # on unit vectors of 64 float32 components; a wrong token moves them by 1e-2 and more
 
+# a template that writes each part of a structured message with its type (a string content as it is)
+STRUCTURED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}[{{ p.type }}] {{ p.text }}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 CASES = {  # name -> (pooling mode, include_prompt, the chat_template arguments saved)
     # a generation prompt after the user turn, as some embedders are trained
     "last": ("lasttoken", True, {"add_generation_prompt": True}),
@@ -149,6 +156,29 @@ def test_a_checkpoint_saved_without_modality_config_encodes_text(pairs, tmp_path
     assert st_model.preprocess(["hello"])["modality"] == "text"
     scorer = Scorer.load(str(older), buckets=ONE_SHAPE_BUCKETS)
     assert scorer.model.pooling.chat is None
+    _close(scorer.embed(TEXTS, prompt_name="query"), st_model.encode(TEXTS, prompt_name="query"))
+
+
+def test_the_structured_message_format_renders_as_sentence_transformers_renders_it(pairs, tmp_path):
+    """format structured (a message's content a list of typed parts), under a template that reads
+    such parts (as a multimodal processor's does; SmolLM2's reads strings only): the same
+    conversations, the same embeddings."""
+    import shutil
+
+    import sentence_transformers as st
+    from conftest import ONE_SHAPE_BUCKETS
+
+    _, _, path = pairs("last")
+    structured = tmp_path / "structured"
+    shutil.copytree(path, structured)
+    config = json.loads((structured / "sentence_bert_config.json").read_text())
+    config["modality_config"]["message"]["format"] = "structured"
+    (structured / "sentence_bert_config.json").write_text(json.dumps(config))
+    (structured / "chat_template.jinja").write_text(STRUCTURED_TEMPLATE)
+    st_model = st.SentenceTransformer(str(structured), device="cpu")
+    assert st_model[0].input_formatter.message_format == "structured"
+    scorer = Scorer.load(str(structured), buckets=ONE_SHAPE_BUCKETS)
+    assert scorer.model.pooling.chat.format == "structured"
     _close(scorer.embed(TEXTS, prompt_name="query"), st_model.encode(TEXTS, prompt_name="query"))
 
 

@@ -100,13 +100,7 @@ class EmbedKind:
         texts, ids = _inputs(inp.input)
         if texts is not None:
             prompt = self._prompt(inp, pooling)
-            sequences, prompt_len = self._texts(texts, prompt, inp.truncate)
-            tokenizer = self.requests.tokenizer
-            assert tokenizer is not None  # _texts refused a model without one
-            kept, end_ids = max(prompt_len, len(tokenizer.start_ids)), tokenizer.end_ids
-            if self.rendered is not None:  # the template's head and tail stay; a cut text loses its own tokens
-                head, tail = self.rendered.frame(prompt)
-                kept, end_ids = len(head), tail if self.rendered.chat.restore_suffix else []
+            sequences, prompt_len, kept, end_ids = self._texts(texts, prompt, inp.truncate)
         else:
             if inp.prompt is not None or inp.prompt_name is not None:
                 field = "prompt" if inp.prompt is not None else "prompt_name"
@@ -191,11 +185,14 @@ class EmbedKind:
             raise InvalidInput("prompt_name", f"{name!r} is not one of the model's prompts ({known})")
         return pooling.prompts[name]
 
-    def _texts(self, texts: list[str], prompt: str, truncating: bool) -> tuple[list[list[int]], int]:
-        """Each input as `tokenizer(prompt + text)`, and the prompt's tokens as sentence-transformers
-        counts them (the prompt alone, less a trailing special token). Texts surely over their
-        limits are refused from their length, before tokenizing them (a cut one only by its
-        characters' limit)."""
+    def _texts(self, texts: list[str], prompt: str, truncating: bool) -> tuple[list[list[int]], int, int, list[int]]:
+        """Each input as `tokenizer(prompt + text)`, the prompt's tokens as sentence-transformers
+        counts them (the prompt alone, less a trailing special token), and what a cut keeps: the
+        leading tokens (start tokens and prompt) and the end tokens. Rendered through the chat
+        template instead (engine/requests/rendered_texts.py), the frame's head is the prompt's run
+        and what a cut keeps, with the template's tail when the checkpoint restores it. Texts
+        surely over their limits are refused from their length, before tokenizing them (a cut one
+        only by its characters' limit)."""
         tokenizer = self.requests.tokenizer
         if tokenizer is None:
             raise InvalidInput("input", f"model {self.requests.cfg.name!r} has no tokenizer; send token ids")
@@ -214,9 +211,12 @@ class EmbedKind:
             chars = sum(map(len, texts)) + len(prompt) * len(texts)
             self.requests.check_chars("input", chars, limits.max_request_tokens)
         if self.rendered is not None:  # the prompt is the system message: the frame's head is the shared run
-            return self.rendered.ids(texts, prompt), len(self.rendered.frame(prompt)[0])
+            head, tail = self.rendered.frame(prompt)
+            kept_tail = tail if self.rendered.chat.restore_suffix else []
+            return self.rendered.ids(texts, prompt), len(head), len(head), kept_tail
         sequences = tokenizer.encode_whole_many([prompt + text for text in texts])
-        return sequences, self._prompt_tokens(prompt)[1] if prompt else 0
+        prompt_len = self._prompt_tokens(prompt)[1] if prompt else 0
+        return sequences, prompt_len, max(prompt_len, len(tokenizer.start_ids)), tokenizer.end_ids
 
     def _prompt_tokens(self, prompt: str) -> tuple[list[int], int]:
         """The prompt tokenized alone, and its tokens as sentence-transformers counts them (less a

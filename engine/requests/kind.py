@@ -29,6 +29,7 @@ import numpy as np
 import pydantic
 
 from prefixscore.engine.loop.request import TokenizedRequest
+from prefixscore.engine.loop.work_unit import WorkUnit
 from prefixscore.engine.requests.invalid_input import InvalidInput
 
 
@@ -39,6 +40,11 @@ class Done:
 
     answer: np.ndarray
     cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, unit: WorkUnit) -> Done:
+        """A unit the device loop answered."""
+        return cls(unit.reply.answer, unit.reply.cached_tokens)
 
 
 class Plan(Protocol):

@@ -14,6 +14,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
+
+from prefixscore.engine.requests.known_positions import common_prefix
 from prefixscore.model.sentence_config import ChatInputs
 from prefixscore.model.tokenizer import TextTokenizer
 
@@ -49,11 +52,7 @@ class RenderedTexts:
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one per prompt, for the life of the kind
     def frame(self, prompt: str) -> tuple[list[int], list[int]]:
         """The head and the tail every input rendered under `prompt` has (see the module doc)."""
-        a, b = self.ids(list(_FILLERS), prompt)
-        head = 0
-        while head < min(len(a), len(b)) and a[head] == b[head]:
-            head += 1
-        tail = 0
-        while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
-            tail += 1
-        return a[:head], a[len(a) - tail :]
+        a, b = (np.asarray(ids) for ids in self.ids(list(_FILLERS), prompt))
+        head = common_prefix(a, b)
+        tail = common_prefix(a[head:][::-1], b[head:][::-1])
+        return a[:head].tolist(), a[len(a) - tail :].tolist()
