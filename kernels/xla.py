@@ -9,22 +9,28 @@ trip count is a runtime value skip the padding of a bucket entirely:
 - prefix part: per contiguous run of a segment, query blocks starting at the
   run's first token (no alignment needed) x chunks of the segment's pages
   gathered from the pool (an online softmax over the chunks its prefix fills):
-  cost follows the real prefix length; whole chunks below the keys every row of the
-  block sees run unmasked, the finer steps after them masked;
+  cost follows the real prefix length; an item's steps follow its prefix's length
+  alone (whole chunks unmasked, then finer masked steps);
 - prefill chunks: their K/V is in the pool before attention runs (the call writes
   it first), so a chunk's whole attention is its prefix part extended to each
-  token's own position, in the same few large steps: no causal part, no merge
-  (a W4 call's attention takes 0.7x the time it took with a causal part per chunk);
+  token's own position, in steps at fixed multiples of K_TAIL keys: no causal part,
+  no merge (a W4 call's attention takes 0.7x the time it took with a causal part per chunk);
 - ragged item part (the item region): short items (the common case) in one masked
-  softmax over two 32-token blocks; longer ones per 64-token query block over the
-  key blocks from where its first item starts to the diagonal (a runtime trip count);
+  softmax over two 32-token blocks; longer ones per 64-token query block from the item's
+  own first token, over the key blocks from that start to the diagonal (a runtime trip count);
 - the merge: one fused elementwise pass.
 Sliding windows (kernels/paged.py): in a model with a sliding layer, each prefix block starts
-its steps at the page of the first key any of its rows needs (key 0 on a full layer) and masks
-every step (the block's rows span few positions, the window many: little is computed in vain);
-the item part's long-item blocks start at the first key block the window shows, and its short
-items' path is taken while the window is no shorter than the longest item (it then hides
-nothing). A soft cap (AttentionLogits) is applied to the scaled scores before the masks.
+its steps at the K_TAIL step of the first key any of its rows needs (key 0 on a full layer) and
+masks every step (the block's rows span few positions, the window many: little is computed in
+vain); the item part's long-item blocks start at the first key block the window shows, and an
+item takes the short items' path only where the window is no shorter than it (it then hides
+nothing).
+The same bits whatever rides beside: a token's reductions are laid out by its own position
+(in its item, its prefix, its query), never by its neighbours or the call's shape: how its
+item is computed follows the item's own length, a long item's blocks start at its own first
+token, a prefix's steps follow its length or the row's position, and keys a row does not see
+contribute exact zeros wherever they fall (docs/design.md, "The same answer whatever the call").
+A soft cap (AttentionLogits) is applied to the scaled scores before the masks.
 Compile time: each query block size and key step is a copy of the step in the program, and
 those copies, not the model, are most of a small executable's compile time. So only the
 query blocks a bucket's runs can reach are compiled, a rest that needs a whole Q_BLOCK block
@@ -55,7 +61,6 @@ from prefixscore.kernels.paged import (
     from_pool,
     never_windowed,
     segment_runs,
-    segment_starts,
 )
 from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
@@ -214,31 +219,43 @@ def ragged_rows(
     logits: AttentionLogits = DEFAULT_LOGITS,
 ) -> tuple[jax.Array, jax.Array]:
     """Item part on rows. qr: [kv, n * g, d]; kt: [kv, n, d]; vt1: [kv, n, d + 1]; segment_ids: [n]
-    (n a multiple of long_block). A runtime branch on max_item_len and the window picks the work's shape:
-    - every item fits ITEM_BLOCK + 1 tokens (short items): block j attends to blocks j - 1 and j
-      in one softmax (2 * ITEM_BLOCK keys per token);
-    - otherwise query blocks of long_block tokens, each looping over the key blocks from
-      the one where its first item starts to the diagonal (a per-block runtime trip count):
-      a long item costs its causal triangle at block granularity, never the whole stream;
-    - in a model with a sliding layer, those blocks always start at the first key block the
-      layer's window shows and mask by it too (a full layer's window shows every key), and the
-      short items' path is taken only where the window is no shorter than the longest item.
+    (each item's own id; n a multiple of long_block). Which way an item is computed is the item's
+    own business, never the call's, so its bits never depend on what rides beside it:
+    - a short item (at most ITEM_BLOCK + 1 tokens, and, in a layer with a window, none shorter
+      than the item): block j attends to blocks j - 1 and j in one softmax (2 * ITEM_BLOCK keys
+      per token). Where the item sits in its blocks only moves exact zeros (masked keys) within
+      the sums;
+    - a longer item: query blocks of long_block tokens from the item's own first token, each over
+      key blocks from the same start to the diagonal (_long_items), so each token's keys fall into
+      the same steps wherever the item is placed. Only a call holding such an item (max_item_len,
+      a runtime bound) runs them.
     Returns out [kv, n * g, d], lse [kv, n * g] (float32)."""
     n = kt.shape[1]
     short = min(ITEM_BLOCK, n)
     blk = min(long_block, n)
-    bound = jnp.asarray(max_item_len)
-    # no layer slides: the blocks without a window mask; else the blocks masked by the layer's
-    # window (a full layer's NO_WINDOW masks nothing): one body of them compiles, not two
+    # no layer slides: no window mask; else the layer's window (a full layer's NO_WINDOW masks nothing)
     layer_window = None if never_windowed(window) else jnp.asarray(window)
-    paths = [
-        lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short, logits),
-        lambda: _item_blocks(qr, kt, vt1, segment_ids, group, blk, logits, layer_window),
-    ]
-    short_items = bound <= short + 1
+    out, lse = _two_blocks(qr, kt, vt1, segment_ids, group, short, logits)
+    starts, ends, _ = segment_runs(segment_ids, n)
+    lengths = ends - starts
+    longer = lengths > short + 1
     if layer_window is not None:  # a window shorter than an item hides keys the two blocks would see
-        short_items &= layer_window >= bound
-    return jax.lax.switch(jnp.where(short_items, 0, 1), paths)
+        longer |= lengths > layer_window
+    n_long = jnp.sum(longer)  # padding runs have length 1: never long
+
+    def with_long(parts: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        (at,) = jnp.nonzero(longer, size=n // (short + 2) + 1, fill_value=0)
+        long_out, long_lse, is_long = _long_items(
+            qr, kt, vt1, starts[at], lengths[at], n_long, group, blk, logits, layer_window
+        )
+        rows = jnp.repeat(is_long, group)  # row r is token r // group
+        return jnp.where(rows[None, :, None], long_out, parts[0]), jnp.where(rows[None], long_lse, parts[1])
+
+    bound = jnp.asarray(max_item_len)
+    maybe_long = bound > short + 1
+    if layer_window is not None:
+        maybe_long |= bound > layer_window
+    return jax.lax.cond(maybe_long & (n_long > 0), with_long, lambda parts: parts, (out, lse))
 
 
 def _two_blocks(
@@ -270,55 +287,74 @@ def _two_blocks(
     return out.reshape(kv_heads, rows, d), lse.reshape(kv_heads, rows)
 
 
-def _item_blocks(
+def _long_items(
     qr: jax.Array,
     kt: jax.Array,
     vt1: jax.Array,
-    segment_ids: jax.Array,
+    item_starts: jax.Array,
+    item_lengths: jax.Array,
+    count: jax.Array,
     g: int,
     blk: int,
     logits: AttentionLogits,
     window: jax.Array | None,
-) -> tuple[jax.Array, jax.Array]:
-    """Longer items: query block b visits key blocks first(b) .. b, where first(b) holds the start
-    of the block's first item; masked by segment and causality. With a window (None: none), first(b)
-    is no earlier than the block of the first key the block's first row sees, and keys window or
-    more tokens back are masked. Written in place per block."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first `count` of the items at item_starts [m] (lengths [m]): each in query blocks of
+    `blk` tokens from its own first token, block b over the key blocks from the item's start
+    (with a window (None: none), from the block of the first key its first row sees) to its
+    diagonal, masked by causality (and the window). Block and key steps are offsets within the
+    item: the same steps wherever the item sits in the stream. Returns out [kv, n * g, d],
+    lse [kv, n * g] and which tokens [n] were computed here."""
     kv_heads, rows, d = qr.shape
     n = kt.shape[1]
     r = blk * g
-    first_key = segment_starts(segment_ids)[::blk]  # [n / blk]
-    if window is not None:  # the block's first row sees the furthest back
-        first_key = jnp.maximum(first_key, jnp.arange(0, n, blk, dtype=jnp.int32) - window + 1)
-    first = first_key // blk
+    # one block of room past the stream: a block starting at an item's last tokens is never clamped
+    qp = jnp.pad(qr, ((0, 0), (0, r), (0, 0)))
+    kp = jnp.pad(kt, ((0, 0), (0, blk), (0, 0)))
+    vp = jnp.pad(vt1, ((0, 0), (0, blk), (0, 0)))
     token = jnp.repeat(jnp.arange(blk, dtype=jnp.int32), g)  # row -> token within its block
+    Outs = tuple[jax.Array, jax.Array, jax.Array]
 
-    def block(b: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        qblk = jax.lax.dynamic_slice_in_dim(qr, b * r, r, axis=1)
-        q_pos = b * blk + token
-        q_seg = jnp.take(segment_ids, q_pos)[:, None]
+    def item(i: jax.Array, outs: Outs) -> Outs:
+        start, length = item_starts[i], item_lengths[i]
 
-        def step(j: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            kc = jax.lax.dynamic_slice_in_dim(kt, j * blk, blk, axis=1)
-            vc = jax.lax.dynamic_slice_in_dim(vt1, j * blk, blk, axis=1)
-            k_pos = j * blk + jnp.arange(blk, dtype=jnp.int32)
-            k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, j * blk, blk)[None, :]
-            sc, scale = _logits(jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32), logits, d)
-            back = q_pos[:, None] - k_pos[None, :]  # [r, blk]
-            visible = (k_seg == q_seg) & (back >= 0)
-            if window is not None:
-                visible &= back < window
-            return _online_step(carry, jnp.where(visible[None], sc, MASK_VALUE), vc, scale, "kqc,kcd->kqd")
+        def block(b: jax.Array, outs: Outs) -> Outs:
+            q_off = b * blk + token  # [r] offsets within the item
+            qblk = jax.lax.dynamic_slice_in_dim(qp, (start + b * blk) * g, r, axis=1)
+            first = 0 if window is None else jnp.maximum(b * blk - window + 1, 0) // blk
 
-        init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
-        out, lse = _finish(*jax.lax.fori_loop(first[b], b + 1, step, init), jnp.float32)
-        return (
-            jax.lax.dynamic_update_slice_in_dim(outs[0], out, b * r, axis=1),
-            jax.lax.dynamic_update_slice_in_dim(outs[1], lse, b * r, axis=1),
-        )
+            def step(j: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+                kc = jax.lax.dynamic_slice_in_dim(kp, start + j * blk, blk, axis=1)
+                vc = jax.lax.dynamic_slice_in_dim(vp, start + j * blk, blk, axis=1)
+                back = q_off[:, None] - (j * blk + jnp.arange(blk, dtype=jnp.int32))[None, :]  # [r, blk]
+                visible = back >= 0  # a row of the item sees only the item's keys before it
+                if window is not None:
+                    visible &= back < window
+                sc, scale = _logits(jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32), logits, d)
+                return _online_step(carry, jnp.where(visible[None], sc, MASK_VALUE), vc, scale, "kqc,kcd->kqd")
 
-    init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.zeros((kv_heads, rows), jnp.float32))
-    return jax.lax.fori_loop(0, n // blk, block, init)
+            init = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
+            out, lse = _finish(*jax.lax.fori_loop(first, b + 1, step, init), jnp.float32)
+            mine = q_off < length  # rows past the item (the last block overhangs it) are left as they were
+            at = (start + b * blk) * g
+            old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
+            old_lse = jax.lax.dynamic_slice_in_dim(outs[1], at, r, axis=1)
+            old_is = jax.lax.dynamic_slice_in_dim(outs[2], start + b * blk, blk)
+            return (
+                jax.lax.dynamic_update_slice_in_dim(outs[0], jnp.where(mine[None, :, None], out, old_out), at, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(outs[1], jnp.where(mine[None], lse, old_lse), at, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(outs[2], old_is | (q_off[::g] < length), start + b * blk, 0),
+            )
+
+        return jax.lax.fori_loop(0, (length + blk - 1) // blk, block, outs)
+
+    init = (
+        jnp.zeros((kv_heads, rows + r, d), jnp.float32),
+        jnp.zeros((kv_heads, rows + r), jnp.float32),
+        jnp.zeros((n + blk,), bool),
+    )
+    out, lse, is_long = jax.lax.fori_loop(0, count, item, init)
+    return out[:, :rows], lse[:, :rows], is_long[:n]
 
 
 def _ragged_inputs(k: jax.Array, v: jax.Array, segment_ids: jax.Array, multiple: int):
@@ -438,45 +474,40 @@ def paged_prefix_rows(
                 sc = jnp.where(visible, sc, MASK_VALUE / scale)
             return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
 
-        def tail_steps(qblk, at: jax.Array, keys: jax.Array, carry, limit: jax.Array, low: jax.Array | None = None):
-            """The `keys` keys from `at` in K_TAIL-key steps, masked; a rest of at most half a step in
-            one step of half, a longer rest in one more whole step (one loop body for both)."""
-            whole = keys // tail_keys
-            rest = keys - whole * tail_keys
-            half = last_pages[0] * page_tokens
-            carry = jax.lax.fori_loop(
-                0,
-                whole + (rest > half),
-                lambda c, cr: step(qblk, at + c * tail_keys, tail_pages, cr, limit, low),
-                carry,
-            )
-            return jax.lax.cond(
-                (rest > 0) & (rest <= half),
-                lambda cr: step(qblk, at + whole * tail_keys, last_pages[0], cr, limit, low),
-                lambda cr: cr,
-                carry,
-            )
-
-        def plain_steps(qblk, limit: jax.Array, carry):
-            """Keys 0 .. max(limit): whole chunks below min(limit), which every row sees, unmasked;
-            then tail steps, masked. A tail step every row sees whole is masked too: its mask keeps
-            every score (the same arithmetic), costs a compare and a select per score beside the
-            two matmuls, and saves step bodies in every query block's program (compile time)."""
-            lo, hi = jnp.min(limit), jnp.max(limit)
-            full = lo // chunk_keys
+        def key_steps(qblk, limit: jax.Array, low: jax.Array | None, causal: jax.Array, carry):
+            """A block's key steps: each row's keys fall into the same steps whatever else its block
+            holds, so how a query was cut into chunks or which tokens share a block never changes a
+            row's bits (a step a row sees nothing of leaves it exactly as it was).
+            - item rows of a model without a sliding layer see their segment's whole prefix: the
+              steps follow its length alone: whole K_CHUNK chunks unmasked, then K_TAIL-key steps,
+              masked, and a rest of at most half a step in one step of half (a 300-token prefix
+              computes 384 keys, not 1,024). A tail step every row sees whole is masked too: the same
+              arithmetic for a compare and a select per score, and fewer step bodies to compile;
+            - rows whose keys end at their own position (a prefill chunk's) or start at their
+              window's first key: K_TAIL-key steps at multiples of K_TAIL, from the step of min(low)
+              (0 without a window) to max(limit), every step masked.
+            One loop body of each kind of step, whichever rows a block holds."""
+            if low is None:
+                full = jnp.where(causal, 0, length // chunk_keys)
+                keys = length - full * chunk_keys
+                whole, base = keys // tail_keys, full * chunk_keys
+                rest = keys - whole * tail_keys
+                half = (rest > 0) & (rest <= last_pages[0] * page_tokens) & ~causal
+                by_position = (jnp.max(limit) + tail_keys - 1) // tail_keys
+                count = jnp.where(causal, by_position, whole + ((rest > 0) & ~half))
+            else:
+                full, half = 0, False
+                base = jnp.min(low) // tail_keys * tail_keys
+                count = (jnp.maximum(jnp.max(limit) - base, 0) + tail_keys - 1) // tail_keys
             carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_keys, chunk_pages, cr, None), carry)
-            return tail_steps(qblk, full * chunk_keys, hi - full * chunk_keys, carry, limit)
-
-        def windowed_steps(qblk, limit: jax.Array, low: jax.Array, carry):
-            """Keys from the page of min(low) to max(limit), every step masked (a full layer's rows:
-            low 0, so the plain steps' keys)."""
-            base = jnp.min(low) // page_tokens * page_tokens
-            span = jnp.maximum(jnp.max(limit) - base, 0)  # 0: no row sees a key (all before its window)
-            full = span // chunk_keys
             carry = jax.lax.fori_loop(
-                0, full, lambda c, cr: step(qblk, base + c * chunk_keys, chunk_pages, cr, limit, low), carry
+                0, count, lambda c, cr: step(qblk, base + c * tail_keys, tail_pages, cr, limit, low), carry
             )
-            return tail_steps(qblk, base + full * chunk_keys, span - full * chunk_keys, carry, limit, low)
+            if low is not None:
+                return carry
+            return jax.lax.cond(
+                half, lambda cr: step(qblk, base + count * tail_keys, last_pages[0], cr, limit), lambda cr: cr, carry
+            )
 
         def block(first_token: jax.Array, size: int, outs: tuple[jax.Array, jax.Array]):
             r = size * group
@@ -490,11 +521,8 @@ def paged_prefix_rows(
             carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
             # A model with a sliding layer takes the windowed steps on every layer, its full layers
             # too (their rows' low is 0: the same keys, every step masked): one set of step bodies
-            # per query block instead of two under a branch, for a compare and a select per score
-            if never_windowed(meta.window):  # no layer slides: the plain steps alone compile
-                carry = plain_steps(qblk, limit, carry)
-            else:
-                carry = windowed_steps(qblk, limit, low, carry)
+            # per query block instead of two under a branch; a model with none, no window's bounds
+            carry = key_steps(qblk, limit, None if never_windowed(meta.window) else low, causal, carry)
             out, lse = _finish(*carry, jnp.float32)
             mine = first_token + token < end  # [r]: rows of this run (the last block may overhang it)
             old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)

@@ -101,20 +101,26 @@ def mlp(w: MlpWeights, y: jax.Array, act: str = "silu", shards: ModelShards = UN
     return matmul(_ACTIVATIONS[act](matmul(y, w.w_gate)) * matmul(y, w.w_up), w.w_down, shards)
 
 
-def tiled_mlp(
-    w: MlpWeights, y: jax.Array, tile: int | None, act: str = "silu", shards: ModelShards = UNSPLIT
-) -> jax.Array:
-    """mlp() over `tile` tokens at a time (a loop), when tile divides the tokens.
+def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array) -> Any:
+    """fn over `tile` tokens at a time (a loop over tiles), when tile divides the tokens.
 
-    y: [b, t, hidden]. On a CPU the [tokens, intermediate] activations of a whole call (30 MB
-    each for 10,240 tokens of a 768-wide MLP) spill out of the caches: alone, the MLP of
-    10,240 tokens runs 1.7x faster in tiles of 1,024; inside whole calls W1 gained 2% and
-    W4 5%. Accelerators want the whole product (tile None)."""
-    b, t, hidden = y.shape
-    if tile is None or t <= tile or (b * t) % tile:
-        return mlp(w, y, act, shards)
-    parts = y.reshape(b * t // tile, tile, hidden)
-    return jax.lax.map(lambda part: mlp(w, part, act, shards), parts).reshape(b, t, hidden)
+    xs: [b, t, ...] (the same b and t); fn maps tiles [1, tile, ...] to a pytree of [1, tile, ...].
+    Two reasons to tile a layer's per-token work (the projections, norms and MLP):
+    - the same bits whatever the call: a matmul's kernel picks its blocking, and with it the
+      order in which a token's products are summed, from the matrix's shape. On XLA:CPU the rows
+      of x @ w come out differently once a call holds 4,096 tokens or more (and under 61), so a
+      token's hidden state depended on how many tokens rode with it. With every call's tokens in
+      tiles of one size, every product a token takes part in has the same shape in every call;
+    - on a CPU the [tokens, intermediate] activations of a whole call (30 MB each for 10,240 tokens
+      of a 768-wide MLP) spill out of the caches: alone, the MLP of 10,240 tokens ran 1.7x faster
+      in tiles of 1,024 tokens.
+    None: all at once (accelerators want the whole product)."""
+    b, t = xs[0].shape[:2]
+    if tile is None or (b * t) % tile:
+        return fn(*xs)
+    parts = [x.reshape(b * t // tile, 1, tile, *x.shape[2:]) for x in xs]
+    out = jax.lax.map(lambda part: fn(*part), parts)
+    return jax.tree.map(lambda o: o.reshape(b, t, *o.shape[3:]), out)
 
 
 def run_layers(
@@ -124,7 +130,7 @@ def run_layers(
     positions: jax.Array,
     attend: AttendFn,
     state: Any = None,
-    mlp_tile: int | None = None,
+    token_tile: int | None = None,
     shards: ModelShards = UNSPLIT,
 ) -> tuple[jax.Array, Any]:
     """All decoder layers under one scan.
@@ -132,7 +138,8 @@ def run_layers(
     x: [b, t, hidden]; positions: [b, t] or [t]. `attend(q, k, v, layer, state)` returns the
     attention output [b, t, heads, hd] and the new state: the state (e.g. the paged KV pool)
     is carried through the layers, so a layer can write into it in place before it reads.
-    mlp_tile: run the MLP over this many tokens at a time (tiled_mlp; None: all at once).
+    token_tile: run each layer's per-token work (everything but the attention) over this many
+    tokens at a time (per_tile; None: all at once).
     shards: the model axis (model/shards.py): with heads and MLP columns split, the o and down
     projections give partial sums, added up across devices (one all-reduce each per layer)
     before the bias and the residual.
@@ -144,19 +151,27 @@ def run_layers(
     ) -> tuple[tuple[jax.Array, Any], None]:
         h, st = carry
         lw, index, rope = xs  # this layer's slice of the stacked weights, its index and RoPE
-        with jax.named_scope("attention"):
-            q, k, v = _qkv(lw.attn, cfg, norm(cfg, h, lw.attn_norm), positions, rope)
-            out, st = attend(q, k, v, index, st)
+
+        def projections(h: jax.Array, at: jax.Array) -> tuple[jax.Array, ...]:
+            return _qkv(lw.attn, cfg, norm(cfg, h, lw.attn_norm), at, rope)
+
+        def after_attention(h: jax.Array, out: jax.Array) -> jax.Array:
             b, t = h.shape[:2]
             attn_out = shards.sum(matmul(out.reshape(b, t, -1), lw.attn.wo, shards))
             if cfg.out_bias:
                 attn_out = attn_out + lw.attn.bo
             h = h + (norm(cfg, attn_out, lw.attn_post_norm) if cfg.post_norms else attn_out)
-        with jax.named_scope("mlp"):
-            mlp_out = shards.sum(tiled_mlp(lw.mlp, norm(cfg, h, lw.mlp_norm), mlp_tile, cfg.hidden_act, shards))
-            h = h + (norm(cfg, mlp_out, lw.mlp_post_norm) if cfg.post_norms else mlp_out)
+            with jax.named_scope("mlp"):
+                mlp_out = shards.sum(mlp(lw.mlp, norm(cfg, h, lw.mlp_norm), cfg.hidden_act, shards))
+                return h + (norm(cfg, mlp_out, lw.mlp_post_norm) if cfg.post_norms else mlp_out)
+
+        with jax.named_scope("attention"):
+            q, k, v = per_tile(projections, token_tile, h, token_positions)
+            out, st = attend(q, k, v, index, st)
+        h = per_tile(after_attention, token_tile, h, out)
         return (h, st), None
 
+    token_positions = jnp.broadcast_to(positions, x.shape[:2])  # tiled with the tokens
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     inv_freq, scale = rope_tables(cfg)
     ropes = LayerRope(inv_freq=jnp.asarray(inv_freq), scale=jnp.asarray(scale))

@@ -32,7 +32,7 @@ from prefixscore.model.weights import Weights
 # vocabulary rows per step of the full-vocabulary log-sum-exp: a [rows, VOCAB_CHUNK]
 # float32 logits tile stays in cache instead of a [rows, vocab] matrix in memory
 VOCAB_CHUNK = 2048
-# the smallest step of the output head (see head_rows_loop)
+# the rows of one step of the output head (see head_rows_loop)
 MIN_HEAD_ROWS = 32
 
 
@@ -46,7 +46,7 @@ def score_call(
     impl: ModuleType,
     head_rows: int,
     static_head: bool = False,
-    mlp_tile: int | None = None,
+    token_tile: int | None = None,
     shards: ModelShards = UNSPLIT,
     replicas: DataReplicas = ALONE,
     top_logprobs: int = 0,
@@ -58,7 +58,7 @@ def score_call(
     values. On GPUs such a loop or branch reads its predicate back to the host, so the
     launch would return only when the device reached the head: the host could not plan the
     next call meanwhile. The rows computed in vain cost far less there than that wait.
-    mlp_tile: the MLP's tokens per step (decoder.tiled_mlp; None: all at once).
+    token_tile: the tokens per step of each layer's per-token work (decoder.per_tile; None: all at once).
     shards: the model axis (model/shards.py): this device's heads, MLP columns and vocabulary
     rows; the pool holds this device's KV heads.
     replicas: the data axis: this device's prefill region holds its replica's chunks only; each
@@ -111,7 +111,7 @@ def score_call(
 
     with jax.named_scope("embed"):
         x = embed(params, cfg, tokens[None], shards)
-    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), mlp_tile, shards)
+    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards)
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.output)
         if top_logprobs:
@@ -287,44 +287,27 @@ def row_label_probs(
     return jnp.where(valid, jnp.where(rows == OUTPUT_SOFTMAX, soft, jnp.where(rows == OUTPUT_LOGIT, logits, full)), 0.0)
 
 
-def head_sizes(big: int) -> tuple[int, ...]:
-    """Row counts one step of the output head may have: multiples of MIN_HEAD_ROWS up to
-    4 * MIN_HEAD_ROWS, then of 2 * MIN_HEAD_ROWS up to `big` (and `big`)."""
-    fine = range(MIN_HEAD_ROWS, min(big, 4 * MIN_HEAD_ROWS) + 1, MIN_HEAD_ROWS)
-    coarse = range(6 * MIN_HEAD_ROWS, big + 1, 2 * MIN_HEAD_ROWS)
-    return tuple(sorted({*fine, *coarse, big}))
+def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, step_rows: int = MIN_HEAD_ROWS) -> jax.Array:
+    """Run the output head only on the rows that hold an item, `step_rows` rows a step.
 
-
-def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, head_rows: int = 256) -> jax.Array:
-    """Run the output head only on the rows that hold an item.
-
-    fn(*row_slices) -> [size, out]; rows: arrays with a leading row axis [R, ...]. Full steps
-    of `head_rows` rows run in a loop; the remainder in ONE step, the smallest of head_sizes()
-    that holds it: 100 rows are one step of 128, 130 one of 192. Each step streams the whole
-    output matrix and pays a fixed cost over its vocabulary chunks (on a CPU a step of 128 rows
-    takes 0.66x the time of steps of 64 + 32 + 32), so there is one step per call for the
-    rows under head_rows, and the rows it computes in vain stay under a quarter of them. A
-    step near the end is clamped back into range (dynamic slices clamp) and recomputes a few
-    rows identically. Returns [R, out] float32; rows past n_rows are zero or garbage.
+    fn(*row_slices) -> [step_rows, out]; rows: arrays with a leading row axis [R, ...]. Every step
+    has the same rows in every call (rows are padded to a whole step when a call has fewer): the
+    head's norm, products and vocabulary reductions are compiled for that shape once, so a row's
+    bits never depend on how many rows its call holds (XLA:CPU lays a reduction out by its
+    operand's shape: the final norm of 13 rows differed in its last bits as one of 32 rows or of
+    256). Each step streams the whole output matrix, so steps of 32 rows cost more than fewer
+    larger ones where a call holds many rows (docs/benchmarks.md). Returns [R, out] float32;
+    rows past n_rows are zero or garbage.
     """
     total = rows[0].shape[0]
-    big = min(head_rows, total)
-    sizes = head_sizes(big)
-    probe = [jax.ShapeDtypeStruct((big, *a.shape[1:]), a.dtype) for a in rows]
+    padded = -(-max(total, step_rows) // step_rows) * step_rows
+    rows = tuple(jnp.pad(a, [(0, padded - total)] + [(0, 0)] * (a.ndim - 1)) for a in rows)
+    probe = [jax.ShapeDtypeStruct((step_rows, *a.shape[1:]), a.dtype) for a in rows]
     n_out = jax.eval_shape(fn, *probe).shape[1]
 
-    def run(start: jax.Array, size: int, out: jax.Array) -> jax.Array:
-        part = [jax.lax.dynamic_slice_in_dim(a, start, size) for a in rows]
-        start = jnp.minimum(start, total - size)  # where dynamic_slice clamped it
-        return jax.lax.dynamic_update_slice_in_dim(out, fn(*part), start, axis=0)
+    def run(i: jax.Array, out: jax.Array) -> jax.Array:
+        part = [jax.lax.dynamic_slice_in_dim(a, i * step_rows, step_rows) for a in rows]
+        return jax.lax.dynamic_update_slice_in_dim(out, fn(*part), i * step_rows, axis=0)
 
-    out = jnp.zeros((total, n_out), jnp.float32)
-    done = jnp.int32(0)
-    if total > big:  # else the one remainder step below covers every row
-        full = n_rows // big
-        out = jax.lax.fori_loop(0, full, lambda i, o: run(i * big, big, o), out)
-        done = full * big
-    rest = n_rows - done
-    # 0: no rows left; k: the k-th size is the smallest that holds them
-    kind = jnp.where(rest <= 0, 0, 1 + sum((rest > z).astype(jnp.int32) for z in sizes[:-1]))
-    return jax.lax.switch(kind, [lambda o: o] + [lambda o, z=z: run(done, z, o) for z in sizes], out)
+    out = jax.lax.fori_loop(0, (n_rows + step_rows - 1) // step_rows, run, jnp.zeros((padded, n_out), jnp.float32))
+    return out[:total]

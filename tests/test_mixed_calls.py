@@ -105,29 +105,28 @@ def test_the_gpu_head_scores_like_the_cpu_head(monkeypatch: pytest.MonkeyPatch) 
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("total", [64, 512])
+@pytest.mark.parametrize("total", [20, 64, 512])
 def test_the_head_row_steps_cover_every_row_once(total: int) -> None:
-    """head_rows_loop: full steps, then one remainder step of the smallest size that holds the
-    rest; every row below n_rows gets its own value whatever n_rows is (boundaries of each size)."""
+    """head_rows_loop: steps of one size (rows padded to a whole step when a call has fewer); every
+    row below n_rows gets its own value whatever n_rows is (each step's boundaries)."""
     import jax
 
-    from prefixscore.model.step import head_rows_loop, head_sizes
+    from prefixscore.model.step import head_rows_loop
 
     rows = jnp.arange(total, dtype=jnp.float32)[:, None] + 1.0
-    loop = jax.jit(lambda n: head_rows_loop(lambda x: jnp.concatenate([x, 2 * x], axis=1), (rows,), n, 256))
-    edges = {0, 1, total - 1, total}
-    for z in head_sizes(min(256, total)):
-        edges |= {z - 1, z, z + 1, 256 + z, 256 + z + 1}
+    loop = jax.jit(lambda n: head_rows_loop(lambda x: jnp.concatenate([x, 2 * x], axis=1), (rows,), n, 32))
+    edges = {0, 1, total - 1, total} | {z + d for z in range(32, total + 1, 32) for d in (-1, 0, 1)}
     for n in sorted(e for e in edges if 0 <= e <= total):
         out = np.asarray(loop(jnp.int32(n)))
+        assert out.shape == (total, 2)
         want = np.arange(n, dtype=np.float32) + 1.0
         np.testing.assert_array_equal(out[:n, 0], want, err_msg=f"n_rows={n}")
         np.testing.assert_array_equal(out[:n, 1], 2 * want, err_msg=f"n_rows={n}")
 
 
-def test_the_cpu_mlp_tiles_compute_the_whole_mlp() -> None:
-    """decoder.tiled_mlp (the CPU engine's MLP, CPU_MLP_TILE tokens a step) against the whole
-    product, for token counts it tiles and ones it leaves whole."""
+def test_the_cpu_token_tiles_compute_the_whole_mlp() -> None:
+    """decoder.per_tile (the CPU engine's per-token work, in tiles of one size) over the MLP against
+    the whole product, for token counts it tiles and ones it leaves whole."""
     import jax
 
     from prefixscore.model import decoder
@@ -137,5 +136,5 @@ def test_the_cpu_mlp_tiles_compute_the_whole_mlp() -> None:
     rng = np.random.default_rng(2)
     for tokens in (3 * 128, 200, 128):
         y = jnp.asarray(rng.normal(size=(1, tokens, CFG.hidden_size)), jnp.float32)
-        got = jax.jit(lambda y: decoder.tiled_mlp(first_mlp, y, 128))(y)
+        got = jax.jit(lambda y: decoder.per_tile(lambda t: decoder.mlp(first_mlp, t), 128, y))(y)
         np.testing.assert_allclose(np.asarray(got), np.asarray(decoder.mlp(first_mlp, y)), atol=1e-6, rtol=1e-5)

@@ -143,7 +143,9 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
     against /v1/completions; every choice's log-likelihood equals lm-eval's own `hf` backend
     (transformers over the same GGUF) within 1e-4, its greedy flag too, and so does `acc`. Every
     prompt shares the task's description, and a question's choices its question: each is
-    prefilled once, however lm-eval spreads the choices over its requests."""
+    prefilled once, however lm-eval spreads the choices over its requests. Run again one request
+    at a time (`--batch_size 1`) against the warm server, every log-likelihood is bit for bit the
+    same (docs/design.md, "The same answer whatever the call")."""
     import pathlib
 
     from helpers.service import server_config
@@ -170,14 +172,21 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
     with ServerThread(server_config(smollm2, http_port=0, template="auto")) as srv:
         base = f"http://127.0.0.1:{srv.server.http_port}/v1/completions"
         prefilled = smollm2.engine.stats["prefill_tokens"]
-        runs["server"] = simple_evaluate(
-            model="local-completions",
-            model_args=f"model=smollm2-135m,base_url={base},batch_size=16,max_retries=1,tokenizer_backend=remote",
-            tasks=["prefixscore_mc"],
-            task_manager=tasks,
-            log_samples=True,
-        )
+
+        def served(batch_size: int) -> dict:
+            return simple_evaluate(
+                model="local-completions",
+                model_args=f"model=smollm2-135m,base_url={base},batch_size={batch_size},max_retries=1,"
+                "tokenizer_backend=remote",
+                tasks=["prefixscore_mc"],
+                task_manager=tasks,
+                log_samples=True,
+            )
+
+        runs["server"] = served(16)
         prefilled = smollm2.engine.stats["prefill_tokens"] - prefilled
+        # one request at a time, every prompt now cached: the same bits as 16 at a time from cold
+        alone = served(1)
     # every prompt starts with the description, then its question: all that is prefilled is at
     # most the description once and each question once (106 tokens here, of 123)
     samples = runs["server"]["samples"]["prefixscore_mc"]
@@ -195,5 +204,7 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
         served = got["server"][doc]
         np.testing.assert_allclose([ll for ll, _ in served], [ll for ll, _ in want], atol=1e-4, rtol=0)
         assert [g for _, g in served] == [g for _, g in want]
+    alone = {s["doc_id"]: s["filtered_resps"] for s in alone["samples"]["prefixscore_mc"]}
+    assert alone == got["server"]  # float for float: lm-eval's results do not depend on its --batch_size
     accuracy = {name: run["results"]["prefixscore_mc"]["acc,none"] for name, run in runs.items()}
     assert accuracy["server"] == accuracy["hf"], accuracy

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 
 from prefixscore.model.call_inputs import CallShape
 
@@ -62,7 +63,8 @@ class Buckets:
     page_tokens: tokens per page of the prefix pool; segments: page-table rows per call.
     labels: label ids per call (the union of its rows' label sets).
     tokens_per_row: an item region of T tokens returns T // tokens_per_row rows.
-    head_rows: rows per step of the vocabulary projection (a runtime loop).
+    head_rows: rows per step of the output head (a runtime loop; one size in every call: model/step.py
+      head_rows_loop).
     hidden: the hidden state's columns every call returns (CallShape.hidden): the model's hidden
       size for an engine that serves embeddings, so the shapes warm-up compiles are the ones
       embedding requests run (every call carries them; their rows cost a norm); 0: none.
@@ -81,7 +83,7 @@ class Buckets:
     page_tokens: int = 128
     segments: int = 64
     tokens_per_row: int = 4
-    head_rows: int = 256
+    head_rows: int = 32
     hidden: int = 0
     token_rows: bool = False
 
@@ -110,6 +112,13 @@ class Buckets:
         if i == len(sizes):
             raise ValueError(f"{axis} size {n} exceeds the largest bucket {sizes[-1]}")
         return sizes[i]
+
+    def token_tile(self, most: int) -> int:
+        """The most tokens, at most `most`, of a tile that divides every call's tokens (any sum of a
+        prefill and an item size): every call's per-token work then runs in tiles of one shape
+        (decoder.per_tile), so a token's bits never depend on the call's size."""
+        common = math.gcd(*self.prefill, *self.tokens)
+        return max(d for d in range(1, min(common, most) + 1) if common % d == 0)
 
     @property
     def max_labels(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from prefixscore.choices import DEFAULT_DTYPE
-from prefixscore.engine.runtime import compile_cache, packed_call
+from prefixscore.engine.runtime import arithmetic, compile_cache, packed_call
 from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.call_broadcast import ALONE, CallBroadcast
 from prefixscore.engine.runtime.mesh import Layout, MeshShape, default_layout
@@ -41,12 +42,16 @@ from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, Ite
 from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.weights import Weights
 from prefixscore.telemetry.compiles import CompileCounter
+from prefixscore.telemetry.logs import event
+
+log = logging.getLogger(__name__)
 
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# on CPUs the MLP runs this many tokens at a time, so its activations stay in cache
-# (decoder.tiled_mlp); accelerators run it whole
-CPU_MLP_TILE = 1024
+# on CPUs each layer's per-token work runs in tiles of at most this many tokens, one tile size
+# for every call (decoder.per_tile: the same bits whatever the call's size; the MLP's activations
+# stay in cache); accelerators run it whole
+CPU_TOKEN_TILE = 1024
 
 
 def _all_fields(region: type, value: Any) -> Any:
@@ -87,6 +92,15 @@ class ScoringEngine:
         self._impl = dispatch.get(self.attn_impl)
         self.layout = mesh if isinstance(mesh, Layout) else default_layout(cfg, dtype, devices, mesh)
         self.devices = self.layout.devices
+        if self.devices[0].platform == "cpu" and arithmetic.contracts_multiply_add():
+            event(
+                log,
+                "cpu_fma_contraction",
+                logging.WARNING,
+                reason="XLA's CPU backend started before prefixscore.engine was imported, or XLA_FLAGS names "
+                f"another --xla_cpu_max_isa: an answer may differ in its last bits with the call it rides in "
+                f"(start with XLA_FLAGS={arithmetic.CPU_FLAG})",
+            )
         self.params = self.layout.place_weights(params)
         self.page_bytes = page_bytes(cfg, dtype, self.buckets.page_tokens, self.layout.local_kv_heads)
         device, max_pages = self.layout.local_devices[0], self.buckets.max_pages
@@ -235,7 +249,7 @@ class ScoringEngine:
         call_fn = functools.partial(
             self._call_fn,
             static_head=platform in GPU_PLATFORMS,
-            mlp_tile=CPU_MLP_TILE if platform == "cpu" else None,
+            token_tile=self.buckets.token_tile(CPU_TOKEN_TILE) if platform == "cpu" else None,
             top_logprobs=shape.top_logprobs,
             hidden=shape.hidden > 0,
         )
@@ -256,7 +270,7 @@ class ScoringEngine:
         pool_v: jax.Array,
         call: CallInputs,
         static_head: bool,
-        mlp_tile: int | None,
+        token_tile: int | None,
         top_logprobs: int,
         hidden: bool,
     ):
@@ -269,7 +283,7 @@ class ScoringEngine:
             impl=self._impl,
             head_rows=self.buckets.head_rows,
             static_head=static_head,
-            mlp_tile=mlp_tile,
+            token_tile=token_tile,
             shards=self.layout.shards,
             replicas=self.layout.replicas,
             top_logprobs=top_logprobs,

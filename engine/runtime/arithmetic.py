@@ -1,0 +1,42 @@
+"""The same arithmetic in every compiled program of the CPU engine (docs/design.md, "The same
+answer whatever the call").
+
+XLA:CPU contracts `a * b + c` into one fused multiply-add wherever the multiply and the add land
+in the same fused loop, and whether they do depends on the program around them: SmolLM2's RoPE
+was fused one way in a call of 256 tokens and another in one of 1,280, so a token's queries and
+keys differed in their last bit, and its score by 2.5e-5 in float32 (0.78 in log space with 8-bit
+activations, whose rounding amplifies it). Capping the instructions XLA:CPU generates at AVX
+(no FMA) leaves every multiply and add rounded on its own, in every program alike. The matmuls
+are not generated code (XLA calls its compiled kernels for them): the MLP of 2,048 SmolLM2
+tokens ran in the same time either way, and the whole-call cost is in docs/benchmarks.md.
+
+XLA reads its flags once, when its CPU backend starts: `prefixscore.engine` adds the flag on
+import, and an engine built in a process whose backend started earlier (jax used before
+prefixscore was imported) says so in its log (`cpu_fma_contraction`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+CPU_FLAG = "--xla_cpu_max_isa=AVX"
+
+
+def pin_cpu_arithmetic() -> None:
+    """Add CPU_FLAG to XLA_FLAGS, unless the caller chose a max ISA there."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_max_isa" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_FLAG}".strip()
+
+
+def contracts_multiply_add() -> bool:
+    """Whether this process's CPU programs fuse a * b + c into one rounding (CPU_FLAG came too late,
+    or XLA_FLAGS chose another ISA): a small program's sums against numpy's, rounded twice."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
+    fused = np.asarray(jax.jit(lambda a, b, c: a * b + c, backend="cpu")(a, b, c))
+    return not np.array_equal(fused, a * b + c)

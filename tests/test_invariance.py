@@ -1,0 +1,287 @@
+"""The same input, the same answer, bit for bit (docs/design.md, "The same answer whatever the
+call"): a needle request alone, then the same request among other items of other lengths, at
+several places among them, beside other queries, with its query cold, cached, prefilled in chunks
+or borrowed from another query's pages. Every kind (score, likelihood, classify, embeddings), in
+float32, bfloat16, W8A16 and W8A8; the raw float32 rows the device returned compared with
+`assert_array_equal`, and the answers built from them with `==`.
+
+Nothing here names a bucket or a layout: each comparison is a request alone against the same
+request in company, so a layout that changes how calls are filled must keep them equal."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from conftest import SMALL_BUCKETS, make_torch_model
+
+from prefixscore import Scorer
+from prefixscore.engine.requests.classify import ClassifyInput
+from prefixscore.engine.requests.embedding import EmbedInput
+from prefixscore.engine.requests.kind import Done, plain, served, to_run
+from prefixscore.engine.requests.score import ScoreInput
+
+# W8A16 and W8A8 are the int8 projections with and without 8-bit activations
+NUMERICS = {
+    "float32": dict(dtype="float32"),
+    "bfloat16": dict(dtype="bfloat16"),
+    "w8a16": dict(dtype="float32", quantize="int8", activations="none"),
+    "w8a8": dict(dtype="float32", quantize="int8", activations="dynamic"),
+}
+# a query longer than a prefill chunk (128 tokens in SMALL_BUCKETS): prefilled in chunks
+QUERY_TOKENS = 300
+VOCAB = 49152
+
+
+def ids(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(100, VOCAB - 100, n)]
+
+
+@functools.cache
+def lm(numerics: str) -> Scorer:
+    return Scorer.load("tiny-qwen3", buckets=SMALL_BUCKETS, **NUMERICS[numerics])
+
+
+def run_together(scorer: Scorer, requests: list[tuple[str, object]]) -> list[tuple[list[np.ndarray], object]]:
+    """Requests (kind, input) queued together, so their prefills and items share calls; per request
+    the raw rows of each of its engine requests and its answer as plain values."""
+    kinds = [scorer.kinds[kind] for kind, _ in requests]
+    plans = [kind.plan(inp) for kind, (_, inp) in zip(kinds, requests, strict=True)]
+    todo = [to_run(plan) for plan in plans]
+    units = iter(scorer.runner.run_requests([r for rs in todo for r in rs]))
+    out = []
+    for kind, plan, rs in zip(kinds, plans, todo, strict=True):
+        done = [Done.of(next(units)) for _ in rs]
+        out.append(([d.answer for d in done], plain(served(kind, plan, done).result)))
+    return out
+
+
+Result = tuple[list[np.ndarray] | None, object]
+
+
+def entry(result: Result, at: int) -> Result:
+    """The needle's entry of a request that holds other items too (its answer's entry `at`)."""
+    return None, result[1][at]  # type: ignore[index]
+
+
+def assert_same(got: Result, want: Result, case: str) -> None:
+    """Raw rows bit for bit (where both are a whole request's), answers value for value (plain
+    floats converted exactly from float32: == is bit equality)."""
+    if got[0] is not None and want[0] is not None:
+        assert len(got[0]) == len(want[0]), case
+        for g, w in zip(got[0], want[0], strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=case)
+    assert got[1] == want[1], case
+
+
+class Haystack:
+    """A needle request of one kind against the same request in company."""
+
+    def __init__(self, scorer: Scorer, seed: int = 0) -> None:
+        self.scorer = scorer
+        self.rng = np.random.default_rng(seed)
+
+    def alone_cold(self, kind: str, inp: object) -> tuple[list[np.ndarray], object]:
+        self.scorer.engine.prefix_cache.evict_idle()
+        return run_together(self.scorer, [(kind, inp)])[0]
+
+    def beside(self, needle: tuple[str, object], others: list[tuple[str, object]], at: int):
+        """The needle at index `at` among `others` (all queued together); its result."""
+        requests = others[:at] + [needle] + others[at:]
+        return run_together(self.scorer, requests)[at]
+
+
+def score_input(query: list[int], items: list[list[int]], labels: list[int], **options) -> ScoreInput:
+    return ScoreInput(query=query, items=items, label_token_ids=labels, **options)
+
+
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+@pytest.mark.parametrize("needle_tokens", [20, 45])  # a short item and a long one (past 33 tokens)
+def test_a_score_is_the_same_whatever_rides_beside_it(numerics: str, needle_tokens: int) -> None:
+    """A 300-token query with one item and 64 labels, full-vocabulary probabilities: alone cold,
+    alone warm, among 255 other items of 3-60 tokens at the start, middle and end, beside 15 other
+    queries (cold and warm), after a query that shares its first 160 tokens (its pages borrowed),
+    and with its own query prefilled in chunks beside other prefills."""
+    hay = Haystack(lm(numerics))
+    rng = hay.rng
+    query, needle, labels = ids(rng, QUERY_TOKENS), ids(rng, needle_tokens), ids(rng, 64)
+
+    def needle_with(items_before: list[list[int]], items_after: list[list[int]], q: list[int] = query):
+        return ("score", score_input(q, [*items_before, needle, *items_after], labels))
+
+    alone = hay.alone_cold(*needle_with([], []))
+    cases = {"alone warm": run_together(hay.scorer, [needle_with([], [])])[0]}
+    others = [ids(rng, int(n)) for n in rng.integers(3, 61, 255)]
+    for at in (0, 128, 255):
+        result = run_together(hay.scorer, [needle_with(others[:at], others[at:])])[0]
+        cases[f"among 255 items at {at}"] = entry(result, at)
+    queries = [("score", score_input(ids(rng, int(rng.integers(40, 400))), others[:8], labels)) for _ in range(15)]
+    cases["beside 15 queries, all warm"] = hay.beside(needle_with([], []), queries, 7)
+    hay.scorer.engine.prefix_cache.evict_idle()
+    fresh = [("score", score_input(ids(rng, int(rng.integers(40, 400))), others[:4], labels)) for _ in range(15)]
+    cases["cold, beside 15 cold queries (chunked prefills)"] = hay.beside(needle_with([], []), fresh, 15)
+    hay.scorer.engine.prefix_cache.evict_idle()
+    lender = query[:160] + ids(rng, 100)
+    run_together(hay.scorer, [("score", score_input(lender, others[:2], labels))])
+    cases["its first 160 query tokens borrowed"] = run_together(hay.scorer, [needle_with([], [])])[0]
+    for case, got in cases.items():
+        assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_a_tokens_attention_is_the_same_however_its_query_is_chunked_and_its_item_placed(window) -> None:
+    """The CPU attention (kernels/xla.py) at the kernel: a 1,500-token query's tokens prefilled in one
+    chunk, in two, or from 1,100 on beside another query's chunk, give the same bits at the same
+    positions (its steps of keys follow each token's position, not its chunk's start or its block's
+    other rows); an item of 20 or 45 tokens gives the same bits at any offset among items of 3-60
+    tokens as alone. With a sliding window (300 keys) as well."""
+    import jax
+    import jax.numpy as jnp
+
+    from prefixscore.kernels import xla
+    from prefixscore.kernels.paged import NO_WINDOW, PagedAttentionMeta
+
+    rng = np.random.default_rng(5)
+    heads, kv, d, page, query = 4, 2, 32, 16, 1500
+    pages = -(-query // page) + 8
+    pool_k, pool_v = (jnp.asarray(rng.normal(size=(1, kv, 2 * pages, page, d)), jnp.float32) for _ in range(2))
+    table = jnp.asarray([np.arange(pages), np.arange(pages), np.arange(pages, 2 * pages)], jnp.int32)
+    q_all = rng.normal(size=(query, heads, d)).astype(np.float32)
+    attend = jax.jit(xla.paged_attention, static_argnames=())
+
+    def stream(chunks: list[tuple[int, int, int]], items: list[int], needle_at: int | None, n: int):
+        """chunks: (segment, start, end) of the query (segment 2: another query's pages); then items
+        of these lengths over segment 0's whole prefix. Returns the call's output."""
+        split = sum(end - start for _, start, end in chunks)
+        seg, item = np.zeros(n, np.int32), -1 - np.arange(n, dtype=np.int32)
+        pos = np.zeros(n, np.int32)
+        q = rng.normal(size=(n, heads, d)).astype(np.float32)
+        k, v = rng.normal(size=(n, kv, d)).astype(np.float32), rng.normal(size=(n, kv, d)).astype(np.float32)
+        at = 0
+        for i, (s, start, end) in enumerate(chunks):
+            seg[at : at + end - start], item[at : at + end - start] = s, i
+            pos[at : at + end - start] = np.arange(start, end)
+            q[at : at + end - start] = q_all[start:end]
+            at += end - start
+        prefix_len = [0, 0, 0]
+        for s, start, _ in chunks:
+            prefix_len[s] = start
+        prefix_len[0] = query if items else prefix_len[0]
+        for i, length in enumerate(items):
+            seg[at : at + length], item[at : at + length] = 0, 1000 + i
+            pos[at : at + length] = query + np.arange(length)
+            if i == needle_at:
+                q[at : at + length], k[at : at + length], v[at : at + length] = needle
+            at += length
+        meta = PagedAttentionMeta(
+            segment_ids=jnp.asarray(seg),
+            item_ids=jnp.asarray(item),
+            page_table=table,
+            prefix_len=jnp.asarray(prefix_len, jnp.int32),
+            max_chunk_len=jnp.int32(max([end - start for _, start, end in chunks], default=0)),
+            max_item_len=jnp.int32(max(items, default=1)),
+            layer=jnp.int32(0),
+            positions=jnp.asarray(pos),
+            window=NO_WINDOW if window is None else jnp.int32(window),
+            split=split,
+        )
+        return np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), pool_k, pool_v, meta))
+
+    # the query's own tokens: one chunk, two (a second segment over the same pages), or its last 400
+    # after another query's chunk
+    whole = stream([(0, 0, query)], [], None, 1536)
+    two = stream([(0, 0, 700), (1, 700, query)], [], None, 1536)
+    late = stream([(2, 0, 200), (1, 1100, query)], [], None, 1536)
+    np.testing.assert_array_equal(two[:query], whole[:query])
+    np.testing.assert_array_equal(late[200 : 200 + query - 1100], whole[1100:query])
+    for length in (20, 45):
+        needle = tuple(rng.normal(size=(length, *shape)).astype(np.float32) for shape in ((heads, d), (kv, d), (kv, d)))
+        alone = stream([], [length], 0, 512)[:length]
+        others = [int(x) for x in rng.integers(3, 61, 12)]
+        for at in (0, 3, 7, 12):
+            items = others[:at] + [length] + others[at:]
+            got = stream([], items, at, 512)
+            start = sum(items[:at])
+            np.testing.assert_array_equal(
+                got[start : start + length], alone, err_msg=f"{length} tokens after {at} items"
+            )
+
+
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+def test_a_likelihood_is_the_same_whatever_rides_beside_it(numerics: str) -> None:
+    """A continuation's log-prob at every token, its top log-probs and greedy flags: alone cold,
+    alone warm, among 31 other continuations of 1-40 tokens at the start, middle and end, and
+    beside 7 other contexts' likelihoods, all cold."""
+    hay = Haystack(lm(numerics), seed=1)
+    rng = hay.rng
+    context, needle = ids(rng, 200), ids(rng, 12)
+
+    def likelihood(ctx: list[int], items: list[list[int]]) -> tuple[str, ScoreInput]:
+        return "likelihood", ScoreInput(query=ctx, items=items, loglikelihood=True, top_logprobs=5)
+
+    alone = hay.alone_cold(*likelihood(context, [needle]))
+    cases = {"alone warm": run_together(hay.scorer, [likelihood(context, [needle])])[0]}
+    others = [ids(rng, int(n)) for n in rng.integers(1, 41, 31)]
+    for at in (0, 15, 31):
+        result = run_together(hay.scorer, [likelihood(context, [*others[:at], needle, *others[at:]])])[0]
+        cases[f"among 31 continuations at {at}"] = entry(result, at)
+    hay.scorer.engine.prefix_cache.evict_idle()
+    contexts = [likelihood(ids(rng, int(rng.integers(20, 300))), others[:6]) for _ in range(7)]
+    cases["cold, beside 7 cold contexts"] = hay.beside(likelihood(context, [needle]), contexts, 3)
+    for case, got in cases.items():
+        assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("classifier")
+    make_torch_model("qwen3", seed=4, classifier=True, num_labels=3, pad_token_id=0, vocab_size=VOCAB).save_pretrained(
+        path
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+def test_a_classification_is_the_same_whatever_rides_beside_it(numerics: str, classifier_dir: str) -> None:
+    """A classifier's logits for one input: alone cold, alone warm, among 63 inputs of 3-120 tokens
+    at the start, middle and end."""
+    hay = Haystack(Scorer.load(classifier_dir, buckets=SMALL_BUCKETS, **NUMERICS[numerics]), seed=2)
+    rng = hay.rng
+    needle = ids(rng, 30)
+    alone = hay.alone_cold("classify", ClassifyInput(input=[needle], activation="none"))
+    cases = {
+        "alone warm": run_together(hay.scorer, [("classify", ClassifyInput(input=[needle], activation="none"))])[0]
+    }
+    others = [ids(rng, int(n)) for n in rng.integers(3, 121, 63)]
+    for at in (0, 31, 63):
+        inp = ClassifyInput(input=[*others[:at], needle, *others[at:]], activation="none")
+        cases[f"among 63 inputs at {at}"] = entry(run_together(hay.scorer, [("classify", inp)])[0], at)
+    for case, got in cases.items():
+        assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
+
+
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+def test_an_embedding_is_the_same_whatever_rides_beside_it(numerics: str, tmp_path_factory) -> None:
+    """A text's embedding (mean pooling, normalized, under the model's default prompt, the prompt a
+    cached prefix): alone cold, alone warm, among 63 texts of other lengths at the start, middle and
+    end."""
+    from helpers.sentence_checkpoints import st_checkpoint
+
+    path = st_checkpoint(tmp_path_factory.mktemp("st"), "mean", include_prompt=True, normalize=True)
+    hay = Haystack(Scorer.load(path, buckets=SMALL_BUCKETS, **NUMERICS[numerics]), seed=3)
+    rng = hay.rng
+    words = "the of a cat sat on mat under warm light while rain fell over hills and quiet towns".split()
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words, n))
+
+    needle = text(25)
+    alone = hay.alone_cold("embed", EmbedInput(input=[needle]))
+    cases = {"alone warm": run_together(hay.scorer, [("embed", EmbedInput(input=[needle]))])[0]}
+    others = [text(int(n)) for n in rng.integers(1, 80, 63)]
+    for at in (0, 31, 63):
+        inp = EmbedInput(input=[*others[:at], needle, *others[at:]])
+        cases[f"among 63 texts at {at}"] = entry(run_together(hay.scorer, [("embed", inp)])[0], at)
+    for case, got in cases.items():
+        assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
