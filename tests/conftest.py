@@ -47,11 +47,11 @@ def xla_flags(devices: int) -> str:
     return f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}"
 
 
-# the engine's arithmetic flag (engine/runtime/arithmetic.py) before jax's CPU backend starts below
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# the engine's arithmetic flag (engine/runtime/arithmetic.py), before jax's CPU backend starts below
 from prefixscore.engine.runtime import arithmetic  # noqa: E402, F401
 
 if jax.default_backend() == "gpu":

@@ -113,8 +113,10 @@ def test_a_score_is_the_same_whatever_rides_beside_it(numerics: str, needle_toke
     alone = hay.alone_cold(*needle_with([], []))
     cases = {"alone warm": run_together(hay.scorer, [needle_with([], [])])[0]}
     others = [ids(rng, int(n)) for n in rng.integers(3, 61, 255)]
-    for at in (0, 128, 255):
-        result = run_together(hay.scorer, [needle_with(others[:at], others[at:])])[0]
+    # the needle three times among them (one haystack, three places): first, in the middle, last
+    haystack = [needle, *others[:128], needle, *others[128:], needle]
+    result = run_together(hay.scorer, [("score", score_input(query, haystack, labels))])[0]
+    for at in (0, 129, 257):
         cases[f"among 255 items at {at}"] = entry(result, at)
     queries = [("score", score_input(ids(rng, int(rng.integers(40, 400))), others[:8], labels)) for _ in range(15)]
     cases["beside 15 queries, all warm"] = hay.beside(needle_with([], []), queries, 7)

@@ -58,7 +58,8 @@ def run_part(parts: dict, part: str) -> dict:
 
 def test_meshes_serve_like_one_device(parts) -> None:
     """Mixed calls with chunked prefills, the prefix cache, label softmax or not, item_first,
-    isolation and steady state, on a data-only (8x1), a 2x2 and a model-only (1x4) mesh; a
+    isolation and steady state, on a data-only (8x1), a 2x2 and a model-only (1x4) mesh, each
+    request's scores bit for bit the same alone, mixed and from the cache on its mesh; a
     restart on a mesh compiles nothing (the persistent cache). Each mesh is warmed up on the
     shapes its calls take (warm-up's first stage: items alone and beside a prefill region), the
     shapes steady state and the restart are counted over."""
@@ -70,6 +71,7 @@ def test_meshes_serve_like_one_device(parts) -> None:
             assert diff <= LOG_TOLERANCE, (mesh, case, diff)
         assert r["cached_round_prefill_tokens"] == 0 and r["cached_round_max_diff"] <= LOG_TOLERANCE, (mesh, r)
         assert r["alone_vs_mixed_max_diff"] <= LOG_TOLERANCE, (mesh, r)  # isolation: neighbours change nothing
+        assert r["alone_cached_mixed_bit_equal"], (mesh, r)  # and on one mesh, not a bit
         assert r["steady_state_compilations"] == 0, (mesh, r)
         dp = int(mesh.split("x")[0])
         assert r["max_chunks_in_a_call"] >= 2, (mesh, r)
@@ -338,6 +340,10 @@ def part_engine() -> dict:
             "cached_round_prefill_tokens": engine.stats["prefill_tokens"] - prefilled,
             "cached_round_max_diff": _diff(cached, one),
             "alone_vs_mixed_max_diff": _diff(alone, mixed),
+            # the same mesh: the same bits whatever rides beside (docs/design.md)
+            "alone_cached_mixed_bit_equal": all(
+                np.array_equal(a, m) and np.array_equal(c, m) for a, c, m in zip(alone, cached, mixed, strict=True)
+            ),
             "steady_state_compilations": CompileCounter.obtained() - before,
             "max_replicas_in_a_call": max(replicas),
             "max_chunks_in_a_call": max(p.chunks for p in plans),
