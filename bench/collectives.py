@@ -29,10 +29,14 @@ HARDWARE: dict[str, tuple[float, float]] = {
 # the decoder's named scopes, innermost first (the pool write runs inside the attention's)
 SCOPES = ("pool_write", "attention", "mlp", "embed", "head")
 LAYER_SCOPES = ("pool_write", "attention", "mlp")
+# a collective's result (one array, or a tuple of them: XLA combines independent all-reduces into
+# one), its kind and its operands
 _OP = re.compile(
-    r"= (?P<dtype>\w+)\[(?P<shape>[\d,]*)\][^=]* (?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
-    r"collective-permute)\("
+    r"= (?P<result>\(.*?\)|\w+\[[\d,]*\]\S*) (?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute)\((?P<operands>[^)]*)\)"
 )
+_ARRAY = re.compile(r"(?P<dtype>\w+)\[(?P<shape>[\d,]*)\]")
+_NAMED = re.compile(r"^\s*(?:ROOT )?(?P<name>%[\w.-]+) = .*op_name=\"(?P<op_name>[^\"]*)\"")
 _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "pred": "bool"}
 
 
@@ -53,10 +57,12 @@ class Collective:
 
 
 def collectives(hlo: str, mesh: Any) -> list[Collective]:
-    """Every collective in a compiled module's text; `mesh`: the jax Mesh (data, model) it ran on."""
+    """Every collective in a compiled module's text; `mesh`: the jax Mesh (data, model) it ran on.
+    A combined collective (a tuple of arrays) is listed per array, each in its operand's scope."""
     grid = mesh.devices
     model = {frozenset(int(d.id) for d in row) for row in grid}
     data = {frozenset(int(d.id) for d in column) for column in grid.T}
+    op_names = {m.group("name"): m.group("op_name") for m in map(_NAMED.match, hlo.splitlines()) if m}
     found = []
     for line in hlo.splitlines():
         match = _OP.search(line)
@@ -66,11 +72,16 @@ def collectives(hlo: str, mesh: Any) -> list[Collective]:
         groups = {frozenset(int(x) for x in g.split(",")) for g in re.findall(r"\{([\d,]+)\}", groups_text)}
         axis = "model" if groups == model else "data" if groups == data else "other"
         name = re.search(r'op_name="([^"]*)"', line)
-        op_name = name.group(1) if name else ""
-        scope = next((s for s in SCOPES if f"/{s}/" in op_name), "gather")
-        shape = tuple(int(x) for x in match.group("shape").split(",") if x)
-        per_layer = "/while/body/" in op_name and scope in LAYER_SCOPES
-        found.append(Collective(scope, match.group("kind"), axis, shape, match.group("dtype"), per_layer))
+        own = name.group(1) if name else ""
+        operands = [o.strip() for o in match.group("operands").split(",")]
+        arrays = list(_ARRAY.finditer(match.group("result")))
+        for i, array in enumerate(arrays):
+            # a combined collective's array: the scope of the operand it reduces
+            op_name = op_names.get(operands[i], own) if len(arrays) > 1 and i < len(operands) else own
+            scope = next((s for s in SCOPES if f"/{s}/" in op_name), "gather")
+            shape = tuple(int(x) for x in array.group("shape").split(",") if x)
+            per_layer = "/while/body/" in op_name and scope in LAYER_SCOPES
+            found.append(Collective(scope, match.group("kind"), axis, shape, array.group("dtype"), per_layer))
     return found
 
 

@@ -155,20 +155,25 @@ def run_layers(
         def projections(h: jax.Array, at: jax.Array) -> tuple[jax.Array, ...]:
             return _qkv(lw.attn, cfg, norm(cfg, h, lw.attn_norm), at, rope)
 
-        def after_attention(h: jax.Array, out: jax.Array) -> jax.Array:
-            b, t = h.shape[:2]
-            attn_out = shards.sum(matmul(out.reshape(b, t, -1), lw.attn.wo, shards))
-            if cfg.out_bias:
-                attn_out = attn_out + lw.attn.bo
-            h = h + (norm(cfg, attn_out, lw.attn_post_norm) if cfg.post_norms else attn_out)
-            with jax.named_scope("mlp"):
-                mlp_out = shards.sum(mlp(lw.mlp, norm(cfg, h, lw.mlp_norm), cfg.hidden_act, shards))
-                return h + (norm(cfg, mlp_out, lw.mlp_post_norm) if cfg.post_norms else mlp_out)
+        def o_projection(out: jax.Array) -> jax.Array:
+            return matmul(out.reshape(*out.shape[:2], -1), lw.attn.wo, shards)
 
+        def post_norm(weight: jax.Array) -> Callable[[jax.Array], jax.Array]:
+            return lambda x: per_tile(lambda y: norm(cfg, y, weight), token_tile, x)
+
+        # the partial sums of a split model are added up across devices on the whole token stream,
+        # outside the tiles: one all-reduce per projection and layer, as many bytes as untiled
         with jax.named_scope("attention"):
             q, k, v = per_tile(projections, token_tile, h, token_positions)
             out, st = attend(q, k, v, index, st)
-        h = per_tile(after_attention, token_tile, h, out)
+            attn_out = shards.sum(per_tile(o_projection, token_tile, out))
+            if cfg.out_bias:
+                attn_out = attn_out + lw.attn.bo
+            h = h + (post_norm(lw.attn_post_norm)(attn_out) if cfg.post_norms else attn_out)
+        with jax.named_scope("mlp"):
+            mlp_in = lambda x: mlp(lw.mlp, norm(cfg, x, lw.mlp_norm), cfg.hidden_act, shards)  # noqa: E731
+            mlp_out = shards.sum(per_tile(mlp_in, token_tile, h))
+            h = h + (post_norm(lw.mlp_post_norm)(mlp_out) if cfg.post_norms else mlp_out)
         return (h, st), None
 
     token_positions = jnp.broadcast_to(positions, x.shape[:2])  # tiled with the tokens

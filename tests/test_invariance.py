@@ -287,3 +287,28 @@ def test_an_embedding_is_the_same_whatever_rides_beside_it(numerics: str, tmp_pa
         cases[f"among 63 texts at {at}"] = entry(run_together(hay.scorer, [("embed", inp)])[0], at)
     for case, got in cases.items():
         assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
+
+
+def test_the_engine_keeps_xla_from_fusing_multiply_add() -> None:
+    """engine/runtime/arithmetic.py: importing prefixscore.engine before XLA's CPU backend starts
+    leaves every `a * b + c` rounded twice, in every program (the flag it adds); with XLA_FLAGS
+    naming another ISA (the caller's choice) the same probe sees the fused rounding, so the probe
+    can tell. Without the suite's fast-compile flags, as a server runs."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import prefixscore.engine\n"
+        "from prefixscore.engine.runtime.arithmetic import contracts_multiply_add\n"
+        "print(contracts_multiply_add())\n"
+    )
+
+    def contracts(flags: str) -> bool:
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return run.stdout.split()[-1] == "True"
+
+    assert not contracts("")
+    if "fma" in open("/proc/cpuinfo").read().split():  # a CPU without FMA never fuses
+        assert contracts("--xla_cpu_max_isa=AVX2")

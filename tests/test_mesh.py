@@ -95,7 +95,7 @@ def test_collectives_and_bytes_per_device(parts) -> None:
     """The compiled HLO holds exactly the collectives of the design (model/shards.py): per layer
     two all-reduces of the token stream's hidden states on the model axis (o and down
     projections), one for the embedding, the label rows and the vocabulary log-sum-exp's
-    [rows] max and sum, and the probabilities gathered on the data axis; none gathers a weight
+    max and sum over a head step's rows, and the probabilities gathered on the data axis; none gathers a weight
     or the pool. Each device holds 1/tp of every split weight and of the pool."""
     result = run_part(parts, "collectives")
     for mesh, r in result.items():
@@ -114,8 +114,8 @@ def test_collectives_and_bytes_per_device(parts) -> None:
                 ["mlp", "all-reduce", model, [1, t, hidden]],
                 ["embed", "all-reduce", model, [1, t, hidden]],
                 ["head", "all-reduce", model, [labels, hidden]],
-                ["head", "all-reduce", model, [rows]],  # log-sum-exp: max ...
-                ["head", "all-reduce", model, [rows]],  # ... and sum
+                ["head", "all-reduce", model, [r["head_step_rows"]]],  # log-sum-exp: max ...
+                ["head", "all-reduce", model, [r["head_step_rows"]]],  # ... and sum (per head step)
             ]
             # the probabilities of every replica (none to gather from one)
             + ([["gather", "all-gather", data, [dp * rows, labels]]] if dp > 1 else [])
@@ -450,6 +450,7 @@ def part_collectives() -> dict:
             "head_dim": cfg.head_dim,
             "hidden": cfg.hidden_size,
             "rows": shape.rows,
+            "head_step_rows": buckets.head_rows,
             "labels": shape.labels,
             "split_weight_bytes": sum(a.nbytes for a in split.values()),
             "split_weight_bytes_per_device": sum(a.addressable_shards[0].data.nbytes for a in split.values()),
