@@ -141,9 +141,10 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
     """lm-evaluation-harness, a real client: its `local-completions` model, tokenizing through the
     server (/tokenizer_info, /tokenize), runs a small multiple-choice task (tests/data/lm_eval)
     against /v1/completions; every choice's log-likelihood equals lm-eval's own `hf` backend
-    (transformers over the same GGUF) within 1e-4 (5e-6 relative: a long choice sums many), its greedy flag too, and so does `acc`. Every
-    prompt shares the task's description, and a question's choices its question: each is
-    prefilled once, however lm-eval spreads the choices over its requests."""
+    (transformers over the same GGUF) within 1e-4 (or 5e-6 relative: a long choice sums many
+    tokens), its greedy flag too, and so does `acc`. Every prompt shares the task's description,
+    and a question's choices its question: each is prefilled once, however lm-eval spreads the
+    choices over its requests."""
     import pathlib
 
     from helpers.service import server_config
