@@ -38,5 +38,6 @@ def contracts_multiply_add() -> bool:
 
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
-    fused = np.asarray(jax.jit(lambda a, b, c: a * b + c, backend="cpu")(a, b, c))
+    cpu = jax.local_devices(backend="cpu")[0]
+    fused = np.asarray(jax.jit(lambda a, b, c: a * b + c)(*(jax.device_put(x, cpu) for x in (a, b, c))))
     return not np.array_equal(fused, a * b + c)
