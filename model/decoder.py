@@ -106,11 +106,11 @@ def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array) -> Any:
 
     xs: [b, t, ...] (the same b and t); fn maps tiles [1, tile, ...] to a pytree of [1, tile, ...].
     Two reasons to tile a layer's per-token work (the projections, norms and MLP):
-    - the same bits whatever the call: a matmul's kernel picks its blocking, and with it the
-      order in which a token's products are summed, from the matrix's shape. On XLA:CPU the rows
-      of x @ w come out differently once a call holds 4,096 tokens or more (and under 61), so a
-      token's hidden state depended on how many tokens rode with it. With every call's tokens in
-      tiles of one size, every product a token takes part in has the same shape in every call;
+    - the same bits whatever the call: XLA:CPU compiles a product or a reduction by its operand's
+      shape. A plain x @ w at SmolLM2's sizes gave rows that differed under 61 rows; SmolLM2's
+      layers (attention left out) gave a token different bits in calls of 4,096 tokens or more
+      than in one of 256 (which op moved was not isolated). With every call's tokens in tiles of
+      one size, every product and norm a token takes part in has the same shape in every call;
     - on a CPU the [tokens, intermediate] activations of a whole call (30 MB each for 10,240 tokens
       of a 768-wide MLP) spill out of the caches: alone, the MLP of 10,240 tokens ran 1.7x faster
       in tiles of 1,024 tokens.

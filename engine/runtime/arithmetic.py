@@ -2,13 +2,12 @@
 answer whatever the call").
 
 XLA:CPU contracts `a * b + c` into one fused multiply-add wherever the multiply and the add land
-in the same fused loop, and whether they do depends on the program around them: SmolLM2's RoPE
-was fused one way in a call of 256 tokens and another in one of 1,280, so a token's queries and
-keys differed in their last bit, and its score by 2.5e-5 in float32 (0.78 in log space with 8-bit
+in the same fused loop, and whether they do depends on the program around them: in SmolLM2's
+layer 0 a token's queries and keys (after RoPE) differed in their last bit between a call of 256
+tokens and one of 1,280 while its values did not, and its score by 2.5e-5 in float32 (0.78 in log space with 8-bit
 activations, whose rounding amplifies it). Capping the instructions XLA:CPU generates at AVX
-(no FMA) leaves every multiply and add rounded on its own, in every program alike. The matmuls
-are not generated code (XLA calls its compiled kernels for them): the MLP of 2,048 SmolLM2
-tokens ran in the same time either way, and the whole-call cost is in docs/benchmarks.md.
+(no FMA) leaves every multiply and add rounded on its own, in every program alike. What it costs
+was not measured apart: it is one of the parts of the whole change's cost in docs/benchmarks.md.
 
 XLA reads its flags once, when its CPU backend starts: `prefixscore.engine` adds the flag on
 import, and an engine built in a process whose backend started earlier (jax used before
