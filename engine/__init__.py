@@ -9,7 +9,3 @@ several hosts. `scorer.Scorer` (the in-process API) and `build` (an engine from 
 options, engine/options.py) wire them. lint-imports holds the layers and keeps the loop
 from importing a kind.
 """
-
-from prefixscore.engine.runtime.arithmetic import pin_cpu_arithmetic
-
-pin_cpu_arithmetic()  # before XLA's CPU backend starts: it reads its flags once

@@ -110,7 +110,11 @@ def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array) -> Any:
       shape. A plain x @ w at SmolLM2's sizes gave rows that differed under 61 rows; SmolLM2's
       layers (attention left out) gave a token different bits in calls of 4,096 tokens or more
       than in one of 256 (which op moved was not isolated). With every call's tokens in tiles of
-      one size, every product and norm a token takes part in has the same shape in every call;
+      one size, every product and norm a token takes part in has the same shape in every call.
+      The tile's code must be the same too: XLA:CPU contracts `a * b + c` into one fused
+      multiply-add (one rounding) as the fused code around it allows, and RoPE's queries and keys
+      came out with other last bits in a call of one tile (its loop and slices compiled away)
+      than in a call of two or more;
     - on a CPU the [tokens, intermediate] activations of a whole call (30 MB each for 10,240 tokens
       of a 768-wide MLP) spill out of the caches: alone, the MLP of 10,240 tokens ran 1.7x faster
       in tiles of 1,024 tokens.
@@ -118,9 +122,22 @@ def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array) -> Any:
     b, t = xs[0].shape[:2]
     if tile is None or (b * t) % tile:
         return fn(*xs)
-    parts = [x.reshape(b * t // tile, 1, tile, *x.shape[2:]) for x in xs]
-    out = jax.lax.map(lambda part: fn(*part), parts)
-    return jax.tree.map(lambda o: o.reshape(b, t, *o.shape[3:]), out)
+    tiles = b * t // tile
+    # at least two tiles' rows: XLA drops a dynamic slice that covers its whole operand, and a
+    # one-tile call's code would then differ from every other call's
+    rows = max(tiles, 2) * tile
+    flat = [jnp.pad(x.reshape(b * t, *x.shape[2:]), [(0, rows - b * t)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
+    probe = [jax.ShapeDtypeStruct((1, tile, *x.shape[1:]), x.dtype) for x in flat]
+    out = jax.tree.map(lambda s: jnp.zeros((rows, *s.shape[2:]), s.dtype), jax.eval_shape(fn, *probe))
+
+    def step(i: jax.Array, out: Any) -> Any:
+        got = fn(*(jax.lax.dynamic_slice_in_dim(x, i * tile, tile)[None] for x in flat))
+        return jax.tree.map(lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g[0], i * tile, 0), out, got)
+
+    # a trip count XLA cannot read: it would inline a loop it sees run once, and the tile's code
+    # would then fuse with the code around it
+    out = jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(tiles)), step, out)
+    return jax.tree.map(lambda o: o[: b * t].reshape(b, t, *o.shape[1:]), out)
 
 
 def run_layers(

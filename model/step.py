@@ -295,12 +295,14 @@ def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, step_rows
     head's norm, products and vocabulary reductions are compiled for that shape once, so a row's
     bits never depend on how many rows its call holds (XLA:CPU lays a reduction out by its
     operand's shape: the final norm of 13 rows differed in its last bits as one of 32 rows or of
-    256). Each step streams the whole output matrix, so steps of 32 rows cost more than fewer
-    larger ones where a call holds many rows (docs/benchmarks.md). Returns [R, out] float32;
-    rows past n_rows are zero or garbage.
+    256). Each step streams the whole output matrix, and a matmul of few rows runs below the CPU's
+    rate: steps of 32 rows cost more than steps of 64 where a call holds many rows
+    (engine/runtime/buckets.py). Returns [R, out] float32; rows past n_rows are zero or garbage.
     """
     total = rows[0].shape[0]
-    padded = -(-max(total, step_rows) // step_rows) * step_rows
+    # at least two steps' rows: XLA drops a dynamic slice that covers its whole operand, and a
+    # one-step call's code would then differ from every other call's (decoder.per_tile)
+    padded = -(-max(total, 2 * step_rows) // step_rows) * step_rows
     rows = tuple(jnp.pad(a, [(0, padded - total)] + [(0, 0)] * (a.ndim - 1)) for a in rows)
     probe = [jax.ShapeDtypeStruct((step_rows, *a.shape[1:]), a.dtype) for a in rows]
     n_out = jax.eval_shape(fn, *probe).shape[1]

@@ -51,9 +51,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-# the engine's arithmetic flag (engine/runtime/arithmetic.py), before jax's CPU backend starts below
-from prefixscore.engine.runtime import arithmetic  # noqa: E402, F401
-
 if jax.default_backend() == "gpu":
     # The tests compare float32 arithmetic with float32 oracles: GPUs would run the oracles'
     # (and the tests' own) float32 matmuls as TF32. float32 engines set this themselves.

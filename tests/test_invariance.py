@@ -289,26 +289,43 @@ def test_an_embedding_is_the_same_whatever_rides_beside_it(numerics: str, tmp_pa
         assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
 
 
-def test_the_engine_keeps_xla_from_fusing_multiply_add() -> None:
-    """engine/runtime/arithmetic.py: importing prefixscore.engine before XLA's CPU backend starts
-    leaves every `a * b + c` rounded twice, in every program (the flag it adds); with XLA_FLAGS
-    naming another ISA (the caller's choice) the same probe sees the fused rounding, so the probe
-    can tell. Without the suite's fast-compile flags, as a server runs."""
+# what the subprocess below runs, without the suite's fast-compile flags (at XLA's lowest
+# optimisation no multiply-add was seen contracted): RoPE over 64 tokens (their own positions)
+# alone in a one-tile call, then as the last tile of a call of five; the same through the head's
+# row steps, alone in one step and as the last of three
+_ONE_CODE_PER_TILE = """
+import jax, jax.numpy as jnp, numpy as np
+from prefixscore.model.decoder import apply_rope, per_tile
+from prefixscore.model.step import head_rows_loop
+rng = np.random.default_rng(0)
+inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, 64, 2) / 64), jnp.float32)
+x = rng.standard_normal((64, 3, 64)).astype(np.float32)
+at = np.arange(300, 364, dtype=np.int32)
+def rope(x, at):
+    return per_tile(lambda y, p: apply_rope(y, p, inv_freq), 64, x[None], at[None])[0]
+def call_of(tiles):
+    xs = np.concatenate([rng.standard_normal((64 * (tiles - 1), 3, 64)).astype(np.float32), x])
+    return np.asarray(jax.jit(rope)(xs, np.concatenate([np.arange(64 * (tiles - 1), dtype=np.int32), at])))[-64:]
+def head(rows, n):
+    return head_rows_loop(lambda r: apply_rope(r[:, None], jnp.arange(300, 332), inv_freq)[:, 0], (rows,), n, 32)
+def rows_of(steps):
+    rows = np.concatenate([rng.standard_normal((32 * (steps - 1), 64)).astype(np.float32), x[:32, 0]])
+    return np.asarray(jax.jit(head)(rows, jnp.int32(32 * steps)))[-32:]
+print(np.array_equal(call_of(1), call_of(5)), np.array_equal(rows_of(1), rows_of(3)))
+"""
+
+
+def test_a_tile_and_a_head_step_run_the_same_code_in_every_call() -> None:
+    """model/decoder.py per_tile and model/step.py head_rows_loop: a token's RoPE gives the same
+    bits in a call of one tile as in a call of five, and a head row in a call of one step as in a
+    call of three, with XLA:CPU's fused multiply-add on (a one-tile call whose loop and slices
+    compile away fuses its RoPE into other code, and rounds it otherwise). In a subprocess with
+    XLA's default optimisation, as a server runs."""
     import os
     import subprocess
     import sys
 
-    code = (
-        "import prefixscore.engine\n"
-        "from prefixscore.engine.runtime.arithmetic import contracts_multiply_add\n"
-        "print(contracts_multiply_add())\n"
-    )
-
-    def contracts(flags: str) -> bool:
-        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        return run.stdout.split()[-1] == "True"
-
-    assert not contracts("")
-    if "fma" in open("/proc/cpuinfo").read().split():  # a CPU without FMA never fuses
-        assert contracts("--xla_cpu_max_isa=AVX2")
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", _ONE_CODE_PER_TILE], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "True"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from prefixscore.choices import DEFAULT_DTYPE
-from prefixscore.engine.runtime import arithmetic, compile_cache, packed_call
+from prefixscore.engine.runtime import compile_cache, packed_call
 from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.call_broadcast import ALONE, CallBroadcast
 from prefixscore.engine.runtime.mesh import Layout, MeshShape, default_layout
@@ -42,9 +41,6 @@ from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, Ite
 from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.weights import Weights
 from prefixscore.telemetry.compiles import CompileCounter
-from prefixscore.telemetry.logs import event
-
-log = logging.getLogger(__name__)
 
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -92,15 +88,6 @@ class ScoringEngine:
         self._impl = dispatch.get(self.attn_impl)
         self.layout = mesh if isinstance(mesh, Layout) else default_layout(cfg, dtype, devices, mesh)
         self.devices = self.layout.devices
-        if self.devices[0].platform == "cpu" and arithmetic.contracts_multiply_add():
-            event(
-                log,
-                "cpu_fma_contraction",
-                logging.WARNING,
-                reason="XLA's CPU backend started before prefixscore.engine was imported, or XLA_FLAGS names "
-                f"another --xla_cpu_max_isa: an answer may differ in its last bits with the call it rides in "
-                f"(start with XLA_FLAGS={arithmetic.CPU_FLAG})",
-            )
         self.params = self.layout.place_weights(params)
         self.page_bytes = page_bytes(cfg, dtype, self.buckets.page_tokens, self.layout.local_kv_heads)
         device, max_pages = self.layout.local_devices[0], self.buckets.max_pages
