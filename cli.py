@@ -146,13 +146,15 @@ def run_serve(args: argparse.Namespace) -> int:
             pass  # drained before it was ready
         await server.wait_stopped()
         if server.service.compiling_in_background or group.several:
-            # an XLA compile cannot be interrupted, and the interpreter joins the compiling
-            # threads at exit (5-15 s after "stopped"); a group's JAX runtime waits at exit for
-            # every host at a barrier; everything is drained and logged: go now
             why = "background compile" if server.service.compiling_in_background else "host group"
             logs.event(logging.getLogger("prefixscore.serve"), "exiting", code=server.exit_code, abandoned=why)
-            exit_now(server.exit_code)
-        return server.exit_code  # non-zero when the device loop broke: the orchestrator restarts us
+        # everything is drained and logged: go now, without the interpreter's shutdown, which
+        # joins every thread still running (an XLA compile cannot be interrupted: 5-15 s after
+        # "stopped"), and in a group waits in JAX's runtime for every host at a barrier; on a
+        # saturated 2-core machine a SIGTERM during warm-up once took 4.4 s to exit when only a
+        # compile in progress skipped it. Non-zero when the device loop broke: the orchestrator
+        # restarts us
+        exit_now(server.exit_code)
 
     return asyncio.run(serve())
 

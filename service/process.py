@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, NoReturn
 
 from prefixscore.service import security
 from prefixscore.service.core import ScoringService, ServerConfig
@@ -36,7 +36,7 @@ GROUP_EXIT_S = 5.0
 GROUP_ANSWER_S = 1.0
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """End the process at once, after flushing what was written: no interpreter shutdown, whose
     hooks (joining compile threads, JAX's runtime shutdown barrier with every host) could wait."""
     logging.shutdown()
