@@ -96,14 +96,12 @@ def score_input(query: list[int], items: list[list[int]], labels: list[int], **o
     return ScoreInput(query=query, items=items, label_token_ids=labels, **options)
 
 
-@pytest.mark.parametrize("numerics", list(NUMERICS))
-@pytest.mark.parametrize("needle_tokens", [20, 45])  # a short item and a long one (past 33 tokens)
-def test_a_score_is_the_same_whatever_rides_beside_it(numerics: str, needle_tokens: int) -> None:
+def check_score(scorer: Scorer, needle_tokens: int) -> None:
     """A 300-token query with one item and 64 labels, full-vocabulary probabilities: alone cold,
     alone warm, among 255 other items of 3-60 tokens at the start, middle and end, beside 15 other
     queries (cold and warm), after a query that shares its first 160 tokens (its pages borrowed),
     and with its own query prefilled in chunks beside other prefills."""
-    hay = Haystack(lm(numerics))
+    hay = Haystack(scorer)
     rng = hay.rng
     query, needle, labels = ids(rng, QUERY_TOKENS), ids(rng, needle_tokens), ids(rng, 64)
 
@@ -129,6 +127,12 @@ def test_a_score_is_the_same_whatever_rides_beside_it(numerics: str, needle_toke
     cases["its first 160 query tokens borrowed"] = run_together(hay.scorer, [needle_with([], [])])[0]
     for case, got in cases.items():
         assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
+
+
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+@pytest.mark.parametrize("needle_tokens", [20, 45])  # a short item and a long one (past 33 tokens)
+def test_a_score_is_the_same_whatever_rides_beside_it(numerics: str, needle_tokens: int) -> None:
+    check_score(lm(numerics), needle_tokens)
 
 
 @pytest.mark.parametrize("window", [None, 300])
@@ -210,45 +214,54 @@ def test_a_tokens_attention_is_the_same_however_its_query_is_chunked_and_its_ite
             )
 
 
-@pytest.mark.parametrize("numerics", list(NUMERICS))
-def test_a_likelihood_is_the_same_whatever_rides_beside_it(numerics: str) -> None:
-    """A continuation's log-prob at every token, its top log-probs and greedy flags: alone cold,
+def check_likelihood(scorer: Scorer) -> None:
+    """Two continuations' log-probs at every token, their top log-probs and greedy flags (a short
+    one and one past 33 tokens: the CPU attention's two paths for an item's own part): alone cold,
     alone warm, among 31 other continuations of 1-40 tokens at the start, middle and end, and
     beside 7 other contexts' likelihoods, all cold."""
-    hay = Haystack(lm(numerics), seed=1)
+    hay = Haystack(scorer, seed=1)
     rng = hay.rng
-    context, needle = ids(rng, 200), ids(rng, 12)
+    context, needles = ids(rng, 200), [ids(rng, 12), ids(rng, 45)]
 
     def likelihood(ctx: list[int], items: list[list[int]]) -> tuple[str, ScoreInput]:
         return "likelihood", ScoreInput(query=ctx, items=items, loglikelihood=True, top_logprobs=5)
 
-    alone = hay.alone_cold(*likelihood(context, [needle]))
-    cases = {"alone warm": run_together(hay.scorer, [likelihood(context, [needle])])[0]}
+    alone = hay.alone_cold(*likelihood(context, needles))
+    cases = [("alone warm", run_together(hay.scorer, [likelihood(context, needles)])[0], alone)]
     others = [ids(rng, int(n)) for n in rng.integers(1, 41, 31)]
     for at in (0, 15, 31):
-        result = run_together(hay.scorer, [likelihood(context, [*others[:at], needle, *others[at:]])])[0]
-        cases[f"among 31 continuations at {at}"] = entry(result, at)
+        result = run_together(hay.scorer, [likelihood(context, [*others[:at], *needles, *others[at:]])])[0]
+        for j in range(len(needles)):
+            cases.append((f"needle {j} among 31 continuations at {at + j}", entry(result, at + j), entry(alone, j)))
     hay.scorer.engine.prefix_cache.evict_idle()
     contexts = [likelihood(ids(rng, int(rng.integers(20, 300))), others[:6]) for _ in range(7)]
-    cases["cold, beside 7 cold contexts"] = hay.beside(likelihood(context, [needle]), contexts, 3)
-    for case, got in cases.items():
-        assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
+    cases.append(("cold, beside 7 cold contexts", hay.beside(likelihood(context, needles), contexts, 3), alone))
+    for case, got, want in cases:
+        assert_same(got, want, case)
 
 
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("classifier")
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+def test_a_likelihood_is_the_same_whatever_rides_beside_it(numerics: str) -> None:
+    check_likelihood(lm(numerics))
+
+
+def save_classifier(path) -> str:
+    """The classify needles' checkpoint: a Qwen3 sequence classifier of three labels."""
     make_torch_model("qwen3", seed=4, classifier=True, num_labels=3, pad_token_id=0, vocab_size=VOCAB).save_pretrained(
         path
     )
     return str(path)
 
 
-@pytest.mark.parametrize("numerics", list(NUMERICS))
-def test_a_classification_is_the_same_whatever_rides_beside_it(numerics: str, classifier_dir: str) -> None:
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory) -> str:
+    return save_classifier(tmp_path_factory.mktemp("classifier"))
+
+
+def check_classify(scorer: Scorer) -> None:
     """A classifier's logits for one input: alone cold, alone warm, among 63 inputs of 3-120 tokens
     at the start, middle and end."""
-    hay = Haystack(Scorer.load(classifier_dir, buckets=SMALL_BUCKETS, **NUMERICS[numerics]), seed=2)
+    hay = Haystack(scorer, seed=2)
     rng = hay.rng
     needle = ids(rng, 30)
     alone = hay.alone_cold("classify", ClassifyInput(input=[needle], activation="none"))
@@ -264,14 +277,22 @@ def test_a_classification_is_the_same_whatever_rides_beside_it(numerics: str, cl
 
 
 @pytest.mark.parametrize("numerics", list(NUMERICS))
-def test_an_embedding_is_the_same_whatever_rides_beside_it(numerics: str, tmp_path_factory) -> None:
+def test_a_classification_is_the_same_whatever_rides_beside_it(numerics: str, classifier_dir: str) -> None:
+    check_classify(Scorer.load(classifier_dir, buckets=SMALL_BUCKETS, **NUMERICS[numerics]))
+
+
+def save_embedder(path) -> str:
+    """The embedding needles' checkpoint: mean pooling, normalized, a default prompt."""
+    from helpers.sentence_checkpoints import st_checkpoint
+
+    return st_checkpoint(path, "mean", include_prompt=True, normalize=True)
+
+
+def check_embeddings(scorer: Scorer) -> None:
     """A text's embedding (mean pooling, normalized, under the model's default prompt, the prompt a
     cached prefix): alone cold, alone warm, among 63 texts of other lengths at the start, middle and
     end."""
-    from helpers.sentence_checkpoints import st_checkpoint
-
-    path = st_checkpoint(tmp_path_factory.mktemp("st"), "mean", include_prompt=True, normalize=True)
-    hay = Haystack(Scorer.load(path, buckets=SMALL_BUCKETS, **NUMERICS[numerics]), seed=3)
+    hay = Haystack(scorer, seed=3)
     rng = hay.rng
     words = "the of a cat sat on mat under warm light while rain fell over hills and quiet towns".split()
 
@@ -287,6 +308,12 @@ def test_an_embedding_is_the_same_whatever_rides_beside_it(numerics: str, tmp_pa
         cases[f"among 63 texts at {at}"] = entry(run_together(hay.scorer, [("embed", inp)])[0], at)
     for case, got in cases.items():
         assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
+
+
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+def test_an_embedding_is_the_same_whatever_rides_beside_it(numerics: str, tmp_path_factory) -> None:
+    path = save_embedder(tmp_path_factory.mktemp("st"))
+    check_embeddings(Scorer.load(path, buckets=SMALL_BUCKETS, **NUMERICS[numerics]))
 
 
 # what the subprocess below runs, without the suite's fast-compile flags (at XLA's lowest

@@ -38,6 +38,8 @@ TOLERANCE = 1e-5
 # on the 8x1, 2x2 and 1x4 meshes (the head splits and interpreted kernels within 1e-5 too); the
 # query replaced moves them by 7.4e-2
 LOG_TOLERANCE = 1e-5
+# (data, model): the needles' mesh, a model axis whose partial sums are added across devices
+NEEDLE_MESH = (1, 2)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +179,14 @@ def test_a_failing_request_sharing_its_query_fails_alone_on_a_mesh(parts) -> Non
 
 
 @pytest.mark.parametrize(("tp", "dp"), [(3, None), (16, None), (2, 8)])
+def test_every_kind_gives_the_same_bits_whatever_rides_beside_it_on_a_mesh(parts) -> None:
+    """The needle tests of tests/test_invariance.py (score, likelihood, classify, embeddings: alone
+    cold and warm, among other items and beside other queries) on a 2-device model axis: the same
+    mesh gives a request the same bits whatever its call holds (docs/design.md)."""
+    result = run_part(parts, "needles")
+    assert result == dict.fromkeys(("score", "likelihood", "classify", "embeddings"), "same bits"), result
+
+
 def test_a_mesh_the_model_or_devices_cannot_take_is_refused_naming_valid_sizes(tp, dp) -> None:
     from conftest import SMALL_QWEN3
 
@@ -687,6 +697,47 @@ def part_isolation() -> dict:
     return out
 
 
+def part_needles() -> dict:
+    """tests/test_invariance.py's needles of every kind on a 2-device model axis, in float32: per
+    kind "same bits", or the first case that differed."""
+    import pathlib
+    import tempfile
+
+    from conftest import SMALL_BUCKETS
+    from test_invariance import (
+        check_classify,
+        check_embeddings,
+        check_likelihood,
+        check_score,
+        save_classifier,
+        save_embedder,
+    )
+
+    from prefixscore import Scorer
+
+    out = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = pathlib.Path(scratch)
+
+        def on_mesh(model: str) -> Scorer:
+            return Scorer.load(model, "float32", buckets=SMALL_BUCKETS, tp_size=NEEDLE_MESH[1], dp_size=NEEDLE_MESH[0])
+
+        lm = on_mesh("tiny-qwen3")
+        checks = {
+            "score": lambda: [check_score(lm, n) for n in (20, 45)],
+            "likelihood": lambda: check_likelihood(lm),
+            "classify": lambda: check_classify(on_mesh(save_classifier(tmp / "classifier"))),
+            "embeddings": lambda: check_embeddings(on_mesh(save_embedder(tmp / "embedder"))),
+        }
+        for kind, check in checks.items():
+            try:
+                check()
+                out[kind] = "same bits"
+            except AssertionError as err:
+                out[kind] = str(err)[:3000]
+    return out
+
+
 def main() -> None:
     import traceback
 
@@ -700,6 +751,7 @@ def main() -> None:
         "kernels": part_kernels,
         "load": part_load,
         "isolation": part_isolation,
+        "needles": part_needles,
     }
     out = {}
     for name, part in parts.items():
