@@ -101,7 +101,7 @@ def mlp(w: MlpWeights, y: jax.Array, act: str = "silu", shards: ModelShards = UN
     return matmul(_ACTIVATIONS[act](matmul(y, w.w_gate)) * matmul(y, w.w_up), w.w_down, shards)
 
 
-def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array) -> Any:
+def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array, live: jax.Array | None = None) -> Any:
     """fn over `tile` tokens at a time (a loop over tiles), when tile divides the tokens.
 
     xs: [b, t, ...] (the same b and t); fn maps tiles [1, tile, ...] to a pytree of [1, tile, ...].
@@ -118,7 +118,10 @@ def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array) -> Any:
     - on a CPU the [tokens, intermediate] activations of a whole call (30 MB each for 10,240 tokens
       of a 768-wide MLP) spill out of the caches: alone, the MLP of 10,240 tokens ran 1.7x faster
       in tiles of 1,024 tokens.
-    None: all at once (accelerators want the whole product)."""
+    None: all at once (accelerators want the whole product).
+    live: [b, t] bool, the tokens whose results are read (None: all): a tile with none of them
+    (a bucket's padding) is not computed, and its outputs are zeros. A tile that runs computes
+    every token in it, so a token's bits do not depend on which tiles run."""
     b, t = xs[0].shape[:2]
     if tile is None or (b * t) % tile:
         return fn(*xs)
@@ -130,13 +133,20 @@ def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array) -> Any:
     probe = [jax.ShapeDtypeStruct((1, tile, *x.shape[1:]), x.dtype) for x in flat]
     out = jax.tree.map(lambda s: jnp.zeros((rows, *s.shape[2:]), s.dtype), jax.eval_shape(fn, *probe))
 
+    if live is None:
+        order, count = jnp.arange(rows // tile, dtype=jnp.int32), jnp.int32(tiles)
+    else:  # the tiles holding a live token, in order
+        wanted = jnp.pad(live.reshape(b * t), (0, rows - b * t)).reshape(rows // tile, tile).any(axis=1)
+        order, count = jnp.nonzero(wanted, size=rows // tile, fill_value=0)[0].astype(jnp.int32), jnp.sum(wanted)
+
     def step(i: jax.Array, out: Any) -> Any:
-        got = fn(*(jax.lax.dynamic_slice_in_dim(x, i * tile, tile)[None] for x in flat))
-        return jax.tree.map(lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g[0], i * tile, 0), out, got)
+        at = order[i] * tile
+        got = fn(*(jax.lax.dynamic_slice_in_dim(x, at, tile)[None] for x in flat))
+        return jax.tree.map(lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g[0], at, 0), out, got)
 
     # a trip count XLA cannot read: it would inline a loop it sees run once, and the tile's code
     # would then fuse with the code around it
-    out = jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(tiles)), step, out)
+    out = jax.lax.fori_loop(0, jax.lax.optimization_barrier(count.astype(jnp.int32)), step, out)
     return jax.tree.map(lambda o: o[: b * t].reshape(b, t, *o.shape[1:]), out)
 
 
@@ -149,6 +159,7 @@ def run_layers(
     state: Any = None,
     token_tile: int | None = None,
     shards: ModelShards = UNSPLIT,
+    live: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """All decoder layers under one scan.
 
@@ -156,7 +167,8 @@ def run_layers(
     attention output [b, t, heads, hd] and the new state: the state (e.g. the paged KV pool)
     is carried through the layers, so a layer can write into it in place before it reads.
     token_tile: run each layer's per-token work (everything but the attention) over this many
-    tokens at a time (per_tile; None: all at once).
+    tokens at a time (per_tile; None: all at once); live: [b, t] bool, the tokens whose results
+    are read: tiles without one are skipped (per_tile; None: all).
     shards: the model axis (model/shards.py): with heads and MLP columns split, the o and down
     projections give partial sums, added up across devices (one all-reduce each per layer)
     before the bias and the residual.
@@ -176,20 +188,20 @@ def run_layers(
             return matmul(out.reshape(*out.shape[:2], -1), lw.attn.wo, shards)
 
         def post_norm(weight: jax.Array) -> Callable[[jax.Array], jax.Array]:
-            return lambda x: per_tile(lambda y: norm(cfg, y, weight), token_tile, x)
+            return lambda x: per_tile(lambda y: norm(cfg, y, weight), token_tile, x, live=live)
 
         # the partial sums of a split model are added up across devices on the whole token stream,
         # outside the tiles: one all-reduce per projection and layer, as many bytes as untiled
         with jax.named_scope("attention"):
-            q, k, v = per_tile(projections, token_tile, h, token_positions)
+            q, k, v = per_tile(projections, token_tile, h, token_positions, live=live)
             out, st = attend(q, k, v, index, st)
-            attn_out = shards.sum(per_tile(o_projection, token_tile, out))
+            attn_out = shards.sum(per_tile(o_projection, token_tile, out, live=live))
             if cfg.out_bias:
                 attn_out = attn_out + lw.attn.bo
             h = h + (post_norm(lw.attn_post_norm)(attn_out) if cfg.post_norms else attn_out)
         with jax.named_scope("mlp"):
             mlp_in = lambda x: mlp(lw.mlp, norm(cfg, x, lw.mlp_norm), cfg.hidden_act, shards)  # noqa: E731
-            mlp_out = shards.sum(per_tile(mlp_in, token_tile, h))
+            mlp_out = shards.sum(per_tile(mlp_in, token_tile, h, live=live))
             h = h + (post_norm(lw.mlp_post_norm)(mlp_out) if cfg.post_norms else mlp_out)
         return (h, st), None
 

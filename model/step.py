@@ -111,7 +111,12 @@ def score_call(
 
     with jax.named_scope("embed"):
         x = embed(params, cfg, tokens[None], shards)
-    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards)
+    # a token is read when it is a chunk's or an item's (padding has negative ids): tiles of padding
+    # alone skip their per-token work
+    live = (meta.item_ids >= 0)[None]
+    h, (pool_k, pool_v) = run_layers(
+        params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards, live if token_tile else None
+    )
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.output)
         if top_logprobs:
