@@ -138,3 +138,29 @@ def test_the_cpu_token_tiles_compute_the_whole_mlp() -> None:
         y = jnp.asarray(rng.normal(size=(1, tokens, CFG.hidden_size)), jnp.float32)
         got = jax.jit(lambda y: decoder.per_tile(lambda t: decoder.mlp(first_mlp, t), 128, y))(y)
         np.testing.assert_allclose(np.asarray(got), np.asarray(decoder.mlp(first_mlp, y)), atol=1e-6, rtol=1e-5)
+
+
+def test_the_cpu_token_tiles_skip_tiles_of_padding_alone() -> None:
+    """decoder.per_tile with `live` (the tokens a call reads): a tile with no live token is not
+    computed (its outputs are zeros), and every tile that runs, whole, gives the bits it gives with
+    every tile running, wherever the live tiles sit (first, between, last)."""
+    import jax
+
+    from prefixscore.model import decoder
+
+    params = random_params(CFG, 1, jnp.float32)
+    first_mlp = jax.tree.map(lambda a: a[0], params.layers.mlp)
+    rng = np.random.default_rng(3)
+    tile, tiles = 64, 6
+    y = jnp.asarray(rng.normal(size=(1, tile * tiles, CFG.hidden_size)), jnp.float32)
+    run = jax.jit(lambda y, live: decoder.per_tile(lambda t: decoder.mlp(first_mlp, t), tile, y, live=live))
+    every = np.asarray(run(y, jnp.ones((1, tile * tiles), bool)))
+    for live_tokens in ([0], [5, 70, 300], [tile * tiles - 1], list(range(tile, 2 * tile))):
+        live = np.zeros((1, tile * tiles), bool)
+        live[0, live_tokens] = True
+        got = np.asarray(run(y, jnp.asarray(live)))
+        runs = live.reshape(tiles, tile).any(axis=1)
+        for i in range(tiles):
+            rows = slice(i * tile, (i + 1) * tile)
+            want = every[0, rows] if runs[i] else np.zeros_like(every[0, rows])
+            np.testing.assert_array_equal(got[0, rows], want, err_msg=f"tile {i}, live {live_tokens}")
