@@ -178,7 +178,6 @@ def test_a_failing_request_sharing_its_query_fails_alone_on_a_mesh(parts) -> Non
         assert r["after_ok"], (where, r)
 
 
-@pytest.mark.parametrize(("tp", "dp"), [(3, None), (16, None), (2, 8)])
 def test_every_kind_gives_the_same_bits_whatever_rides_beside_it_on_a_mesh(parts) -> None:
     """The needle tests of tests/test_invariance.py (score, likelihood, classify, embeddings: alone
     cold and warm, among other items and beside other queries) on a 2-device model axis: the same
@@ -187,6 +186,7 @@ def test_every_kind_gives_the_same_bits_whatever_rides_beside_it_on_a_mesh(parts
     assert result == dict.fromkeys(("score", "likelihood", "classify", "embeddings"), "same bits"), result
 
 
+@pytest.mark.parametrize(("tp", "dp"), [(3, None), (16, None), (2, 8)])
 def test_a_mesh_the_model_or_devices_cannot_take_is_refused_naming_valid_sizes(tp, dp) -> None:
     from conftest import SMALL_QWEN3
 
