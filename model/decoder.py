@@ -22,6 +22,7 @@ from prefixscore.model.config import ModelConfig
 from prefixscore.model.head import output_head
 from prefixscore.model.quant import matmul
 from prefixscore.model.rope import rope_tables
+from prefixscore.model.row_steps import in_steps
 from prefixscore.model.shards import UNSPLIT, ModelShards
 from prefixscore.model.weights import AttentionWeights, LayerWeights, MlpWeights, Weights
 
@@ -126,28 +127,11 @@ def per_tile(fn: Callable[..., Any], tile: int | None, *xs: jax.Array, live: jax
     if tile is None or (b * t) % tile:
         return fn(*xs)
     tiles = b * t // tile
-    # at least two tiles' rows: XLA drops a dynamic slice that covers its whole operand, and a
-    # one-tile call's code would then differ from every other call's
-    rows = max(tiles, 2) * tile
-    flat = [jnp.pad(x.reshape(b * t, *x.shape[2:]), [(0, rows - b * t)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
-    probe = [jax.ShapeDtypeStruct((1, tile, *x.shape[1:]), x.dtype) for x in flat]
-    out = jax.tree.map(lambda s: jnp.zeros((rows, *s.shape[2:]), s.dtype), jax.eval_shape(fn, *probe))
-
-    if live is None:
-        order, count = jnp.arange(rows // tile, dtype=jnp.int32), jnp.int32(tiles)
-    else:  # the tiles holding a live token, in order
-        wanted = jnp.pad(live.reshape(b * t), (0, rows - b * t)).reshape(rows // tile, tile).any(axis=1)
-        order, count = jnp.nonzero(wanted, size=rows // tile, fill_value=0)[0].astype(jnp.int32), jnp.sum(wanted)
-
-    def step(i: jax.Array, out: Any) -> Any:
-        at = order[i] * tile
-        got = fn(*(jax.lax.dynamic_slice_in_dim(x, at, tile)[None] for x in flat))
-        return jax.tree.map(lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g[0], at, 0), out, got)
-
-    # a trip count XLA cannot read: it would inline a loop it sees run once, and the tile's code
-    # would then fuse with the code around it
-    out = jax.lax.fori_loop(0, jax.lax.optimization_barrier(count.astype(jnp.int32)), step, out)
-    return jax.tree.map(lambda o: o[: b * t].reshape(b, t, *o.shape[1:]), out)
+    flat = tuple(x.reshape(b * t, *x.shape[2:]) for x in xs)
+    wanted = None if live is None else live.reshape(tiles, tile).any(axis=1)  # the tiles holding a live token
+    count = jnp.int32(tiles) if wanted is None else jnp.sum(wanted, dtype=jnp.int32)
+    out = in_steps(lambda *s: jax.tree.map(lambda g: g[0], fn(*(a[None] for a in s))), tile, flat, count, wanted)
+    return jax.tree.map(lambda o: o.reshape(b, t, *o.shape[1:]), out)
 
 
 def run_layers(

@@ -26,6 +26,7 @@ from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFT
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, norm, run_layers, softcap
 from prefixscore.model.head import output_head
+from prefixscore.model.row_steps import in_steps
 from prefixscore.model.shards import ALONE, UNSPLIT, DataReplicas, ModelShards
 from prefixscore.model.weights import Weights
 
@@ -114,9 +115,7 @@ def score_call(
     # a token is read when it is a chunk's or an item's (padding has negative ids): tiles of padding
     # alone skip their per-token work
     live = (meta.item_ids >= 0)[None]
-    h, (pool_k, pool_v) = run_layers(
-        params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards, live if token_tile else None
-    )
+    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards, live)
     with jax.named_scope("head"):
         rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.output)
         if top_logprobs:
@@ -304,17 +303,4 @@ def head_rows_loop(fn, rows: tuple[jax.Array, ...], n_rows: jax.Array, step_rows
     rate: steps of 32 rows cost more than steps of 64 where a call holds many rows
     (engine/runtime/buckets.py). Returns [R, out] float32; rows past n_rows are zero or garbage.
     """
-    total = rows[0].shape[0]
-    # at least two steps' rows: XLA drops a dynamic slice that covers its whole operand, and a
-    # one-step call's code would then differ from every other call's (decoder.per_tile)
-    padded = -(-max(total, 2 * step_rows) // step_rows) * step_rows
-    rows = tuple(jnp.pad(a, [(0, padded - total)] + [(0, 0)] * (a.ndim - 1)) for a in rows)
-    probe = [jax.ShapeDtypeStruct((step_rows, *a.shape[1:]), a.dtype) for a in rows]
-    n_out = jax.eval_shape(fn, *probe).shape[1]
-
-    def run(i: jax.Array, out: jax.Array) -> jax.Array:
-        part = [jax.lax.dynamic_slice_in_dim(a, i * step_rows, step_rows) for a in rows]
-        return jax.lax.dynamic_update_slice_in_dim(out, fn(*part), i * step_rows, axis=0)
-
-    out = jax.lax.fori_loop(0, (n_rows + step_rows - 1) // step_rows, run, jnp.zeros((padded, n_out), jnp.float32))
-    return out[:total]
+    return in_steps(fn, step_rows, rows, (n_rows + step_rows - 1) // step_rows)
