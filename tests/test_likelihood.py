@@ -233,9 +233,10 @@ def assert_prompt_like_transformers(torch_model, prompt: list[int], token_logpro
 def test_completions_echo_over_http_equals_transformers(completions_server):
     """OpenAI's /v1/completions as scorers call it (echo, logprobs, max_tokens 1), over HTTP: every
     prompt position's log-prob, its top log-probs and the greedy next token equal transformers'
-    forward of that prompt. Prompts sharing 70 tokens share their prefill (the first prompt runs
-    whole, the others over the cached context); a single prompt runs whole; a later request's
-    prompts run over the positions the first computed."""
+    forward of that prompt. Prompts sharing 70 tokens: their contexts, cut at 32 and 64 tokens,
+    are prefilled once (the 64-token one; the 32-token one borrows its pages); a prompt sent alone
+    gets the same bits as in company; a later request's prompts take the positions the first
+    computed and run only their segments from position 65 on."""
     scorer, http, torch_model = completions_server
     prompts = [CONTEXT + c for c in CONTINUATIONS]
     k = 5
@@ -245,18 +246,18 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
         json={"prompt": prompts, "echo": True, "logprobs": k, "max_tokens": 1, "temperature": 0},
     )
     assert shared.status_code == 200, shared.text
-    # the shared context (70 tokens) is prefilled once: all but its last token
-    assert scorer.engine.stats["prefill_tokens"] - prefilled == 69
+    # the longest context (64 tokens, whole pages) is prefilled once: the 32-token one borrows its pages
+    assert scorer.engine.stats["prefill_tokens"] - prefilled == 64
     single = http.post("/v1/completions", json={"prompt": prompts[2], "echo": True, "logprobs": 0, "max_tokens": 0})
     assert single.status_code == 200, single.text
-    # a later request over the same context: its positions are known and its pages cached,
-    # so every prompt is a continuation (nothing prefilled, no prompt run whole)
+    # a later request over the same 70 tokens: positions 1-69 are known and the 64-token context
+    # cached, so each prompt runs its last segment only (nothing prefilled)
     later = [CONTEXT + c for c in (CONTINUATIONS[3][::-1], CONTINUATIONS[1])]
     computed, prefilled = scorer.engine.stats["tokens"], scorer.engine.stats["prefill_tokens"]
     again = http.post("/v1/completions", json={"prompt": later, "echo": True, "logprobs": 2, "max_tokens": 0})
     assert again.status_code == 200, again.text
     assert scorer.engine.stats["prefill_tokens"] == prefilled
-    assert scorer.engine.stats["tokens"] - computed == sum(len(p) - 70 + 1 for p in later)
+    assert scorer.engine.stats["tokens"] - computed == sum(len(p) - 64 for p in later)
     body = shared.json()
     assert body["usage"] == {
         "prompt_tokens": sum(map(len, prompts)),
@@ -284,18 +285,18 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
         np.testing.assert_allclose(got[1:], lp[np.arange(len(prompt) - 1), prompt[1:]], atol=TOLERANCE, rtol=0)
     alone = single.json()["choices"][0]["logprobs"]
     assert len(alone["token_logprobs"]) == len(prompts[2])  # max_tokens 0: the prompt only
-    np.testing.assert_allclose(
-        alone["token_logprobs"][1:], body["choices"][2]["logprobs"]["token_logprobs"][1:-1], atol=TOLERANCE, rtol=0
-    )
+    # alone or beside three other prompts: the same bits
+    assert alone["token_logprobs"][1:] == body["choices"][2]["logprobs"]["token_logprobs"][1:-1]
     assert all(len(top) == 1 for top in alone["top_logprobs"][1:])  # logprobs 0: the token there only
 
 
 def test_completions_take_a_question_s_positions_from_an_earlier_request(completions_server):
     """lm-evaluation-harness's order: a k-shot header, two questions, and their choices split over
-    two requests. The first request's prompts run over the header (its first prompt whole); in the
-    second, each choice runs over its question's context, whose positions a sibling computed in the
-    first request: only the choice is computed, and only the question past the header's whole
-    pages is prefilled. Every position equals transformers' forward of its prompt."""
+    two requests. In the first, the prompts' segments over contexts of 0, 32 and 64 tokens run,
+    those two prompts share once, and only the longest context is prefilled (the 32-token one
+    borrows its pages); in the second, each choice takes the positions a sibling computed in the
+    first request and runs only its segments from there, over cached contexts but one (whose
+    header pages it borrows). Every position equals transformers' forward of its prompt."""
     scorer, http, torch_model = completions_server
     engine = scorer.engine
     header = RNG.integers(0, 320, 40).tolist()
@@ -307,6 +308,7 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
         header + questions[0] + choices[2],
         header + questions[1] + choices[2],
     ]
+    # first: [62, 67, 64] tokens; second: [69, 65, 70], sharing [65, 60, 65] with a first one
     for prompts, shared in ((first, None), (second, [65, 60, 65])):
         computed, prefilled = engine.stats["tokens"], engine.stats["prefill_tokens"]
         response = http.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0})
@@ -315,94 +317,74 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
         assert response.status_code == 200, response.text
         for prompt, choice in zip(prompts, response.json()["choices"], strict=True):
             assert_prompt_like_transformers(torch_model, prompt, choice["logprobs"]["token_logprobs"])
-        if shared is None:  # the header's context: the first prompt whole, the others over it
-            assert prefill == 39
-            assert items == len(first[0]) + sum(len(p) - 39 for p in first[1:])
-        else:  # a choice over its question: its context's last token and itself
-            assert items == sum(len(p) - s + 1 for p, s in zip(prompts, shared, strict=True))
-            # the questions' contexts (64 and 59 tokens before their last) borrow the header's two
-            # whole 16-token pages
-            assert prefill == (64 - 32) + (59 - 32)
+        if shared is None:
+            assert prefill == 64  # the second prompt's 64-token context
+            # segment 0 (33 tokens, the header's, run once); over 32 tokens: 30, 33 and 32 tokens;
+            # over 64 tokens: the second prompt's last 3
+            assert items == 33 + 30 + 33 + 32 + 3
+        else:
+            # positions known up to 64 (its segment over 64 tokens) and 59 (from its segment over
+            # 32 tokens: 33, and its last token over 64)
+            assert items == (69 - 64) + (33 + 1) + (70 - 64)
+            assert prefill == 64 - 32  # header + q0's 64-token context: after the header's two pages
 
 
-def test_completions_plan_each_prompt_over_the_longest_context_worth_its_prefill():
-    """Host-only: which context each prompt runs over, by the rules engine/requests/completions.py states.
-    With 16-token pages, a context the request computes must save its other prompts a page more
-    tokens than it adds; a kept prompt's context is used as it is; none adds fewer than 8 tokens."""
+def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
+    """Host-only: a prompt's segments (engine/requests/completions.py) are cut at multiples of
+    SEGMENT_TOKENS whatever else the request holds, so each position is computed over the same
+    context in the same item whichever prompts ride beside it; a segment two prompts share runs
+    once; kept positions skip the segments they cover; the longest context goes first (it lends
+    its pages)."""
     from conftest import make_torch_model
 
-    from prefixscore.engine.requests.completions import CompletionsInput, plan
+    from prefixscore.engine.requests.completions import SEGMENT_TOKENS, CompletionsInput, plan
     from prefixscore.engine.requests.known_positions import KnownPositions, Positions
     from prefixscore.engine.requests.validation import Limits
     from prefixscore.model.config import config_from_dict
 
+    assert SEGMENT_TOKENS == 32
     torch_model = make_torch_model("qwen3")
     raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
     requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=16))
     header, q1, q2 = (RNG.integers(0, 300, n).tolist() for n in (40, 30, 12))
-    a, b, c, d = ([300 + i, 305 + i] for i in range(4))
+    a, b = [300, 301], [302, 303, 304]
 
-    def contexts(prompts: list[list[int]], known: KnownPositions | None = None) -> list[tuple[int, int | None, bool]]:
+    def segments(prompts: list[list[int]], known: KnownPositions | None = None) -> list[list[tuple[int, list[int]]]]:
+        """Per prompt, its segments as (context length, item tokens)."""
         planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
-        return [(c.shared, c.from_prompt, c.known is not None) for c in planned.contexts]
+        parts = planned.parts
+        # the longest context first
+        assert [len(p.request.prefix) for p in parts] == sorted((len(p.request.prefix) for p in parts), reverse=True)
+        return [
+            [(len(parts[p].request.prefix), parts[p].request.items[i]) for p, i in prompt.segments]
+            for prompt in planned.plans
+        ]
 
-    # three prompts share the header (2 x 40 tokens saved >= 40 + 16): the first computes it whole;
-    # two share q1 too (30 more tokens for one other prompt: 30 < 30 + 16), so they do not split
-    assert contexts([header + q1 + a, header + q2 + b, header + q1 + c]) == [
-        (0, None, False),
-        (40, 0, False),
-        (40, 0, False),
-    ]
-    # four share header + q1 (3 x 70 >= 70 + 16): the first runs whole, the others over it
-    four = [header + q1 + x for x in (a, b, c, d)]
-    assert contexts(four) == [(0, None, False)] + [(70, 0, False)] * 3
-    # under the header, q1's choices (3 x 30 >= 30 + 16) over q1, whose first runs over the header;
-    # q2's 12 tokens would save 2 x 12 < 12 + 16: its prompts run over the header
-    mixed = [
-        header + q1 + a,
-        header + q2 + a,
-        header + q1 + b,
-        header + q2 + b,
-        header + q1 + c,
-        header + q2 + c,
-        header + q1 + d,
-    ]
-    assert contexts(mixed) == [
-        (0, None, False),
-        (40, 0, False),
-        (70, 0, False),
-        (40, 0, False),
-        (70, 0, False),
-        (40, 0, False),
-        (70, 0, False),
-    ]
-    # kept prompts: a later prompt runs over what it shares with one (here header + q1, computed
-    # earlier), and over the contexts that one ran over (the header) when it shares no more
-    known = KnownPositions()
-    first = np.asarray(header + q1 + a)
-    root = known.keep(
-        first,
-        Positions(
-            np.zeros(len(first) - 1, np.float32),
-            np.zeros((len(first) - 1, TOP_LOGPROBS), np.int32),
-            np.zeros((len(first) - 1, TOP_LOGPROBS), np.float32),
-        ),
-        None,
-        1,
+    first = header + q1 + a  # 72 tokens: segments over 0, 32 and 64 tokens
+    alone = segments([first])
+    assert alone == [[(0, first[:33]), (32, first[32:65]), (64, first[64:])]]
+    # the same segments beside other prompts, in any order
+    others = [header + q2 + b, header + q1 + b, q2 + a]
+    for company in ([first, *others], [*others, first], [others[0], first, others[1]]):
+        assert segments(company)[company.index(first)] == alone[0]
+    # a segment two prompts share runs once: header + q1 + a and header + q1 + b share their first
+    # two (tokens 0-64), not the third
+    planned = plan(requests, CompletionsInput([first, header + q1 + b], echo=True, max_tokens=0), None)
+    assert planned.plans[0].segments[:2] == planned.plans[1].segments[:2]
+    assert planned.plans[0].segments[2] != planned.plans[1].segments[2]
+    assert sum(len(p.request.items) for p in planned.parts) == 4
+    # kept positions 1 .. 69 (header + q1): only the segment holding position 70 on runs
+    known = KnownPositions(page_tokens=16)
+    kept = np.asarray(header + q1 + a)
+    n = len(kept) - 1
+    empty = Positions(
+        np.zeros(n, np.float32), np.zeros((n, TOP_LOGPROBS), np.int32), np.zeros((n, TOP_LOGPROBS), np.float32)
     )
-    assert root is not None
-    assert contexts([header + q1 + b], known) == [(70, None, True)]
-    assert contexts([header + q2 + b], known) == [(40, None, True)]
-    # eight prompts sharing 7 tokens past the kept header (7 x 7 >= 7 + 16): fewer than 8, not
-    # worth a context of their own
-    short = [header + [1, 2, 3, 4, 5, 6, 7, 310 + i, 5] for i in range(8)]
-    assert contexts(short, known) == [(40, None, True)] * 8
-    # a kept context beside the request's own: the longer wins, and the header is not recomputed
-    assert contexts([header + q1 + b, header + q2 + b, header + q2 + c], known) == [
-        (70, None, True),
-        (40, None, True),
-        (40, None, True),
-    ]
+    assert known.keep(kept, empty, None, 1) is not None
+    assert segments([header + q1 + b], known) == [[(64, (header + q1 + b)[64:])]]
+    # sharing only the header (40 tokens: positions 1 .. 39): from the segment of position 40
+    other = header + q2 + b
+    assert segments([other], known) == [[(32, other[32:])]]
 
 
 def test_concurrent_completions_over_one_header_each_equal_transformers(completions_server):

@@ -153,6 +153,7 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
+    from prefixscore.engine.requests.known_positions import KnownPositions
     from prefixscore.service.process import ServerThread
 
     root = pathlib.Path(__file__).parent.parent
@@ -170,15 +171,24 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
     )
     with ServerThread(server_config(smollm2, http_port=0, template="auto")) as srv:
         base = f"http://127.0.0.1:{srv.server.http_port}/v1/completions"
+
+        def local_completions(batch_size: int) -> dict:
+            return simple_evaluate(
+                model="local-completions",
+                model_args=f"model=smollm2-135m,base_url={base},batch_size={batch_size},max_retries=1,"
+                "tokenizer_backend=remote",
+                tasks=["prefixscore_mc"],
+                task_manager=tasks,
+                log_samples=True,
+            )
+
         prefilled = smollm2.engine.stats["prefill_tokens"]
-        runs["server"] = simple_evaluate(
-            model="local-completions",
-            model_args=f"model=smollm2-135m,base_url={base},batch_size=16,max_retries=1,tokenizer_backend=remote",
-            tasks=["prefixscore_mc"],
-            task_manager=tasks,
-            log_samples=True,
-        )
+        runs["server"] = local_completions(16)
         prefilled = smollm2.engine.stats["prefill_tokens"] - prefilled
+        # the same server from scratch (no positions kept, no context cached), one prompt a request
+        srv.server.service.kinds["completions"].known = KnownPositions()
+        smollm2.engine.prefix_cache.evict_idle()
+        runs["one by one"] = local_completions(1)
     # every prompt starts with the description, then its question: all that is prefilled is at
     # most the description once and each question once (106 tokens here, of 123)
     samples = runs["server"]["samples"]["prefixscore_mc"]
@@ -192,6 +202,8 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
         name: {s["doc_id"]: s["filtered_resps"] for s in run["samples"]["prefixscore_mc"]} for name, run in runs.items()
     }
     assert sorted(got["server"]) == sorted(got["hf"]) == list(range(8))
+    # lm-eval's --batch_size changes no bit of any choice's log-likelihood or greedy flag
+    assert got["one by one"] == got["server"]
     for doc, want in got["hf"].items():
         served = got["server"][doc]
         # a choice's log-likelihood is a sum over its tokens: float32's rounding grows with it (a

@@ -3,30 +3,35 @@
 lm-evaluation-harness (`local-completions`), perplexity filters and judges send prompts with
 `echo` and `logprobs` and at most one new token: they want the log-probability of every
 prompt token given the tokens before it, and perhaps the greedy next token. That is the
-likelihood path (engine/requests/likelihood.py) over whole prompts, planned here as engine requests,
-one per context the prompts run over:
+likelihood path (engine/requests/likelihood.py) over whole prompts, planned here as engine requests.
 
-- each prompt runs over the longest context whose positions are known without computing it
-  again: the longest prompt an earlier request computed that it starts with (`KnownPositions`:
-  lm-eval's order puts a question's choices in different requests), or a prefix it shares with
-  other prompts of the request (the k-shot header they all start with, a question's choices),
-  whose positions the first of them computes, running over a shorter context itself;
-- a context is the prefix of its engine request: prefilled once and kept in the prefix cache,
-  where its leading whole pages are borrowed from a cached context that starts alike (a
-  question's context prefills only the question, not the header again);
-- a prompt with no such context runs whole (a sequence of its own).
+A prompt is cut at fixed positions into segments of SEGMENT_TOKENS rows: segment i holds the
+rows of tokens 32i .. 32i + 31 (the log-probs of positions 32i + 1 .. 32i + 32), an item of at
+most 33 tokens (its first token's row reads the next one) over the context `prompt[:32i]`, the
+prefix of its engine request (segment 0: a whole sequence, no prefix). Where a position is
+computed, over which context and in which item, thus follows from the position alone, never
+from the prompt's company: a position's log-prob is the same bits whether the prompt came alone
+or among others, in any order, over positions kept from an earlier request or not (an item's
+tokens are computed by its own position, and a context's K/V are the same however it was
+prefilled: docs/design.md "The same answer whatever the call").
 
-Either way each position's log-prob is the one a plain forward pass over that prompt gives:
-where a prompt's tokens sit in a call does not change them. Validated once, before any device
-work: prompt forms, emptiness, the vocabulary, the context, and the options a scorer cannot
-honour (more than one new token, several choices, streaming, sampling), each refused by name.
+- the positions an earlier prompt computed (`KnownPositions`: the longest kept prompt this one
+  starts with) are taken as they are: only the segments from the first unknown position on run;
+- a segment two prompts of the request both need (the same context and the same tokens) runs once;
+- a context is prefilled once and kept in the prefix cache: the engine requests go longest
+  context first, so a prompt's longest context is prefilled and its shorter ones, whole pages
+  of it (SEGMENT_TOKENS is a whole number of pages), borrow its pages instead of prefilling.
+
+Each position's log-prob is the one a plain forward pass over that prompt gives. Validated
+once, before any device work: prompt forms, emptiness, the vocabulary, the context, and the
+options a scorer cannot honour (more than one new token, several choices, streaming,
+sampling), each refused by name.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,23 +40,24 @@ from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.requests.answers import TokenLogprobs
 from prefixscore.engine.requests.invalid_input import InvalidInput
 from prefixscore.engine.requests.kind import Done
-from prefixscore.engine.requests.known_positions import Known, KnownPositions, Positions, common_prefix
+from prefixscore.engine.requests.known_positions import Known, KnownPositions, Positions
 from prefixscore.engine.requests.likelihood import (
     ItemLikelihood,
     check_top_logprobs,
     check_vocabulary_head,
-    layout,
     read_likelihoods,
 )
 from prefixscore.engine.requests.validation import RequestTokenizer
 from prefixscore.engine.runtime.token_rows import TokenRows
+from prefixscore.kernels.xla import ITEM_BLOCK
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out
 DEFAULT_MAX_TOKENS = 16
-# the fewest tokens a context adds to the next shorter one: fewer save less than a prefix of their
-# own costs (its own entry in the prefix cache, and the part of a page it cannot borrow)
-MIN_CONTEXT_GAIN = 8
+# rows of a segment: its item is at most SEGMENT_TOKENS + 1 tokens, which the CPU attention always
+# computes one way (kernels/xla.py: a short item), whatever the prompt's length; a whole number of
+# the prefix pool's pages, so a shorter context borrows all of a longer one's pages
+SEGMENT_TOKENS = ITEM_BLOCK
 
 
 @dataclasses.dataclass
@@ -78,24 +84,20 @@ class CompletionsInput:
 
 @dataclasses.dataclass(frozen=True)
 class CompletionPart:
-    """One engine request of a completions request: its items are the prompts at `prompts`
-    (indices, in order), each its tokens after a context of `shared` tokens they all start with
-    (0: whole prompts)."""
+    """One engine request of a completions request: segments over one context (its prefix)."""
 
     request: TokenizedRequest
-    prompts: tuple[int, ...]
-    shared: int
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptContext:
-    """What one prompt runs over: its first `shared` tokens (0: nothing, it runs whole), whose
-    positions come from a kept prompt (`known`) or from another prompt of the request that runs
-    over a shorter context (`from_prompt`)."""
+class PromptPlan:
+    """Where one prompt's positions come from: 1 .. known_upto - 1 from a kept prompt (`known`),
+    the rest from its segments from `first_segment` on, each (part, item) of the plan's parts."""
 
-    shared: int = 0
-    known: Known | None = None
-    from_prompt: int | None = None
+    known: Known | None
+    known_upto: int
+    first_segment: int
+    segments: tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,7 @@ class PlannedCompletions:
     prompts: list[np.ndarray]  # each prompt's token ids [n_i] int64
     texts: list[str] | None  # the prompts as sent, when they were texts
     parts: tuple[CompletionPart, ...]
-    contexts: tuple[PromptContext, ...]  # per prompt
+    plans: tuple[PromptPlan, ...]  # per prompt
     max_tokens: int  # 0 or 1
     echo: bool
     logprobs: int | None
@@ -197,77 +199,11 @@ def _prompt_rows(requests: RequestTokenizer, inp: CompletionsInput) -> tuple[Tok
         raise InvalidInput(field, err.message, err.too_large) from err
 
 
-def _neighbours(prompts: list[np.ndarray]) -> tuple[int, list[int]]:
-    """The tokens every prompt starts with, and per prompt the most it shares with another one
-    (from the prompts in token order: a prompt shares the most with a neighbour there)."""
-    order = sorted(range(len(prompts)), key=lambda j: prompts[j].tolist())
-    pairs = [common_prefix(prompts[a], prompts[b]) for a, b in itertools.pairwise(order)]
-    most = [0] * len(prompts)
-    for i, j in enumerate(order):
-        most[j] = max(pairs[i - 1] if i else 0, pairs[i] if i < len(pairs) else 0)
-    return min(pairs), most
-
-
-def _kept_contexts(known: Known | None, shared: int) -> list[int]:
-    """Contexts whose positions a kept prompt holds, for a prompt sharing `shared` tokens with it:
-    that share, and the contexts it and the prompts before it in its line ran over (prefixes an
-    earlier request used: likely still in the prefix cache)."""
-    if known is None or shared < 2:
-        return []
-    out, at = [shared], known
-    while at is not None:
-        if 2 <= at.start <= shared:
-            out.append(at.start)
-        at = at.parent
-    return out
-
-
-def _contexts(prompts: list[np.ndarray], known: KnownPositions | None, page_tokens: int) -> list[PromptContext]:
-    """What each prompt runs over (see the module doc): the longest of its candidate contexts
-    whose positions are known or computed by another prompt of the request. Candidates: the
-    contexts a kept prompt it starts with holds (`_kept_contexts`), the request's common prefix,
-    and the most it shares with another prompt. A context of the request is computed by its first
-    prompt, which runs over a shorter one; it is used only when the tokens its other prompts then
-    skip pay for its prefill (up to a page more than it adds to the next shorter context). A
-    context adding fewer than MIN_CONTEXT_GAIN tokens to the next shorter one is not worth a
-    prefix of its own."""
-    kept = [known.longest(p, len(p) - 1) if known is not None else (None, 0) for p in prompts]
-    common, most = _neighbours(prompts) if len(prompts) > 1 else (0, [0])
-    wanted = [{c for c in (min(common, len(p) - 1), min(most[j], len(p) - 1)) if c >= 2} for j, p in enumerate(prompts)]
-    sharing = collections.Counter(prompts[j][:c].tobytes() for j in range(len(prompts)) for c in wanted[j])
-    options = [sorted(wanted[j] | set(_kept_contexts(*kept[j]))) for j in range(len(prompts))]
-    held: dict[bytes, Known] = {}  # a context whose positions a kept prompt holds -> that prompt
-    for j, p in enumerate(prompts):
-        for c in options[j]:
-            if c <= kept[j][1]:
-                held.setdefault(p[:c].tobytes(), kept[j][0])  # type: ignore[arg-type]
-    candidates: list[list[int]] = []  # per prompt, ascending
-    for j, p in enumerate(prompts):
-        below, useful = 0, []
-        for c in options[j]:
-            gain, key = c - below, p[:c].tobytes()
-            if gain >= MIN_CONTEXT_GAIN and (key in held or (sharing[key] - 1) * gain >= gain + page_tokens):
-                useful.append(c)
-                below = c
-        candidates.append(useful)
-    first_of: dict[bytes, int] = {}  # a context of the request -> the prompt that computes it
-    for j, p in enumerate(prompts):
-        for c in candidates[j]:
-            if p[:c].tobytes() not in held:
-                first_of.setdefault(p[:c].tobytes(), j)
-    out = []
-    for j, p in enumerate(prompts):
-        computes = [c for c in candidates[j] if first_of.get(p[:c].tobytes()) == j]
-        over = [c for c in candidates[j] if c < min(computes, default=len(p))]
-        if not over:
-            out.append(PromptContext())
-            continue
-        key = p[: over[-1]].tobytes()
-        if key in held:
-            out.append(PromptContext(over[-1], known=held[key]))
-        else:
-            out.append(PromptContext(over[-1], from_prompt=first_of[key]))
-    return out
+def _segments(prompt: np.ndarray, first: int) -> list[tuple[int, int]]:
+    """The prompt's segments from `first` on: (context length, item end) each."""
+    n, size = len(prompt), SEGMENT_TOKENS
+    last = (n - 1) // size
+    return [(size * i, min(size * i + size + 1, n)) for i in range(first, last + 1)]
 
 
 def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPositions | None = None) -> PlannedCompletions:
@@ -276,8 +212,7 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
     max_tokens = _options(inp)
     check_vocabulary_head(requests)
     rows, texts = _prompt_rows(requests, inp)
-    # a prompt may run whole (a row per token in the item region): within an item's limit too
-    limit = min(requests.max_sequence_tokens, requests.max_item_tokens)
+    limit = requests.max_sequence_tokens
     over = np.flatnonzero(rows.lengths + max_tokens > limit)
     if over.size:
         j = int(over[0])
@@ -287,65 +222,65 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
     requests.check_request_tokens(rows.total)
     top = TOP_LOGPROBS if inp.logprobs is None else inp.logprobs
     prompts = [rows.flat[rows.offsets[j] : rows.offsets[j + 1]] for j in range(len(rows))]
-    contexts = _contexts(prompts, known, requests.limits.page_tokens)
-    by_context: dict[bytes, list[int]] = collections.defaultdict(list)
-    for j, c in enumerate(contexts):
-        by_context[prompts[j][: c.shared].tobytes()].append(j)
-    parts = []
-    for js in by_context.values():
-        shared = contexts[js[0]].shared
-        rest = TokenRows.from_lists([prompts[j][shared:] for j in js])
-        if shared == 0:  # whole sequences: no prefix, a row per token of each prompt
-            request = TokenizedRequest((), rest, (), TokenLogprobs(top), True)
-        else:
-            request = layout(requests, prompts[js[0]][:shared].tolist(), rest, top)
-        parts.append(CompletionPart(request, tuple(js), shared))
-    return PlannedCompletions(prompts, texts, tuple(parts), tuple(contexts), max_tokens, bool(inp.echo), inp.logprobs)
+    # per context (its tokens): the items over it, each named by its tokens up to its end
+    contexts: dict[bytes, dict[bytes, np.ndarray]] = collections.defaultdict(dict)
+    wanted: list[tuple[Known | None, int, int, list[tuple[bytes, bytes]]]] = []
+    for prompt in prompts:
+        kept, upto = known.longest(prompt, len(prompt) - 1) if known is not None else (None, 0)
+        first = max(upto - 1, 0) // SEGMENT_TOKENS  # the segment of the first unknown position
+        keys = []
+        for context, end in _segments(prompt, first):
+            at, item = prompt[:context].tobytes(), prompt[:end].tobytes()
+            contexts[at].setdefault(item, prompt[context:end])
+            keys.append((at, item))
+        wanted.append((kept, upto if kept is not None else 0, first, keys))
+    # the longest context first: it lends its pages to the shorter ones (engine/runtime/prefix_cache.py)
+    order = sorted(contexts, key=len, reverse=True)
+    parts, where = [], {}
+    for p, at in enumerate(order):
+        items = contexts[at]
+        for i, item in enumerate(items):
+            where[at, item] = (p, i)
+        prefix = tuple(np.frombuffer(at, prompts[0].dtype).tolist())
+        request = TokenizedRequest(
+            prefix, TokenRows.from_lists(list(items.values())), (), TokenLogprobs(top), not prefix
+        )
+        parts.append(CompletionPart(request))
+    plans = tuple(
+        PromptPlan(kept, upto, first, tuple(where[key] for key in keys)) for kept, upto, first, keys in wanted
+    )
+    return PlannedCompletions(prompts, texts, tuple(parts), plans, max_tokens, bool(inp.echo), inp.logprobs)
 
 
 def prompt_logprobs(
     planned: PlannedCompletions, results: list[list[ItemLikelihood]], known: KnownPositions | None = None
 ) -> list[PromptLogprobs]:
-    """Each prompt's positions from its part's likelihoods (`results`: per part, per item): those
-    of its context (kept, or another prompt's), then its own. `known`: where to keep them for
-    later requests (each over the kept prompt its context came from, which holds the rest)."""
-    own: dict[int, ItemLikelihood] = {}
-    for part, items in zip(planned.parts, results, strict=True):
-        own.update(zip(part.prompts, items, strict=True))
-    out: list[PromptLogprobs | None] = [None] * len(planned.prompts)
-    kept: dict[int, Known | None] = {}
-    # a context's positions come from a prompt over a shorter context: those go first
-    for j in sorted(range(len(planned.prompts)), key=lambda j: planned.contexts[j].shared):
-        context, item = planned.contexts[j], own[j]
-        mine = Positions(item.logprobs, item.top_ids, item.top_logprobs)
-        parent = None
-        if context.known is not None:
-            assert known is not None
-            head = known.positions(context.known, context.shared)
-            parent = context.known
-        elif context.from_prompt is not None:
-            source = out[context.from_prompt]
-            assert source is not None
-            head = source.positions().head(context.shared - 1)
-            parent = kept.get(context.from_prompt)
-        whole = Positions.join([head, mine]) if context.shared else mine
-        out[j] = PromptLogprobs(
-            tokens=planned.prompts[j],
-            logprobs=np.concatenate([[np.nan], whole.logprobs]).astype(np.float32),
-            top_ids=np.concatenate([np.zeros((1, TOP_LOGPROBS), np.int64), whole.top_ids]).astype(np.int64),
-            top_logprobs=np.concatenate([np.full((1, TOP_LOGPROBS), np.nan, np.float32), whole.top_logprobs]),
-            next_top_ids=item.next_top_ids,
-            next_top_logprobs=item.next_top_logprobs,
+    """Each prompt's positions: those a kept prompt holds, then its segments' (`results`: per part,
+    per item). `known`: where to keep them for later requests (each over the kept prompt its first
+    positions came from, which holds them)."""
+    out = []
+    for tokens, prompt in zip(planned.prompts, planned.plans, strict=True):
+        segments = [results[p][i] for p, i in prompt.segments]
+        computed = Positions.join([Positions(s.logprobs, s.top_ids.astype(np.int32), s.top_logprobs) for s in segments])
+        # the first segment starts at position first_segment * SEGMENT_TOKENS + 1; known ones go first
+        start = max(prompt.known_upto, 1)
+        own = computed.after(start - (prompt.first_segment * SEGMENT_TOKENS + 1))
+        whole = own
+        if prompt.known is not None and known is not None:
+            whole = Positions.join([known.positions(prompt.known, start), own])
+        out.append(
+            PromptLogprobs(
+                tokens=tokens,
+                logprobs=np.concatenate([[np.nan], whole.logprobs]).astype(np.float32),
+                top_ids=np.concatenate([np.zeros((1, TOP_LOGPROBS), np.int64), whole.top_ids]).astype(np.int64),
+                top_logprobs=np.concatenate([np.full((1, TOP_LOGPROBS), np.nan, np.float32), whole.top_logprobs]),
+                next_top_ids=segments[-1].next_top_ids,
+                next_top_logprobs=segments[-1].next_top_logprobs,
+            )
         )
         if known is not None:
-            if parent is not None:
-                start = context.shared
-                stored = Positions(mine.logprobs, mine.top_ids.astype(np.int32), mine.top_logprobs)
-            else:
-                start, stored = 1, out[j].positions()
-            kept[j] = known.keep(planned.prompts[j], stored, parent, start)
-    assert all(p is not None for p in out)
-    return out  # type: ignore[return-value]
+            known.keep(tokens, own, prompt.known, start)
+    return out
 
 
 class CompletionsKind:
