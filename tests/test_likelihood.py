@@ -233,10 +233,10 @@ def assert_prompt_like_transformers(torch_model, prompt: list[int], token_logpro
 def test_completions_echo_over_http_equals_transformers(completions_server):
     """OpenAI's /v1/completions as scorers call it (echo, logprobs, max_tokens 1), over HTTP: every
     prompt position's log-prob, its top log-probs and the greedy next token equal transformers'
-    forward of that prompt. Prompts sharing 70 tokens: their contexts, cut at 32 and 64 tokens,
-    are prefilled once (the 64-token one; the 32-token one borrows its pages); a prompt sent alone
-    gets the same bits as in company; a later request's prompts take the positions the first
-    computed and run only their segments from position 65 on."""
+    forward of that prompt. Prompts of 71-90 tokens sharing 70: their contexts, cut every 16-token
+    page, are prefilled once (the longest, 80 tokens; the others borrow its pages); a prompt sent
+    alone gets the same bits as in company; a later request's prompts take the positions the
+    first computed and run only their items from there."""
     scorer, http, torch_model = completions_server
     prompts = [CONTEXT + c for c in CONTINUATIONS]
     k = 5
@@ -246,18 +246,21 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
         json={"prompt": prompts, "echo": True, "logprobs": k, "max_tokens": 1, "temperature": 0},
     )
     assert shared.status_code == 200, shared.text
-    # the longest context (64 tokens, whole pages) is prefilled once: the 32-token one borrows its pages
-    assert scorer.engine.stats["prefill_tokens"] - prefilled == 64
+    # the longest context (80 tokens, whole pages) is prefilled once: the shorter ones borrow its pages
+    assert scorer.engine.stats["prefill_tokens"] - prefilled == 80
     single = http.post("/v1/completions", json={"prompt": prompts[2], "echo": True, "logprobs": 0, "max_tokens": 0})
     assert single.status_code == 200, single.text
-    # a later request over the same 70 tokens: positions 1-69 are known and the 64-token context
-    # cached, so each prompt runs its last segment only (nothing prefilled)
+    # a later request over the same 70 tokens: positions 1-69 are known (1-70 for the prompt kept
+    # whole but its last token) and the 64-token context cached
     later = [CONTEXT + c for c in (CONTINUATIONS[3][::-1], CONTINUATIONS[1])]
     computed, prefilled = scorer.engine.stats["tokens"], scorer.engine.stats["prefill_tokens"]
     again = http.post("/v1/completions", json={"prompt": later, "echo": True, "logprobs": 2, "max_tokens": 0})
     assert again.status_code == 200, again.text
-    assert scorer.engine.stats["prefill_tokens"] == prefilled
-    assert scorer.engine.stats["tokens"] - computed == sum(len(p) - 64 for p in later)
+    # the 90-token prompt's 80-token context: past the four whole pages it borrows
+    prefill = scorer.engine.stats["prefill_tokens"] - prefilled
+    assert prefill == 16
+    # items: the 90-token prompt's over 64 and 80 tokens (17 + 10), the other's over 64 (8)
+    assert scorer.engine.stats["tokens"] - computed - prefill == 17 + 10 + 8
     body = shared.json()
     assert body["usage"] == {
         "prompt_tokens": sum(map(len, prompts)),
@@ -292,11 +295,12 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
 
 def test_completions_take_a_question_s_positions_from_an_earlier_request(completions_server):
     """lm-evaluation-harness's order: a k-shot header, two questions, and their choices split over
-    two requests. In the first, the prompts' segments over contexts of 0, 32 and 64 tokens run,
-    those two prompts share once, and only the longest context is prefilled (the 32-token one
-    borrows its pages); in the second, each choice takes the positions a sibling computed in the
-    first request and runs only its segments from there, over cached contexts but one (whose
-    header pages it borrows). Every position equals transformers' forward of its prompt."""
+    two requests. In the first, the prompts' items over contexts cut every 16-token page run, an
+    item two prompts share once, and only the longest context is prefilled whole (the others
+    borrow its pages, or the header's); in the second, each choice takes the positions a sibling
+    computed in the first request and runs only its items from there, over cached contexts but
+    one (whose header pages it borrows). Every position equals transformers' forward of its
+    prompt."""
     scorer, http, torch_model = completions_server
     engine = scorer.engine
     header = RNG.integers(0, 320, 40).tolist()
@@ -318,73 +322,83 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
         for prompt, choice in zip(prompts, response.json()["choices"], strict=True):
             assert_prompt_like_transformers(torch_model, prompt, choice["logprobs"]["token_logprobs"])
         if shared is None:
-            assert prefill == 64  # the second prompt's 64-token context
-            # segment 0 (33 tokens, the header's, run once); over 32 tokens: 30, 33 and 32 tokens;
-            # over 64 tokens: the second prompt's last 3
-            assert items == 33 + 30 + 33 + 32 + 3
+            # the second prompt's 64-token context, and header + q0's 48 past the header's two pages
+            assert prefill == 64 + 16
+            # over 0 and 16 tokens (the header's): 17 each, once; over 32: q0's and q1's, 17 each;
+            # over 48: 14, 17 and 16; over 64: the second prompt's last 3
+            assert items == 17 + 17 + 2 * 17 + 14 + 17 + 16 + 3
         else:
-            # positions known up to 64 (its segment over 64 tokens) and 59 (from its segment over
-            # 32 tokens: 33, and its last token over 64)
-            assert items == (69 - 64) + (33 + 1) + (70 - 64)
-            assert prefill == 64 - 32  # header + q0's 64-token context: after the header's two pages
+            # positions known up to 64, 59 and 64: the items over 64 tokens (5 and 6), and over 48
+            # (17) and 64 (1) for the second, whose 64-token context prefills past the header's pages
+            assert items == 5 + 6 + 17 + 1
+            assert prefill == 64 - 32
 
 
 def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
-    """Host-only: a prompt's segments (engine/requests/completions.py) are cut at multiples of
-    SEGMENT_TOKENS whatever else the request holds, so each position is computed over the same
-    context in the same item whichever prompts ride beside it; a segment two prompts share runs
-    once; kept positions skip the segments they cover; the longest context goes first (it lends
-    its pages)."""
+    """Host-only: a prompt's items (engine/requests/completions.py) are cut at fixed positions,
+    every page (128 tokens here), whatever else the request holds: each segment's first 32 rows
+    from an item of at most 33 tokens, its other rows from one from the page's start, so each
+    position is computed over the same context, in the same kind of item at the same place,
+    whichever prompts ride beside it; an item two prompts share runs once; kept positions skip
+    the items they cover; the longest context goes first (it lends its pages)."""
     from conftest import make_torch_model
 
-    from prefixscore.engine.requests.completions import SEGMENT_TOKENS, CompletionsInput, plan
+    from prefixscore.engine.requests.completions import HEAD_ROWS, CompletionsInput, plan
     from prefixscore.engine.requests.known_positions import KnownPositions, Positions
     from prefixscore.engine.requests.validation import Limits
     from prefixscore.model.config import config_from_dict
 
-    assert SEGMENT_TOKENS == 32
+    assert HEAD_ROWS == 32
     torch_model = make_torch_model("qwen3")
     raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
-    requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=16))
-    header, q1, q2 = (RNG.integers(0, 300, n).tolist() for n in (40, 30, 12))
+    requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=128))
+    header, q1, q2 = (RNG.integers(0, 300, n).tolist() for n in (150, 30, 12))
     a, b = [300, 301], [302, 303, 304]
 
-    def segments(prompts: list[list[int]], known: KnownPositions | None = None) -> list[list[tuple[int, list[int]]]]:
-        """Per prompt, its segments as (context length, item tokens)."""
+    def items(prompts: list[list[int]], known: KnownPositions | None = None) -> list[list[tuple[int, list[int], int]]]:
+        """Per prompt, its items as (context length, item tokens, first row read)."""
         planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
         parts = planned.parts
         # the longest context first
         assert [len(p.request.prefix) for p in parts] == sorted((len(p.request.prefix) for p in parts), reverse=True)
         return [
-            [(len(parts[p].request.prefix), parts[p].request.items[i]) for p, i in prompt.segments]
+            [
+                (len(parts[x.part].request.prefix), parts[x.part].request.items[x.item], x.rows_from)
+                for x in prompt.pieces
+            ]
             for prompt in planned.plans
         ]
 
-    first = header + q1 + a  # 72 tokens: segments over 0, 32 and 64 tokens
-    alone = segments([first])
-    assert alone == [[(0, first[:33]), (32, first[32:65]), (64, first[64:])]]
-    # the same segments beside other prompts, in any order
-    others = [header + q2 + b, header + q1 + b, q2 + a]
+    first = header + q1 + a  # 182 tokens: rows 0-127 over nothing, 128-181 over 128 tokens
+    alone = items([first])
+    assert alone == [[(0, first[:33], 0), (0, first[:129], 32), (128, first[128:161], 128), (128, first[128:], 160)]]
+    # the same items beside other prompts, in any order
+    others = [header + q2 + b, header + q1 + b, q2 + a, first[:140]]
     for company in ([first, *others], [*others, first], [others[0], first, others[1]]):
-        assert segments(company)[company.index(first)] == alone[0]
-    # a segment two prompts share runs once: header + q1 + a and header + q1 + b share their first
-    # two (tokens 0-64), not the third
+        assert items(company)[company.index(first)] == alone[0]
+    # a prompt ending 33 tokens into a page reads its last row from the short item: no long one
+    assert items([first[:161]]) == [[(0, first[:33], 0), (0, first[:129], 32), (128, first[128:161], 128)]]
+    # an item two prompts share runs once: these share the page-0 items and the short item over 128
     planned = plan(requests, CompletionsInput([first, header + q1 + b], echo=True, max_tokens=0), None)
-    assert planned.plans[0].segments[:2] == planned.plans[1].segments[:2]
-    assert planned.plans[0].segments[2] != planned.plans[1].segments[2]
-    assert sum(len(p.request.items) for p in planned.parts) == 4
-    # kept positions 1 .. 69 (header + q1): only the segment holding position 70 on runs
+    assert planned.plans[0].pieces[:3] == planned.plans[1].pieces[:3]
+    assert planned.plans[0].pieces[3] != planned.plans[1].pieces[3]
+    assert sum(len(p.request.items) for p in planned.parts) == 5
+    # header + q1 + b shares 180 tokens with the kept header + q1 + a (positions 1 .. 179): only
+    # rows from 179 run, from the long item over 128 tokens
     known = KnownPositions(page_tokens=16)
-    kept = np.asarray(header + q1 + a)
+    kept = np.asarray(first)
     n = len(kept) - 1
     empty = Positions(
         np.zeros(n, np.float32), np.zeros((n, TOP_LOGPROBS), np.int32), np.zeros((n, TOP_LOGPROBS), np.float32)
     )
     assert known.keep(kept, empty, None, 1) is not None
-    assert segments([header + q1 + b], known) == [[(64, (header + q1 + b)[64:])]]
-    # sharing only the header (40 tokens: positions 1 .. 39): from the segment of position 40
+    other = header + q1 + b
+    assert items([other], known) == [[(128, other[128:], 160)]]
+    # sharing only the header (150 tokens: positions 1 .. 149): from row 149, both items over 128
     other = header + q2 + b
-    assert segments([other], known) == [[(32, other[32:])]]
+    assert items([other], known) == [[(128, other[128:161], 128), (128, other[128:], 160)]]
+    short = header[:140] + [7]  # rows 139-140: over 128 tokens, in the short item
+    assert items([short], known) == [[(128, short[128:], 128)]]
 
 
 def test_concurrent_completions_over_one_header_each_equal_transformers(completions_server):
@@ -457,7 +471,7 @@ def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
 
     torch_model = make_torch_model("qwen3")
     raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
-    page = data.draw(st.sampled_from([1, 4, 16]))
+    page = data.draw(st.sampled_from([1, 4, 16, 64]))
     requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=page))
     tokens = st.lists(st.integers(0, 299), max_size=40)
     header = data.draw(tokens)

@@ -5,22 +5,24 @@ lm-evaluation-harness (`local-completions`), perplexity filters and judges send 
 prompt token given the tokens before it, and perhaps the greedy next token. That is the
 likelihood path (engine/requests/likelihood.py) over whole prompts, planned here as engine requests.
 
-A prompt is cut at fixed positions into segments of SEGMENT_TOKENS rows: segment i holds the
-rows of tokens 32i .. 32i + 31 (the log-probs of positions 32i + 1 .. 32i + 32), an item of at
-most 33 tokens (its first token's row reads the next one) over the context `prompt[:32i]`, the
-prefix of its engine request (segment 0: a whole sequence, no prefix). Where a position is
-computed, over which context and in which item, thus follows from the position alone, never
-from the prompt's company: a position's log-prob is the same bits whether the prompt came alone
-or among others, in any order, over positions kept from an earlier request or not (an item's
-tokens are computed by its own position, and a context's K/V are the same however it was
-prefilled: docs/design.md "The same answer whatever the call").
+A prompt is cut at fixed positions, every page of the prefix pool (128 tokens by default): segment
+k holds the rows of tokens 128k .. 128k + 127 (row j reads token j and gives the log-prob of token
+j + 1), items over the context `prompt[:128k]`, the prefix of its engine request (segment 0: whole
+sequences, no prefix). Its first HEAD_ROWS rows come from an item of at most HEAD_ROWS + 1
+tokens, the rest from an item from the context on of at least HEAD_ROWS + 2 tokens: the CPU
+attention computes the first kind one way and the second another, each whatever the item's
+length. Where a position is computed, over which context, in which item and at which place in
+it, thus follows from the position alone, never from the prompt's length or company: a
+position's log-prob is the same bits whether the prompt came alone or among others, in any
+order, over positions kept from an earlier request or not (a context's K/V are the same however
+it was prefilled: docs/design.md "The same answer whatever the call").
 
 - the positions an earlier prompt computed (`KnownPositions`: the longest kept prompt this one
   starts with) are taken as they are: only the segments from the first unknown position on run;
 - a segment two prompts of the request both need (the same context and the same tokens) runs once;
 - a context is prefilled once and kept in the prefix cache: the engine requests go longest
   context first, so a prompt's longest context is prefilled and its shorter ones, whole pages
-  of it (SEGMENT_TOKENS is a whole number of pages), borrow its pages instead of prefilling.
+  of it, borrow its pages instead of prefilling.
 
 Each position's log-prob is the one a plain forward pass over that prompt gives. Validated
 once, before any device work: prompt forms, emptiness, the vocabulary, the context, and the
@@ -54,10 +56,10 @@ from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out
 DEFAULT_MAX_TOKENS = 16
-# rows of a segment: its item is at most SEGMENT_TOKENS + 1 tokens, which the CPU attention always
-# computes one way (kernels/xla.py: a short item), whatever the prompt's length; a whole number of
-# the prefix pool's pages, so a shorter context borrows all of a longer one's pages
-SEGMENT_TOKENS = ITEM_BLOCK
+# the rows a segment's first item reads: an item of at most HEAD_ROWS + 1 tokens is one the CPU
+# attention always computes one way (kernels/xla.py: a short item), a longer one another (in
+# blocks from its own first token), each whatever the item's length
+HEAD_ROWS = ITEM_BLOCK
 
 
 @dataclasses.dataclass
@@ -90,14 +92,25 @@ class CompletionPart:
 
 
 @dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows `rows_from` .. `rows_to` - 1 of a prompt (row j: the log-prob of token j + 1, or after
+    the last token the next one's top) from item `item` of part `part`, which starts at row `start`."""
+
+    part: int
+    item: int
+    start: int
+    rows_from: int
+    rows_to: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PromptPlan:
     """Where one prompt's positions come from: 1 .. known_upto - 1 from a kept prompt (`known`),
-    the rest from its segments from `first_segment` on, each (part, item) of the plan's parts."""
+    the rest from its pieces, in order."""
 
     known: Known | None
     known_upto: int
-    first_segment: int
-    segments: tuple[tuple[int, int], ...]
+    pieces: tuple[Piece, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,11 +212,23 @@ def _prompt_rows(requests: RequestTokenizer, inp: CompletionsInput) -> tuple[Tok
         raise InvalidInput(field, err.message, err.too_large) from err
 
 
-def _segments(prompt: np.ndarray, first: int) -> list[tuple[int, int]]:
-    """The prompt's segments from `first` on: (context length, item end) each."""
-    n, size = len(prompt), SEGMENT_TOKENS
-    last = (n - 1) // size
-    return [(size * i, min(size * i + size + 1, n)) for i in range(first, last + 1)]
+def _items(n: int, stride: int, first_row: int) -> list[tuple[int, int, int, int]]:
+    """The items a prompt of n tokens needs for its rows from `first_row` on: (context, item end,
+    first row, row after the last) each. Segment k holds rows k * stride .. k * stride + stride - 1
+    over the context of the prompt's first k * stride tokens (whole pages); its first HEAD_ROWS
+    rows come from a short item, the rest from a long one (from the context on, at least
+    HEAD_ROWS + 2 tokens): each row is read from the same item however long the prompt is."""
+    out = []
+    head = min(stride, HEAD_ROWS)
+    for k in range(first_row // stride, (n - 1) // stride + 1):
+        at, rows_to = k * stride, min(k * stride + stride, n)
+        has_tail = n >= at + head + 2 and rows_to > at + head
+        head_to = at + head if has_tail else rows_to
+        if first_row < head_to:
+            out.append((at, min(at + head + 1, n), at, head_to))
+        if has_tail:
+            out.append((at, min(at + stride + 1, n), head_to, rows_to))
+    return out
 
 
 def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPositions | None = None) -> PlannedCompletions:
@@ -222,18 +247,19 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
     requests.check_request_tokens(rows.total)
     top = TOP_LOGPROBS if inp.logprobs is None else inp.logprobs
     prompts = [rows.flat[rows.offsets[j] : rows.offsets[j + 1]] for j in range(len(rows))]
+    stride = requests.limits.page_tokens
     # per context (its tokens): the items over it, each named by its tokens up to its end
     contexts: dict[bytes, dict[bytes, np.ndarray]] = collections.defaultdict(dict)
-    wanted: list[tuple[Known | None, int, int, list[tuple[bytes, bytes]]]] = []
+    wanted: list[tuple[Known | None, int, list[tuple[bytes, bytes, int, int, int]]]] = []
     for prompt in prompts:
         kept, upto = known.longest(prompt, len(prompt) - 1) if known is not None else (None, 0)
-        first = max(upto - 1, 0) // SEGMENT_TOKENS  # the segment of the first unknown position
-        keys = []
-        for context, end in _segments(prompt, first):
+        upto = upto if kept is not None else 0
+        pieces = []
+        for context, end, rows_from, rows_to in _items(len(prompt), stride, max(upto - 1, 0)):
             at, item = prompt[:context].tobytes(), prompt[:end].tobytes()
             contexts[at].setdefault(item, prompt[context:end])
-            keys.append((at, item))
-        wanted.append((kept, upto if kept is not None else 0, first, keys))
+            pieces.append((at, item, context, rows_from, rows_to))
+        wanted.append((kept, upto, pieces))
     # the longest context first: it lends its pages to the shorter ones (engine/runtime/prefix_cache.py)
     order = sorted(contexts, key=len, reverse=True)
     parts, where = [], {}
@@ -247,7 +273,8 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
         )
         parts.append(CompletionPart(request))
     plans = tuple(
-        PromptPlan(kept, upto, first, tuple(where[key] for key in keys)) for kept, upto, first, keys in wanted
+        PromptPlan(kept, upto, tuple(Piece(*where[at, item], start, lo, hi) for at, item, start, lo, hi in pieces))
+        for kept, upto, pieces in wanted
     )
     return PlannedCompletions(prompts, texts, tuple(parts), plans, max_tokens, bool(inp.echo), inp.logprobs)
 
@@ -260,22 +287,27 @@ def prompt_logprobs(
     positions came from, which holds them)."""
     out = []
     for tokens, prompt in zip(planned.prompts, planned.plans, strict=True):
-        segments = [results[p][i] for p, i in prompt.segments]
-        computed = Positions.join([Positions(s.logprobs, s.top_ids.astype(np.int32), s.top_logprobs) for s in segments])
-        # the first segment starts at position first_segment * SEGMENT_TOKENS + 1; known ones go first
-        start = max(prompt.known_upto, 1)
-        own = computed.after(start - (prompt.first_segment * SEGMENT_TOKENS + 1))
+        n, start = len(tokens), max(prompt.known_upto, 1)  # its first position not kept
+        parts = []
+        for piece in prompt.pieces:
+            item = results[piece.part][piece.item]
+            lo, hi = max(piece.rows_from, start - 1) - piece.start, min(piece.rows_to, n - 1) - piece.start
+            parts.append(
+                Positions(item.logprobs[lo:hi], item.top_ids[lo:hi].astype(np.int32), item.top_logprobs[lo:hi])
+            )
+        own = Positions.join(parts)
         whole = own
         if prompt.known is not None and known is not None:
             whole = Positions.join([known.positions(prompt.known, start), own])
+        last = results[prompt.pieces[-1].part][prompt.pieces[-1].item]  # the piece ending at the prompt's end
         out.append(
             PromptLogprobs(
                 tokens=tokens,
                 logprobs=np.concatenate([[np.nan], whole.logprobs]).astype(np.float32),
                 top_ids=np.concatenate([np.zeros((1, TOP_LOGPROBS), np.int64), whole.top_ids]).astype(np.int64),
                 top_logprobs=np.concatenate([np.full((1, TOP_LOGPROBS), np.nan, np.float32), whole.top_logprobs]),
-                next_top_ids=segments[-1].next_top_ids,
-                next_top_logprobs=segments[-1].next_top_logprobs,
+                next_top_ids=last.next_top_ids,
+                next_top_logprobs=last.next_top_logprobs,
             )
         )
         if known is not None:
