@@ -18,8 +18,8 @@ order, over positions kept from an earlier request or not (a context's K/V are t
 it was prefilled: docs/design.md "The same answer whatever the call").
 
 - the positions an earlier prompt computed (`KnownPositions`: the longest kept prompt this one
-  starts with) are taken as they are: only the segments from the first unknown position on run;
-- a segment two prompts of the request both need (the same context and the same tokens) runs once;
+  starts with) are taken as they are: only the items from the first unknown position on run;
+- an item two prompts of the request both need (the same context and the same tokens) runs once;
 - a context is prefilled once and kept in the prefix cache: the engine requests go longest
   context first, so a prompt's longest context is prefilled and its shorter ones, whole pages
   of it, borrow its pages instead of prefilling.
@@ -86,7 +86,7 @@ class CompletionsInput:
 
 @dataclasses.dataclass(frozen=True)
 class CompletionPart:
-    """One engine request of a completions request: segments over one context (its prefix)."""
+    """One engine request of a completions request: items over one context (its prefix)."""
 
     request: TokenizedRequest
 
@@ -282,7 +282,7 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
 def prompt_logprobs(
     planned: PlannedCompletions, results: list[list[ItemLikelihood]], known: KnownPositions | None = None
 ) -> list[PromptLogprobs]:
-    """Each prompt's positions: those a kept prompt holds, then its segments' (`results`: per part,
+    """Each prompt's positions: those a kept prompt holds, then its items' (`results`: per part,
     per item). `known`: where to keep them for later requests (each over the kept prompt its first
     positions came from, which holds them)."""
     out = []
