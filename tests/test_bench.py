@@ -500,8 +500,8 @@ def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     """W7 at its smallest on tiny-qwen3 (no transformers checkpoint: no hf baseline): lm-eval's
     batches of whole prompts through /v1/completions and each question's choices over its context
     through gRPC give the same log-likelihoods; the completions requests prefill the header and
-    no more than each question's context once in all (their contexts, cut every 32 tokens, are
-    each prefilled once past the whole 128-token pages they borrow), gRPC each question's context
+    no more than each question's context once in all (their contexts, cut every 128-token page,
+    are each prefilled once past the whole pages they borrow), gRPC each question's context
     but its last token and the header page it borrows."""
     out = tmp_path / "w7.json"
     sizes = ["--w7-header", "140", "--w7-questions", "3", "--w7-min-question", "6", "--w7-max-question", "12"]
@@ -511,8 +511,8 @@ def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     by = {r["mode"]: r for r in json.loads(out.read_text())}
     assert set(by) == {"completions", "grpc"} and all(r["choices"] == 12 for r in by.values())
     assert by["completions"]["max_abs_diff_vs_grpc"] < 1e-4 and by["completions"]["greedy_differs_vs_grpc"] == 0
-    # completions: at least the header's whole 32-token segments (128 tokens), at most each
-    # question's context once
+    # completions: at least the header's first whole page (a context), at most each question's
+    # context once
     prefilled = by["completions"]["prefill_tokens"]
     assert 128 <= prefilled <= by["completions"]["context_tokens"], prefilled
     # gRPC: each question's context but its last token, the later two borrowing the header's
