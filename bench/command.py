@@ -161,6 +161,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--w8-queries", type=int, default=200, help="W8 queries (10-30 tokens) [%(default)s]")
     p.add_argument("--w8-batch", type=int, default=32, help="W8 inputs per request (and encode batch) [%(default)s]")
     p.add_argument(
+        "--w8-clients",
+        type=_counts,
+        default=[1],
+        help="W8: clients sending at once, comma-separated (1,4: each engine mode sequentially, then 4 at once) [1]",
+    )
+    p.add_argument(
         "--w8-modes",
         type=_list(W8_MODES),
         default=list(W8_MODES),
@@ -208,6 +214,17 @@ def _list(choices: Sequence[str], every: Sequence[str] | None = None) -> Callabl
         return names
 
     return parse
+
+
+def _counts(text: str) -> list[int]:
+    """A comma list of positive integers, each once."""
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: positive integers, each once")
+    return counts
 
 
 def _seconds(text: str) -> float:

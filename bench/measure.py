@@ -15,7 +15,7 @@ from typing import Any
 
 from prefixscore.bench import workloads as wl
 from prefixscore.bench.backends import Backend, InProcess
-from prefixscore.bench.metrics import replica_counts
+from prefixscore.bench.metrics import replica_counts, token_share
 from prefixscore.bench.session import Bench
 from prefixscore.bench.timing import Timing, percentile
 from prefixscore.telemetry import host_cost
@@ -84,6 +84,7 @@ def measure_workload(bench: Bench, workload: str, mode: str, gen: wl.Generator) 
         "compile_seconds": CompileCounter.seconds() - compile_s,
     }
     stats0 = dict(bench.scorer.engine.stats) if bench.scorer is not None else None
+    tokens0 = bench.token_counts()
     compiles = CompileCounter.count()
     # the server's CPU time by thread kind around the timed run: when it runs in a process of
     # its own (in this one, the bench's client threads would count too)
@@ -92,6 +93,9 @@ def measure_workload(bench: Bench, workload: str, mode: str, gen: wl.Generator) 
     timing = _timed(bench, target, workload, mode, timed, workers)
     cpu1 = bench.host_cpu() if cpu0 is not None else None
     record = _record(bench, workload, mode, timed, timing, warmup, stats0, CompileCounter.count() - compiles)
+    tokens1 = bench.token_counts()
+    if tokens0 is not None and tokens1 is not None and mode != "packed":
+        record |= token_share(tokens0, tokens1)
     if workload == "w5":
         target.close()  # type: ignore[union-attr]
         record["ideal_hit_rate"] = wl.ideal_hit_rate(timed)

@@ -50,21 +50,23 @@ def add_shares(records: list[dict[str, Any]]) -> None:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    """One row per record: speed, latency, FLOP rate, utilisation, compile time, padding, hits."""
+    """One row per record: speed, latency, FLOP rate, utilisation, compile time, padding, tokens
+    computed over tokens requested, hits."""
     head = (
         f"{'workload':<9} {'mode':<10} {'items/s':>9} {'p50 ms':>9} {'p95 ms':>9} {'p99 ms':>9} "
-        f"{'GFLOP/s':>8} {'util':>6} {'compile s':>9} {'pad %':>6} {'hit %':>6}"
+        f"{'GFLOP/s':>8} {'util':>6} {'compile s':>9} {'pad %':>6} {'comp/req':>8} {'hit %':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in records:
         lat = r["latency_ms"]
         gf = r["achieved_flops_per_s"]
         util = r.get("utilisation")
-        pad, hit = r["padding_share"], r["prefix_cache_hit_rate"]
+        pad, hit, ratio = r["padding_share"], r["prefix_cache_hit_rate"], r.get("computed_over_requested")
         lines.append(
             f"{r['workload']:<9} {r['mode']:<10} {r['items_per_s']:>9.1f} {lat['p50']:>9.1f} {lat['p95']:>9.1f} "
             f"{lat['p99']:>9.1f} {(gf or 0) / 1e9:>8.1f} {(util or 0) * 100:>5.1f}% {r['compile_seconds']:>9.2f} "
-            f"{'-' if pad is None else f'{pad * 100:.1f}':>6} {'-' if hit is None else f'{hit * 100:.0f}':>6}"
+            f"{'-' if pad is None else f'{pad * 100:.1f}':>6} {'-' if ratio is None else f'{ratio:.2f}':>8} "
+            f"{'-' if hit is None else f'{hit * 100:.0f}':>6}"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from prefixscore.bench import workloads as wl
 from prefixscore.bench.backends import Backend, InProcess, Remote, RemoteClassify, RemoteRerank
-from prefixscore.bench.metrics import thread_cpu
+from prefixscore.bench.metrics import scrape, thread_cpu, token_counts
 from prefixscore.bench.processes import ServedProcess, warmed_up
 from prefixscore.bench.provenance import commit, machine
 from prefixscore.bench.timing import Peak
@@ -214,6 +214,18 @@ class Bench:
             self.server = server
             self.http_target = f"127.0.0.1:{server.server.http_port}"
         return self.local_remote
+
+    def token_counts(self) -> dict[str, float] | None:
+        """The tokens computed and requested so far (bench/metrics.py `token_counts`): by the engine
+        built here (its in-process loop and, when served here, its server's), or the target's
+        metrics endpoint; None when neither is known."""
+        if self.scorer is not None:
+            loops = [self.scorer.runner.worker.metrics]
+            if self.server is not None:
+                loops.append(self.server.server.service.metrics)
+            requested = sum(m.registry.get_sample_value("prefixscore_requested_tokens_total") or 0.0 for m in loops)
+            return {"computed": float(self.scorer.engine.stats["device_tokens"]), "requested": requested}
+        return token_counts(scrape(self.metrics_target)) if self.metrics_target else None
 
     def host_cpu(self) -> dict[str, float] | None:
         """The server's CPU seconds so far by thread kind: from its pid (--target-pid) or its

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from prefixscore.bench import workloads as wl
+from prefixscore.bench.metrics import token_share
 from prefixscore.bench.session import Bench
 
 # the modes that run on the engine (the others are baselines)
@@ -207,10 +208,11 @@ def run(args: argparse.Namespace) -> int:
                 continue
             fn(warmup if mode in ENGINE_MODES else warmup[:2])  # untimed (the baselines compile nothing)
             engine.prefix_cache.evict_idle()  # nothing of another mode's run is cached
-            before = dict(engine.stats)
+            before, tokens0 = dict(engine.stats), bench.token_counts()
             start = time.perf_counter()
             results[mode] = fn(qs)
             seconds = time.perf_counter() - start
+            tokens1 = bench.token_counts()
             record: dict[str, Any] = {
                 "workload": "w7",
                 "mode": mode,
@@ -228,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
                     "prefill_tokens": prefilled,
                     "item_tokens": item_tokens,
                     "head_flop_share": round(head / (head + computed * flops.linear_per_token(cfg)), 3),
+                    **token_share(tokens0, tokens1),
                 }
             records.append(record)
         if not results:

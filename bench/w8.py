@@ -16,14 +16,19 @@ texts for every mode):
   runs whole: what the cached instruction saves;
 - `st`: sentence-transformers' `encode` on the same checkpoint (batch_size --w8-batch).
 
-Every engine mode starts from a cold prefix cache. Each row: inputs/s (passages and queries),
-the queries' own rate, the tokens the engine prefilled and computed, and the largest |embedding
-component - sentence-transformers'|.
+Each engine mode runs once per `--w8-clients` value: that many clients send its requests at
+once (each the next request when its last came back), as TEI's users send; `st` runs once,
+one caller.
+
+Every engine mode starts from a cold prefix cache. Each row: inputs/s (passages and queries), the
+tokens the engine prefilled and computed, the tokens computed against those the requests needed,
+and the largest |embedding component - sentence-transformers'|.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import shutil
@@ -37,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from prefixscore.bench import workloads as wl
+from prefixscore.bench.metrics import token_share
 from prefixscore.bench.session import Bench
 
 INSTRUCTION = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
@@ -130,13 +136,18 @@ def texts(tokenizer: Any, gen: wl.Generator, passages: int, queries: int) -> Tex
 Embed = Callable[[list[str], str], np.ndarray]  # (texts, prompt name) -> [texts, dimensions]
 
 
-def _batched(embed: Embed, batch: int) -> Callable[[Texts], np.ndarray]:
-    """The passages (no prompt) then the queries (the `query` prompt), `batch` inputs a request."""
+def _batched(embed: Embed, batch: int) -> Callable[[Texts, int], np.ndarray]:
+    """The passages (no prompt) then the queries (the `query` prompt), `batch` inputs a request,
+    sent by `clients` threads at once (each takes the next request when its last came back, as
+    TEI's users send), answers in the inputs' order."""
 
-    def run(t: Texts) -> np.ndarray:
-        out = [embed(t.passages[at : at + batch], "document") for at in range(0, len(t.passages), batch)]
-        out += [embed(t.queries[at : at + batch], "query") for at in range(0, len(t.queries), batch)]
-        return np.concatenate(out)
+    def run(t: Texts, clients: int) -> np.ndarray:
+        requests = [(t.passages[at : at + batch], "document") for at in range(0, len(t.passages), batch)]
+        requests += [(t.queries[at : at + batch], "query") for at in range(0, len(t.queries), batch)]
+        if clients == 1:
+            return np.concatenate([embed(*r) for r in requests])
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            return np.concatenate(list(pool.map(lambda r: embed(*r), requests)))
 
     return run
 
@@ -161,10 +172,10 @@ def _grpc(client: Any) -> Embed:
     return embed
 
 
-def _whole(scorer: Any, batch: int) -> Callable[[Texts], np.ndarray]:
+def _whole(scorer: Any, batch: int) -> Callable[[Texts, int], np.ndarray]:
     """The queries with the instruction in each text and no prompt: each runs whole."""
     inner = _batched(lambda inputs, _: scorer.embed(inputs, prompt=""), batch)
-    return lambda t: inner(Texts(t.passages, [INSTRUCTION + q for q in t.queries]))
+    return lambda t, clients: inner(Texts(t.passages, [INSTRUCTION + q for q in t.queries]), clients)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             warmups = [texts(scorer.model.tokenizer, gen, *sizes) for _ in wl.W8_MODES]
             timed = texts(scorer.model.tokenizer, gen, *sizes)
             bench.target("w4")  # serves this engine on free ports (gRPC and HTTP)
-            makers: dict[str, Callable[[], Callable[[Texts], np.ndarray]]] = {
+            makers: dict[str, Callable[[], Callable[[Texts, int], np.ndarray]]] = {
                 "http": lambda: _batched(_http(bench.http_target), batch),
                 "grpc": lambda: _batched(_grpc(bench.local_remote.client), batch),
                 "inprocess": lambda: _batched(lambda inputs, name: scorer.embed(inputs, prompt_name=name), batch),
@@ -195,36 +206,44 @@ def run(args: argparse.Namespace) -> int:
                 ),
             }
             engine = scorer.engine
-            records, results = [], {}
+            records, results = [], []
             for mode, warmup in zip(wl.W8_MODES, warmups, strict=True):
                 if mode not in args.w8_modes:
                     continue
                 fn = makers[mode]()
-                fn(warmup if mode in ENGINE_MODES else Texts(warmup.passages[:batch], warmup.queries[:batch]))
-                engine.prefix_cache.evict_idle()  # nothing of another mode's run is cached
-                before = dict(engine.stats)
-                start = time.perf_counter()
-                results[mode] = fn(timed)
-                seconds = time.perf_counter() - start
-                n = len(timed.passages) + len(timed.queries)
-                record: dict[str, Any] = {
-                    "workload": "w8",
-                    "mode": mode,
-                    "inputs": n,
-                    "seconds": round(seconds, 3),
-                    "inputs_per_s": round(n / seconds, 2),
-                }
-                if mode in ENGINE_MODES:
-                    record |= {
-                        "prefill_tokens": engine.stats["prefill_tokens"] - before["prefill_tokens"],
-                        "tokens": engine.stats["tokens"] - before["tokens"],
+                if mode not in ENGINE_MODES:  # a few batches warm sentence-transformers up
+                    warmup = Texts(warmup.passages[:batch], warmup.queries[:batch])
+                # sentence-transformers' encode is one caller's: its row is sequential
+                for clients in args.w8_clients if mode in ENGINE_MODES else [1]:
+                    # untimed, at the timed run's concurrency: the calls it batches together compile
+                    fn(warmup, clients)
+                    engine.prefix_cache.evict_idle()  # nothing of another run is cached
+                    before, tokens0 = dict(engine.stats), bench.token_counts()
+                    start = time.perf_counter()
+                    results.append(fn(timed, clients))
+                    seconds = time.perf_counter() - start
+                    tokens1 = bench.token_counts()
+                    n = len(timed.passages) + len(timed.queries)
+                    record: dict[str, Any] = {
+                        "workload": "w8",
+                        "mode": mode,
+                        "clients": clients,
+                        "inputs": n,
+                        "seconds": round(seconds, 3),
+                        "inputs_per_s": round(n / seconds, 2),
                     }
-                records.append(record)
-            reference = "st" if "st" in results else next(iter(results))
-            for record in records:
-                record[f"max_abs_diff_vs_{reference}"] = float(
-                    np.abs(results[record["mode"]] - results[reference]).max()
-                )
+                    if mode in ENGINE_MODES:
+                        record |= {
+                            "prefill_tokens": engine.stats["prefill_tokens"] - before["prefill_tokens"],
+                            "tokens": engine.stats["tokens"] - before["tokens"],
+                            **token_share(tokens0, tokens1),
+                        }
+                    records.append(record)
+            modes = [r["mode"] for r in records]
+            reference = results[modes.index("st")] if "st" in modes else results[0]
+            name = "st" if "st" in modes else modes[0]
+            for record, got in zip(records, results, strict=True):
+                record[f"max_abs_diff_vs_{name}"] = float(np.abs(got - reference).max())
             tokenizer = scorer.model.tokenizer
             header = {
                 "passages": len(timed.passages),

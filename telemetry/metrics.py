@@ -61,6 +61,14 @@ class ServiceMetrics:
         self.padding_tokens = Counter(
             "prefixscore_padding_tokens_total", "Padding tokens run on the device in item batches.", registry=r
         )
+        # against tokens_total + padding_tokens_total (what the device computed): the work paid for
+        # tokens nobody asked for, or for the same token twice
+        self.requested_tokens = Counter(
+            "prefixscore_requested_tokens_total",
+            "Tokens the requests need computed, each once (a prefix the prefix cache holds, or a position an "
+            "earlier request computed, is not needed again).",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "prefixscore_device_batch_size",
             "Items per device batch (before padding).",

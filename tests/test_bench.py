@@ -172,6 +172,9 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
         assert r["steady_state_compilations"] == 0 or r["mode"] == "packed"
         if r["mode"] != "packed":
             assert 0 <= r["padding_share"] < 1
+            # the tokens requested (each needed once) and computed, from the serving loop's metrics
+            assert 0 < r["requested_tokens"] <= r["computed_tokens"], r
+            assert r["computed_over_requested"] == round(r["computed_tokens"] / r["requested_tokens"], 3)
     by = {(r["workload"], r["mode"]): r for r in records}
     assert by[("w2", "prefix")]["transport"].startswith("grpc ") and by[("w2", "prefix")]["requests"] == 6
     assert by[("w4", "prefix")]["transport"].startswith("grpc ") and by[("w4", "prefix")]["requests"] == 6
@@ -185,7 +188,7 @@ def test_bench_smoke_all_workloads_and_modes(tmp_path, capsys) -> None:
     assert by[("w1-cold", "prefix")]["prefix_cache_hit_rate"] == 0.0
     assert set(by[("w1-cold", "prefix")]["speedup"]) == {"packed", "sequential"}
     table = capsys.readouterr().out
-    assert "items/s" in table and "w1-cold" in table and "peak:" in table
+    assert "items/s" in table and "w1-cold" in table and "peak:" in table and "comp/req" in table
 
 
 def test_bench_over_grpc_target(tmp_path) -> None:
@@ -324,6 +327,10 @@ def test_bench_arguments_for_the_concurrent_workloads() -> None:
     assert (defaults.w4_items, defaults.w4_item_tokens, defaults.concurrency, defaults.w3_requests) == (10, 20, 16, 64)
     with pytest.raises(SystemExit):
         parse(["bench", "--workload", "w9"])
+    assert defaults.w8_clients == [1] and parse(["bench", "--w8-clients", "1,4"]).w8_clients == [1, 4]
+    for bad in ("0", "1,1", "four", ""):
+        with pytest.raises(SystemExit):
+            parse(["bench", "--w8-clients", bad])
 
 
 def test_flop_rate_shares_on_synthetic_records() -> None:
@@ -519,21 +526,37 @@ def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     # first 128-token page from the first (the prefix cache lends whole pages)
     assert by["grpc"]["prefill_tokens"] == by["grpc"]["context_tokens"] - 3 - 2 * 128
     assert 0 < by["completions"]["head_flop_share"] < 1
+    # the tokens needed, each once (prefixscore_requested_tokens_total): completions the header,
+    # each question and each choice (the second batch reads its question's rows from the positions
+    # the first kept); gRPC also each question's context past the header page it borrows
+    r = by["completions"]
+    choice_tokens = r["prompt_tokens"] - 4 * r["context_tokens"]
+    question_tokens = r["context_tokens"] - 3 * r["header_tokens"]
+    assert r["requested_tokens"] == r["header_tokens"] + question_tokens + choice_tokens
+    assert by["grpc"]["requested_tokens"] == r["context_tokens"] - 2 * 128 + choice_tokens
+    assert all(x["computed_tokens"] >= x["requested_tokens"] for x in by.values())
 
 
 def test_w8_embeddings_against_sentence_transformers(tmp_path) -> None:
     """W8 at its smallest, in tiny-qwen3's shapes (a sentence-transformers checkpoint it writes):
     every engine mode gives sentence-transformers' embeddings; with the instruction as the prompt
     it is prefilled once (but its last token, which may merge into a query's first), and without
-    it (whole) every query computes it again."""
+    it (whole) every query computes it again. Each engine mode runs sequentially and with 2 clients
+    at once (sentence-transformers once), with the same embeddings and token counts."""
     out = tmp_path / "w8.json"
-    sizes = ["--w8-passages", "6", "--w8-queries", "5", "--w8-batch", "4"]
+    sizes = ["--w8-passages", "6", "--w8-queries", "5", "--w8-batch", "4", "--w8-clients", "1,2"]
     args = parse(["bench", "--model", "tiny-qwen3", "--workload", "w8", "--no-progress", *sizes])
     args.json_path = str(out)
     assert args.func(args) == 0
-    by = {r["mode"]: r for r in json.loads(out.read_text())}
-    assert set(by) == {"http", "grpc", "inprocess", "whole", "st"} and all(r["inputs"] == 11 for r in by.values())
-    assert all(r["max_abs_diff_vs_st"] < 1e-5 for r in by.values()), by
+    records = json.loads(out.read_text())
+    assert {(r["mode"], r["clients"]) for r in records} == {("st", 1)} | {
+        (mode, clients) for mode in ("http", "grpc", "inprocess", "whole") for clients in (1, 2)
+    }
+    assert all(r["inputs"] == 11 and r["max_abs_diff_vs_st"] < 1e-5 for r in records), records
+    by = {r["mode"]: r for r in records if r["clients"] == 1}
+    for r in records:  # 2 clients: the same work as one
+        keys = ("prefill_tokens", "tokens", "requested_tokens")
+        assert {k: r.get(k) for k in keys} == {k: by[r["mode"]].get(k) for k in keys}, r
     instruction = by["st"]["instruction_tokens"]
     for mode in ("http", "grpc", "inprocess"):  # the instruction but its last token, once for both query batches
         assert by[mode]["prefill_tokens"] == instruction - 1, by[mode]
@@ -541,3 +564,9 @@ def test_w8_embeddings_against_sentence_transformers(tmp_path) -> None:
     shared = by["http"]["prefill_tokens"]
     # whole: each of the 5 queries computes the shared run itself; with the prompt it was computed once
     assert by["whole"]["tokens"] - by["http"]["tokens"] == 5 * shared - shared
+    # the tokens needed, each once: every passage and query whole, the prompt's shared run once
+    # (whole: once per query)
+    inputs = by["st"]["passage_tokens"] + by["st"]["query_tokens"]
+    for mode in ("http", "grpc", "inprocess"):
+        assert by[mode]["requested_tokens"] == inputs - 4 * shared, by[mode]
+    assert by["whole"]["requested_tokens"] == inputs

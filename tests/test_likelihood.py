@@ -369,8 +369,15 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
             for prompt in planned.plans
         ]
 
+    def requested(prompts: list[list[int]], known: KnownPositions | None = None) -> int:
+        """The positions the request needs, each once (prefixscore_requested_tokens_total)."""
+        planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
+        return sum(p.request.requested for p in planned.parts)
+
     first = header + q1 + a  # 182 tokens: rows 0-127 over nothing, 128-181 over 128 tokens
     alone = items([first])
+    # 182 positions needed; computed: 33 + 129 over nothing, 33 + 54 over 128 tokens, the context
+    assert requested([first]) == 182
     assert alone == [[(0, first[:33], 0), (0, first[:129], 32), (128, first[128:161], 128), (128, first[128:], 160)]]
     # the same items beside other prompts, in any order
     others = [header + q2 + b, header + q1 + b, q2 + a, first[:140]]
@@ -383,6 +390,8 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
     assert planned.plans[0].pieces[:3] == planned.plans[1].pieces[:3]
     assert planned.plans[0].pieces[3] != planned.plans[1].pieces[3]
     assert sum(len(p.request.items) for p in planned.parts) == 5
+    # their first 180 positions are the same: asked for once (182 + 183 - 180), in any order
+    assert requested([first, header + q1 + b]) == requested([header + q1 + b, first]) == 185
     # header + q1 + b shares 180 tokens with the kept header + q1 + a (positions 1 .. 179): only
     # rows from 179 run, from the long item over 128 tokens
     known = KnownPositions(page_tokens=16)
@@ -394,11 +403,14 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
     assert known.keep(kept, empty, None, 1) is not None
     other = header + q1 + b
     assert items([other], known) == [[(128, other[128:], 160)]]
+    assert requested([other], known) == 3  # rows 180 .. 182 (179: the kept prompt ran it)
     # sharing only the header (150 tokens: positions 1 .. 149): from row 149, both items over 128
     other = header + q2 + b
     assert items([other], known) == [[(128, other[128:161], 128), (128, other[128:], 160)]]
+    assert requested([other], known) == 15  # rows 150 .. 164
     short = header[:140] + [7]  # rows 139-140: over 128 tokens, in the short item
     assert items([short], known) == [[(128, short[128:], 128)]]
+    assert requested([short], known) == 1
 
 
 def test_concurrent_completions_over_one_header_each_equal_transformers(completions_server):

@@ -523,6 +523,9 @@ def test_metrics_after_traffic(server, client, tiny_scorer):
     assert delta("prefixscore_prefix_cache_hits_total") == 2
     assert delta("prefixscore_tokens_total{kind=prefix}") == len(prefix)
     assert delta("prefixscore_tokens_total{kind=item}") == 3 * item_tokens
+    # each token needed once: the query on its miss (not on the hit, nor on the stream's open that
+    # hit), every item's tokens each time; the refused request asked for nothing
+    assert delta("prefixscore_requested_tokens_total") == len(prefix) + 3 * item_tokens
     assert delta("prefixscore_device_batch_size_sum") == 9
     # the prefill rode in the first request's call (no call of its own); the stream's open hit
     assert delta("prefixscore_device_batch_duration_seconds_count{kind=items}") == 3

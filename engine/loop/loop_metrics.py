@@ -47,6 +47,10 @@ class LoopMetrics:
         self.metrics.cache_entries.set(len(cache))
         self.metrics.cache_pinned.set(cache.pinned)
 
+    def requested(self, tokens: int) -> None:
+        """Tokens a request admitted needs computed, each once (against the tokens computed)."""
+        self.metrics.requested_tokens.inc(tokens)
+
     def queue_depth(self, items: int) -> None:
         self.metrics.queue_depth.set(items)
 

@@ -28,6 +28,12 @@ class StreamPin:
     ready: concurrent.futures.Future
 
 
+def _asked_before(entry: CachedPrefix, hit: bool) -> int:
+    """The prefix's tokens another request asked for: all of them on a hit; on a miss, those
+    of the leading pages it borrows (their lender computes them, or did)."""
+    return len(entry.tokens) if hit else entry.shared
+
+
 class PagePins:
     """Pins and releases `cache`'s pages for requests and streams; called under the device
     worker's lock."""
@@ -39,15 +45,18 @@ class PagePins:
 
     def pin_request(self, unit: WorkUnit) -> None:
         """Pin the query `unit` scores its items over (a stream's batch already holds its open's
-        entry); raises QueueFull when the pool cannot hold it."""
+        entry), and count the tokens it needs computed; raises QueueFull when the pool cannot
+        hold it."""
         payload = unit.payload
-        if payload.item_first or unit.pin.entry is not None:
+        if payload.item_first or unit.pin.entry is not None:  # no prefix, or one already asked for
+            self.metrics.requested(payload.requested_tokens(len(payload.prefix)))
             return
         entry, hit = self._acquire(payload.prefix)
         unit.pin.entry = entry
         # a miss may still borrow leading pages another query wrote (engine/runtime/prefix_cache.py)
         lent = entry.lender is not None and entry.lender.written >= entry.shared
         unit.reply.cached_tokens = len(payload.prefix) if hit else entry.shared if lent else 0
+        self.metrics.requested(payload.requested_tokens(_asked_before(entry, hit)))
         # one hit or miss per request (or stream open): hit when no new prefill runs for it
         if unit.ticket.counts_lookup:
             self.metrics.lookup(hit)
@@ -69,6 +78,7 @@ class PagePins:
         self.metrics.lookup(hit)
         ready: concurrent.futures.Future = concurrent.futures.Future()
         cached = len(prefix) if hit else 0
+        self.metrics.requested(len(prefix) - _asked_before(entry, hit))
         if entry.ready:
             ready.set_result(cached)
             return StreamPin(entry, ready), None

@@ -57,6 +57,11 @@ class TokenizedRequest:
     label_ids: tuple[int, ...]
     answer: Answer
     item_first: bool
+    # the tokens whose answers it needs, each once, when its kind counts them (None: its prompt
+    # tokens, less what the prefix cache holds of its prefix): completions' requests overlap (a
+    # page's items share rows, a context's positions are other requests' rows), so that kind
+    # counts each position once over the whole plan
+    requested: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
@@ -65,3 +70,8 @@ class TokenizedRequest:
     def prompt_tokens(self) -> int:
         """The query once and every item (tokens every item repeats from the query counted once)."""
         return len(self.prefix) + self.items.total - self.answer.lead * max(0, len(self.items) - 1)
+
+    def requested_tokens(self, held: int) -> int:
+        """The tokens it needs computed, each once, when `held` of its prefix's tokens need no
+        prefill (the prefix cache holds them, or a stream's open asked for them)."""
+        return self.prompt_tokens - held if self.requested is None else self.requested

@@ -231,6 +231,35 @@ def _items(n: int, stride: int, first_row: int) -> list[tuple[int, int, int, int
     return out
 
 
+def _requested_positions(
+    prompts: list[np.ndarray],
+    wanted: list[tuple[Known | None, int, list[tuple[bytes, bytes, int, int, int]]]],
+    where: dict[tuple[bytes, bytes], tuple[int, int]],
+    parts: int,
+) -> list[int]:
+    """Per part, the rows the request needs that it is the first to read: each row (a prompt's
+    tokens up to it: prompts that start alike share their first rows) once over the whole request,
+    those of a kept prompt not at all (the row before the first unknown position is one: the kept
+    prompt computed it, and it is run again because only its own token's log-prob was kept). Their
+    sum is what the request asks the device for; the items compute more (a page's long item repeats
+    its short one's rows; two prompts that part within a page each run that page)."""
+    out = [0] * parts
+    trie: dict[tuple[int, int], int] = {}  # (position before, token) -> position
+    counted: set[int] = set()
+    for prompt, (_, upto, pieces) in zip(prompts, wanted, strict=True):
+        at_row, node = [], 0
+        for token in prompt.tolist():
+            node = trie.setdefault((node, token), len(trie) + 1)
+            at_row.append(node)
+        for context, item, _, rows_from, rows_to in pieces:
+            part = where[context, item][0]
+            for row in range(max(rows_from, upto), rows_to):
+                if at_row[row] not in counted:
+                    counted.add(at_row[row])
+                    out[part] += 1
+    return out
+
+
 def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPositions | None = None) -> PlannedCompletions:
     """Validate a completions request and plan its engine requests (see the module doc). `known`:
     prompts whose positions earlier requests computed."""
@@ -262,16 +291,13 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
         wanted.append((kept, upto, pieces))
     # the longest context first: it lends its pages to the shorter ones (engine/runtime/prefix_cache.py)
     order = sorted(contexts, key=len, reverse=True)
-    parts, where = [], {}
+    where = {(at, item): (p, i) for p, at in enumerate(order) for i, item in enumerate(contexts[at])}
+    requested = _requested_positions(prompts, wanted, where, len(order))
+    parts = []
     for p, at in enumerate(order):
-        items = contexts[at]
-        for i, item in enumerate(items):
-            where[at, item] = (p, i)
         prefix = tuple(np.frombuffer(at, prompts[0].dtype).tolist())
-        request = TokenizedRequest(
-            prefix, TokenRows.from_lists(list(items.values())), (), TokenLogprobs(top), not prefix
-        )
-        parts.append(CompletionPart(request))
+        items = TokenRows.from_lists(list(contexts[at].values()))
+        parts.append(CompletionPart(TokenizedRequest(prefix, items, (), TokenLogprobs(top), not prefix, requested[p])))
     plans = tuple(
         PromptPlan(kept, upto, tuple(Piece(*where[at, item], start, lo, hi) for at, item, start, lo, hi in pieces))
         for kept, upto, pieces in wanted
