@@ -26,6 +26,8 @@ from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.call_broadcast import ALONE
 from prefixscore.engine.runtime.mesh import MeshPlacement
 from prefixscore.engine.runtime.scoring_engine import ScoringEngine
+from prefixscore.model.call_inputs import TOP_LOGPROBS
+from prefixscore.model.head import output_head
 from prefixscore.model.loader import LoadedModel, load_model
 from prefixscore.model.quant_choice import QuantizeChoice
 from prefixscore.model.sentence_config import LAST
@@ -100,7 +102,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
         model.cfg,
         model.params,
         model.dtype,
-        _with_hidden(spec.buckets_for(model.cfg.context_length), model),
+        _served_shapes(spec.buckets_for(model.cfg.context_length), model),
         spec.attn_impl,
         mesh=placement.for_model(model.cfg),
         compile_cache_dir=spec.compile_cache,
@@ -117,16 +119,18 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None) -> BuiltEn
     return BuiltEngine(model, engine, load_seconds, steps)
 
 
-def _with_hidden(buckets: Buckets | None, model: LoadedModel) -> Buckets | None:
-    """A model that serves embeddings: every call returns its hidden columns (Buckets.hidden), and
-    one that pools every token (mean, cls) warms its token-rows shapes too (Buckets.token_rows)."""
+def _served_shapes(buckets: Buckets | None, model: LoadedModel) -> Buckets:
+    """The buckets with every form of call the model's requests use, so that warm-up compiles them
+    all: a model that serves embeddings returns its hidden columns in every call (Buckets.hidden),
+    one that pools every token (mean, cls) has token-rows shapes (Buckets.token_rows), and one with
+    a vocabulary head token-logprob shapes (likelihood, completions: Buckets.top_logprobs)."""
+    buckets = buckets or Buckets.for_context(model.cfg.context_length)
+    head = output_head(model.cfg)
+    if head.rows and not head.own_rows:
+        buckets = dataclasses.replace(buckets, top_logprobs=TOP_LOGPROBS)
     if model.pooling is None:
         return buckets
-    return dataclasses.replace(
-        buckets or Buckets.for_context(model.cfg.context_length),
-        hidden=model.cfg.hidden_size,
-        token_rows=model.pooling.mode != LAST,
-    )
+    return dataclasses.replace(buckets, hidden=model.cfg.hidden_size, token_rows=model.pooling.mode != LAST)
 
 
 def has_fp8_units(device: jax.Device) -> bool:

@@ -16,15 +16,28 @@ import pytest
 from conftest import SMALL_QWEN3
 
 from prefixscore.engine.loop.request import TokenizedRequest
-from prefixscore.engine.requests.answers import label_scores
+from prefixscore.engine.requests.answers import Pooled, TokenLogprobs, label_scores
+from prefixscore.engine.requests.pooling import PoolRows
 from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.engine.scorer import EngineRunner
+from prefixscore.model.call_inputs import TOP_LOGPROBS
+from prefixscore.model.sentence_config import LAST, MEAN
 from prefixscore.model.weights import random_params
 from prefixscore.telemetry.compiles import CompileCounter
 
 CFG = dataclasses.replace(SMALL_QWEN3, name="compile-test")
-BUCKETS = Buckets(context=512, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256)
+# every form of call a kind uses: label rows, token log-probs (likelihood, completions) and hidden
+# rows, one per item (a last-token embedding) or per token (a mean)
+BUCKETS = Buckets(
+    context=512,
+    max_batch_tokens=256,
+    prefill_chunk=128,
+    max_prefill_tokens=256,
+    hidden=CFG.hidden_size,
+    token_rows=True,
+    top_logprobs=TOP_LOGPROBS,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +54,17 @@ def test_default_buckets_are_few() -> None:
     for context in (8192, 40960, 131072):
         b = Buckets.for_context(context)
         assert len(b.call_shapes()) <= 40, context
+        # a model with a vocabulary head: each shape in its token-logprob form too
+        with_tokens = dataclasses.replace(b, top_logprobs=TOP_LOGPROBS).call_shapes()
+        assert len(with_tokens) == 2 * len(b.call_shapes()) and len(set(with_tokens)) == len(with_tokens)
         assert b.tokens[-1] >= context and b.max_pages * b.page_tokens >= context
 
 
 def test_steady_state_traffic_compiles_nothing(engine: ScoringEngine) -> None:
     """Every mix: several requests at once with new and cached queries (short and chunked),
-    item counts and lengths, label sets and counts, softmax both ways, item_first: zero compilations."""
+    item counts and lengths, label sets and counts, softmax both ways, item_first, and every kind
+    of rows (label scores, token log-probs, hidden rows per item and per token) alone and
+    together: zero compilations."""
     rng = np.random.default_rng(1)
     runner = EngineRunner(engine)
     before, slots = CompileCounter.obtained(), len(engine._slots)
@@ -63,9 +81,18 @@ def test_steady_state_traffic_compiles_nothing(engine: ScoringEngine) -> None:
             reqs.append(TokenizedRequest(tuple(query), items, labels, label_scores(bool((step + r) % 2)), False))
         first = [it + hot[:50] for it in reqs[0].items[:4]]
         reqs.append(TokenizedRequest((), first, (3, 7), label_scores(True), True))  # item_first: whole sequences
-        scores, _ = runner.score_requests(reqs)
-        for req, probs in zip(reqs, scores, strict=True):
-            assert probs.shape == (len(req.items), len(req.label_ids)) and np.isfinite(probs).all()
+        # the other kinds of rows, in some steps alone (a call of their own) and in others beside the rest
+        items = reqs[0].items[: int(rng.integers(1, 8))]
+        skip = np.zeros(len(items), np.int64)
+        others = [
+            TokenizedRequest(tuple(hot[:-1]), [[hot[-1], *it] for it in items], (), TokenLogprobs(5), False),
+            TokenizedRequest((), items, (), TokenLogprobs(), True),
+            TokenizedRequest(tuple(hot[:30]), items, (), Pooled(PoolRows(LAST, skip, CFG.hidden_size)), False),
+            TokenizedRequest((), items, (), Pooled(PoolRows(MEAN, skip, CFG.hidden_size)), True),
+        ]
+        reqs = others if step % 3 == 0 else [*reqs, *others]
+        for unit in runner.run_requests(reqs):
+            assert np.isfinite(unit.reply.answer).all()
     assert CompileCounter.obtained() == before, "steady-state traffic compiled"
     assert len(engine._slots) == slots
 

@@ -327,21 +327,24 @@ def test_a_base_model_checkpoint_as_sentence_transformers_saves_it(tmp_path):
 def test_warm_embedding_requests_compile_nothing(pairs, case):
     """An engine that serves embeddings returns the hidden columns from every call, so warm-up
     compiles the shapes last-token requests run, and, for a mean or cls, their token-rows forms
-    (a row per token): after it, requests of every size, with and without the prompt, and score
-    requests beside them, compile nothing."""
+    (a row per token), and a model with a vocabulary head its token-logprob forms: after it,
+    requests of every size, with and without the prompt, and score and likelihood requests beside
+    them, compile nothing."""
     from conftest import ONE_SHAPE_BUCKETS
 
+    from prefixscore.model.call_inputs import TOP_LOGPROBS
     from prefixscore.telemetry.compiles import CompileCounter
 
     pairs(case)
     scorer = Scorer.load(CHECKPOINTS[case], buckets=ONE_SHAPE_BUCKETS)  # a new engine: nothing compiled yet
-    assert scorer.engine.buckets.hidden == 64
+    assert scorer.engine.buckets.hidden == 64 and scorer.engine.buckets.top_logprobs == TOP_LOGPROBS
     scorer.engine.warmup()
     before = CompileCounter.obtained()
     for n in (1, 2, 5):
         scorer.embed(TEXTS[:n])
         scorer.embed(TEXTS[-n:], prompt_name="document")
         scorer.score("a query", ["an item", "another"], [5, 6])
+        scorer.loglikelihood("a context", TEXTS[:n])
     assert CompileCounter.obtained() == before, "warm embedding requests compiled"
 
 

@@ -20,7 +20,7 @@ from prefixscore.engine.runtime import compile_cache
 from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.engine.scorer import EngineRunner
-from prefixscore.model.call_inputs import CallShape
+from prefixscore.model.call_inputs import TOP_LOGPROBS, CallShape
 from prefixscore.service.process import ServerThread
 from prefixscore.telemetry.compiles import CompileCounter
 
@@ -36,13 +36,20 @@ def _engine(scorer, buckets: Buckets, cache: str = "off") -> ScoringEngine:
 
 @pytest.mark.parametrize(
     "buckets",
-    [SMALL_BUCKETS, Buckets.for_context(8192), Buckets.for_context(40960), Buckets(context=4096, labels=(8, 256))],
-    ids=["small", "8k", "40k", "labels"],
+    [
+        SMALL_BUCKETS,
+        Buckets.for_context(8192),
+        Buckets.for_context(40960),
+        Buckets(context=4096, labels=(8, 256)),
+        dataclasses.replace(Buckets.for_context(8192), top_logprobs=TOP_LOGPROBS),
+    ],
+    ids=["small", "8k", "40k", "labels", "token-logprobs"],
 )
 def test_warmup_stages_compile_every_shape_once_and_plan_only_compiled_ones(tiny_scorer, buckets) -> None:
     """Every shape in exactly one stage; the first holds the smallest item bucket with and
     without a prefill region that holds a chunk; after each stage, every shape its buckets can
-    plan is compiled (a grid), and the last stage plans in the full buckets."""
+    plan is compiled (a grid), and the last stage plans in the full buckets. Token-logprob forms
+    come second, in the first stage's sizes: the first stage's buckets hold such calls back."""
     stages = ScoringEngine.warmup_stages(dataclasses.make_dataclass("E", [("buckets", Buckets)])(buckets))
     every = [s for stage in stages for s in stage.shapes]
     assert sorted(every) == sorted(buckets.call_shapes()) and len(set(every)) == len(every)
@@ -56,6 +63,16 @@ def test_warmup_stages_compile_every_shape_once_and_plan_only_compiled_ones(tiny
         assert set(stage.buckets.call_shapes()) == compiled
     assert stages[-1].buckets.call_shapes() == buckets.call_shapes()
     assert stages[-1].buckets.max_batch_tokens == buckets.max_batch_tokens
+    assert stages[-1].buckets == buckets
+    if buckets.top_logprobs:
+        assert first.token_logprobs_wait and not any(s.top_logprobs for s in stages[0].shapes)
+        second = stages[1]
+        assert second.buckets == dataclasses.replace(first, top_logprobs=TOP_LOGPROBS, token_logprobs_wait=False)
+        assert {s.top_logprobs for s in second.shapes} == {TOP_LOGPROBS}
+        assert len(second.shapes) == len(stages[0].shapes)
+        assert not any(stage.buckets.token_logprobs_wait for stage in stages[1:])
+    else:
+        assert not any(stage.buckets.token_logprobs_wait for stage in stages)
 
 
 def test_serves_early_and_each_request_waits_only_for_the_shape_it_needs(tiny_scorer) -> None:
@@ -101,6 +118,49 @@ def test_serves_early_and_each_request_waits_only_for_the_shape_it_needs(tiny_sc
         before = CompileCounter.obtained()
         for items in (SHORT, LONG, SHORT[:1] + LONG):
             client.score(QUERY, items, LABELS)
+        assert CompileCounter.obtained() == before, "traffic compiled after warm-up ended"
+
+
+def test_token_logprobs_wait_for_their_stage_and_then_nothing_compiles(tiny_scorer) -> None:
+    """Buckets with token-logprob forms: SERVING after the label shapes alone; a likelihood request
+    waits for the stage that compiles its shapes while scores are answered; once every stage is
+    in, neither kind, alone or together, compiles anything."""
+    buckets = dataclasses.replace(SMALL_BUCKETS, top_logprobs=TOP_LOGPROBS)
+    engine = _engine(tiny_scorer, buckets)
+    stages = engine.warmup_stages()
+    assert [len(s.shapes) for s in stages] == [2, 2, 2]
+    first = set(stages[0].shapes)
+    gate = threading.Event()
+    compile_shape = engine._executable
+
+    def gated(shape):  # the later stages' compiles wait for the test
+        if shape not in first:
+            assert gate.wait(300), "the later stages were never released"
+        return compile_shape(shape)
+
+    engine._executable = gated
+    want = [item.total for item in tiny_scorer.loglikelihood_tokens(QUERY, SHORT)]
+    with ServerThread(server_config(tiny_scorer, engine=engine, warmup=True)) as srv, ScoreClient(srv.target) as client:
+        assert client.model_info().call_shapes_ready == 2
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.loglikelihood, QUERY, SHORT, timeout=300)
+            time.sleep(1.0)
+            assert not waiting.done(), "a likelihood was answered before its shapes were compiled"
+            client.score(QUERY, SHORT[:3], LABELS)  # not held up behind it
+            assert engine.shapes_ready == 2
+            gate.set()
+            got = [item.logprob for item in waiting.result(300).likelihoods]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        wait_for(lambda: client.model_info().call_shapes_ready == 6, 300, "the background stages")
+        assert engine.serving == buckets
+        before = CompileCounter.obtained()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = [
+                pool.submit(client.score, QUERY, SHORT + LONG, LABELS),
+                pool.submit(client.loglikelihood, QUERY, LONG),
+            ]
+            [f.result(300) for f in together]
+        client.loglikelihood(QUERY, SHORT[:2])
         assert CompileCounter.obtained() == before, "traffic compiled after warm-up ended"
 
 

@@ -72,6 +72,12 @@ class Buckets:
     token_rows: every call shape also in its token-rows form (a row per item token) among the
       shapes warm-up compiles: an engine whose embeddings pool every token (mean, cls), so that
       its embedding requests find their shapes compiled.
+    top_logprobs: TOP_LOGPROBS: every call shape also in its token-logprob form (a row per item
+      token with the vocabulary's top log-probs: likelihood, completions) among the shapes warm-up
+      compiles: an engine with a vocabulary head, so that those requests find their shapes
+      compiled; 0: they compile on first use.
+    token_logprobs_wait: a warm-up stage's buckets before its token-logprob forms are compiled:
+      calls with such rows wait for the stage that compiles them (engine/runtime/warmup.py).
     """
 
     context: int
@@ -87,6 +93,8 @@ class Buckets:
     head_rows: int = 64
     hidden: int = 0
     token_rows: bool = False
+    top_logprobs: int = 0
+    token_logprobs_wait: bool = False
 
     def __post_init__(self) -> None:
         # a chunk never exceeds the region that holds it
@@ -155,4 +163,6 @@ class Buckets:
                 out += [self.shape(tp, ti, lb) for lb in self.labels]
                 if self.token_rows:
                     out += [self.shape(tp, ti, lb, token_rows=True) for lb in self.labels]
+                if self.top_logprobs:
+                    out += [self.shape(tp, ti, lb, self.top_logprobs) for lb in self.labels]
         return out

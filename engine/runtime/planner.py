@@ -280,6 +280,8 @@ class CallBuilder:
             return 0
         if CallShape.reads_hidden(output) and not self.b.hidden:
             raise ValueError("hidden rows need buckets with the hidden columns (Buckets.hidden)")
+        if self.b.token_logprobs_wait and CallShape.top_count({output}):
+            return 0  # its shapes are not compiled yet: it waits for their warm-up stage
         ends = rows.offsets[first + 1 : first + count + 1] - rows.offsets[first]
         longest_first = int(ends[0])
         if longest_first > self.item_capacity:

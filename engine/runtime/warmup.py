@@ -37,12 +37,18 @@ def plan_stages(b: Buckets) -> list[WarmupStage]:
     work runs as more calls). Then the item buckets up to max_batch_tokens, smallest
     first (fuller calls), the larger prefill regions (longer new queries per call), and
     last the buckets for items longer than max_batch_tokens, which run alone. Each stage
-    adds one bucket of one axis beside every bucket of the other axis already compiled."""
+    adds one bucket of one axis beside every bucket of the other axis already compiled.
+
+    Buckets with token-logprob forms (Buckets.top_logprobs) compile them second, in the first
+    stage's sizes, and with every stage after: the first stage, what a server waits for before
+    it serves, is no longer for them; a call with such rows waits until then."""
     short = [t for t in b.tokens if t <= b.max_batch_tokens] or [b.tokens[0]]
     long = [t for t in b.tokens if t not in short]
     first_prefill = Buckets.fit(b.prefill[1:], b.prefill_chunk, "prefill tokens")
     tokens, prefill = [short[0]], [0, first_prefill]
-    steps = [(None, None)]
+    top_logprobs = 0  # the token-logprob forms, once their stage comes
+    steps: list[tuple[str | None, int]] = [(None, 0)]
+    steps += [("top_logprobs", b.top_logprobs)] if b.top_logprobs else []
     steps += [("tokens", t) for t in short[1:]]
     steps += [("prefill", p) for p in b.prefill[1:] if p != first_prefill]
     steps += [("tokens", t) for t in long]
@@ -53,6 +59,8 @@ def plan_stages(b: Buckets) -> list[WarmupStage]:
             tokens.append(size)
         elif axis == "prefill":
             prefill.append(size)
+        elif axis == "top_logprobs":
+            top_logprobs = size
         ready_short = [t for t in tokens if t <= b.max_batch_tokens]
         buckets = dataclasses.replace(
             b,
@@ -60,6 +68,8 @@ def plan_stages(b: Buckets) -> list[WarmupStage]:
             prefill=tuple(sorted(prefill)),
             max_batch_tokens=max(ready_short, default=b.max_batch_tokens),
             max_prefill_tokens=max(prefill),
+            top_logprobs=top_logprobs,
+            token_logprobs_wait=top_logprobs != b.top_logprobs,
         )
         shapes = buckets.call_shapes()
         stages.append(WarmupStage(buckets, tuple(s for s in shapes if s not in seen)))
