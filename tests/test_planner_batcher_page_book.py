@@ -281,8 +281,8 @@ class _EveryTrimFilled(Batcher):
     """The batcher as it was before trims were decided from the first fill: every trim tried
     is filled (its first fill keeps no bounds)."""
 
-    def _fill(self, pending, limit):
-        fill = super()._fill(pending, limit)
+    def _fill(self, pending, limit, item_tokens=None):
+        fill = super()._fill(pending, limit, item_tokens)
         fill.bounds.clear()
         return fill
 
@@ -324,9 +324,9 @@ def test_a_w4_call_is_filled_twice_not_once_per_trim(monkeypatch):
     fills = []
     original = Batcher._fill
 
-    def counted(self, pending, limit):
+    def counted(self, pending, limit, item_tokens=None):
         fills.append(limit)
-        return original(self, pending, limit)
+        return original(self, pending, limit, item_tokens)
 
     monkeypatch.setattr(Batcher, "_fill", counted)
     call = b.next_call()
@@ -462,3 +462,29 @@ def test_a_failed_call_of_one_query_alone_halves_its_items_down_to_the_culprit()
     assert one.culprits == [alone] and [r.queued for r in one.retries] == [[waiting]]
     prefill = isolation.judge(call, [], [waiting])  # only the query's prefill rode: it is at fault
     assert prefill.culprits == [waiting] and prefill.retries == []
+
+
+@pytest.mark.parametrize(
+    ("lengths", "buckets_run"),
+    [
+        # 4,700 item tokens: 4,096 filled and the rest in 1,024 (5,120 device tokens), not 6,144
+        ((147,) * 32 + (4,), [4096, 1024]),
+        # 5,200: split it would run 4,096 + 2,048, no fewer than one 6,144 call: one call
+        ((160,) * 32 + (80,), [6144]),
+        # 1,000: it fills its bucket (1,024)
+        ((100,) * 10, [1024]),
+    ],
+)
+def test_a_request_past_a_bucket_fills_the_smaller_one_and_the_rest_runs_next(lengths, buckets_run):
+    """One request alone (W8's shape: 32 passages): when its items land well past a bucket, the
+    call fills the next smaller bucket (the request split where it stops) and the rest runs in the
+    next call, if the two run fewer device tokens; every item is planned once, in order."""
+    buckets = Buckets.for_context(8192)
+    cache = PrefixCache(1024, buckets.page_tokens, page_bytes=1)
+    b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk)
+    b.add(unit(cache, prefix=(), lengths=lengths, item_first=True))
+    calls = _plans(b)
+    assert [shape.item_tokens for shape, _ in calls] == buckets_run
+    firsts = [(first, count) for _, spans in calls for _, first, count, _ in spans]
+    assert [f for f, _ in firsts] == np.cumsum([0] + [c for _, c in firsts[:-1]]).tolist()
+    assert sum(c for _, c in firsts) == len(lengths)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from prefixscore.engine.loop.work_unit import WorkUnit
+from prefixscore.engine.runtime.buckets import Buckets, ceil_div
 from prefixscore.engine.runtime.planner import CallBuilder, CallPlan, Extent
 from prefixscore.engine.runtime.prefix_cache import CachedPrefix
 
@@ -196,6 +197,8 @@ class Batcher:
             # only a trim: fewer requests must not let one of them take more (fair shares hold)
             if real <= full_real and real / device > best_share:
                 best, best_share = trial, real / device
+        if best_share < 1 - PADDING_GOAL:
+            best = self._fuller(pending, best, full_real)
         try:
             plan = best.builder.build()
         except Exception as err:
@@ -213,10 +216,33 @@ class Batcher:
                 del self.units[unit.progress.seq]  # all its items are in calls; the worker delivers them
         return Call(plan, [entry for entry, _ in best.written.values()], group)
 
-    def _fill(self, pending: list[WorkUnit], limit: int | None) -> _Fill:
+    def _fuller(self, pending: list[WorkUnit], best: _Fill, work: int) -> _Fill:
+        """`best`, or the same work in the next smaller item bucket, filled (a request split where
+        it stops), when that and the rest of `work` (real tokens) run in fewer device tokens: the
+        rest counted as a call of its own in the smallest bucket that holds it, the most it costs
+        when nothing else comes to share it."""
+        b, devices = best.builder.b, best.builder.devices
+        smaller = [t for t in b.tokens if t < best.builder.item_bucket]
+        if not smaller or best.builder.closed:
+            return best
+
+        def cost(fill: _Fill) -> int:
+            real, device = fill.builder.fill()
+            rest = ceil_div(work - real, devices)
+            return device + (devices * Buckets.fit(b.tokens, min(rest, b.tokens[-1]), "item tokens") if rest > 0 else 0)
+
+        trial = self._fill(pending, None, smaller[-1])
+        if trial.builder.empty or trial.builder.fill()[0] < TRIM_KEEP * work:
+            return best
+        return trial if cost(trial) < cost(best) else best
+
+    def _fill(self, pending: list[WorkUnit], limit: int | None, item_tokens: int | None = None) -> _Fill:
         """Offer pending work to a new builder in priority order; `limit`: at most this many
-        units get anything. Mutates nothing but the builder (next_call commits)."""
+        units get anything; `item_tokens`: the item region it fills (a smaller bucket than
+        max_batch_tokens). Mutates nothing but the builder (next_call commits)."""
         builder = self.new_builder()
+        if item_tokens is not None:
+            builder.limit_items(item_tokens)
         fill = _Fill(builder)
         capacity = builder.item_capacity * builder.devices
         share = max(1, capacity // max(1, sum(1 for u in pending if u.queued)))

@@ -218,6 +218,18 @@ class CallBuilder:
         self._layout = self._new_layout(self.item_capacity)
         self._choice: tuple[int, int, _Layout] | None = None  # the buckets, once chosen
 
+    def limit_items(self, tokens: int) -> None:
+        """Fill at most `tokens` item tokens per device, a bucket below max_batch_tokens (the
+        batcher's fuller call: what does not fit waits for the next); before anything is added."""
+        assert self.empty, "the item capacity is set before any work"
+        self.item_capacity = tokens
+        self._layout = self._new_layout(tokens)
+
+    @property
+    def item_bucket(self) -> int:
+        """The item region's bucket the call would have (per device)."""
+        return self._buckets()[1]
+
     def _new_layout(self, capacity: int) -> _Layout:
         return _Layout(self.devices, capacity, self.b.rows(capacity, self.token_rows), self.align)
 
