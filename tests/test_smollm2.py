@@ -144,17 +144,21 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
     (transformers over the same GGUF) within 1e-4 (or 5e-6 relative: a long choice sums many
     tokens), its greedy flag too, and so does `acc`; and at `--batch_size 1`, against the same
     server from scratch, every choice's log-likelihood and greedy flag are the same bits as at 16
-    (how a prompt's positions are computed does not depend on the prompts beside it)."""
+    (how a prompt's positions are computed does not depend on the prompts beside it). The server
+    is a fresh engine warmed up as `serve` warms one: once it reports every shape compiled, lm-eval's
+    requests obtain no executable (none compiled, none read from the compilation cache)."""
     import pathlib
 
-    from helpers.service import server_config
+    from helpers.service import server_config, wait_for
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
     from prefixscore.engine.requests.known_positions import KnownPositions
+    from prefixscore.engine.runtime.scoring_engine import ScoringEngine
     from prefixscore.service.process import ServerThread
+    from prefixscore.telemetry.compiles import CompileCounter
 
     root = pathlib.Path(__file__).parent.parent
     monkeypatch.chdir(root)  # the task's data file is named from the repository's root
@@ -169,8 +173,13 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
         task_manager=tasks,
         log_samples=True,
     )
-    with ServerThread(server_config(smollm2, http_port=0, template="auto")) as srv:
+    m = smollm2.model
+    engine = ScoringEngine(m.cfg, m.params, m.dtype, smollm2.engine.buckets)  # nothing compiled yet
+    with ServerThread(server_config(smollm2, engine=engine, http_port=0, template="auto", warmup=True)) as srv:
         base = f"http://127.0.0.1:{srv.server.http_port}/v1/completions"
+        shapes = len(engine.executable_keys())
+        wait_for(lambda: engine.shapes_ready == shapes, 600, "the background warm-up")
+        warm = CompileCounter.obtained()
 
         def local_completions(batch_size: int) -> dict:
             return simple_evaluate(
@@ -185,8 +194,9 @@ def test_lm_eval_local_completions_equals_its_hf_backend(smollm2, torch_smollm2,
         runs["server"] = local_completions(16)
         # the same server from scratch (no positions kept, no context cached), one prompt a request
         srv.server.service.kinds["completions"].known = KnownPositions()
-        smollm2.engine.prefix_cache.evict_idle()
+        engine.prefix_cache.evict_idle()
         runs["one by one"] = local_completions(1)
+        assert CompileCounter.obtained() == warm, "lm-eval's requests obtained an executable after warm-up"
     got = {
         name: {s["doc_id"]: s["filtered_resps"] for s in run["samples"]["prefixscore_mc"]} for name, run in runs.items()
     }
