@@ -158,8 +158,8 @@ class Batcher:
 
         The call is filled in priority order; when that leaves it padded past PADDING_GOAL (its
         tokens fall just past a bucket), fills that stop a few requests earlier are tried too
-        and the best-filled one that keeps most of the work is taken. Lower-priority requests
-        only ever wait for the next call."""
+        and the best-filled one that keeps most of the work is taken, and then one in the next
+        smaller item bucket (`_fuller`). Lower-priority requests only ever wait for the next call."""
         pending = sorted(
             (u for u in self.units.values() if self._needs_device(u) and not (opens_only and u.payload.items)),
             key=lambda u: (due(u), u.progress.seq),
