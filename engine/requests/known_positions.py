@@ -45,10 +45,6 @@ class Positions:
     def head(self, m: int) -> Positions:
         return Positions(self.logprobs[:m], self.top_ids[:m], self.top_logprobs[:m])
 
-    def after(self, m: int) -> Positions:
-        """All but the first m."""
-        return Positions(self.logprobs[m:], self.top_ids[m:], self.top_logprobs[m:])
-
     @staticmethod
     def join(parts: list[Positions]) -> Positions:
         return Positions(
