@@ -233,10 +233,10 @@ def assert_prompt_like_transformers(torch_model, prompt: list[int], token_logpro
 def test_completions_echo_over_http_equals_transformers(completions_server):
     """OpenAI's /v1/completions as scorers call it (echo, logprobs, max_tokens 1), over HTTP: every
     prompt position's log-prob, its top log-probs and the greedy next token equal transformers'
-    forward of that prompt. Prompts of 71-90 tokens sharing 70: their contexts, cut every 16-token
-    page, are prefilled once (the longest, 80 tokens; the others borrow its pages); a prompt sent
-    alone gets the same bits as in company; a later request's prompts take the positions the
-    first computed and run only their items from there."""
+    forward of that prompt. Prompts of 71-90 tokens sharing 70: their contexts, cut every 32
+    tokens, are prefilled once (the longest, 64 tokens; the shorter one is read from its pages); a
+    prompt sent alone gets the same bits as in company; a later request's prompts take the positions
+    the first computed and run only their items from there."""
     scorer, http, torch_model = completions_server
     prompts = [CONTEXT + c for c in CONTINUATIONS]
     k = 5
@@ -246,8 +246,8 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
         json={"prompt": prompts, "echo": True, "logprobs": k, "max_tokens": 1, "temperature": 0},
     )
     assert shared.status_code == 200, shared.text
-    # the longest context (80 tokens, whole pages) is prefilled once: the shorter ones borrow its pages
-    assert scorer.engine.stats["prefill_tokens"] - prefilled == 80
+    # the longest context (64 tokens) is prefilled once: the shorter one reads its pages
+    assert scorer.engine.stats["prefill_tokens"] - prefilled == 64
     single = http.post("/v1/completions", json={"prompt": prompts[2], "echo": True, "logprobs": 0, "max_tokens": 0})
     assert single.status_code == 200, single.text
     # a later request over the same 70 tokens: positions 1-69 are known (1-70 for the prompt kept
@@ -256,11 +256,11 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
     computed, prefilled = scorer.engine.stats["tokens"], scorer.engine.stats["prefill_tokens"]
     again = http.post("/v1/completions", json={"prompt": later, "echo": True, "logprobs": 2, "max_tokens": 0})
     assert again.status_code == 200, again.text
-    # the 90-token prompt's 80-token context: past the four whole pages it borrows
+    # both read their last rows over the cached 64-token context: nothing to prefill
     prefill = scorer.engine.stats["prefill_tokens"] - prefilled
-    assert prefill == 16
-    # items: the 90-token prompt's over 64 and 80 tokens (17 + 10), the other's over 64 (8)
-    assert scorer.engine.stats["tokens"] - computed - prefill == 17 + 10 + 8
+    assert prefill == 0
+    # items over 64 tokens: the 90-token prompt's 26, the other's 8
+    assert scorer.engine.stats["tokens"] - computed - prefill == 26 + 8
     body = shared.json()
     assert body["usage"] == {
         "prompt_tokens": sum(map(len, prompts)),
@@ -295,12 +295,11 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
 
 def test_completions_take_a_question_s_positions_from_an_earlier_request(completions_server):
     """lm-evaluation-harness's order: a k-shot header, two questions, and their choices split over
-    two requests. In the first, the prompts' items over contexts cut every 16-token page run, an
-    item two prompts share once, and only the longest context is prefilled whole (the others
-    borrow its pages, or the header's); in the second, each choice takes the positions a sibling
-    computed in the first request and runs only its items from there, over cached contexts but
-    one (whose header pages it borrows). Every position equals transformers' forward of its
-    prompt."""
+    two requests. In the first, the prompts' items over contexts cut every 32 tokens run, an
+    item two prompts share once, and only the longest context is prefilled (the shorter one is
+    read from its pages); in the second, each choice takes the positions a sibling computed in the
+    first request and runs only its items from there, over cached contexts but one (whose header
+    pages it borrows). Every position equals transformers' forward of its prompt."""
     scorer, http, torch_model = completions_server
     engine = scorer.engine
     header = RNG.integers(0, 320, 40).tolist()
@@ -322,33 +321,33 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
         for prompt, choice in zip(prompts, response.json()["choices"], strict=True):
             assert_prompt_like_transformers(torch_model, prompt, choice["logprobs"]["token_logprobs"])
         if shared is None:
-            # the second prompt's 64-token context, and header + q0's 48 past the header's two pages
-            assert prefill == 64 + 16
-            # over 0 and 16 tokens (the header's): 17 each, once; over 32: q0's and q1's, 17 each;
-            # over 48: 14, 17 and 16; over 64: the second prompt's last 3
-            assert items == 17 + 17 + 2 * 17 + 14 + 17 + 16 + 3
+            # the second prompt's 64-token context; the 32-token one (the header's) is read from it
+            assert prefill == 64
+            # over nothing: the header's first 33 tokens, once; over 32: 30, 33 and 32 (each prompt
+            # its own); over 64: the second prompt's last 3
+            assert items == 33 + 30 + 33 + 32 + 3
         else:
-            # positions known up to 64, 59 and 64: the items over 64 tokens (5 and 6), and over 48
-            # (17) and 64 (1) for the second, whose 64-token context prefills past the header's pages
-            assert items == 5 + 6 + 17 + 1
+            # positions known up to 64, 59 and 64: the items over 64 tokens (5 and 6), and over 32
+            # (33) and 64 (1) for the second, whose 64-token context prefills past the header's pages
+            assert items == 5 + 6 + 33 + 1
             assert prefill == 64 - 32
 
 
 def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
     """Host-only: a prompt's items (engine/requests/completions.py) are cut at fixed positions,
-    every page (128 tokens here), whatever else the request holds: each segment's first 32 rows
-    from an item of at most 33 tokens, its other rows from one from the page's start, so each
-    position is computed over the same context, in the same kind of item at the same place,
-    whichever prompts ride beside it; an item two prompts share runs once; kept positions skip
-    the items they cover; the longest context goes first (it lends its pages)."""
+    every 32 tokens, whatever else the request holds: each segment's rows from one item of at most
+    33 tokens over the prompt's tokens before the segment, so each position is computed over the
+    same context, in the same item at the same place, whichever prompts ride beside it; an item two
+    prompts share runs once; kept positions skip the items they cover; a context is read from the
+    pages of the longest context starting with it (one prefill for a prompt's contexts)."""
     from conftest import make_torch_model
 
-    from prefixscore.engine.requests.completions import HEAD_ROWS, CompletionsInput, plan
+    from prefixscore.engine.requests.completions import SEGMENT_ROWS, CompletionsInput, plan
     from prefixscore.engine.requests.known_positions import KnownPositions, Positions
     from prefixscore.engine.requests.validation import Limits
     from prefixscore.model.config import config_from_dict
 
-    assert HEAD_ROWS == 32
+    assert SEGMENT_ROWS == 32
     torch_model = make_torch_model("qwen3")
     raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
     requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=128))
@@ -358,14 +357,12 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
     def items(prompts: list[list[int]], known: KnownPositions | None = None) -> list[list[tuple[int, list[int], int]]]:
         """Per prompt, its items as (context length, item tokens, first row read)."""
         planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
-        parts = planned.parts
-        # the longest context first
-        assert [len(p.request.prefix) for p in parts] == sorted((len(p.request.prefix) for p in parts), reverse=True)
+        parts = [p.request for p in planned.parts]
+        assert [r.items_read for r in parts] == sorted((r.items_read for r in parts), reverse=True)
+        for r in parts:  # a context is the start of the prefix whose pages it reads
+            assert r.items_read <= len(r.prefix) and (r.read_prefix is None or r.read_prefix < len(r.prefix))
         return [
-            [
-                (len(parts[x.part].request.prefix), parts[x.part].request.items[x.item], x.rows_from)
-                for x in prompt.pieces
-            ]
+            [(parts[x.part].items_read, parts[x.part].items[x.item], x.rows_from) for x in prompt.pieces]
             for prompt in planned.plans
         ]
 
@@ -374,26 +371,28 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
         planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
         return sum(p.request.requested for p in planned.parts)
 
-    first = header + q1 + a  # 182 tokens: rows 0-127 over nothing, 128-181 over 128 tokens
+    first = header + q1 + a  # 182 tokens: rows 0-31 over nothing, 32-63 over 32 tokens, ...
     alone = items([first])
-    # 182 positions needed; computed: 33 + 129 over nothing, 33 + 54 over 128 tokens, the context
     assert requested([first]) == 182
-    assert alone == [[(0, first[:33], 0), (0, first[:129], 32), (128, first[128:161], 128), (128, first[128:], 160)]]
+    assert alone == [[(k, first[k : k + 33], k) for k in range(0, 182, 32)]]
+    # its contexts are all read from its longest (160 tokens): one prefill
+    parts = [p.request for p in plan(requests, CompletionsInput([first], echo=True, max_tokens=0)).parts]
+    assert {r.prefix for r in parts} == {tuple(first[:160]), ()}
     # the same items beside other prompts, in any order
     others = [header + q2 + b, header + q1 + b, q2 + a, first[:140]]
     for company in ([first, *others], [*others, first], [others[0], first, others[1]]):
         assert items(company)[company.index(first)] == alone[0]
-    # a prompt ending 33 tokens into a page reads its last row from the short item: no long one
-    assert items([first[:161]]) == [[(0, first[:33], 0), (0, first[:129], 32), (128, first[128:161], 128)]]
-    # an item two prompts share runs once: these share the page-0 items and the short item over 128
+    # a prompt ending one token into a segment reads its last row from an item of one token
+    assert items([first[:161]]) == [[*alone[0][:5], (160, first[160:161], 160)]]
+    # an item two prompts share runs once: these share every item but the last
     planned = plan(requests, CompletionsInput([first, header + q1 + b], echo=True, max_tokens=0), None)
-    assert planned.plans[0].pieces[:3] == planned.plans[1].pieces[:3]
-    assert planned.plans[0].pieces[3] != planned.plans[1].pieces[3]
-    assert sum(len(p.request.items) for p in planned.parts) == 5
+    assert planned.plans[0].pieces[:5] == planned.plans[1].pieces[:5]
+    assert planned.plans[0].pieces[5] != planned.plans[1].pieces[5]
+    assert sum(len(p.request.items) for p in planned.parts) == 7
     # their first 180 positions are the same: asked for once (182 + 183 - 180), in any order
     assert requested([first, header + q1 + b]) == requested([header + q1 + b, first]) == 185
     # header + q1 + b shares 180 tokens with the kept header + q1 + a (positions 1 .. 179): only
-    # rows from 179 run, from the long item over 128 tokens
+    # rows from 179 run, in the item over 160 tokens
     known = KnownPositions(page_tokens=16)
     kept = np.asarray(first)
     n = len(kept) - 1
@@ -402,13 +401,13 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
     )
     assert known.keep(kept, empty, None, 1) is not None
     other = header + q1 + b
-    assert items([other], known) == [[(128, other[128:], 160)]]
+    assert items([other], known) == [[(160, other[160:], 160)]]
     assert requested([other], known) == 3  # rows 180 .. 182 (179: the kept prompt ran it)
-    # sharing only the header (150 tokens: positions 1 .. 149): from row 149, both items over 128
+    # sharing only the header (150 tokens: positions 1 .. 149): from row 149, the items over 128 and 160
     other = header + q2 + b
-    assert items([other], known) == [[(128, other[128:161], 128), (128, other[128:], 160)]]
+    assert items([other], known) == [[(128, other[128:161], 128), (160, other[160:], 160)]]
     assert requested([other], known) == 15  # rows 150 .. 164
-    short = header[:140] + [7]  # rows 139-140: over 128 tokens, in the short item
+    short = header[:140] + [7]  # rows 139-140: over 128 tokens
     assert items([short], known) == [[(128, short[128:], 128)]]
     assert requested([short], known) == 1
 
@@ -452,7 +451,7 @@ def _device_rows(request: TokenizedRequest) -> np.ndarray:
     from prefixscore.model.call_inputs import TOKEN_COLUMNS
 
     rows = np.zeros((request.items.total, TOKEN_COLUMNS), np.float32)
-    prefix = list(request.prefix)
+    prefix = list(request.prefix[: request.items_read])
     for j in range(len(request.items)):
         lo, hi = int(request.items.offsets[j]), int(request.items.offsets[j + 1])
         seq = np.asarray(prefix + request.items.flat[lo:hi].tolist())
@@ -483,10 +482,11 @@ def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
 
     torch_model = make_torch_model("qwen3")
     raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
-    page = data.draw(st.sampled_from([1, 4, 16, 64]))
-    requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=page))
+    requests = RequestTokenizer(config_from_dict(raw), None, Limits())
     tokens = st.lists(st.integers(0, 299), max_size=40)
-    header = data.draw(tokens)
+    # headers of any length up to past two 32-row segments: a prompt's contexts are read from
+    # another prompt's longer one (its pages), and prompts end before, at and after segment ends
+    header = data.draw(st.integers(0, 80).flatmap(lambda n: st.lists(st.integers(0, 299), min_size=n, max_size=n)))
     questions = data.draw(st.lists(tokens, min_size=1, max_size=3))
     # few choices, of few token values: prompts repeat, and choices share leading tokens, so later
     # prompts run over positions kept from prompts that themselves ran over kept ones

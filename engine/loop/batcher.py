@@ -344,10 +344,11 @@ class Batcher:
             ends = offsets[first + 1 :] - offsets[first]
             count = max(1, int(np.searchsorted(ends, share, side="right")))
         entry = unit.pin.entry
+        read = payload.items_read if entry is not None else 0
         took = builder.add_items(
-            id(entry) if entry is not None else None,
+            (id(entry), read) if entry is not None else None,  # one segment per prefix length read
             entry.pages if entry is not None else (),
-            len(entry.tokens) if entry is not None else 0,
+            read,
             payload.items,
             first,
             count,

@@ -62,6 +62,9 @@ class TokenizedRequest:
     # page's items share rows, a context's positions are other requests' rows), so that kind
     # counts each position once over the whole plan
     requested: int | None = None
+    # its items read only the first `read_prefix` tokens of the prefix (None: all of it): a context
+    # that starts another one's tokens is served from that one's pages, with no entry of its own
+    read_prefix: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
@@ -70,6 +73,11 @@ class TokenizedRequest:
     def prompt_tokens(self) -> int:
         """The query once and every item (tokens every item repeats from the query counted once)."""
         return len(self.prefix) + self.items.total - self.answer.lead * max(0, len(self.items) - 1)
+
+    @property
+    def items_read(self) -> int:
+        """The prefix tokens its items read: they start at that position."""
+        return len(self.prefix) if self.read_prefix is None else self.read_prefix
 
     def requested_tokens(self, held: int) -> int:
         """The tokens it needs computed, each once, when `held` of its prefix's tokens need no

@@ -56,10 +56,9 @@ from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out
 DEFAULT_MAX_TOKENS = 16
-# the rows a segment's first item reads: an item of at most HEAD_ROWS + 1 tokens is one the CPU
-# attention always computes one way (kernels/xla.py: a short item), a longer one another (in
-# blocks from its own first token), each whatever the item's length
-HEAD_ROWS = ITEM_BLOCK
+# the rows of a segment, read from one item of at most SEGMENT_ROWS + 1 tokens: an item the CPU
+# attention always computes one way (kernels/xla.py: a short item), whatever its length
+SEGMENT_ROWS = ITEM_BLOCK
 
 
 @dataclasses.dataclass
@@ -212,22 +211,16 @@ def _prompt_rows(requests: RequestTokenizer, inp: CompletionsInput) -> tuple[Tok
         raise InvalidInput(field, err.message, err.too_large) from err
 
 
-def _items(n: int, stride: int, first_row: int) -> list[tuple[int, int, int, int]]:
+def _items(n: int, first_row: int) -> list[tuple[int, int, int, int]]:
     """The items a prompt of n tokens needs for its rows from `first_row` on: (context, item end,
-    first row, row after the last) each. Segment k holds rows k * stride .. k * stride + stride - 1
-    over the context of the prompt's first k * stride tokens (whole pages); its first HEAD_ROWS
-    rows come from a short item, the rest from a long one (from the context on, at least
-    HEAD_ROWS + 2 tokens): each row is read from the same item however long the prompt is."""
+    first row, row after the last) each. Segment k holds rows k * SEGMENT_ROWS .. (k + 1) *
+    SEGMENT_ROWS - 1 from one item of at most SEGMENT_ROWS + 1 tokens over the context of the
+    prompt's first k * SEGMENT_ROWS tokens: each row is read from the same item however long the
+    prompt is."""
     out = []
-    head = min(stride, HEAD_ROWS)
-    for k in range(first_row // stride, (n - 1) // stride + 1):
-        at, rows_to = k * stride, min(k * stride + stride, n)
-        has_tail = n >= at + head + 2 and rows_to > at + head
-        head_to = at + head if has_tail else rows_to
-        if first_row < head_to:
-            out.append((at, min(at + head + 1, n), at, head_to))
-        if has_tail:
-            out.append((at, min(at + stride + 1, n), head_to, rows_to))
+    for k in range(first_row // SEGMENT_ROWS, (n - 1) // SEGMENT_ROWS + 1):
+        at = k * SEGMENT_ROWS
+        out.append((at, min(at + SEGMENT_ROWS + 1, n), at, min(at + SEGMENT_ROWS, n)))
     return out
 
 
@@ -276,28 +269,35 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
     requests.check_request_tokens(rows.total)
     top = TOP_LOGPROBS if inp.logprobs is None else inp.logprobs
     prompts = [rows.flat[rows.offsets[j] : rows.offsets[j + 1]] for j in range(len(rows))]
-    stride = requests.limits.page_tokens
     # per context (its tokens): the items over it, each named by its tokens up to its end
     contexts: dict[bytes, dict[bytes, np.ndarray]] = collections.defaultdict(dict)
+    read_from: dict[bytes, bytes] = {b"": b""}  # per context: the longest one it starts, whose pages it reads
     wanted: list[tuple[Known | None, int, list[tuple[bytes, bytes, int, int, int]]]] = []
     for prompt in prompts:
         kept, upto = known.longest(prompt, len(prompt) - 1) if known is not None else (None, 0)
         upto = upto if kept is not None else 0
         pieces = []
-        for context, end, rows_from, rows_to in _items(len(prompt), stride, max(upto - 1, 0)):
+        segments = _items(len(prompt), max(upto - 1, 0))
+        longest = prompt[: segments[-1][0]].tobytes()  # this prompt's last context holds its others
+        for context, end, rows_from, rows_to in segments:
             at, item = prompt[:context].tobytes(), prompt[:end].tobytes()
             contexts[at].setdefault(item, prompt[context:end])
             pieces.append((at, item, context, rows_from, rows_to))
+            if at:
+                read_from[at] = max(read_from.get(at, at), longest, key=lambda c: (len(c), c))
         wanted.append((kept, upto, pieces))
-    # the longest context first: it lends its pages to the shorter ones (engine/runtime/prefix_cache.py)
+    # the longest context first; a context another prompt's longer one starts with is read from
+    # that one's pages (the longest such), prefilled once
     order = sorted(contexts, key=len, reverse=True)
     where = {(at, item): (p, i) for p, at in enumerate(order) for i, item in enumerate(contexts[at])}
     requested = _requested_positions(prompts, wanted, where, len(order))
     parts = []
     for p, at in enumerate(order):
-        prefix = tuple(np.frombuffer(at, prompts[0].dtype).tolist())
+        prefix = tuple(np.frombuffer(read_from[at], prompts[0].dtype).tolist())
+        read = len(at) // prompts[0].itemsize if read_from[at] != at else None
         items = TokenRows.from_lists(list(contexts[at].values()))
-        parts.append(CompletionPart(TokenizedRequest(prefix, items, (), TokenLogprobs(top), not prefix, requested[p])))
+        answer = TokenLogprobs(top)
+        parts.append(CompletionPart(TokenizedRequest(prefix, items, (), answer, not prefix, requested[p], read)))
     plans = tuple(
         PromptPlan(kept, upto, tuple(Piece(*where[at, item], start, lo, hi) for at, item, start, lo, hi in pieces))
         for kept, upto, pieces in wanted
