@@ -5,24 +5,24 @@ lm-evaluation-harness (`local-completions`), perplexity filters and judges send 
 prompt token given the tokens before it, and perhaps the greedy next token. That is the
 likelihood path (engine/requests/likelihood.py) over whole prompts, planned here as engine requests.
 
-A prompt is cut at fixed positions, every page of the prefix pool (128 tokens by default): segment
-k holds the rows of tokens 128k .. 128k + 127 (row j reads token j and gives the log-prob of token
-j + 1), items over the context `prompt[:128k]`, the prefix of its engine request (segment 0: whole
-sequences, no prefix). Its first HEAD_ROWS rows come from an item of at most HEAD_ROWS + 1
-tokens, the rest from an item from the context on of at least HEAD_ROWS + 2 tokens: the CPU
-attention computes the first kind one way and the second another, each whatever the item's
-length. Where a position is computed, over which context, in which item and at which place in
-it, thus follows from the position alone, never from the prompt's length or company: a
-position's log-prob is the same bits whether the prompt came alone or among others, in any
-order, over positions kept from an earlier request or not (a context's K/V are the same however
-it was prefilled: docs/design.md "The same answer whatever the call").
+A prompt is cut at fixed positions, every SEGMENT_ROWS (32) tokens: segment k holds the rows of
+tokens 32k .. 32k + 31 (row j reads token j and gives the log-prob of token j + 1), from one item
+of at most 33 tokens over the context `prompt[:32k]` (segment 0: a whole sequence, no prefix):
+an item the CPU attention always computes one way (a short item), whatever its length. Where a
+position is computed, over which context, in which item and at which place in it, thus follows
+from the position alone, never from the prompt's length or company: a position's log-prob is
+the same bits whether the prompt came alone or among others, in any order, over positions kept
+from an earlier request or not (a context's K/V are the same however it was prefilled, and an
+item reads a context's first tokens the same way from any prefix that starts with them:
+docs/design.md "The same answer whatever the call").
 
 - the positions an earlier prompt computed (`KnownPositions`: the longest kept prompt this one
   starts with) are taken as they are: only the items from the first unknown position on run;
 - an item two prompts of the request both need (the same context and the same tokens) runs once;
-- a context is prefilled once and kept in the prefix cache: the engine requests go longest
-  context first, so a prompt's longest context is prefilled and its shorter ones, whole pages
-  of it, borrow its pages instead of prefilling.
+- a context is prefilled once, and only the longest of those that start alike: a context that
+  another prompt's longer one starts with is read from that one's pages (its engine request's
+  prefix is the longer context, `read_prefix` its own length), so a prompt's contexts cost one
+  prefill, past the whole pages the prefix cache lends it.
 
 Each position's log-prob is the one a plain forward pass over that prompt gives. Validated
 once, before any device work: prompt forms, emptiness, the vocabulary, the context, and the
@@ -234,8 +234,9 @@ def _requested_positions(
     tokens up to it: prompts that start alike share their first rows) once over the whole request,
     those of a kept prompt not at all (the row before the first unknown position is one: the kept
     prompt computed it, and it is run again because only its own token's log-prob was kept). Their
-    sum is what the request asks the device for; the items compute more (a page's long item repeats
-    its short one's rows; two prompts that part within a page each run that page)."""
+    sum is what the request asks the device for; the items compute more (each item holds one token
+    past its rows, its last row's target; two prompts that part within a segment each run that
+    segment)."""
     out = [0] * parts
     trie: dict[tuple[int, int], int] = {}  # (position before, token) -> position
     counted: set[int] = set()
