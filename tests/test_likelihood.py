@@ -335,11 +335,13 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
 
 def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
     """Host-only: a prompt's items (engine/requests/completions.py) are cut at fixed positions,
-    every 32 tokens, whatever else the request holds: each segment's rows from one item of at most
-    33 tokens over the prompt's tokens before the segment, so each position is computed over the
-    same context, in the same item at the same place, whichever prompts ride beside it; an item two
-    prompts share runs once; kept positions skip the items they cover; a context is read from the
-    pages of the longest context starting with it (one prefill for a prompt's contexts)."""
+    whatever else the request holds: its first page's rows (128 tokens here) from whole sequences,
+    the first 32 from an item of at most 33 tokens and the others from one of at least 34; past the
+    page, every 32 rows from one item of at most 33 tokens over the prompt's tokens before them. So
+    each position is computed over the same context, in the same item at the same place, whichever
+    prompts ride beside it; an item two prompts share runs once; kept positions skip the items they
+    cover; a context is read from the pages of the longest context starting with it (one prefill
+    for a prompt's contexts)."""
     from conftest import make_torch_model
 
     from prefixscore.engine.requests.completions import SEGMENT_ROWS, CompletionsInput, plan
@@ -371,10 +373,10 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
         planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
         return sum(p.request.requested for p in planned.parts)
 
-    first = header + q1 + a  # 182 tokens: rows 0-31 over nothing, 32-63 over 32 tokens, ...
+    first = header + q1 + a  # 182 tokens: rows 0-127 over nothing, 128-159 over 128 tokens, 160-181 over 160
     alone = items([first])
     assert requested([first]) == 182
-    assert alone == [[(k, first[k : k + 33], k) for k in range(0, 182, 32)]]
+    assert alone == [[(0, first[:33], 0), (0, first[:129], 32), (128, first[128:161], 128), (160, first[160:], 160)]]
     # its contexts are all read from its longest (160 tokens): one prefill
     parts = [p.request for p in plan(requests, CompletionsInput([first], echo=True, max_tokens=0)).parts]
     assert {r.prefix for r in parts} == {tuple(first[:160]), ()}
@@ -383,12 +385,15 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
     for company in ([first, *others], [*others, first], [others[0], first, others[1]]):
         assert items(company)[company.index(first)] == alone[0]
     # a prompt ending one token into a segment reads its last row from an item of one token
-    assert items([first[:161]]) == [[*alone[0][:5], (160, first[160:161], 160)]]
+    assert items([first[:161]]) == [[*alone[0][:3], (160, first[160:161], 160)]]
+    # a prompt within the first page: whole sequences only, no context
+    assert items([first[:100]]) == [[(0, first[:33], 0), (0, first[:100], 32)]]
+    assert items([first[:20]]) == [[(0, first[:20], 0)]]
     # an item two prompts share runs once: these share every item but the last
     planned = plan(requests, CompletionsInput([first, header + q1 + b], echo=True, max_tokens=0), None)
-    assert planned.plans[0].pieces[:5] == planned.plans[1].pieces[:5]
-    assert planned.plans[0].pieces[5] != planned.plans[1].pieces[5]
-    assert sum(len(p.request.items) for p in planned.parts) == 7
+    assert planned.plans[0].pieces[:3] == planned.plans[1].pieces[:3]
+    assert planned.plans[0].pieces[3] != planned.plans[1].pieces[3]
+    assert sum(len(p.request.items) for p in planned.parts) == 5
     # their first 180 positions are the same: asked for once (182 + 183 - 180), in any order
     assert requested([first, header + q1 + b]) == requested([header + q1 + b, first]) == 185
     # header + q1 + b shares 180 tokens with the kept header + q1 + a (positions 1 .. 179): only
@@ -482,7 +487,8 @@ def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
 
     torch_model = make_torch_model("qwen3")
     raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
-    requests = RequestTokenizer(config_from_dict(raw), None, Limits())
+    page = data.draw(st.sampled_from([1, 16, 64, 128]))  # the first page's rows: whole sequences
+    requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=page))
     tokens = st.lists(st.integers(0, 299), max_size=40)
     # headers of any length up to past two 32-row segments: a prompt's contexts are read from
     # another prompt's longer one (its pages), and prompts end before, at and after segment ends

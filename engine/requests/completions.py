@@ -5,13 +5,16 @@ lm-evaluation-harness (`local-completions`), perplexity filters and judges send 
 prompt token given the tokens before it, and perhaps the greedy next token. That is the
 likelihood path (engine/requests/likelihood.py) over whole prompts, planned here as engine requests.
 
-A prompt is cut at fixed positions, every SEGMENT_ROWS (32) tokens: segment k holds the rows of
-tokens 32k .. 32k + 31 (row j reads token j and gives the log-prob of token j + 1), from one item
-of at most 33 tokens over the context `prompt[:32k]` (segment 0: a whole sequence, no prefix):
-an item the CPU attention always computes one way (a short item), whatever its length. Where a
-position is computed, over which context, in which item and at which place in it, thus follows
-from the position alone, never from the prompt's length or company: a position's log-prob is
-the same bits whether the prompt came alone or among others, in any order, over positions kept
+A prompt is cut at fixed positions. Its first page (the prefix pool's page, 128 tokens by
+default) comes from whole sequences: rows 0 .. 31 (row j reads token j and gives the log-prob of
+token j + 1) from an item of at most 33 tokens, the page's other rows from one of at least 34,
+which the CPU attention computes one way and the other, each whatever the item's length; a
+prompt shorter than a page (a zero-shot task's) prefills nothing and runs in one call. Past the
+page, every SEGMENT_ROWS (32) tokens: segment k holds the rows of tokens 32k .. 32k + 31, from one
+item of at most 33 tokens over the context `prompt[:32k]`, the prefix of its engine request.
+Where a position is computed, over which context, in which item and at which place in it, thus
+follows from the position alone, never from the prompt's length or company: a position's log-prob
+is the same bits whether the prompt came alone or among others, in any order, over positions kept
 from an earlier request or not (a context's K/V are the same however it was prefilled, and an
 item reads a context's first tokens the same way from any prefix that starts with them:
 docs/design.md "The same answer whatever the call").
@@ -211,14 +214,24 @@ def _prompt_rows(requests: RequestTokenizer, inp: CompletionsInput) -> tuple[Tok
         raise InvalidInput(field, err.message, err.too_large) from err
 
 
-def _items(n: int, first_row: int) -> list[tuple[int, int, int, int]]:
+def _items(n: int, first_row: int, first_page: int) -> list[tuple[int, int, int, int]]:
     """The items a prompt of n tokens needs for its rows from `first_row` on: (context, item end,
-    first row, row after the last) each. Segment k holds rows k * SEGMENT_ROWS .. (k + 1) *
-    SEGMENT_ROWS - 1 from one item of at most SEGMENT_ROWS + 1 tokens over the context of the
-    prompt's first k * SEGMENT_ROWS tokens: each row is read from the same item however long the
-    prompt is."""
+    first row, row after the last) each. The rows of its first page (`first_page` tokens, at least
+    SEGMENT_ROWS) come from whole sequences: rows 0 .. SEGMENT_ROWS - 1 from one of at most
+    SEGMENT_ROWS + 1 tokens, the page's others from one of at least SEGMENT_ROWS + 2 (the CPU
+    attention computes a longer item in blocks from its first token, whatever its length). Past
+    the page, segment k holds rows k * SEGMENT_ROWS .. (k + 1) * SEGMENT_ROWS - 1 from one item
+    of at most SEGMENT_ROWS + 1 tokens over the prompt's first k * SEGMENT_ROWS tokens. Each row
+    is read from the same item however long the prompt is."""
     out = []
-    for k in range(first_row // SEGMENT_ROWS, (n - 1) // SEGMENT_ROWS + 1):
+    page_end = min(first_page, n)
+    long_first = n >= SEGMENT_ROWS + 2 and page_end > SEGMENT_ROWS
+    short_to = SEGMENT_ROWS if long_first else page_end
+    if first_row < short_to:
+        out.append((0, min(SEGMENT_ROWS + 1, n), 0, short_to))
+    if long_first and first_row < page_end:
+        out.append((0, min(first_page + 1, n), SEGMENT_ROWS, page_end))
+    for k in range(max(first_row, first_page) // SEGMENT_ROWS, (n - 1) // SEGMENT_ROWS + 1):
         at = k * SEGMENT_ROWS
         out.append((at, min(at + SEGMENT_ROWS + 1, n), at, min(at + SEGMENT_ROWS, n)))
     return out
@@ -270,6 +283,9 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
     requests.check_request_tokens(rows.total)
     top = TOP_LOGPROBS if inp.logprobs is None else inp.logprobs
     prompts = [rows.flat[rows.offsets[j] : rows.offsets[j + 1]] for j in range(len(rows))]
+    # whole sequences give a prompt's first page: a prompt shorter than it (a zero-shot task's)
+    # prefills nothing and runs in one call
+    first_page = max(requests.limits.page_tokens, SEGMENT_ROWS)
     # per context (its tokens): the items over it, each named by its tokens up to its end
     contexts: dict[bytes, dict[bytes, np.ndarray]] = collections.defaultdict(dict)
     read_from: dict[bytes, bytes] = {b"": b""}  # per context: the longest one it starts, whose pages it reads
@@ -278,7 +294,7 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
         kept, upto = known.longest(prompt, len(prompt) - 1) if known is not None else (None, 0)
         upto = upto if kept is not None else 0
         pieces = []
-        segments = _items(len(prompt), max(upto - 1, 0))
+        segments = _items(len(prompt), max(upto - 1, 0), first_page)
         longest = prompt[: segments[-1][0]].tobytes()  # this prompt's last context holds its others
         for context, end, rows_from, rows_to in segments:
             at, item = prompt[:context].tobytes(), prompt[:end].tobytes()
