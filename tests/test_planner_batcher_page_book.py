@@ -478,8 +478,7 @@ def test_a_failed_call_of_one_query_alone_halves_its_items_down_to_the_culprit()
 def test_a_request_past_a_bucket_fills_the_smaller_one_and_the_rest_runs_next(lengths, buckets_run):
     """One request alone (W8's shape: 32 passages): when its items land well past a bucket, the
     call fills the next smaller bucket (the request split where it stops) and the rest runs in the
-    next call, if the two run fewer device tokens; every item is planned once, in order. Where a
-    call's padding is not device work, it stays one call."""
+    next call, if the two run fewer device tokens; every item is planned once, in order."""
     buckets = Buckets.for_context(8192)
     cache = PrefixCache(1024, buckets.page_tokens, page_bytes=1)
     b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk)
@@ -489,7 +488,3 @@ def test_a_request_past_a_bucket_fills_the_smaller_one_and_the_rest_runs_next(le
     firsts = [(first, count) for _, spans in calls for _, first, count, _ in spans]
     assert [f for f, _ in firsts] == np.cumsum([0] + [c for _, c in firsts[:-1]]).tolist()
     assert sum(c for _, c in firsts) == len(lengths)
-    # where padding is not device work (the CPU skips it), the request runs in one call
-    cpu = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk, padding_runs=False)
-    cpu.add(unit(cache, prefix=(), lengths=lengths, item_first=True))
-    assert len(_plans(cpu)) == 1

@@ -107,15 +107,12 @@ class _Fill:
 class Batcher:
     """Pending units and the planning of calls (see module doc).
 
-    new_builder: an empty CallBuilder for the engine's shapes; chunk: prefill chunk length;
-    padding_runs: whether a call's bucket padding is device work (accelerators run the whole
-    bucket; the CPU skips whole tiles of it), so that a fuller call in a smaller bucket pays.
+    new_builder: an empty CallBuilder for the engine's shapes; chunk: prefill chunk length.
     """
 
-    def __init__(self, new_builder: Callable[[], CallBuilder], chunk: int, padding_runs: bool = True) -> None:
+    def __init__(self, new_builder: Callable[[], CallBuilder], chunk: int) -> None:
         self.new_builder = new_builder
         self.chunk = chunk
-        self.padding_runs = padding_runs
         self.units: dict[int, WorkUnit] = {}  # seq -> unit, in arrival order
         self._seq = itertools.count()
         # kept as units come and go: admission reads them at every request
@@ -200,7 +197,7 @@ class Batcher:
             # only a trim: fewer requests must not let one of them take more (fair shares hold)
             if real <= full_real and real / device > best_share:
                 best, best_share = trial, real / device
-        if best_share < 1 - PADDING_GOAL and self.padding_runs:
+        if best_share < 1 - PADDING_GOAL:
             best = self._fuller(pending, best, full_real)
         try:
             plan = best.builder.build()

@@ -241,7 +241,7 @@ class DeviceWorker:
         try:
             engine = self._startup()
             cache = engine.prefix_cache
-            batcher = Batcher(engine.builder, engine.buckets.prefill_chunk, engine.padding_runs)
+            batcher = Batcher(engine.builder, engine.buckets.prefill_chunk)
             self._admission = Admission(batcher, self.max_queue_items, self.max_queue_tokens, self._published)
             self._pins = PagePins(cache, self._admission, self._published)
             self._recovery = Recovery(engine, batcher, cache, self._published, self._finish, self._wake)

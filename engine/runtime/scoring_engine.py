@@ -141,13 +141,6 @@ class ScoringEngine:
         return len(self.devices)
 
     @property
-    def padding_runs(self) -> bool:
-        """Whether a call's bucket padding is device work: an accelerator runs the whole bucket;
-        the CPU skips every tile of padding alone (model/decoder.py per_tile) and loops over
-        runtime counts, so a call there costs its tokens, not its bucket."""
-        return self.devices[0].platform != "cpu"
-
-    @property
     def data_replicas(self) -> int:
         """Item streams per call: one per replica on the data axis."""
         return self.layout.shape.data
