@@ -288,7 +288,7 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
     first_page = max(requests.limits.page_tokens, SEGMENT_ROWS)
     # per context (its tokens): the items over it, each named by its tokens up to its end
     contexts: dict[bytes, dict[bytes, np.ndarray]] = collections.defaultdict(dict)
-    read_from: dict[bytes, bytes] = {b"": b""}  # per context: the longest one it starts, whose pages it reads
+    read_from: dict[bytes, bytes] = {b"": b""}  # per context: the longest starting with it, whose pages it reads
     wanted: list[tuple[Known | None, int, list[tuple[bytes, bytes, int, int, int]]]] = []
     for prompt in prompts:
         kept, upto = known.longest(prompt, len(prompt) - 1) if known is not None else (None, 0)
