@@ -208,7 +208,7 @@ def test_the_vocabulary_scan_merges_every_slices_top_logits():
 
 @pytest.fixture(scope="module")
 def completions_server(hf_checkpoints):
-    """tiny Qwen3 served over HTTP: (scorer, an httpx client, the transformers model)."""
+    """tiny Qwen3 served over HTTP: (scorer, an httpx client, the transformers model, the server)."""
     import httpx
     from helpers.service import server_config
 
@@ -218,7 +218,7 @@ def completions_server(hf_checkpoints):
     scorer = Scorer.load(str(path), dtype="float32", buckets=BUCKETS)
     with ServerThread(server_config(scorer, http_port=0, template="auto")) as srv:
         with httpx.Client(base_url=f"http://127.0.0.1:{srv.server.http_port}", timeout=300) as http:
-            yield scorer, http, torch_model
+            yield scorer, http, torch_model, srv
 
 
 def assert_prompt_like_transformers(torch_model, prompt: list[int], token_logprobs: list) -> None:
@@ -237,7 +237,7 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
     tokens, are prefilled once (the longest, 64 tokens; the shorter one is read from its pages); a
     prompt sent alone gets the same bits as in company; a later request's prompts take the positions
     the first computed and run only their items from there."""
-    scorer, http, torch_model = completions_server
+    scorer, http, torch_model, _ = completions_server
     prompts = [CONTEXT + c for c in CONTINUATIONS]
     k = 5
     prefilled = scorer.engine.stats["prefill_tokens"]
@@ -293,6 +293,43 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
     assert all(len(top) == 1 for top in alone["top_logprobs"][1:])  # logprobs 0: the token there only
 
 
+def test_a_context_read_from_a_longer_one_s_pages_gives_the_same_bits(completions_server):
+    """A prompt's contexts (32 and 64 tokens here) are read from the pages of the longest context
+    of its request that starts with them: alone, its own 64-token one; beside a longer prompt,
+    that prompt's 96-token one, prefilled instead of its own. Its log-probs are the same bits
+    either way (nothing kept or cached between the two requests), and equal transformers'."""
+    from prefixscore.engine.requests.known_positions import KnownPositions
+
+    scorer, http, torch_model, srv = completions_server
+    engine = scorer.engine
+    prompt = CONTEXT + CONTINUATIONS[1]  # 72 tokens: rows 32-63 over 32 tokens, 64-71 over 64
+    longer = CONTEXT + CONTINUATIONS[3] + CONTINUATIONS[2]  # 97 tokens: its last context is 96
+
+    def logprobs(prompts: list[list[int]]) -> tuple[list, int]:
+        srv.server.service.kinds["completions"].known = KnownPositions()  # nothing kept
+        engine.prefix_cache.evict_idle()  # nothing cached
+        prefilled = engine.stats["prefill_tokens"]
+        body = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["logprobs"], engine.stats["prefill_tokens"] - prefilled
+
+    from prefixscore.engine.requests.completions import CompletionsInput
+
+    kind = srv.server.service.kinds["completions"]
+    parts = [p.request for p in kind.plan(CompletionsInput([prompt, longer], echo=True, max_tokens=1)).parts]
+    # the 32- and 64-token contexts are read from the 96-token one's pages
+    assert {(r.prefix, r.read_prefix) for r in parts if r.read_prefix} == {
+        (tuple(longer[:96]), 32),
+        (tuple(longer[:96]), 64),
+    }
+    alone, prefilled_alone = logprobs([prompt])
+    beside, prefilled_beside = logprobs([prompt, longer])
+    assert (prefilled_alone, prefilled_beside) == (64, 96)  # one prefill each: the longest context
+    assert alone == beside  # every log-prob, top log-prob and the greedy token: the same bits
+    assert_prompt_like_transformers(torch_model, prompt, alone["token_logprobs"])
+
+
 def test_completions_take_a_question_s_positions_from_an_earlier_request(completions_server):
     """lm-evaluation-harness's order: a k-shot header, two questions, and their choices split over
     two requests. In the first, the prompts' items over contexts cut every 32 tokens run, an
@@ -300,7 +337,7 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
     read from its pages); in the second, each choice takes the positions a sibling computed in the
     first request and runs only its items from there, over cached contexts but one (whose header
     pages it borrows). Every position equals transformers' forward of its prompt."""
-    scorer, http, torch_model = completions_server
+    scorer, http, torch_model, _ = completions_server
     engine = scorer.engine
     header = RNG.integers(0, 320, 40).tolist()
     questions = [RNG.integers(0, 320, 20).tolist(), RNG.integers(0, 320, 25).tolist()]
@@ -423,7 +460,7 @@ def test_concurrent_completions_over_one_header_each_equal_transformers(completi
     of every prompt still equals transformers' forward of it."""
     import concurrent.futures
 
-    scorer, http, torch_model = completions_server
+    scorer, http, torch_model, _ = completions_server
     header = RNG.integers(0, 320, 37).tolist()
     questions = [RNG.integers(0, 320, n).tolist() for n in (18, 26, 9)]
     prompts = [header + q + RNG.integers(0, 320, n).tolist() for q in questions for n in (2, 5, 11)]
