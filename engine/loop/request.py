@@ -63,7 +63,7 @@ class TokenizedRequest:
     # counts each position once over the whole plan
     requested: int | None = None
     # its items read only the first `read_prefix` tokens of the prefix (None: all of it): a context
-    # that starts another one's tokens is served from that one's pages, with no entry of its own
+    # that a longer one starts with is served from the longer one's pages, with no entry of its own
     read_prefix: int | None = None
 
     def __post_init__(self) -> None:
