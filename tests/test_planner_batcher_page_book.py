@@ -15,6 +15,7 @@ from prefixscore.engine.runtime.buckets import Buckets
 from prefixscore.engine.runtime.planner import CallBuilder
 from prefixscore.engine.runtime.prefix_cache import PoolExhausted, PrefixCache
 from prefixscore.engine.runtime.token_rows import TokenRows
+from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_SOFTMAX
 
 BUCKETS = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_prefill_tokens=256, page_tokens=128)
 POOL_PAGES = 64
@@ -61,6 +62,19 @@ def test_requests_of_different_queries_labels_and_options_share_one_call():
     assert sorted(inputs.labels[:2].tolist()) == [5, 6]
     sets = {tuple(inputs.label_sets[i][inputs.label_sets[i] >= 0]) for i in inputs.items.label_set[0, :5]}
     assert len(sets) == 2
+
+
+def test_a_call_asks_for_the_vocabulary_s_log_sum_exp_only_when_a_row_of_an_item_needs_it():
+    """The head computes a log-sum-exp over the whole vocabulary for a step of rows only when one
+    of them returns OUTPUT_FULL: the rows no item holds (a bucket's padding) must not ask for it."""
+    b, cache = setup()
+    b.add(unit(cache, lengths=(3, 4, 5), softmax=True))
+    output = b.next_call().plan.inputs.items.output
+    assert output.shape[1] > 3  # rows no item holds
+    assert (output[0, :3] == OUTPUT_SOFTMAX).all()
+    assert not (output == OUTPUT_FULL).any()
+    b.add(unit(cache, lengths=(3,), softmax=False))  # a request that does need it still gets it
+    assert (b.next_call().plan.inputs.items.output == OUTPUT_FULL).sum() == 1
 
 
 def test_chunks_before_items_and_a_long_query_spans_calls():

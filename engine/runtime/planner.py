@@ -41,6 +41,7 @@ from prefixscore.engine.runtime.buckets import Buckets, round_up
 from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import (
     LABEL_SETS,
+    OUTPUT_LOGIT,
     CallInputs,
     CallShape,
     ItemRegion,
@@ -473,7 +474,9 @@ class CallBuilder:
         item_ids = np.broadcast_to(-1 - np.arange(ti, dtype=np.int32), (d, ti)).copy()
         read_at = np.zeros((d, r), np.int32)
         label_set = np.zeros((d, r), np.int32)
-        output = np.zeros((d, r), np.int8)
+        # a row no item holds reads nothing; OUTPUT_LOGIT needs no reduction over the vocabulary
+        # (OUTPUT_FULL, zero, would make every head step holding a padding row compute one)
+        output = np.full((d, r), OUTPUT_LOGIT, np.int8)
         target = np.zeros((d, r), np.int32)
         n_rows = np.zeros(d, np.int32)
         max_len = np.ones(d, np.int32)
