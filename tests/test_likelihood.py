@@ -298,15 +298,16 @@ def test_a_context_read_from_a_longer_one_s_pages_gives_the_same_bits(completion
     of its request that starts with them: alone, its own 64-token one; beside a longer prompt,
     that prompt's 96-token one, prefilled instead of its own. Its log-probs are the same bits
     either way (nothing kept or cached between the two requests), and equal transformers'."""
+    from prefixscore.engine.requests.completions import CompletionsInput
     from prefixscore.engine.requests.known_positions import KnownPositions
 
     scorer, http, torch_model, srv = completions_server
-    engine = scorer.engine
+    engine, kind = scorer.engine, srv.server.service.kinds["completions"]
     prompt = CONTEXT + CONTINUATIONS[1]  # 72 tokens: rows 32-63 over 32 tokens, 64-71 over 64
     longer = CONTEXT + CONTINUATIONS[3] + CONTINUATIONS[2]  # 97 tokens: its last context is 96
 
     def logprobs(prompts: list[list[int]]) -> tuple[list, int]:
-        srv.server.service.kinds["completions"].known = KnownPositions()  # nothing kept
+        kind.known = KnownPositions()  # nothing kept
         engine.prefix_cache.evict_idle()  # nothing cached
         prefilled = engine.stats["prefill_tokens"]
         body = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
@@ -314,9 +315,6 @@ def test_a_context_read_from_a_longer_one_s_pages_gives_the_same_bits(completion
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["logprobs"], engine.stats["prefill_tokens"] - prefilled
 
-    from prefixscore.engine.requests.completions import CompletionsInput
-
-    kind = srv.server.service.kinds["completions"]
     kind.known = KnownPositions()  # the module's earlier tests kept these positions: plan them all
     parts = [p.request for p in kind.plan(CompletionsInput([prompt, longer], echo=True, max_tokens=1)).parts]
     # the 32- and 64-token contexts are read from the 96-token one's pages
