@@ -101,6 +101,20 @@ class ItemRegion:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PageCopies:
+    """Pool slots copied, every layer, before the layer's attention (after its prefill K/V are
+    written, so a copy may read a chunk of the same call): a query's leading tokens that another
+    query's pages hold (engine/runtime/prefix_cache.py). All [C] int32, the same on every device;
+    padding copies to a page out of the pool (dropped)."""
+
+    from_pages: Any
+    from_offsets: Any
+    to_pages: Any
+    to_offsets: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class CallInputs:
     """Everything a device call reads besides the weights and the pool."""
 
@@ -111,3 +125,4 @@ class CallInputs:
     labels: Any  # [L] int32: the call's label ids
     label_sets: Any  # [LABEL_SETS, L] int32: per set, indices into labels (-1: unused)
     max_chunk_len: Any  # [] int32: the longest prefill chunk
+    copies: PageCopies

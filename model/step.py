@@ -3,7 +3,8 @@ over the paged prefix pool. engine/runtime/scoring_engine.py wraps it in `shard_
 per CallShape (engine/runtime/planner.py lays out its inputs).
 
 Per layer: the projections of every token of the stream; the prefill region's K/V written
-into the pool pages (in place: the pool is a loop carry, donated to the call); then the
+into the pool pages (in place: the pool is a loop carry, donated to the call), and the slots
+the call copies between pages (a query's leading tokens another query holds); then the
 attention of every token over its segment's pages and its own item (kernels/paged.py),
 so chunks and items placed after their query's chunks in the same call see them. Only
 the rows' tokens reach the output head: an item's last token (the vocabulary's, with per-row
@@ -22,7 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta, to_pool
-from prefixscore.model.call_inputs import OUTPUT_FULL, OUTPUT_LOGIT, OUTPUT_SOFTMAX, TOP_LOGPROBS, CallInputs
+from prefixscore.model.call_inputs import (
+    OUTPUT_FULL,
+    OUTPUT_LOGIT,
+    OUTPUT_SOFTMAX,
+    TOP_LOGPROBS,
+    CallInputs,
+    PageCopies,
+)
 from prefixscore.model.config import ModelConfig
 from prefixscore.model.decoder import embed, norm, run_layers, softcap
 from prefixscore.model.head import output_head
@@ -106,6 +114,8 @@ def score_call(
                 # padding's page: out of range; the pool may hold the K/V's bits (paged.pool_dtype)
                 pk = pk.at[at].set(to_pool(replicas.gather(k[0, :split]), pk.dtype), mode="drop")
                 pv = pv.at[at].set(to_pool(replicas.gather(v[0, :split]), pv.dtype), mode="drop")
+            with jax.named_scope("pool_copy"):  # leading tokens another query holds, after its writes
+                pk, pv = (_copy_slots(pool, layer, call.copies) for pool in (pk, pv))
         at = _at_layer(meta, layer, layer_windows) if windowed else dataclasses.replace(meta, layer=layer)
         out = impl.paged_attention(q[0], k[0], v[0], pk, pv, at)
         return out[None], (pk, pv)
@@ -135,6 +145,12 @@ def score_call(
         else:
             probs = head_rows_loop(head, rows, items.n_rows, head_rows)
     return probs, pool_k, pool_v
+
+
+def _copy_slots(pool: jax.Array, layer: jax.Array, copies: PageCopies) -> jax.Array:
+    """One layer of `pool` with the copies' slots set from theirs (padding: dropped)."""
+    slots = pool[layer, :, copies.from_pages, copies.from_offsets]
+    return pool.at[layer, :, copies.to_pages, copies.to_offsets].set(slots, mode="drop")
 
 
 def _at_layer(meta: PagedAttentionMeta, layer: jax.Array, layer_windows: jax.Array) -> PagedAttentionMeta:

@@ -99,8 +99,9 @@ def score_input(query: list[int], items: list[list[int]], labels: list[int], **o
 def check_score(scorer: Scorer, needle_tokens: int) -> None:
     """A 300-token query with one item and 64 labels, full-vocabulary probabilities: alone cold,
     alone warm, among 255 other items of 3-60 tokens at the start, middle and end, beside 15 other
-    queries (cold and warm), after a query that shares its first 160 tokens (its pages borrowed),
-    and with its own query prefilled in chunks beside other prefills."""
+    queries (cold and warm), after a query that shares its first 160 tokens (a page borrowed, the
+    rest copied), beside that query, after a query that shares 200 tokens and has 140 of them from
+    a third (a chain of lenders), and with its own query prefilled in chunks beside other prefills."""
     hay = Haystack(scorer)
     rng = hay.rng
     query, needle, labels = ids(rng, QUERY_TOKENS), ids(rng, needle_tokens), ids(rng, 64)
@@ -124,7 +125,19 @@ def check_score(scorer: Scorer, needle_tokens: int) -> None:
     hay.scorer.engine.prefix_cache.evict_idle()
     lender = query[:160] + ids(rng, 100)
     run_together(hay.scorer, [("score", score_input(lender, others[:2], labels))])
-    cases["its first 160 query tokens borrowed"] = run_together(hay.scorer, [needle_with([], [])])[0]
+    cases["its first 160 query tokens borrowed (a page) and copied"] = run_together(hay.scorer, [needle_with([], [])])[
+        0
+    ]
+    hay.scorer.engine.prefix_cache.evict_idle()
+    lender = query[:160] + ids(rng, 100)
+    both = [("score", score_input(lender, others[:2], labels)), needle_with([], [])]
+    cases["its first 160 tokens from a query queued beside it"] = run_together(hay.scorer, both)[1]
+    hay.scorer.engine.prefix_cache.evict_idle()
+    first, second = query[:140] + ids(rng, 60), query[:200] + ids(rng, 30)
+    run_together(hay.scorer, [("score", score_input(q, others[:2], labels)) for q in (first, second)])
+    cases["its first 200 tokens from a query that has its first 140 from a third"] = run_together(
+        hay.scorer, [needle_with([], [])]
+    )[0]
     for case, got in cases.items():
         assert_same(got, alone if got[0] is not None else entry(alone, 0), case)
 

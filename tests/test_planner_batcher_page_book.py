@@ -117,6 +117,42 @@ def test_prefill_chunk_layout_writes_its_pages():
     assert items.read_at[0, :2].tolist() == [pre.tokens.shape[0] + 2, pre.tokens.shape[0] + 7]
 
 
+def test_a_query_copies_what_it_shares_past_whole_pages_beside_its_lender_s_chunk():
+    """A query that shares 140 tokens with another borrows the page they fill and has the next 12
+    copied into its own page, in the call that writes them (the lender's second chunk) and with
+    its own first chunk, which starts after them. A failed call that wrote the lender takes the
+    copy with it: both are planned again."""
+    b, cache = setup()
+    lender = unit(cache, prefix=range(150), lengths=(2,))
+    borrower = unit(cache, prefix=(*range(140), *[9] * 50), lengths=(3,))
+    entry, lent = borrower.pin.entry, lender.pin.entry
+    assert entry.lender is lent and (entry.lent, entry.shared, entry.copied) == (1, 128, 140)
+    assert entry.pages[0] == lent.pages[0] and entry.pages[1] != lent.pages[1]
+    b.add(lender)
+    b.add(borrower)
+    for attempt in range(2):
+        call = b.next_call()
+        copies = call.plan.inputs.copies
+        assert {id(u) for u in units_of(call)} == {id(lender), id(borrower)}
+        assert lent in call.written and entry in call.written
+        np.testing.assert_array_equal(copies.from_pages[:12], lent.pages[1])
+        np.testing.assert_array_equal(copies.to_pages[:12], entry.pages[1])
+        np.testing.assert_array_equal(copies.from_offsets[:12], np.arange(12))
+        np.testing.assert_array_equal(copies.to_offsets[:12], np.arange(12))
+        assert (copies.to_pages[12:] == POOL_PAGES).all()  # out of the pool: dropped
+        pre = jax.tree.map(lambda a: a[0], call.plan.inputs.prefill)
+        mine = pre.write_pages == entry.pages[1]
+        np.testing.assert_array_equal(pre.positions[mine], np.arange(140, 190))  # its chunk, after the copy
+        assert entry.ready and entry.written == 190
+        if attempt == 0:  # the call failed: its work is queued again (engine/loop/recovery.py)
+            cache.rewrite(lent)
+            assert entry.written == 128 and not entry.ready
+            for u in (lender, borrower):
+                u.progress.taken = 0
+                b.add(u)
+    assert b.next_call() is None
+
+
 def test_a_small_request_is_not_starved_behind_a_large_one():
     b, cache = setup()
     big = unit(cache, lengths=(20,) * 40)  # 800 tokens: several calls
@@ -214,10 +250,11 @@ def test_lent_pages_stay_until_their_borrowers_go():
     with pytest.raises(PoolExhausted, match="needs 5 pages; 3 of 6"):
         cache.acquire(tuple(range(300, 320)))  # both pinned
     epoch = borrower.epoch
-    cache.rewrite(lender)  # a call writing the lender failed: what the borrower read is untrusted
-    assert borrower.epoch == epoch + 1 and not borrower.ready and borrower.written == 5
+    cache.rewrite(lender)  # a call writing the lender failed: what the borrower computed over it is untrusted
+    assert borrower.epoch == epoch + 1 and not borrower.ready and borrower.written == 4
+    borrower.written = 5
     cache.rewrite(borrower)  # its own pages only: a borrower never writes a lender's page
-    assert borrower.written == 4
+    assert borrower.written == 4 and lender.written == 0
     cache.release(lender)
     cache.release(borrower)  # incomplete: dropped, and then its incomplete lender
     assert len(cache) == 0 and cache.free_pages == 6
@@ -227,11 +264,11 @@ def test_pool_book_stays_consistent_under_random_traffic():
     """The cache's counters (pinned prefixes, evictable pages, free pages) against a recount
     from its entries after every step of random acquires, releases, prefills and failed calls;
     prefixes of one repeated token share their leading pages (a page is one prefix's own, a
-    borrower reads its cached lender's)."""
+    borrower reads its cached lender's, and copies the first tokens of the next page)."""
     rng = np.random.default_rng(3)
     cache = PrefixCache(pages=12, page_tokens=4, page_bytes=1)
     held: list = []  # one element per pin
-    shared = 0  # steps that saw a borrower
+    shared = copied = chained = 0  # steps that saw a borrower, one that copied, one whose lender borrows
     for _ in range(3000):
         op = rng.integers(0, 4)
         if op == 0 or not held:
@@ -262,10 +299,14 @@ def test_pool_book_stays_consistent_under_random_traffic():
         for e in entries:  # a borrower reads its lender's leading pages, which stays cached
             if e.lender is not None:
                 shared += 1
-                assert e.lender.lender is None and e.lender in entries and e.lender.borrowers[id(e)] is e
+                copied += e.copied > e.shared
+                chained += e.lender.lender is not None
+                assert e.lender in entries and e.lender.borrowers[id(e)] is e
                 assert e.pages[: e.lent] == e.lender.pages[: e.lent] and e.shared == 4 * e.lent
-                assert e.tokens[: e.shared] == e.lender.tokens[: e.shared]
-    assert shared > 1000  # prefixes of one repeated token share their leading pages
+                assert e.shared <= e.copied < len(e.tokens) and e.tokens[: e.copied] == e.lender.tokens[: e.copied]
+    # prefixes of one repeated token share their leading tokens: whole pages, a page's first
+    # tokens copied, from a lender that borrows in turn
+    assert shared > 1000 and copied > 500 and chained > 50, (shared, copied, chained)
 
 
 def w4_queue() -> tuple[Batcher, list[WorkUnit]]:

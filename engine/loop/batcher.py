@@ -297,10 +297,6 @@ class Batcher:
         entry = unit.pin.entry
         if entry is None:
             return True
-        lender = entry.lender
-        if lender is not None and not self._write(builder, lender, entry.shared, written, share):
-            written.setdefault(id(entry), (entry, entry.written))  # nothing of its own placed yet
-            return False  # the pages it borrows come first (a failed call left them to rewrite)
         return self._write(builder, entry, len(entry.tokens), written, share)
 
     def _write(
@@ -311,9 +307,24 @@ class Batcher:
         written: dict[int, tuple[CachedPrefix, int]],
         share: int | None,
     ) -> bool:
-        """Place the entry's chunks not yet written, up to token `end` (and `share` tokens);
-        whether they reach it."""
+        """Place what launched calls (and this fill) do not write yet of the entry's tokens up to
+        `end`: first what its lender holds for it (a failed call left it to rewrite, or its prefill
+        has not run), then its copy of the lender's tokens with its first chunk, then its chunks
+        (up to `share` tokens); whether they reach `end`."""
         start = upto = written.get(id(entry), (entry, entry.written))[1]
+        lender = entry.lender
+        if lender is not None and upto < end and not self._write(builder, lender, entry.copied, written, share):
+            written[id(entry)] = (entry, upto)  # nothing of its own placed yet
+            return False
+        if upto < entry.copied:  # the copy rides with the first chunk: a call with a prefill region applies it
+            assert lender is not None
+            size = min(self.chunk, len(entry.tokens) - entry.copied)
+            first = entry.tokens[entry.copied : entry.copied + size]
+            if not builder.copy_room(entry.copied - upto) or not builder.add_chunk(entry.pages, first, entry.copied):
+                written[id(entry)] = (entry, upto)
+                return False
+            builder.add_copy(lender.pages, entry.pages, upto, entry.copied)
+            upto = entry.copied + size
         while upto < end:
             size = min(self.chunk, end - upto)
             if share is not None and upto > start and upto - start + size > share:

@@ -77,12 +77,13 @@ def pieces_of(call: Call) -> list[Piece]:
 
 
 def reads(unit: WorkUnit) -> set[int]:
-    """id() of the prefix entries whose pages the unit's work reads: its query's, and the
-    lender's its query borrows leading pages from."""
-    entry = unit.pin.entry
-    if entry is None:
-        return set()
-    return {id(entry)} if entry.lender is None else {id(entry), id(entry.lender)}
+    """id() of the prefix entries whose pages the unit's work reads: its query's, and its
+    lenders' (the chain its query borrows or copies leading tokens from)."""
+    out, entry = set(), unit.pin.entry
+    while entry is not None:
+        out.add(id(entry))
+        entry = entry.lender
+    return out
 
 
 def _key(unit: WorkUnit) -> int:

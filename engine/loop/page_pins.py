@@ -29,9 +29,9 @@ class StreamPin:
 
 
 def _asked_before(entry: CachedPrefix, hit: bool) -> int:
-    """The prefix's tokens another request asked for: all of them on a hit; on a miss, those
-    of the leading pages it borrows (their lender computes them, or did)."""
-    return len(entry.tokens) if hit else entry.shared
+    """The prefix's tokens another request asked for: all of them on a hit; on a miss, the
+    leading ones it borrows or copies (their lender computes them, or did)."""
+    return len(entry.tokens) if hit else entry.copied
 
 
 class PagePins:
@@ -54,8 +54,8 @@ class PagePins:
         entry, hit = self._acquire(payload.prefix)
         unit.pin.entry = entry
         # a miss may still borrow leading pages another query wrote (engine/runtime/prefix_cache.py)
-        lent = entry.lender is not None and entry.lender.written >= entry.shared
-        unit.reply.cached_tokens = len(payload.prefix) if hit else entry.shared if lent else 0
+        lent = entry.lender is not None and entry.lender.holds(entry.copied)
+        unit.reply.cached_tokens = len(payload.prefix) if hit else entry.copied if lent else 0
         self.metrics.requested(payload.requested_tokens(_asked_before(entry, hit)))
         # one hit or miss per request (or stream open): hit when no new prefill runs for it
         if unit.ticket.counts_lookup:

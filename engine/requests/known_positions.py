@@ -8,7 +8,7 @@ prompt) and runs only its own tokens over that context, whose pages the prefix c
 
 A kept prompt stores only the positions past the kept prompt it was computed over (its parent):
 a k-shot header's positions are stored once, not once per question. Found through chained hashes
-of whole pages (the prefix cache's `page_keys`, over pages of KEY_TOKENS tokens rather than the
+of whole blocks (the prefix cache's `block_keys`, over blocks of KEY_TOKENS tokens rather than the
 pool's); the match is then extended token by token and checked against the tokens, so a hash
 collision costs nothing but the check. Bounded in bytes, least recently used first out; a
 prompt that goes takes the prompts kept over it along. Any thread.
@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from prefixscore.engine.runtime.prefix_cache import page_keys
+from prefixscore.engine.runtime.prefix_cache import block_keys
 
 # host memory for kept prompts by default: 168 bytes a position (its token, its log-prob, 20 top
 # ids and 20 top log-probs, 4 bytes each), about 400,000 positions
@@ -92,7 +92,7 @@ class KnownPositions:
         """The kept prompt sharing the most leading tokens with `prompt` (at least a whole page),
         and how many (at most `most`); (None, 0) when none shares a page."""
         pt = self.page_tokens
-        keys = page_keys(tuple(prompt[: min(most, len(prompt))].tolist()), pt)
+        keys = block_keys(tuple(prompt[: min(most, len(prompt))].tolist()), pt)
         with self._lock:
             for k in range(len(keys) - 1, -1, -1):
                 best: tuple[Known | None, int] = (None, 0)
@@ -129,7 +129,7 @@ class KnownPositions:
                 parent.children.append(known)
                 self._touch(parent)
             # the pages past the parent's share lead here; those before lead to the parent's line
-            keys = page_keys(tuple(known.tokens.tolist()), pt)
+            keys = block_keys(tuple(known.tokens.tolist()), pt)
             first = start // pt if parent is not None else 0
             for key in keys[first:]:
                 line = self._by_key.setdefault(key, [])

@@ -134,6 +134,12 @@ class Buckets:
         return self.labels[-1]
 
     @property
+    def copy_slots(self) -> int:
+        """Pool slots a call can copy (PageCopies): a query copies at most a page less one token
+        (the rest of what it shares is whole pages it borrows), so a call holds a few queries'."""
+        return 4 * self.page_tokens
+
+    @property
     def max_pages(self) -> int:
         """Pages of the longest prefix: a page-table row."""
         return ceil_div(self.context, self.page_tokens)

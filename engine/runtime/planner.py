@@ -7,7 +7,9 @@ Pure host code (numpy), no device. A call (model/step.py) has two regions:
   segment (its query's pages, prefix = where the chunk starts) and one causal item;
   every replica's chunks' K/V is gathered and written into every replica's pool layer
   by layer, before any token of the call reads the pool, so a later chunk of the same
-  query (on any replica), and the query's items, may sit in the same call.
+  query (on any replica), and the query's items, may sit in the same call. A query whose
+  leading tokens another query's pages hold gets them copied into its own pages, every layer,
+  after the writes and before the attention (`add_copy`, beside its first chunk).
 - the **item region** [devices, Ti]: items grouped into one contiguous segment per
   query per device (the query's pages, prefix = the query's length); whole
   sequences (item_first, the sequential baseline) in segment 0, which has no prefix.
@@ -45,6 +47,7 @@ from prefixscore.model.call_inputs import (
     CallInputs,
     CallShape,
     ItemRegion,
+    PageCopies,
     PrefillRegion,
 )
 
@@ -202,6 +205,7 @@ class CallBuilder:
         self.align = align
         self.pool_pages = pool_pages
         self.chunks: list[_Chunk] = []
+        self.copies: list[tuple[int, int, int, int]] = []  # (from page, offset, to page, offset) per slot
         self._prefill_ends = [0] * devices  # each replica's prefill stream, used so far
         self.prefill_real = 0
         self.offers: list[_Offer] = []
@@ -263,6 +267,18 @@ class CallBuilder:
         self.prefill_real += len(tokens)
         self._choice = None
         return True
+
+    def copy_room(self, slots: int) -> bool:
+        """Whether the call can copy `slots` more pool slots (PageCopies)."""
+        return not self.closed and len(self.copies) + slots <= self.b.copy_slots
+
+    def add_copy(self, from_pages: Sequence[int], to_pages: Sequence[int], start: int, end: int) -> None:
+        """Copy positions start .. end - 1 of one query's pages into another's (the same
+        positions: a query's leading tokens that another holds), in a call with a prefill region
+        (the copy rides with the receiving query's first chunk); after copy_room."""
+        pt = self.b.page_tokens
+        assert self.chunks and self.copy_room(end - start)
+        self.copies += [(from_pages[p // pt], p % pt, to_pages[p // pt], p % pt) for p in range(start, end)]
 
     def _label_set(self, label_ids: tuple[int, ...]) -> tuple[int, list[int]] | None:
         """The set's index, and the label ids new to the call; None if the call has no room."""
@@ -419,6 +435,7 @@ class CallBuilder:
             labels=label_ids,
             label_sets=label_sets,
             max_chunk_len=np.int32(max((len(c.tokens) for c in self.chunks), default=1)),
+            copies=self._copies(),
         )
         return CallPlan(
             shape=shape,
@@ -430,6 +447,14 @@ class CallBuilder:
             item_tokens=self.item_real,
             device_tokens=d * (tp + ti),
         )
+
+    def _copies(self) -> PageCopies:
+        """The call's copies [copy_slots] each; padding to a page out of the pool (dropped)."""
+        slots = np.zeros((4, self.b.copy_slots), np.int32)
+        slots[2] = self.pool_pages
+        if self.copies:
+            slots[:, : len(self.copies)] = np.asarray(self.copies, np.int32).T
+        return PageCopies(*slots)
 
     def _prefill_region(self, tp: int, table: np.ndarray, prefix_len: np.ndarray, slot: int) -> PrefillRegion:
         """Each replica's prefill stream [devices, Tp]: its chunks at their places, padding elsewhere."""

@@ -13,15 +13,20 @@ order, so a call that still reads a page runs before any later call that writes 
 The engine owns one cache for its pool (whoever drives the engine shares it); every
 method takes the cache's lock.
 
-**Shared leading pages.** A new prefix whose leading whole pages hold the same tokens as a
-cached one's (a k-shot header under many questions, a system prompt under many queries)
-borrows those pages instead of taking and prefilling its own: its prefill starts after them.
-Only a prefix that borrows nothing lends (one level: a lender's pages are all its own), found
-through a chained hash of each page's tokens (checked against the tokens themselves). A lender
-is kept while anything borrows from it (never evicted, never dropped); it stays writable as any
-prefix: when its pages are rewritten (a failed call), every borrower's results read from them
-since are untrusted too (their epochs move with it), and the borrowers' next work prefills the
-lender's missing pages first (engine/loop/batcher.py). A borrower never writes a borrowed page.
+**Shared leading tokens.** A new prefix whose leading tokens a cached one holds (a k-shot header
+under many questions, a system prompt under many queries, a question under each of its choices)
+takes them from that one, its *lender*, instead of prefilling them: it borrows the lender's
+whole pages that hold only shared tokens, and the shared tokens of the next page are copied into
+a page of its own (a device copy of their K/V, every layer, in the call that carries its first
+chunk: `CachedPrefix.copied`); its prefill starts after them. A token's K/V depend only on the
+tokens up to it, so a copy is the same bits as a prefill. Any cached prefix lends, a borrower
+too (its pages are partly its lender's: lending chains); the lender is found through chained
+hashes of each prefix's 16-token blocks (checked against the tokens themselves), the one that
+shares the most. A lender is kept while anything borrows from it (never evicted, never dropped);
+it stays writable as any prefix: when its pages are rewritten (a failed call), every borrower
+is rewritten too (what it copied or computed over them is untrusted; its epoch moves), and the
+borrowers' next work prefills what their lenders miss first (engine/loop/batcher.py). A
+borrower never writes a borrowed page.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ class PoolExhausted(Exception):
 class CachedPrefix:
     """A query's pages in the pool. `written`: tokens whose K/V a launched call writes (the
     prefill is chunked; later calls read what earlier ones wrote). A borrower's first `shared`
-    tokens sit in its `lender`'s first `lent` pages, written once the lender's `written` reaches
-    them; its own `written` starts at `shared`."""
+    tokens sit in its `lender`'s first `lent` pages (written once the lender holds them); its
+    tokens `shared` .. `copied` - 1 are copied from the lender's pages into its own; its own
+    `written` starts at `shared`, and its copy takes it to `copied`."""
 
     tokens: tuple[int, ...]
     pages: tuple[int, ...]
@@ -63,13 +69,30 @@ class CachedPrefix:
     lender: CachedPrefix | None = None
     lent: int = 0  # leading pages that are the lender's
     shared: int = 0  # the tokens they hold
+    copied: int = 0  # shared .. copied - 1: copied from the lender (shared when nothing is)
     borrowers: dict[int, CachedPrefix] = dataclasses.field(default_factory=dict)  # id -> borrower
-    page_keys: tuple[int, ...] = ()  # a lender's chained page hashes (its keys in the cache's index)
+    block_keys: tuple[int, ...] = ()  # its chained block hashes (its keys in the cache's index)
 
     @property
     def ready(self) -> bool:
-        lent_written = self.lender is None or self.lender.written >= self.shared
-        return self.written >= len(self.tokens) and lent_written
+        return self.holds(len(self.tokens))
+
+    def holds(self, end: int) -> bool:
+        """Whether launched calls write tokens 0 .. end - 1: its own, and its lenders' (a chain)."""
+        entry: CachedPrefix | None = self
+        while entry is not None and end > 0:
+            if end > entry.shared and entry.written < end:
+                return False
+            end, entry = min(end, entry.shared), entry.lender
+        return True
+
+    @property
+    def depth(self) -> int:
+        """Lenders above it (0: it borrows nothing)."""
+        n, lender = 0, self.lender
+        while lender is not None:
+            n, lender = n + 1, lender.lender
+        return n
 
     @property
     def own_pages(self) -> tuple[int, ...]:
@@ -77,11 +100,16 @@ class CachedPrefix:
         return self.pages[self.lent :]
 
 
-def page_keys(tokens: tuple[int, ...], page_tokens: int) -> list[int]:
-    """The chained hash of each whole page of `tokens`: key k names tokens[: (k + 1) * page_tokens]."""
+# the most tokens of a block of the lender index (a page's, when smaller): a lender is found by
+# the blocks it shares, then extended token by token
+BLOCK_TOKENS = 16
+
+
+def block_keys(tokens: tuple[int, ...], block: int) -> list[int]:
+    """The chained hash of each whole block of `tokens`: key k names tokens[: (k + 1) * block]."""
     keys, key = [], 0
-    for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
-        key = hash((key, tokens[start : start + page_tokens]))
+    for start in range(0, len(tokens) - block + 1, block):
+        key = hash((key, tokens[start : start + block]))
         keys.append(key)
     return keys
 
@@ -101,13 +129,14 @@ class PrefixCache:
         self.total_pages = pages
         self.page_tokens = page_tokens
         self.page_bytes = page_bytes
+        self.block = min(BLOCK_TOKENS, page_tokens)
         self.on_evict = on_evict  # called with the bytes an eviction frees
         self._free: list[int] = list(range(pages - 1, -1, -1))
         self._entries: dict[tuple[int, ...], CachedPrefix] = {}
         self._idle: collections.OrderedDict[tuple[int, ...], CachedPrefix] = collections.OrderedDict()
         self._idle_pages = 0  # own pages of the idle prefixes: what eviction can free
         self._pinned = 0  # cached prefixes with pins > 0
-        self._lenders: dict[int, CachedPrefix] = {}  # chained page hash -> a lender holding that page
+        self._holders: dict[int, CachedPrefix] = {}  # chained block hash -> the latest prefix holding it
         self.evictions = 0
         self._lock = threading.RLock()
 
@@ -115,20 +144,21 @@ class PrefixCache:
         return ceil_div(tokens, self.page_tokens)
 
     def acquire(self, tokens: tuple[int, ...]) -> tuple[CachedPrefix, bool]:
-        """The prefix's entry, pinned; (entry, hit). On a miss it borrows the leading whole pages
-        a cached prefix holds the same tokens in, its other pages are taken (evicting unpinned
-        prefixes, least recently released first), and the prefill of the rest is still to run.
-        Raises PoolExhausted when the pages cannot be had."""
+        """The prefix's entry, pinned; (entry, hit). On a miss it takes the leading tokens a cached
+        prefix holds (at most all but its last: see _lender) from that one, its other pages are
+        taken (evicting unpinned prefixes, least recently released first), and the prefill of the
+        rest is still to run. Raises PoolExhausted when the pages cannot be had."""
         with self._lock:
             entry = self._entries.get(tokens)
             if entry is not None:
                 self._hold(entry)
                 return entry, True
-            keys = page_keys(tokens, self.page_tokens)
-            lender, lent = self._lender(tokens, keys)
+            keys = block_keys(tokens, self.block)
+            lender, shared = self._lender(tokens, keys)
             entry = CachedPrefix(tokens, ())
+            lent = shared // self.page_tokens
             if lender is not None:  # held before room is made: eviction must not take it
-                self._lend(lender, entry, lent)
+                self._lend(lender, entry, lent, shared)
             try:
                 needed = self.pages_for(len(tokens)) - lent
                 self._make_room(needed)
@@ -139,29 +169,40 @@ class PrefixCache:
             entry.pages = (lender.pages[:lent] if lender is not None else ()) + tuple(
                 self._free.pop() for _ in range(needed)
             )
-            if lender is None:  # it lends its pages in turn
-                entry.page_keys = tuple(keys)
-                for key in keys:
-                    self._lenders[key] = entry
+            entry.block_keys = tuple(keys)
+            # it lends in turn. A block's first holder stays its index entry (the prefix that
+            # computed it, or an older one): a lender is then the shallowest, and a chain of
+            # borrowers stays as deep as its prompts nest, not one link per prefix that came
+            for key in keys:
+                self._holders.setdefault(key, entry)
             self._entries[tokens] = entry
             self._hold(entry)
             return entry, False
 
     def _lender(self, tokens: tuple[int, ...], keys: list[int]) -> tuple[CachedPrefix | None, int]:
-        """The cached prefix holding the most leading whole pages of `tokens`, and how many."""
-        for k in range(len(keys), 0, -1):
-            lender = self._lenders.get(keys[k - 1])
-            n = k * self.page_tokens
-            if lender is not None and self._cached(lender) and lender.tokens[:n] == tokens[:n]:
-                return lender, k
+        """The cached prefix sharing the most leading tokens with `tokens` (found by whole blocks,
+        then extended token by token), and how many it shares, at most all but the last token: a
+        prefix's copy rides with its first chunk, in a call with a prefill region
+        (engine/loop/batcher.py). None when it would share less than a block."""
+        most = len(tokens) - 1
+        for k in range(min(len(keys), most // self.block), 0, -1):
+            lender = self._holders.get(keys[k - 1])
+            n = k * self.block
+            if lender is None or not self._cached(lender) or lender.tokens[:n] != tokens[:n]:
+                continue
+            limit = min(most, len(lender.tokens))
+            while n < limit and lender.tokens[n] == tokens[n]:
+                n += 1
+            return lender, n
         return None, 0
 
-    def _lend(self, lender: CachedPrefix, entry: CachedPrefix, pages: int) -> None:
+    def _lend(self, lender: CachedPrefix, entry: CachedPrefix, pages: int, shared: int) -> None:
         if not lender.borrowers and lender.pins == 0 and self._idle.pop(lender.tokens, None) is not None:
             self._idle_pages -= len(lender.own_pages)
         lender.borrowers[id(entry)] = entry
         entry.lender, entry.lent = lender, pages
         entry.shared = entry.written = pages * self.page_tokens
+        entry.copied = shared
 
     def _unlend(self, entry: CachedPrefix) -> None:
         """The borrower is gone: its lender may go idle (or, never completed, away)."""
@@ -200,20 +241,26 @@ class PrefixCache:
 
     def rewrite(self, entry: CachedPrefix) -> None:
         """A call that wrote (or, the pool lost, read) this prefix failed: its pages may hold
-        garbage. It is prefilled again from its first own token by the next calls that need it;
-        what its borrowers read from its pages since is untrusted too."""
+        garbage. It is prefilled again from its first own token by the next calls that need it,
+        and so is every borrower in use (what it copied from its pages or computed over them is
+        untrusted too, and so are its results read since); an idle borrower is dropped."""
         with self._lock:
-            entry.written = entry.shared
-            entry.epoch += 1
-            for borrower in entry.borrowers.values():
-                borrower.epoch += 1
+            stack = [entry]
+            while stack:
+                rewritten = stack.pop()
+                if rewritten is not entry and self._idle.get(rewritten.tokens) is rewritten:
+                    self._drop(rewritten)
+                    continue
+                rewritten.written = rewritten.shared
+                rewritten.epoch += 1
+                stack.extend(list(rewritten.borrowers.values()))
 
     def rewrite_all(self) -> None:
         """The whole pool was lost (a failed call consumed it): prefixes in use, and what they
         borrow from, are prefilled again; idle ones are dropped."""
         with self._lock:
             entries = list(self._entries.values())
-            for entry in sorted(entries, key=lambda e: e.lender is None):  # borrowers first
+            for entry in sorted(entries, key=lambda e: e.depth, reverse=True):  # borrowers before their lenders
                 if entry.pins > 0 or entry.borrowers:
                     self.rewrite(entry)
                 elif self._cached(entry):
@@ -232,9 +279,9 @@ class PrefixCache:
     def _uncache(self, entry: CachedPrefix) -> None:
         """Out of the book (its pages are the caller's business)."""
         del self._entries[entry.tokens]
-        for key in entry.page_keys:
-            if self._lenders.get(key) is entry:
-                del self._lenders[key]
+        for key in entry.block_keys:
+            if self._holders.get(key) is entry:
+                del self._holders[key]
         if entry.pins > 0:
             self._pinned -= 1
         elif self._idle.pop(entry.tokens, None) is not None:
@@ -251,15 +298,25 @@ class PrefixCache:
 
     def _reclaimable(self) -> int:
         """Pages eviction could free: the idle prefixes' own, and those of the lenders that
-        evicting their (idle) borrowers would free in turn (left idle, or dropped incomplete)."""
-        pages = self._idle_pages
-        for entry in self._idle.values():
-            lender = entry.lender
-            if lender is None or lender.pins:
-                continue
-            if all(b.pins == 0 and b.tokens in self._idle for b in lender.borrowers.values()):
-                if next(iter(lender.borrowers.values())) is entry:  # each lender counted once
-                    pages += len(lender.own_pages)
+        evicting their (idle) borrowers would free in turn (left idle, or dropped incomplete), up
+        each chain."""
+        freeable: dict[int, bool] = {}
+
+        def can_free(entry: CachedPrefix) -> bool:
+            if id(entry) not in freeable:
+                if entry.pins or not entry.borrowers:
+                    freeable[id(entry)] = not entry.pins and self._idle.get(entry.tokens) is entry
+                else:
+                    freeable[id(entry)] = all(can_free(b) for b in entry.borrowers.values())
+            return freeable[id(entry)]
+
+        pages, counted = 0, set()
+        for idle in self._idle.values():
+            entry: CachedPrefix | None = idle
+            while entry is not None and id(entry) not in counted and can_free(entry):
+                counted.add(id(entry))
+                pages += len(entry.own_pages)
+                entry = entry.lender
         return pages
 
     def _make_room(self, needed: int) -> None:

@@ -37,7 +37,7 @@ from prefixscore.engine.runtime.warmup import WarmupStage, compile_in_stages, pl
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.kernels.paged import pool_dtype
 from prefixscore.model import step
-from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PrefillRegion
+from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PageCopies, PrefillRegion
 from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.weights import Weights
 from prefixscore.telemetry.compiles import CompileCounter
@@ -213,6 +213,7 @@ class ScoringEngine:
             labels=rep(lb),
             label_sets=rep(LABEL_SETS, lb),
             max_chunk_len=rep(),
+            copies=PageCopies(*(rep(b.copy_slots) for _ in range(4))),
         )
 
     def _call_shardings(self) -> CallInputs:
@@ -225,6 +226,7 @@ class ScoringEngine:
             labels=rep,
             label_sets=rep,
             max_chunk_len=rep,
+            copies=_all_fields(PageCopies, rep),
         )
 
     def _traced(self, shape: CallShape, platform: str) -> jax.stages.Traced:
