@@ -163,7 +163,8 @@ class ServiceMetrics:
         )
         self.pool_usage = Gauge(
             "prefixscore_prefix_pool_usage_ratio",
-            "Share of the prefix pool's pages held by queries in use, 0-1 (idle cached queries count as free).",
+            "Share of the prefix pool's pages held by queries in use and by the queries they take leading tokens"
+            " from, 0-1 (idle cached queries count as free).",
             registry=r,
         )
         self.pool_info = Gauge(

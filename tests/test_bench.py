@@ -507,9 +507,9 @@ def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     """W7 at its smallest on tiny-qwen3 (no transformers checkpoint: no hf baseline): lm-eval's
     batches of whole prompts through /v1/completions and each question's choices over its context
     through gRPC give the same log-likelihoods; the completions requests prefill the header and
-    no more than each question's context once in all (their contexts, cut every 128-token page,
-    are each prefilled once past the whole pages they borrow), gRPC each question's context
-    but its last token and the header page it borrows."""
+    no more than each question's context once in all (each prefilled once past the tokens it takes
+    from a cached one), gRPC each question's context but its last token and the header it takes
+    from the first question's."""
     out = tmp_path / "w7.json"
     sizes = ["--w7-header", "140", "--w7-questions", "3", "--w7-min-question", "6", "--w7-max-question", "12"]
     args = parse(["bench", "--model", "tiny-qwen3", "--workload", "w7", "--w7-batch", "8", "--no-progress", *sizes])
@@ -522,9 +522,9 @@ def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     # context once
     prefilled = by["completions"]["prefill_tokens"]
     assert 128 <= prefilled <= by["completions"]["context_tokens"], prefilled
-    # gRPC: each question's context but its last token, the later two borrowing the header's
-    # first 128-token page from the first (the prefix cache lends whole pages)
-    assert by["grpc"]["prefill_tokens"] == by["grpc"]["context_tokens"] - 3 - 2 * 128
+    # gRPC: each question's context but its last token, the later two taking the 140-token
+    # header from the first (its first 128-token page borrowed, the other 12 tokens copied)
+    assert by["grpc"]["prefill_tokens"] == by["grpc"]["context_tokens"] - 3 - 2 * 140
     assert 0 < by["completions"]["head_flop_share"] < 1
     # the tokens needed, each once (prefixscore_requested_tokens_total): completions the header,
     # each question and each choice (the second batch reads its question's rows from the positions

@@ -334,8 +334,8 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
     two requests. In the first, the prompts' items over contexts cut every 32 tokens run, an
     item two prompts share once, and only the longest context is prefilled (the shorter one is
     read from its pages); in the second, each choice takes the positions a sibling computed in the
-    first request and runs only its items from there, over cached contexts but one (whose header
-    pages it borrows). Every position equals transformers' forward of its prompt."""
+    first request and runs only its items from there, over cached contexts but one (which takes the
+    header from a cached one). Every position equals transformers' forward of its prompt."""
     scorer, http, torch_model, _ = completions_server
     engine = scorer.engine
     header = RNG.integers(0, 320, 40).tolist()
@@ -364,9 +364,10 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
             assert items == 33 + 30 + 33 + 32 + 3
         else:
             # positions known up to 64, 59 and 64: the items over 64 tokens (5 and 6), and over 32
-            # (33) and 64 (1) for the second, whose 64-token context prefills past the header's pages
+            # (33) and 64 (1) for the second, whose 64-token context prefills past the header it
+            # takes from the first request's context (a 32-token page borrowed, 8 tokens copied)
             assert items == 5 + 6 + 33 + 1
-            assert prefill == 64 - 32
+            assert prefill == 64 - len(header)
 
 
 def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
@@ -549,55 +550,66 @@ def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
             np.testing.assert_array_equal(got.top_ids[1:, 0], tops)
 
 
-def test_prefixes_sharing_leading_pages_prefill_only_their_own(hf_checkpoints):
-    """A new query whose leading whole pages hold a cached query's tokens borrows those pages: its
-    prefill starts after them, and its scores and likelihoods equal transformers' forward of the
-    whole sequence. A lender whose pages a failed call left to rewrite is prefilled again (its
-    shared pages only) before the borrower's next work reads them."""
+def test_prefixes_sharing_leading_tokens_prefill_only_their_own(hf_checkpoints):
+    """A new query whose leading tokens a cached query holds takes them: the whole pages they fill
+    borrowed, the rest copied into its own page. Its prefill starts after them, and its scores and
+    likelihoods equal transformers' forward of the whole sequence. A lender whose pages a failed
+    call left to rewrite is prefilled again (the tokens it lends) before the borrower's next work,
+    and the borrower's own tokens after them (what it copied or computed over the lender's pages
+    is untrusted too)."""
     path, torch_model = hf_checkpoints["qwen3"]
     scorer = Scorer.load(str(path), dtype="float32", buckets=BUCKETS)
     engine, cache = scorer.engine, scorer.engine.prefix_cache
     labels = [5, 17, 319]
     items = [c[:6] or [9] for c in CONTINUATIONS]
     scorer.score(CONTEXT, items, labels)  # the lender: 70 tokens, four whole 16-token pages
-    other = CONTEXT[:40] + RNG.integers(0, 320, 25).tolist()  # shares two whole pages (32 tokens)
+    other = CONTEXT[:40] + RNG.integers(0, 320, 25).tolist()  # shares two whole pages and 8 tokens
+    assert other[40] != CONTEXT[40]
     prefilled = engine.stats["prefill_tokens"]
     scores = scorer.score(other, items, labels)
-    assert engine.stats["prefill_tokens"] - prefilled == len(other) - 32
-    assert scorer.last_usage.cached_tokens == 32  # served from the lender's pages
+    assert engine.stats["prefill_tokens"] - prefilled == len(other) - 40
+    assert scorer.last_usage.cached_tokens == 40  # served from the lender's pages
     want = torch_label_probs(torch_model, [other + it for it in items], labels, False)
     np.testing.assert_allclose(np.log(scores), np.log(want), atol=TOLERANCE, rtol=0)
     borrower = cache._entries[tuple(other)]
     lender = borrower.lender
     assert lender is cache._entries[tuple(CONTEXT)] and borrower.pages[:2] == lender.pages[:2]
+    assert (borrower.shared, borrower.copied) == (32, 40) and borrower.pages[2] != lender.pages[2]
 
-    # a likelihood over a context sharing three pages (48 tokens) with the lender
+    # a likelihood over a context (its prefix: all but its last token) sharing 50 tokens with the lender
     context = CONTEXT[:50] + RNG.integers(0, 320, 9).tolist()
+    assert context[50] != CONTEXT[50]
     prefilled = engine.stats["prefill_tokens"]
     got = scorer.loglikelihood_tokens(context, CONTINUATIONS)
-    assert engine.stats["prefill_tokens"] - prefilled == len(context) - 1 - 48
+    assert engine.stats["prefill_tokens"] - prefilled == len(context) - 1 - 50
     assert_like_transformers(torch_model, context, CONTINUATIONS, got)
 
-    # the lender's pages left to rewrite (a failed call wrote them): the borrower's next request
-    # prefills the lender's two shared pages first, then reads them
+    # the lender's pages left to rewrite (a failed call wrote them) while a request holds the
+    # borrower: what the borrower copied or computed over them is untrusted, and its next request
+    # prefills the lender's 40 shared tokens first, then its own again
     epoch = borrower.epoch
+    cache.pin(borrower)
     cache.rewrite(lender)
-    assert not borrower.ready and borrower.epoch == epoch + 1  # results read from its pages: untrusted
+    assert not borrower.ready and borrower.written == 32 and borrower.epoch == epoch + 1
     prefilled = engine.stats["prefill_tokens"]
     again = scorer.score(other, items, labels)
-    assert engine.stats["prefill_tokens"] - prefilled == 32 and borrower.ready
+    assert engine.stats["prefill_tokens"] - prefilled == 40 + len(other) - 40 and borrower.ready
+    assert lender.written == 40  # only what it lends
+    cache.release(borrower)
     np.testing.assert_allclose(np.log(again), np.log(want), atol=TOLERANCE, rtol=0)
 
-    # a lender's shared pages longer than a call's prefill region (288 tokens, 128 a call): the
+    # a lender's shared tokens more than a call's prefill region holds (290 tokens, 128 a call): the
     # borrower's work waits over several calls for them, then reads them
     long_lender = RNG.integers(0, 320, 300).tolist()
     scorer.score(long_lender, items, labels)
     long_borrower = long_lender[:290] + RNG.integers(0, 320, 5).tolist()
+    assert long_borrower[290] != long_lender[290]
     scorer.score(long_borrower, items, labels)
     cache.rewrite(cache._entries[tuple(long_lender)])
     prefilled, calls = engine.stats["prefill_tokens"], engine.stats["calls"]
     got = scorer.score(long_borrower, items, labels)
-    assert engine.stats["prefill_tokens"] - prefilled == 288 and engine.stats["calls"] - calls >= 3
+    # the lender's 290 shared tokens, then the borrower's own 5
+    assert engine.stats["prefill_tokens"] - prefilled == 290 + 5 and engine.stats["calls"] - calls >= 3
     want = torch_label_probs(torch_model, [long_borrower + it for it in items], labels, False)
     np.testing.assert_allclose(np.log(got), np.log(want), atol=TOLERANCE, rtol=0)
 

@@ -292,6 +292,13 @@ def test_pool_book_stays_consistent_under_random_traffic():
         # idle: its own tokens written (a lender rewritten since is prefilled again for a borrower
         # when the borrower is next needed: engine/loop/batcher.py)
         assert all(e.written >= len(e.tokens) for e in idle)
+        in_use = {id(e) for e in entries if e.pins > 0}  # and, up each chain, what they borrow from
+        for e in entries:
+            lender = e.lender if e.pins > 0 else None
+            while lender is not None:
+                in_use.add(id(lender))
+                lender = lender.lender
+        assert cache._used_pages == sum(len(e.own_pages) for e in entries if id(e) in in_use)
         own = [p for e in entries for p in e.own_pages]
         in_use = {p for e in entries for p in e.pages}
         assert len(own) == len(set(own)) and set(own) == in_use  # a page is one entry's own

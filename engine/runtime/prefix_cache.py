@@ -71,6 +71,7 @@ class CachedPrefix:
     shared: int = 0  # the tokens they hold
     copied: int = 0  # shared .. copied - 1: copied from the lender (shared when nothing is)
     borrowers: dict[int, CachedPrefix] = dataclasses.field(default_factory=dict)  # id -> borrower
+    borrowers_in_use: int = 0  # borrowers pinned, or lending to one in use
     block_keys: tuple[int, ...] = ()  # its chained block hashes (its keys in the cache's index)
 
     @property
@@ -85,6 +86,11 @@ class CachedPrefix:
                 return False
             end, entry = min(end, entry.shared), entry.lender
         return True
+
+    @property
+    def in_use(self) -> bool:
+        """Pinned, or lending to a prefix in use: its pages are not free (see PrefixCache.usage)."""
+        return self.pins > 0 or self.borrowers_in_use > 0
 
     @property
     def depth(self) -> int:
@@ -136,6 +142,7 @@ class PrefixCache:
         self._idle: collections.OrderedDict[tuple[int, ...], CachedPrefix] = collections.OrderedDict()
         self._idle_pages = 0  # own pages of the idle prefixes: what eviction can free
         self._pinned = 0  # cached prefixes with pins > 0
+        self._used_pages = 0  # own pages of the prefixes in use
         self._holders: dict[int, CachedPrefix] = {}  # chained block hash -> the latest prefix holding it
         self.evictions = 0
         self._lock = threading.RLock()
@@ -231,7 +238,9 @@ class PrefixCache:
         finished (or a call writing it failed since: rewrite); a complete one stays cached. A
         lender stays as it is while something borrows from it."""
         with self._lock:
+            was = entry.in_use
             entry.pins -= 1
+            self._in_use_changed(entry, was)
             if entry.pins != 0:
                 return
             if self._cached(entry):
@@ -269,8 +278,22 @@ class PrefixCache:
     def _cached(self, entry: CachedPrefix) -> bool:
         return self._entries.get(entry.tokens) is entry
 
+    def _in_use_changed(self, entry: CachedPrefix, was: bool) -> None:
+        """After the entry's pins changed (it was in use or not): its pages' count, and its
+        lenders' up the chain while their own state changes with it."""
+        lender: CachedPrefix | None = entry
+        while lender is not None and lender.in_use != was:
+            step = 1 if lender.in_use else -1
+            self._used_pages += step * len(lender.own_pages)
+            if lender.lender is not None:
+                was = lender.lender.in_use
+                lender.lender.borrowers_in_use += step
+            lender = lender.lender
+
     def _hold(self, entry: CachedPrefix) -> None:
+        was = entry.in_use
         entry.pins += 1
+        self._in_use_changed(entry, was)
         if entry.pins == 1 and self._cached(entry):
             self._pinned += 1
             if self._idle.pop(entry.tokens, None) is not None:
@@ -361,10 +384,11 @@ class PrefixCache:
 
     @property
     def usage(self) -> float:
-        """The share of the pool's pages held by prefixes in use (0-1). Idle cached prefixes
-        count as free: eviction gives their pages to the next query that needs them."""
+        """The share of the pool's pages held by prefixes in use (0-1): pinned, or lending to one in
+        use. Idle cached prefixes, and lenders to idle ones only, count as free: eviction gives their
+        pages to the next query that needs them."""
         with self._lock:
-            return (self.total_pages - len(self._free) - self._idle_pages) / max(1, self.total_pages)
+            return self._used_pages / max(1, self.total_pages)
 
     @property
     def bytes(self) -> int:
