@@ -528,12 +528,13 @@ def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     assert 0 < by["completions"]["head_flop_share"] < 1
     # the tokens needed, each once (prefixscore_requested_tokens_total): completions the header,
     # each question and each choice (the second batch reads its question's rows from the positions
-    # the first kept); gRPC also each question's context past the header page it borrows
+    # the first kept); gRPC each question's context past the header it takes from the first's, and
+    # each choice: the same tokens
     r = by["completions"]
     choice_tokens = r["prompt_tokens"] - 4 * r["context_tokens"]
     question_tokens = r["context_tokens"] - 3 * r["header_tokens"]
     assert r["requested_tokens"] == r["header_tokens"] + question_tokens + choice_tokens
-    assert by["grpc"]["requested_tokens"] == r["context_tokens"] - 2 * 128 + choice_tokens
+    assert by["grpc"]["requested_tokens"] == r["context_tokens"] - 2 * r["header_tokens"] + choice_tokens
     assert all(x["computed_tokens"] >= x["requested_tokens"] for x in by.values())
 
 
