@@ -53,7 +53,7 @@ class PagePins:
             return
         entry, hit = self._acquire(payload.prefix)
         unit.pin.entry = entry
-        # a miss may still borrow leading pages another query wrote (engine/runtime/prefix_cache.py)
+        # a miss may still take leading tokens another query wrote (engine/runtime/prefix_cache.py)
         lent = entry.lender is not None and entry.lender.holds(entry.copied)
         unit.reply.cached_tokens = len(payload.prefix) if hit else entry.copied if lent else 0
         self.metrics.requested(payload.requested_tokens(_asked_before(entry, hit)))

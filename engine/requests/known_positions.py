@@ -8,9 +8,9 @@ prompt) and runs only its own tokens over that context, whose pages the prefix c
 
 A kept prompt stores only the positions past the kept prompt it was computed over (its parent):
 a k-shot header's positions are stored once, not once per question. Found through chained hashes
-of whole blocks (the prefix cache's `block_keys`, over blocks of KEY_TOKENS tokens rather than the
-pool's); the match is then extended token by token and checked against the tokens, so a hash
-collision costs nothing but the check. Bounded in bytes, least recently used first out; a
+of whole blocks (the prefix cache's `block_keys`, over blocks of KEY_TOKENS tokens); the match is
+then extended token by token and checked against the tokens, so a hash collision costs nothing
+but the check. Bounded in bytes, least recently used first out; a
 prompt that goes takes the prompts kept over it along. Any thread.
 """
 

@@ -143,7 +143,7 @@ class PrefixCache:
         self._idle_pages = 0  # own pages of the idle prefixes: what eviction can free
         self._pinned = 0  # cached prefixes with pins > 0
         self._used_pages = 0  # own pages of the prefixes in use
-        self._holders: dict[int, CachedPrefix] = {}  # chained block hash -> the latest prefix holding it
+        self._holders: dict[int, CachedPrefix] = {}  # chained block hash -> the first cached prefix holding it
         self.evictions = 0
         self._lock = threading.RLock()
 
