@@ -37,8 +37,9 @@ class CallShape:
 
     prefill_tokens: int  # Tp: the prefill region (0: none)
     item_tokens: int  # Ti: the item region, per device
-    rows: int  # R: rows per device: one per item, or one per item token (R = Ti) in a call
-    # whose items read every token (a likelihood's, a mean-pooled embedding's)
+    rows: int  # R: rows per device: one per item, or one per token (R = Tp + Ti) in a call
+    # whose rows read every token (a likelihood's items, a mean-pooled embedding's, a prompt's
+    # own prefill)
     labels: int  # L: label ids per call (the union of its rows' label sets)
     # TOP_LOGPROBS: the call has token rows (OUTPUT_TOKEN), and each row returns TOKEN_COLUMNS
     # more columns; 0: none

@@ -233,34 +233,44 @@ def assert_prompt_like_transformers(torch_model, prompt: list[int], token_logpro
 def test_completions_echo_over_http_equals_transformers(completions_server):
     """OpenAI's /v1/completions as scorers call it (echo, logprobs, max_tokens 1), over HTTP: every
     prompt position's log-prob, its top log-probs and the greedy next token equal transformers'
-    forward of that prompt. Prompts of 71-90 tokens sharing 70: their contexts, cut every 32
-    tokens, are prefilled once (the longest, 64 tokens; the shorter one is read from its pages); a
-    prompt sent alone gets the same bits as in company; a later request's prompts take the positions
-    the first computed and run only their items from there."""
-    scorer, http, torch_model, _ = completions_server
+    forward of that prompt. Prompts of 71-90 tokens sharing 70, each computed from its own prefill:
+    the first (in token order) whole, the others from their 70th position over its pages; a prompt
+    sent alone (nothing kept or cached) gets the same bits as in company; a later request's prompts
+    take the positions the first kept and compute only their own from there."""
+    from prefixscore.engine.requests.known_positions import KnownPositions
+
+    scorer, http, torch_model, srv = completions_server
+    kind = srv.server.service.kinds["completions"]
+    kind.known = KnownPositions()  # the module's earlier tests kept these positions: compute them all
     prompts = [CONTEXT + c for c in CONTINUATIONS]
     k = 5
-    prefilled = scorer.engine.stats["prefill_tokens"]
+    prefilled, computed = scorer.engine.stats["prefill_tokens"], scorer.engine.stats["tokens"]
     shared = http.post(
         "/v1/completions",
         json={"prompt": prompts, "echo": True, "logprobs": k, "max_tokens": 1, "temperature": 0},
     )
     assert shared.status_code == 200, shared.text
-    # the longest context (64 tokens) is prefilled once: the shorter one reads its pages
-    assert scorer.engine.stats["prefill_tokens"] - prefilled == 64
-    single = http.post("/v1/completions", json={"prompt": prompts[2], "echo": True, "logprobs": 0, "max_tokens": 0})
-    assert single.status_code == 200, single.text
-    # a later request over the same 70 tokens: positions 1-69 are known (1-70 for the prompt kept
-    # whole but its last token) and the 64-token context cached
+    # the first prompt in token order whole; each other one from position 69, whose row gives its
+    # own token 70's log-prob, over the first's pages (the 69 tokens before: borrowed and copied)
+    first = min(prompts)
+    assert scorer.engine.stats["prefill_tokens"] - prefilled == len(first) + sum(
+        len(p) - 69 for p in prompts if p is not first
+    )
+    assert scorer.engine.stats["tokens"] - computed == scorer.engine.stats["prefill_tokens"] - prefilled  # no item
+    # a later request over the same 70 tokens: positions 1-69 are known (the kept prompts share
+    # them), so each computes from 69; the second was sent before, and its prefill runs in a fresh
+    # entry beside its cached one (every row it reads is computed for it)
     later = [CONTEXT + c for c in (CONTINUATIONS[3][::-1], CONTINUATIONS[1])]
     computed, prefilled = scorer.engine.stats["tokens"], scorer.engine.stats["prefill_tokens"]
     again = http.post("/v1/completions", json={"prompt": later, "echo": True, "logprobs": 2, "max_tokens": 0})
     assert again.status_code == 200, again.text
-    # both read their last rows over the cached 64-token context: nothing to prefill
-    prefill = scorer.engine.stats["prefill_tokens"] - prefilled
-    assert prefill == 0
-    # items over 64 tokens: the 90-token prompt's 26, the other's 8
-    assert scorer.engine.stats["tokens"] - computed - prefill == 26 + 8
+    assert scorer.engine.stats["prefill_tokens"] - prefilled == (90 - 69) + (72 - 69)
+    assert scorer.engine.stats["tokens"] - computed == (90 - 69) + (72 - 69)
+    # alone, nothing kept or cached: the whole prompt in one prefill, the same bits as in company
+    kind.known = KnownPositions()
+    scorer.engine.prefix_cache.evict_idle()
+    single = http.post("/v1/completions", json={"prompt": prompts[2], "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert single.status_code == 200, single.text
     body = shared.json()
     assert body["usage"] == {
         "prompt_tokens": sum(map(len, prompts)),

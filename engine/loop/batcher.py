@@ -11,7 +11,10 @@ arrival. Fairness: a first pass offers each request at most an equal share of th
 call's item tokens, a second pass offers the rest in priority order, so a small request
 behind a large one rides in the next call instead of after all of the large one.
 A request's query is prefilled (its chunks placed) before its items are offered; its
-items may ride in the call that carries its last chunk.
+items may ride in the call that carries its last chunk. A request that reads rows of its own
+query (`prefix_rows`: a prompt scored whole) gets them from its query's chunks, whichever
+request's work places them (a borrower's places its lender's first); it is answered when they
+have all come back.
 
 Isolation: work retried after a failed device call (engine/loop/isolation.py) carries a
 group (`lineage.group`); a call carries one group's work and nothing else, the oldest group first, so a
@@ -32,7 +35,7 @@ import numpy as np
 
 from prefixscore.engine.loop.work_unit import WorkUnit
 from prefixscore.engine.runtime.buckets import Buckets, ceil_div
-from prefixscore.engine.runtime.planner import CallBuilder, CallPlan, Extent
+from prefixscore.engine.runtime.planner import CallBuilder, CallPlan, ChunkRows, Extent
 from prefixscore.engine.runtime.prefix_cache import CachedPrefix
 
 # a request without a deadline is scheduled as if due this long after it arrived
@@ -114,6 +117,7 @@ class Batcher:
         self.new_builder = new_builder
         self.chunk = chunk
         self.units: dict[int, WorkUnit] = {}  # seq -> unit, in arrival order
+        self._row_readers: dict[int, WorkUnit] = {}  # id(entry) -> the unit reading its prefill's rows
         self._seq = itertools.count()
         # kept as units come and go: admission reads them at every request
         self.depth = 0  # items pending (not yet in a device call): the autoscaling signal
@@ -124,13 +128,19 @@ class Batcher:
         self.units[unit.progress.seq] = unit
         self.depth += unit.queued
         self.queued_tokens += unit.queued_tokens
+        entry = unit.pin.entry
+        if unit.payload.prefix_rows is not None and entry is not None:
+            self._row_readers[id(entry)] = unit
 
     def cancel(self, unit: WorkUnit) -> None:
-        """Drop `unit`'s queued items."""
+        """Drop `unit`'s queued items (and its query's rows: no one reads them any more)."""
         if self.units.get(unit.progress.seq) is unit:
             self.depth -= unit.queued
             self.queued_tokens -= unit.queued_tokens
             del self.units[unit.progress.seq]
+        entry = unit.pin.entry
+        if entry is not None and self._row_readers.get(id(entry)) is unit:
+            del self._row_readers[id(entry)]
         unit.progress.cancelled = True
 
     def live_units(self) -> Iterator[WorkUnit]:
@@ -138,7 +148,9 @@ class Batcher:
 
     def ready(self, opens_only: bool = False) -> bool:
         """Whether next_call would plan a call."""
-        return any(self._needs_device(u) and not (opens_only and u.payload.items) for u in self.units.values())
+        return any(
+            self._needs_device(u) and not (opens_only and not u.payload.prefill_only) for u in self.units.values()
+        )
 
     @staticmethod
     def _needs_device(unit: WorkUnit) -> bool:
@@ -146,8 +158,10 @@ class Batcher:
         return unit.queued > 0 or (entry is not None and not entry.ready and not unit.payload.items)
 
     def prefilled(self) -> list[WorkUnit]:
-        """Units without items whose query is fully written (by launched calls): done; removed."""
-        done = [u for u in self.units.values() if not u.payload.items and u.pin.entry is not None and u.pin.entry.ready]
+        """Prefill-only units whose query is fully written (by launched calls): done; removed."""
+        done = [
+            u for u in self.units.values() if u.payload.prefill_only and u.pin.entry is not None and u.pin.entry.ready
+        ]
         for unit in done:
             del self.units[unit.progress.seq]
         return done
@@ -161,7 +175,11 @@ class Batcher:
         and the best-filled one that keeps most of the work is taken, and then one in the next
         smaller item bucket (`_fuller`). Lower-priority requests only ever wait for the next call."""
         pending = sorted(
-            (u for u in self.units.values() if self._needs_device(u) and not (opens_only and u.payload.items)),
+            (
+                u
+                for u in self.units.values()
+                if self._needs_device(u) and not (opens_only and not u.payload.prefill_only)
+            ),
             key=lambda u: (due(u), u.progress.seq),
         )
         if not pending:
@@ -320,7 +338,10 @@ class Batcher:
             assert lender is not None
             size = min(self.chunk, len(entry.tokens) - entry.copied)
             first = entry.tokens[entry.copied : entry.copied + size]
-            if not builder.copy_room(entry.copied - upto) or not builder.add_chunk(entry.pages, first, entry.copied):
+            rows = self._chunk_rows(entry, entry.copied, size)
+            if not builder.copy_room(entry.copied - upto) or not builder.add_chunk(
+                entry.pages, first, entry.copied, rows
+            ):
                 written[id(entry)] = (entry, upto)
                 return False
             builder.add_copy(lender.pages, entry.pages, upto, entry.copied)
@@ -329,11 +350,29 @@ class Batcher:
             size = min(self.chunk, end - upto)
             if share is not None and upto > start and upto - start + size > share:
                 break
-            if not builder.add_chunk(entry.pages, entry.tokens[upto : upto + size], upto):
+            if not builder.add_chunk(
+                entry.pages, entry.tokens[upto : upto + size], upto, self._chunk_rows(entry, upto, size)
+            ):
                 break
             upto += size
         written[id(entry)] = (entry, upto)
         return upto >= end
+
+    def _chunk_rows(self, entry: CachedPrefix, start: int, size: int) -> ChunkRows | None:
+        """The rows a chunk of `entry` (tokens start .. start + size - 1) gives the unit reading its
+        prefill's rows, if any: those of its positions from the unit's prefix_rows on."""
+        unit = self._row_readers.get(id(entry))
+        if unit is None:
+            return None
+        first, end, tokens = unit.payload.prefix_rows, start + size, entry.tokens
+        assert first is not None
+        if end <= first:
+            return None
+        lo = max(start, first)
+        targets = np.zeros(end - lo, np.int32)  # each the next token; after the prefix's last, none
+        after = tokens[lo + 1 : end + 1]
+        targets[: len(after)] = after
+        return ChunkRows(unit, lo - first, lo - start, targets)
 
     @staticmethod
     def _offer(builder: CallBuilder, unit: WorkUnit, already: int, share: int | None) -> tuple[int, bool]:
@@ -355,11 +394,10 @@ class Batcher:
             ends = offsets[first + 1 :] - offsets[first]
             count = max(1, int(np.searchsorted(ends, share, side="right")))
         entry = unit.pin.entry
-        read = payload.items_read if entry is not None else 0
         took = builder.add_items(
-            (id(entry), read) if entry is not None else None,  # one segment per prefix length read
+            id(entry) if entry is not None else None,
             entry.pages if entry is not None else (),
-            read,
+            len(entry.tokens) if entry is not None else 0,
             payload.items,
             first,
             count,
@@ -393,7 +431,12 @@ def take_results(call: Call, out: np.ndarray) -> tuple[list[WorkUnit], list[Work
         # the span's own columns, written into the answer as its kind says (engine/requests/answers.py)
         own = out[rows, shape.columns(span.output, span.labels)]
         payload.answer.fill(reply.answer, payload.items, first, span.count, own)
-        reply.remaining -= span.count
+        if span.prefix:  # a query prefilled again (a failed call) gives some rows twice: counted once
+            due = reply.rows_due[first : first + span.count]
+            reply.remaining -= int(due.sum())
+            due[:] = False
+        else:
+            reply.remaining -= span.count
         if reply.remaining == 0:
             complete.append(request)
     return complete, broken

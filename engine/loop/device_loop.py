@@ -425,6 +425,8 @@ class DeviceWorker:
         if unit.progress.finished:
             return
         unit.progress.finished = True
+        if self.batcher is not None:  # a finished unit leaves the queue (one reading its query's rows waits there)
+            self.batcher.cancel(unit)
         self._live -= 1
         unit.reply.error = error
         self._cancel_pieces(unit)

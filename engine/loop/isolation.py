@@ -70,7 +70,9 @@ def pieces_of(call: Call) -> list[Piece]:
     out = []
     for span in call.plan.spans:
         unit = span.ref
-        if unit.progress.finished or root(unit).progress.finished:
+        # rows of a query's own prefill: its unit stays queued until they are all back, and is
+        # retried as queued work over the query the call wrote
+        if span.prefix or unit.progress.finished or root(unit).progress.finished:
             continue
         out.append(Piece(root(unit), unit.lineage.parent_first + span.first, span.count))
     return out

@@ -51,7 +51,7 @@ class PagePins:
         if payload.item_first or unit.pin.entry is not None:  # no prefix, or one already asked for
             self.metrics.requested(payload.requested_tokens(len(payload.prefix)))
             return
-        entry, hit = self._acquire(payload.prefix)
+        entry, hit = self._acquire(payload.prefix, payload.prefix_rows)
         unit.pin.entry = entry
         # a miss may still take leading tokens another query wrote (engine/runtime/prefix_cache.py)
         lent = entry.lender is not None and entry.lender.holds(entry.copied)
@@ -106,11 +106,12 @@ class PagePins:
         self.cache.release(pin.entry)
         self.metrics.cache(self.cache)
 
-    def _acquire(self, prefix: tuple[int, ...]) -> tuple[CachedPrefix, bool]:
-        """The prefix's pages, pinned, and whether they were cached; QueueFull when the pool
-        cannot hold them."""
+    def _acquire(self, prefix: tuple[int, ...], fresh_from: int | None = None) -> tuple[CachedPrefix, bool]:
+        """The prefix's pages, pinned, and whether they were cached (`fresh_from`: its prefill must
+        compute the tokens from there on, PrefixCache.acquire); QueueFull when the pool cannot hold
+        them."""
         try:
-            entry, hit = self.cache.acquire(prefix)
+            entry, hit = self.cache.acquire(prefix, fresh_from)
         except PoolExhausted as full:
             raise self.admission.pool_full(full, self.cache.total_pages) from full
         self.metrics.cache(self.cache)

@@ -62,9 +62,12 @@ class TokenizedRequest:
     # page's items share rows, a context's positions are other requests' rows), so that kind
     # counts each position once over the whole plan
     requested: int | None = None
-    # its items read only the first `read_prefix` tokens of the prefix (None: all of it): a context
-    # that a longer one starts with is served from the longer one's pages, with no entry of its own
-    read_prefix: int | None = None
+    # rows of its own prefix, from this position to its end (None: none): each prefix token's row
+    # reads it and targets the next prefix token (the last, none: the top next tokens), computed by
+    # the prefix's own prefill as it runs (a prompt scored whole, engine/requests/completions.py).
+    # Its prefix is then prefilled from this position at the latest, even when it is cached
+    # (engine/runtime/prefix_cache.py: a fresh entry), so every row it reads is computed for it
+    prefix_rows: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", TokenRows.coerce(self.items))
@@ -75,9 +78,19 @@ class TokenizedRequest:
         return len(self.prefix) + self.items.total - self.answer.lead * max(0, len(self.items) - 1)
 
     @property
-    def items_read(self) -> int:
-        """The prefix tokens its items read: they start at that position."""
-        return len(self.prefix) if self.read_prefix is None else self.read_prefix
+    def needs_device(self) -> bool:
+        """Whether it has device work: items, or rows of its own prefix."""
+        return bool(len(self.items)) or self.prefix_rows is not None
+
+    @property
+    def prefill_only(self) -> bool:
+        """Only its prefix's prefill, and no rows come back (a stream open's, a retried query's)."""
+        return not len(self.items) and self.prefix_rows is None
+
+    @property
+    def answers_due(self) -> int:
+        """What must come back before it is answered: its items, or its prefix's rows."""
+        return len(self.items) + (len(self.prefix) - self.prefix_rows if self.prefix_rows is not None else 0)
 
     def requested_tokens(self, held: int) -> int:
         """The tokens it needs computed, each once, when `held` of its prefix's tokens need no

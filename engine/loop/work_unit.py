@@ -59,6 +59,9 @@ class Reply:
     cached_tokens: int = 0  # prefix tokens served from the prefix cache
     first_scores_at: float | None = None  # time.monotonic() when its first scores came back
     error: BaseException | None = None
+    # a request reading rows of its own query: those not come back yet (a query prefilled again
+    # after a failed call gives some twice)
+    rows_due: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,7 +107,10 @@ class WorkUnit:
 
     def __post_init__(self) -> None:
         payload = self.payload
-        self.reply = Reply(payload.answer.buffer(payload.items, len(payload.label_ids)), len(payload.items))
+        due = payload.answers_due
+        self.reply = Reply(payload.answer.buffer(payload.items, len(payload.label_ids)), due)
+        if payload.prefix_rows is not None:
+            self.reply.rows_due = np.ones(due, bool)
 
     @property
     def queued(self) -> int:

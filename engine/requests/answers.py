@@ -8,7 +8,8 @@ embedding) declares, as data, what its items take on the device and what comes b
 - `each_token`: a row per item token, or one per item (at its last token);
 - `lead`: leading tokens every item repeats from the query (counted once in the prompt);
 - `buffer`: its answer, zeroed, for a request's items;
-- `fill`: a span of its rows written into that answer as a call comes back.
+- `fill`: a span of its rows written into that answer as a call comes back (the span's items,
+  or for rows of the request's own prefix, its rows from the first).
 
 The loop (engine/loop/batcher.py, engine/loop/work_unit.py) lays out and reads back rows through these
 and never asks which kind a request is; the transports read the answer the kind filled. A
@@ -83,6 +84,26 @@ class TokenLogprobs:
     def fill(self, answer: np.ndarray, items: TokenRows, first: int, count: int, rows: np.ndarray) -> None:
         at = int(items.offsets[first])
         answer[at : at + len(rows)] = rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRows:
+    """A prompt's own likelihood from its prefill (engine/requests/completions.py): `rows` rows of
+    its prefix, one per position from TokenizedRequest.prefix_rows on, each the next token's
+    log-prob and the top log-probs (the last: the top next tokens after the prompt). Answer
+    [rows, TOKEN_COLUMNS] float32, row i its position prefix_rows + i's."""
+
+    rows: int
+    top_logprobs: int = 0
+    output = OUTPUT_TOKEN
+    each_token = True
+    lead = 0
+
+    def buffer(self, items: TokenRows, labels: int) -> np.ndarray:
+        return np.zeros((self.rows, TOKEN_COLUMNS), np.float32)
+
+    def fill(self, answer: np.ndarray, items: TokenRows, first: int, count: int, rows: np.ndarray) -> None:
+        answer[first : first + count] = rows
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

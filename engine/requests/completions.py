@@ -5,27 +5,26 @@ lm-evaluation-harness (`local-completions`), perplexity filters and judges send 
 prompt token given the tokens before it, and perhaps the greedy next token. That is the
 likelihood path (engine/requests/likelihood.py) over whole prompts, planned here as engine requests.
 
-A prompt is cut at fixed positions. Its first page (the prefix pool's page, 128 tokens by
-default) comes from whole sequences: rows 0 .. 31 (row j reads token j and gives the log-prob of
-token j + 1) from an item of at most 33 tokens, the page's other rows from one of at least 34,
-which the CPU attention computes one way and the other, each whatever the item's length; a
-prompt shorter than a page (a zero-shot task's) prefills nothing and runs in one call. Past the
-page, every SEGMENT_ROWS (32) tokens: segment k holds the rows of tokens 32k .. 32k + 31, from one
-item of at most 33 tokens over the context `prompt[:32k]`, the prefix of its engine request.
-Where a position is computed, over which context, in which item and at which place in it, thus
-follows from the position alone, never from the prompt's length or company: a position's log-prob
-is the same bits whether the prompt came alone or among others, in any order, over positions kept
-from an earlier request or not (a context's K/V are the same however it was prefilled, and an
-item reads a context's first tokens the same way from any prefix that starts with them:
-docs/design.md "The same answer whatever the call").
+Every position of a prompt comes from its own prefill: the prompt is the query of an engine
+request whose rows are its own tokens' (`TokenizedRequest.prefix_rows`): row j reads token j and
+gives the log-prob of token j + 1, the last row the top next tokens. A token's hidden state, as
+its K/V, depends only on the tokens up to it, and the prefill computes it the same bits however
+the prompt was chunked, whatever shares its call, over pages borrowed or copied from another
+query or its own (docs/design.md "The same answer whatever the call"): a position's log-prob is
+the same bits whether the prompt came alone or among others, in any order, over positions kept
+from an earlier request or not.
 
+Each position is computed once:
 - the positions an earlier prompt computed (`KnownPositions`: the longest kept prompt this one
-  starts with) are taken as they are: only the items from the first unknown position on run;
-- an item two prompts of the request both need (the same context and the same tokens) runs once;
-- a context is prefilled once, and only the longest of those that start alike: a context that
-  another prompt's longer one starts with is read from that one's pages (its engine request's
-  prefix is the longer context, `read_prefix` its own length), so a prompt's contexts cost one
-  prefill, past the whole pages the prefix cache lends it.
+  starts with) are taken as they are;
+- within a request, the prompts are planned in the order of their tokens, and a prompt takes the
+  positions it shares with the prompt before it (the one it shares the most with among those
+  before it) from that one;
+- a prompt's own rows start at its first position not taken (the row before it: its token's
+  log-prob is this prompt's), and its prefill starts there at the latest: the prefix cache lends
+  it the tokens before (a sibling's, written or being written: a question is prefilled once for
+  all its choices), and a prompt cached whole gets a fresh entry, so every row it reads is
+  computed for it.
 
 Each position's log-prob is the one a plain forward pass over that prompt gives. Validated
 once, before any device work: prompt forms, emptiness, the vocabulary, the context, and the
@@ -35,33 +34,23 @@ sampling), each refused by name.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from prefixscore.engine.loop.request import TokenizedRequest
-from prefixscore.engine.requests.answers import TokenLogprobs
+from prefixscore.engine.requests.answers import PromptRows
 from prefixscore.engine.requests.invalid_input import InvalidInput
 from prefixscore.engine.requests.kind import Done
-from prefixscore.engine.requests.known_positions import Known, KnownPositions, Positions
-from prefixscore.engine.requests.likelihood import (
-    ItemLikelihood,
-    check_top_logprobs,
-    check_vocabulary_head,
-    read_likelihoods,
-)
+from prefixscore.engine.requests.known_positions import Known, KnownPositions, Positions, common_prefix
+from prefixscore.engine.requests.likelihood import check_top_logprobs, check_vocabulary_head, top_as_token
 from prefixscore.engine.requests.validation import RequestTokenizer
 from prefixscore.engine.runtime.token_rows import TokenRows
-from prefixscore.kernels.xla import ITEM_BLOCK
 from prefixscore.model.call_inputs import TOP_LOGPROBS
 
 # vLLM's and OpenAI's default for `max_tokens` when a request leaves it out
 DEFAULT_MAX_TOKENS = 16
-# the rows of a segment, read from one item of at most SEGMENT_ROWS + 1 tokens: an item the CPU
-# attention always computes one way (kernels/xla.py: a short item), whatever its length
-SEGMENT_ROWS = ITEM_BLOCK
 
 
 @dataclasses.dataclass
@@ -87,40 +76,24 @@ class CompletionsInput:
 
 
 @dataclasses.dataclass(frozen=True)
-class CompletionPart:
-    """One engine request of a completions request: items over one context (its prefix)."""
-
-    request: TokenizedRequest
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Rows `rows_from` .. `rows_to` - 1 of a prompt (row j: the log-prob of token j + 1, or after
-    the last token the next one's top) from item `item` of part `part`, which starts at row `start`."""
+class PromptPlan:
+    """Where one prompt's positions come from: 1 .. taken_upto - 1 from a kept prompt (`known`) or
+    from the request's prompt `sibling` (planned before it), the rest from the rows of its engine
+    request `part` (from position max(taken_upto - 1, 0): TokenizedRequest.prefix_rows)."""
 
     part: int
-    item: int
-    start: int
-    rows_from: int
-    rows_to: int
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptPlan:
-    """Where one prompt's positions come from: 1 .. known_upto - 1 from a kept prompt (`known`),
-    the rest from its pieces, in order."""
-
-    known: Known | None
-    known_upto: int
-    pieces: tuple[Piece, ...]
+    taken_upto: int = 0
+    known: Known | None = None
+    sibling: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class PlannedCompletions:
     prompts: list[np.ndarray]  # each prompt's token ids [n_i] int64
     texts: list[str] | None  # the prompts as sent, when they were texts
-    parts: tuple[CompletionPart, ...]
-    plans: tuple[PromptPlan, ...]  # per prompt
+    requests: tuple[TokenizedRequest, ...]  # one per prompt, in plan order
+    plans: tuple[PromptPlan, ...]  # per prompt (as sent)
+    order: tuple[int, ...]  # the prompts in plan order (a sibling is planned before the prompts it serves)
     max_tokens: int  # 0 or 1
     echo: bool
     logprobs: int | None
@@ -128,10 +101,6 @@ class PlannedCompletions:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
-
-    @property
-    def requests(self) -> tuple[TokenizedRequest, ...]:
-        return tuple(part.request for part in self.parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,57 +183,20 @@ def _prompt_rows(requests: RequestTokenizer, inp: CompletionsInput) -> tuple[Tok
         raise InvalidInput(field, err.message, err.too_large) from err
 
 
-def _items(n: int, first_row: int, first_page: int) -> list[tuple[int, int, int, int]]:
-    """The items a prompt of n tokens needs for its rows from `first_row` on: (context, item end,
-    first row, row after the last) each. The rows of its first page (`first_page` tokens, at least
-    SEGMENT_ROWS) come from whole sequences: rows 0 .. SEGMENT_ROWS - 1 from one of at most
-    SEGMENT_ROWS + 1 tokens, the page's others from one of at least SEGMENT_ROWS + 2 (the CPU
-    attention computes a longer item in blocks from its first token, whatever its length). Past
-    the page, segment k holds rows k * SEGMENT_ROWS .. (k + 1) * SEGMENT_ROWS - 1 from one item
-    of at most SEGMENT_ROWS + 1 tokens over the prompt's first k * SEGMENT_ROWS tokens. Each row
-    is read from the same item however long the prompt is."""
-    out = []
-    page_end = min(first_page, n)
-    long_first = n >= SEGMENT_ROWS + 2 and page_end > SEGMENT_ROWS
-    short_to = SEGMENT_ROWS if long_first else page_end
-    if first_row < short_to:
-        out.append((0, min(SEGMENT_ROWS + 1, n), 0, short_to))
-    if long_first and first_row < page_end:
-        out.append((0, min(first_page + 1, n), SEGMENT_ROWS, page_end))
-    for k in range(max(first_row, first_page) // SEGMENT_ROWS, (n - 1) // SEGMENT_ROWS + 1):
-        at = k * SEGMENT_ROWS
-        out.append((at, min(at + SEGMENT_ROWS + 1, n), at, min(at + SEGMENT_ROWS, n)))
-    return out
-
-
-def _requested_positions(
-    prompts: list[np.ndarray],
-    wanted: list[tuple[Known | None, int, list[tuple[bytes, bytes, int, int, int]]]],
-    where: dict[tuple[bytes, bytes], tuple[int, int]],
-    parts: int,
-) -> list[int]:
-    """Per part, the rows the request needs that it is the first to read: each row (a prompt's
-    tokens up to it: prompts that start alike share their first rows) once over the whole request,
-    those of a kept prompt not at all (the row before the first unknown position is one: the kept
-    prompt computed it, and it is run again because only its own token's log-prob was kept). Their
-    sum is what the request asks the device for; the items compute more (each item holds one token
-    past its rows, its last row's target; two prompts that part within a segment each run that
-    segment)."""
-    out = [0] * parts
-    trie: dict[tuple[int, int], int] = {}  # (position before, token) -> position
-    counted: set[int] = set()
-    for prompt, (_, upto, pieces) in zip(prompts, wanted, strict=True):
-        at_row, node = [], 0
-        for token in prompt.tolist():
-            node = trie.setdefault((node, token), len(trie) + 1)
-            at_row.append(node)
-        for context, item, _, rows_from, rows_to in pieces:
-            part = where[context, item][0]
-            for row in range(max(rows_from, upto), rows_to):
-                if at_row[row] not in counted:
-                    counted.add(at_row[row])
-                    out[part] += 1
-    return out
+def _taken(
+    prompt: np.ndarray, before: np.ndarray | None, known: KnownPositions | None
+) -> tuple[int, Known | None, bool]:
+    """How many of a prompt's leading tokens' positions it takes, and from where: (upto, the kept
+    prompt, or the prompt planned before it, `before`: True), whichever shares the most with it, at
+    most all but its last (a prompt computes its last position's row); (0, None, False) when that
+    is a token or none (no position to take)."""
+    most = len(prompt) - 1
+    kept, upto = known.longest(prompt, most) if known is not None else (None, 0)
+    upto = upto if kept is not None else 0
+    shared = min(common_prefix(before, prompt), most) if before is not None else 0
+    if max(upto, shared) < 2:
+        return 0, None, False
+    return (upto, kept, False) if upto >= shared else (shared, None, True)
 
 
 def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPositions | None = None) -> PlannedCompletions:
@@ -283,79 +215,77 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
     requests.check_request_tokens(rows.total)
     top = TOP_LOGPROBS if inp.logprobs is None else inp.logprobs
     prompts = [rows.flat[rows.offsets[j] : rows.offsets[j + 1]] for j in range(len(rows))]
-    # whole sequences give a prompt's first page: a prompt shorter than it (a zero-shot task's)
-    # prefills nothing and runs in one call
-    first_page = max(requests.limits.page_tokens, SEGMENT_ROWS)
-    # per context (its tokens): the items over it, each named by its tokens up to its end
-    contexts: dict[bytes, dict[bytes, np.ndarray]] = collections.defaultdict(dict)
-    read_from: dict[bytes, bytes] = {b"": b""}  # per context: the longest starting with it, whose pages it reads
-    wanted: list[tuple[Known | None, int, list[tuple[bytes, bytes, int, int, int]]]] = []
-    for prompt in prompts:
-        kept, upto = known.longest(prompt, len(prompt) - 1) if known is not None else (None, 0)
-        upto = upto if kept is not None else 0
-        pieces = []
-        segments = _items(len(prompt), max(upto - 1, 0), first_page)
-        longest = prompt[: segments[-1][0]].tobytes()  # this prompt's last context holds its others
-        for context, end, rows_from, rows_to in segments:
-            at, item = prompt[:context].tobytes(), prompt[:end].tobytes()
-            contexts[at].setdefault(item, prompt[context:end])
-            pieces.append((at, item, context, rows_from, rows_to))
-            if at:
-                read_from[at] = max(read_from.get(at, at), longest, key=lambda c: (len(c), c))
-        wanted.append((kept, upto, pieces))
-    # the longest context first; a context another prompt's longer one starts with is read from
-    # that one's pages (the longest such), prefilled once
-    order = sorted(contexts, key=len, reverse=True)
-    where = {(at, item): (p, i) for p, at in enumerate(order) for i, item in enumerate(contexts[at])}
-    requested = _requested_positions(prompts, wanted, where, len(order))
+    # in the order of their tokens: the prompt a prompt shares the most with, among those before
+    # it, is the one just before it
+    order = sorted(range(len(prompts)), key=lambda j: prompts[j].tolist())
+    plans: list[PromptPlan] = [PromptPlan(0)] * len(prompts)
     parts = []
-    for p, at in enumerate(order):
-        prefix = tuple(np.frombuffer(read_from[at], prompts[0].dtype).tolist())
-        read = len(at) // prompts[0].itemsize if read_from[at] != at else None
-        items = TokenRows.from_lists(list(contexts[at].values()))
-        answer = TokenLogprobs(top)
-        parts.append(CompletionPart(TokenizedRequest(prefix, items, (), answer, not prefix, requested[p], read)))
-    plans = tuple(
-        PromptPlan(kept, upto, tuple(Piece(*where[at, item], start, lo, hi) for at, item, start, lo, hi in pieces))
-        for kept, upto, pieces in wanted
+    for part, j in enumerate(order):
+        prompt, n = prompts[j], len(prompts[j])
+        before = order[part - 1] if part else None
+        upto, kept, from_before = _taken(prompt, prompts[before] if before is not None else None, known)
+        plans[j] = PromptPlan(part, upto, kept, before if from_before else None)
+        first_row = max(upto - 1, 0)
+        # the positions it needs, each once: from the first not taken (the row before it, which a
+        # kept prompt or the sibling ran too, gives this prompt's token there), and the next token's
+        requested = n - upto if upto else n
+        answer = PromptRows(n - first_row, top)
+        parts.append(TokenizedRequest(tuple(prompt.tolist()), [], (), answer, False, requested, first_row))
+    return PlannedCompletions(
+        prompts, texts, tuple(parts), tuple(plans), tuple(order), max_tokens, bool(inp.echo), inp.logprobs
     )
-    return PlannedCompletions(prompts, texts, tuple(parts), plans, max_tokens, bool(inp.echo), inp.logprobs)
+
+
+def _own_positions(tokens: np.ndarray, start: int, rows: np.ndarray) -> Positions:
+    """Positions start .. n-1 of a prompt from its rows (row i: position start + i's log-prob;
+    the last row, after the prompt, is not one)."""
+    k, at = TOP_LOGPROBS, rows[:-1]
+    top_ids = at[:, 1 + k :].astype(np.int64)
+    logprobs = at[:, 0]
+    return Positions(
+        logprobs, top_ids.astype(np.int32), top_as_token(at[:, 1 : 1 + k], top_ids, logprobs, tokens[start:])
+    )
 
 
 def prompt_logprobs(
-    planned: PlannedCompletions, results: list[list[ItemLikelihood]], known: KnownPositions | None = None
+    planned: PlannedCompletions, results: Sequence[np.ndarray], known: KnownPositions | None = None
 ) -> list[PromptLogprobs]:
-    """Each prompt's positions: those a kept prompt holds, then its items' (`results`: per part,
-    per item). `known`: where to keep them for later requests (each over the kept prompt its first
-    positions came from, which holds them)."""
-    out = []
-    for tokens, prompt in zip(planned.prompts, planned.plans, strict=True):
-        n, start = len(tokens), max(prompt.known_upto, 1)  # its first position not kept
-        parts = []
-        for piece in prompt.pieces:
-            item = results[piece.part][piece.item]
-            lo, hi = max(piece.rows_from, start - 1) - piece.start, min(piece.rows_to, n - 1) - piece.start
-            parts.append(
-                Positions(item.logprobs[lo:hi], item.top_ids[lo:hi].astype(np.int32), item.top_logprobs[lo:hi])
-            )
-        own = Positions.join(parts)
-        whole = own
-        if prompt.known is not None and known is not None:
-            whole = Positions.join([known.positions(prompt.known, start), own])
-        last = results[prompt.pieces[-1].part][prompt.pieces[-1].item]  # the piece ending at the prompt's end
-        out.append(
-            PromptLogprobs(
-                tokens=tokens,
-                logprobs=np.concatenate([[np.nan], whole.logprobs]).astype(np.float32),
-                top_ids=np.concatenate([np.zeros((1, TOP_LOGPROBS), np.int64), whole.top_ids]).astype(np.int64),
-                top_logprobs=np.concatenate([np.full((1, TOP_LOGPROBS), np.nan, np.float32), whole.top_logprobs]),
-                next_top_ids=last.next_top_ids,
-                next_top_logprobs=last.next_top_logprobs,
-            )
-        )
+    """Each prompt's positions: those taken from a kept prompt or a sibling, then its own rows
+    (`results`: per engine request, its rows [rows, TOKEN_COLUMNS]). `known`: where to keep them
+    for later requests (each over the kept prompt its first positions came from, which holds them)."""
+    whole: dict[int, Positions] = {}
+    kept_as: dict[int, Known | None] = {}
+    out: dict[int, PromptLogprobs] = {}
+    k = TOP_LOGPROBS
+    for j in planned.order:
+        tokens, prompt = planned.prompts[j], planned.plans[j]
+        rows = results[prompt.part]
+        start = max(prompt.taken_upto, 1)  # its first position not taken
+        own = _own_positions(tokens, start, rows)
+        parent = prompt.known
+        if prompt.sibling is not None:
+            taken = whole[prompt.sibling].head(start - 1)
+            parent = kept_as.get(prompt.sibling)
+        elif prompt.known is not None and known is not None:
+            taken = known.positions(prompt.known, start)
+        else:
+            taken = own.head(0)
+        whole[j] = Positions.join([taken, own])
         if known is not None:
-            known.keep(tokens, own, prompt.known, start)
-    return out
+            if parent is None and start > 1:  # what it was taken over is not kept: keep it whole
+                kept_as[j] = known.keep(tokens, whole[j], None, 1)
+            else:
+                kept_as[j] = known.keep(tokens, own, parent, start)
+        last = rows[-1]
+        out[j] = PromptLogprobs(
+            tokens=tokens,
+            logprobs=np.concatenate([[np.nan], whole[j].logprobs]).astype(np.float32),
+            top_ids=np.concatenate([np.zeros((1, k), np.int64), whole[j].top_ids]).astype(np.int64),
+            top_logprobs=np.concatenate([np.full((1, k), np.nan, np.float32), whole[j].top_logprobs]),
+            next_top_ids=last[1 + k :].astype(np.int64),
+            next_top_logprobs=last[1 : 1 + k],
+        )
+    return [out[j] for j in range(len(planned.prompts))]
 
 
 class CompletionsKind:
@@ -373,5 +303,4 @@ class CompletionsKind:
         return plan(self.requests, inp, self.known)
 
     def answer(self, planned: PlannedCompletions, done: Sequence[Done]) -> list[PromptLogprobs]:
-        results = [read_likelihoods(part.request, d.answer) for part, d in zip(planned.parts, done, strict=True)]
-        return prompt_logprobs(planned, results, self.known)
+        return prompt_logprobs(planned, [d.answer for d in done], self.known)

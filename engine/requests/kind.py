@@ -49,7 +49,7 @@ class Done:
 
 class Plan(Protocol):
     """A kind's validated request: the engine requests it runs, side by side (a request without
-    items runs nothing and comes back as its empty answer)."""
+    device work runs nothing and comes back as its empty answer)."""
 
     @property
     def requests(self) -> Sequence[TokenizedRequest]: ...
@@ -94,16 +94,16 @@ class Served:
 
 
 def to_run(plan: Plan) -> list[TokenizedRequest]:
-    """The plan's requests that need the device: those with items."""
-    return [r for r in plan.requests if len(r.items)]
+    """The plan's requests that need the device: those with items or rows of their own prefix."""
+    return [r for r in plan.requests if r.needs_device]
 
 
 def served(kind: RequestKind, plan: Plan, ran: Sequence[Done]) -> Served:
-    """The kind's answer from what came back for `to_run(plan)`, in order (a request without items
-    comes back as its empty answer, without device work)."""
+    """The kind's answer from what came back for `to_run(plan)`, in order (a request without device
+    work comes back as its empty answer)."""
     came = iter(ran)
     done = tuple(
-        next(came) if len(r.items) else Done(r.answer.buffer(r.items, len(r.label_ids))) for r in plan.requests
+        next(came) if r.needs_device else Done(r.answer.buffer(r.items, len(r.label_ids))) for r in plan.requests
     )
     return Served(plan, kind.answer(plan, done), done)
 

@@ -73,9 +73,7 @@ class ItemLikelihood:
         return bool(self.greedy.all())
 
 
-def _top_as_token(
-    top_logprobs: np.ndarray, top_ids: np.ndarray, logprobs: np.ndarray, tokens: np.ndarray
-) -> np.ndarray:
+def top_as_token(top_logprobs: np.ndarray, top_ids: np.ndarray, logprobs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """The top log-probs, where a position's own token is among them with its log-prob as the
     token's column says it: the device reads the two from different products, which can differ
     in the last bit, and a client that calls a token greedy when its log-prob equals the top one
@@ -101,7 +99,7 @@ def read_likelihoods(request: TokenizedRequest, token_rows: np.ndarray) -> list[
                 logprobs=rows[:-1, 0],
                 greedy=top_ids[:-1, 0] == continuation,
                 top_ids=top_ids[:-1],
-                top_logprobs=_top_as_token(rows[:-1, 1 : 1 + k], top_ids[:-1], rows[:-1, 0], continuation),
+                top_logprobs=top_as_token(rows[:-1, 1 : 1 + k], top_ids[:-1], rows[:-1, 0], continuation),
                 next_top_ids=top_ids[-1],
                 next_top_logprobs=rows[-1, 1 : 1 + k],
             )

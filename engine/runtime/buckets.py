@@ -153,9 +153,10 @@ class Buckets:
         self, prefill_tokens: int, item_tokens: int, labels: int, top_logprobs: int = 0, token_rows: bool | None = None
     ) -> CallShape:
         """The call shape of these buckets (its rows follow from the item tokens, and whether the
-        call reads every item token: by default when it has token rows)."""
+        call reads every item token: by default when it has token rows; such a call has a row
+        for every token of its prefill region too, which a prefill chunk's own rows take)."""
         per_token = top_logprobs > 0 if token_rows is None else token_rows
-        rows = self.rows(item_tokens, per_token)
+        rows = self.rows(item_tokens, per_token) + (prefill_tokens if per_token else 0)
         return CallShape(prefill_tokens, item_tokens, rows, labels, top_logprobs, self.hidden)
 
     def call_shapes(self) -> list[CallShape]:

@@ -44,6 +44,7 @@ from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import (
     LABEL_SETS,
     OUTPUT_LOGIT,
+    OUTPUT_TOKEN,
     CallInputs,
     CallShape,
     ItemRegion,
@@ -60,7 +61,9 @@ Ref = Any
 class RowSpan:
     """Output rows `row` .. `row + rows - 1` are items `first` .. `first + count - 1` of `ref`:
     results are split per span (an array slice), not per item. A span of items that read every
-    token has a row per token of its items (rows: their tokens); else a row per item (rows == count)."""
+    token has a row per token of its items (rows: their tokens); else a row per item (rows == count).
+    A span of prefix rows (`prefix`: a prefill chunk's own tokens, ChunkRows) is rows `first` ..
+    `first + count - 1` of `ref`'s prefix rows (rows == count)."""
 
     ref: Ref  # whose items these are: the batcher's unit, which carries its reply
     first: int
@@ -69,6 +72,19 @@ class RowSpan:
     labels: int  # how many label columns are its own
     rows: int
     output: int  # model/call_inputs.py OUTPUT_*: which of the call's columns are its own (CallShape.columns)
+    prefix: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRows:
+    """Token rows (OUTPUT_TOKEN) of a prefill chunk's own tokens, from its token `skip` on: each
+    reads its token and targets `targets` (the prefix's next token; 0 after its last), and comes
+    back as prefix row `first` onward of `ref`."""
+
+    ref: Ref
+    first: int
+    skip: int
+    targets: np.ndarray  # [rows] int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +115,7 @@ class _Chunk:
     start: int  # the query position of its first token
     replica: int  # the data replica whose prefill stream holds it
     at: int  # where it starts in that stream
+    rows: ChunkRows | None = None
 
 
 @dataclasses.dataclass
@@ -251,22 +268,33 @@ class CallBuilder:
         """Page-table rows left for runs: row 0 is no prefix, one per chunk."""
         return self.b.segments - 1 - len(self.chunks)
 
-    def add_chunk(self, pages: Sequence[int], tokens: Sequence[int], start: int) -> bool:
+    def add_chunk(self, pages: Sequence[int], tokens: Sequence[int], start: int, rows: ChunkRows | None = None) -> bool:
         """A prefill chunk (<= prefill_chunk tokens) of a query whose first `start` tokens are
-        already written (in an earlier call, or by an earlier chunk of this one)."""
+        already written (in an earlier call, or by an earlier chunk of this one); with `rows`, rows
+        of its own tokens (a call with them has a row per token of the call: CallShape.rows)."""
         if self.closed or len(tokens) > self.b.prefill_chunk:
             return False
+        if rows is not None and self.b.token_logprobs_wait:
+            return False  # its shapes are not compiled yet: it waits for their warm-up stage
         # the least filled replica: each runs only its own chunks, so a call's prefill work
         # is divided between them (its K/V is gathered for every replica's pool write)
         replica = min(range(self.devices), key=self._prefill_ends.__getitem__)
         at = round_up(self._prefill_ends[replica], self.align)
         if at + len(tokens) > self.b.prefill[-1] or self._layout.runs + 1 > self._row_budget():
             return False
-        self.chunks.append(_Chunk(pages, tokens, start, replica, at))
+        self.chunks.append(_Chunk(pages, tokens, start, replica, at, rows))
         self._prefill_ends[replica] = at + len(tokens)
         self.prefill_real += len(tokens)
+        if rows is not None:
+            self._token_rows()
+            self.outputs.add(OUTPUT_TOKEN)
         self._choice = None
         return True
+
+    def _token_rows(self) -> None:
+        """A row per item-region token from now on: more rows, the same layout."""
+        self.token_rows = True
+        self._layout.max_rows = self.b.rows(self._layout.capacity, True)
 
     def copy_room(self, slots: int) -> bool:
         """Whether the call can copy `slots` more pool slots (PageCopies)."""
@@ -328,9 +356,8 @@ class CallBuilder:
         seg = 0 if prefix_len == 0 else self._segments.get(key, len(self._segments) + 1)
         offer = _Offer(seg, pages, prefix_len, rows, first, 0, set_index, output, each_token, ref)
         switched = each_token and not self.token_rows
-        if switched:  # a row per item-region token from now on: more rows, the same layout
-            self.token_rows = True
-            self._layout.max_rows = self.b.rows(self._layout.capacity, True)
+        if switched:
+            self._token_rows()
         taken = self._layout.place(offer, ends, _row_ends(ends, each_token), self._row_budget())
         if not taken:
             if switched:
@@ -508,6 +535,21 @@ class CallBuilder:
         end = np.zeros(d, np.int64)  # each device's stream end so far
         run_of: dict[int, tuple[int, int]] = {}  # device -> (segment, page-table row) of its last run
         spans: list[RowSpan] = []
+        # each replica's prefill rows first (a chunk's own tokens' rows), then its items' rows
+        base = np.zeros(d, np.int64)
+        for chunk in self.chunks:
+            if chunk.rows is None:
+                continue
+            dev, n = chunk.replica, len(chunk.rows.targets)
+            rows = slice(int(base[dev]), int(base[dev]) + n)
+            read_at[dev, rows] = chunk.at + chunk.rows.skip + np.arange(n)
+            target[dev, rows] = chunk.rows.targets
+            output[dev, rows] = OUTPUT_TOKEN
+            spans.append(
+                RowSpan(chunk.rows.ref, chunk.rows.first, n, dev * r + int(base[dev]), 0, n, OUTPUT_TOKEN, True)
+            )
+            base[dev] += n
+        n_rows[:] = base
         for piece in layout.pieces:
             offer, dev, start = piece.offer, piece.device, piece.start
             seg_row = 0
@@ -529,13 +571,14 @@ class CallBuilder:
             ends = bounds[1:] - lo
             lengths = np.diff(bounds)
             where = slice(start, start + piece.tokens)
-            rows = slice(piece.row, piece.row + piece.rows)
+            first_row = int(base[dev]) + piece.row
+            rows = slice(first_row, first_row + piece.rows)
             tokens[dev, where] = offer.rows.flat[lo:hi]
             positions[dev, where] = offer.prefix_len + offer.rows.positions()[lo:hi]
             segment_ids[dev, where] = seg_row
             token_rows = offer.each_token
             # an item's id: its first row (its only one, unless it has a row per token)
-            first_rows = piece.row + (bounds[:-1] - lo if token_rows else np.arange(piece.count))
+            first_rows = first_row + (bounds[:-1] - lo if token_rows else np.arange(piece.count))
             item_ids[dev, where] = np.repeat(first_rows.astype(np.int32), lengths)
             if token_rows:  # every token, targeting the next one of its item (an item's last: none, 0)
                 read_at[dev, rows] = shape.prefill_tokens + start + np.arange(piece.tokens)
@@ -548,14 +591,14 @@ class CallBuilder:
             label_set[dev, rows] = offer.label_set
             output[dev, rows] = offer.output
             max_len[dev] = max(int(max_len[dev]), int(lengths.max()))
-            n_rows[dev] = piece.row + piece.rows
+            n_rows[dev] = first_row + piece.rows
             own_labels = len(self.label_sets[offer.label_set])
             spans.append(
                 RowSpan(
                     offer.ref,
                     piece.first,
                     piece.count,
-                    dev * r + piece.row,
+                    dev * r + first_row,
                     own_labels,
                     piece.rows,
                     offer.output,

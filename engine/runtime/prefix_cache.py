@@ -144,24 +144,31 @@ class PrefixCache:
         self._pinned = 0  # cached prefixes with pins > 0
         self._used_pages = 0  # own pages of the prefixes in use
         self._holders: dict[int, CachedPrefix] = {}  # chained block hash -> the first cached prefix holding it
+        self._unlisted: dict[int, CachedPrefix] = {}  # id -> a fresh entry beside a cached one (acquire)
         self.evictions = 0
         self._lock = threading.RLock()
 
     def pages_for(self, tokens: int) -> int:
         return ceil_div(tokens, self.page_tokens)
 
-    def acquire(self, tokens: tuple[int, ...]) -> tuple[CachedPrefix, bool]:
+    def acquire(self, tokens: tuple[int, ...], fresh_from: int | None = None) -> tuple[CachedPrefix, bool]:
         """The prefix's entry, pinned; (entry, hit). On a miss it takes the leading tokens a cached
         prefix holds (at most all but its last: see _lender) from that one, its other pages are
         taken (evicting unpinned prefixes, least recently released first), and the prefill of the
-        rest is still to run. Raises PoolExhausted when the pages cannot be had."""
+        rest is still to run. Raises PoolExhausted when the pages cannot be had.
+
+        `fresh_from`: the prefill must compute the tokens from there on (their rows are read as it
+        runs): it borrows at most the tokens before, and a prefix cached already gets a fresh entry
+        of its own beside it, out of the index (nothing finds it, it lends nothing), dropped when
+        released."""
         with self._lock:
             entry = self._entries.get(tokens)
-            if entry is not None:
+            if entry is not None and fresh_from is None:
                 self._hold(entry)
                 return entry, True
+            listed = entry is None
             keys = block_keys(tokens, self.block)
-            lender, shared = self._lender(tokens, keys)
+            lender, shared = self._lender(tokens, keys, fresh_from)
             entry = CachedPrefix(tokens, ())
             lent = shared // self.page_tokens
             if lender is not None:  # held before room is made: eviction must not take it
@@ -176,6 +183,10 @@ class PrefixCache:
             entry.pages = (lender.pages[:lent] if lender is not None else ()) + tuple(
                 self._free.pop() for _ in range(needed)
             )
+            if not listed:
+                self._unlisted[id(entry)] = entry
+                self._hold(entry)
+                return entry, False
             entry.block_keys = tuple(keys)
             # it lends in turn. A block's first holder stays its index entry (the prefix that
             # computed it, or an older one): a lender is then the shallowest, and a chain of
@@ -186,12 +197,14 @@ class PrefixCache:
             self._hold(entry)
             return entry, False
 
-    def _lender(self, tokens: tuple[int, ...], keys: list[int]) -> tuple[CachedPrefix | None, int]:
+    def _lender(
+        self, tokens: tuple[int, ...], keys: list[int], most: int | None = None
+    ) -> tuple[CachedPrefix | None, int]:
         """The cached prefix sharing the most leading tokens with `tokens` (found by whole blocks,
-        then extended token by token), and how many it shares, at most all but the last token: a
-        prefix's copy rides with its first chunk, in a call with a prefill region
-        (engine/loop/batcher.py). None when it would share less than a block."""
-        most = len(tokens) - 1
+        then extended token by token), and how many it shares, at most all but the last token (and
+        at most `most`): a prefix's copy rides with its first chunk, in a call with a prefill
+        region (engine/loop/batcher.py). None when it would share less than a block."""
+        most = len(tokens) - 1 if most is None else min(most, len(tokens) - 1)
         for k in range(min(len(keys), most // self.block), 0, -1):
             lender = self._holders.get(keys[k - 1])
             n = k * self.block
@@ -221,8 +234,8 @@ class PrefixCache:
             self._settle(lender)
 
     def _settle(self, entry: CachedPrefix) -> None:
-        """An entry nobody holds or borrows from any more: idle if complete, else dropped."""
-        if not entry.ready:
+        """An entry nobody holds or borrows from any more: idle if complete and cached, else dropped."""
+        if not entry.ready or not self._cached(entry):
             self._drop(entry)
         elif self._cached(entry):
             self._idle[entry.tokens] = entry
@@ -268,7 +281,7 @@ class PrefixCache:
         """The whole pool was lost (a failed call consumed it): prefixes in use, and what they
         borrow from, are prefilled again; idle ones are dropped."""
         with self._lock:
-            entries = list(self._entries.values())
+            entries = [*self._entries.values(), *self._unlisted.values()]
             for entry in sorted(entries, key=lambda e: e.depth, reverse=True):  # borrowers before their lenders
                 if entry.pins > 0 or entry.borrowers:
                     self.rewrite(entry)
@@ -314,6 +327,7 @@ class PrefixCache:
         assert not entry.borrowers, "a lender is dropped only once nothing borrows from it"
         if self._cached(entry):
             self._uncache(entry)
+        self._unlisted.pop(id(entry), None)
         self._free.extend(entry.own_pages)
         entry.pages = ()
         if entry.lender is not None:
