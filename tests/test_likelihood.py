@@ -303,148 +303,121 @@ def test_completions_echo_over_http_equals_transformers(completions_server):
     assert all(len(top) == 1 for top in alone["top_logprobs"][1:])  # logprobs 0: the token there only
 
 
-def test_a_context_read_from_a_longer_one_s_pages_gives_the_same_bits(completions_server):
-    """A prompt's contexts (32 and 64 tokens here) are read from the pages of the longest context
-    of its request that starts with them: alone, its own 64-token one; beside a longer prompt,
-    that prompt's 96-token one, prefilled instead of its own. Its log-probs are the same bits
-    either way (nothing kept or cached between the two requests), and equal transformers'."""
-    from prefixscore.engine.requests.completions import CompletionsInput
+def test_a_prompt_s_positions_are_the_same_bits_in_any_company(completions_server):
+    """A prompt's positions come from its own prefill, computed the same bits however it ran: alone
+    (one prefill of the whole prompt, in 64-token chunks); after a prompt that comes first in token
+    order and shares its first 60 tokens (it takes positions 1-59 from that one, and its prefill
+    starts at 59 over that one's pages: three borrowed and 11 tokens copied); and sent again while
+    cached and kept (positions 1-70 kept, its last two computed in a fresh entry over its cached
+    pages). Every log-prob, top log-prob and the greedy token are the same bits, and equal
+    transformers'."""
     from prefixscore.engine.requests.known_positions import KnownPositions
 
     scorer, http, torch_model, srv = completions_server
     engine, kind = scorer.engine, srv.server.service.kinds["completions"]
-    prompt = CONTEXT + CONTINUATIONS[1]  # 72 tokens: rows 32-63 over 32 tokens, 64-71 over 64
-    longer = CONTEXT + CONTINUATIONS[3] + CONTINUATIONS[2]  # 97 tokens: its last context is 96
+    prompt = CONTEXT + CONTINUATIONS[1]  # 72 tokens
+    before = CONTEXT[:60] + [CONTEXT[60] - 1, *CONTINUATIONS[2]]  # sorts first: 264 - 1 at position 60
 
-    def logprobs(prompts: list[list[int]]) -> tuple[list, int]:
-        kind.known = KnownPositions()  # nothing kept
-        engine.prefix_cache.evict_idle()  # nothing cached
+    def logprobs(prompts: list[list[int]], fresh: bool = True) -> tuple[list, int]:
+        if fresh:
+            kind.known = KnownPositions()  # nothing kept
+            engine.prefix_cache.evict_idle()  # nothing cached
         prefilled = engine.stats["prefill_tokens"]
         body = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["logprobs"], engine.stats["prefill_tokens"] - prefilled
+        return response.json()["choices"][-1]["logprobs"], engine.stats["prefill_tokens"] - prefilled
 
-    kind.known = KnownPositions()  # the module's earlier tests kept these positions: plan them all
-    parts = [p.request for p in kind.plan(CompletionsInput([prompt, longer], echo=True, max_tokens=1)).parts]
-    # the 32- and 64-token contexts are read from the 96-token one's pages
-    assert {(r.prefix, r.read_prefix) for r in parts if r.read_prefix} == {
-        (tuple(longer[:96]), 32),
-        (tuple(longer[:96]), 64),
-    }
     alone, prefilled_alone = logprobs([prompt])
-    beside, prefilled_beside = logprobs([prompt, longer])
-    assert (prefilled_alone, prefilled_beside) == (64, 96)  # one prefill each: the longest context
-    assert alone == beside  # every log-prob, top log-prob and the greedy token: the same bits
-    assert_prompt_like_transformers(torch_model, prompt, alone["token_logprobs"])
+    after, prefilled_after = logprobs([prompt, before][::-1])
+    again, prefilled_again = logprobs([prompt], fresh=False)
+    assert (prefilled_alone, prefilled_after, prefilled_again) == (72, len(before) + 72 - 59, 2)
+    assert alone == after == again  # every log-prob, top log-prob and the greedy token: the same bits
+    assert_prompt_like_transformers(torch_model, prompt, alone["token_logprobs"][:-1])
 
 
 def test_completions_take_a_question_s_positions_from_an_earlier_request(completions_server):
     """lm-evaluation-harness's order: a k-shot header, two questions, and their choices split over
-    two requests. In the first, the prompts' items over contexts cut every 32 tokens run, an
-    item two prompts share once, and only the longest context is prefilled (the shorter one is
-    read from its pages); in the second, each choice takes the positions a sibling computed in the
-    first request and runs only its items from there, over cached contexts but one (which takes the
-    header from a cached one). Every position equals transformers' forward of its prompt."""
+    two requests. In the first, a question is computed once for its choices: the prompts in token
+    order, each from the first position the one before it does not share, over that one's pages;
+    in the second, each choice takes the positions a sibling kept in the first request and computes
+    only its own from there, over cached pages. Every position equals transformers' forward of
+    its prompt."""
     scorer, http, torch_model, _ = completions_server
     engine = scorer.engine
     header = RNG.integers(0, 320, 40).tolist()
     questions = [RNG.integers(0, 320, 20).tolist(), RNG.integers(0, 320, 25).tolist()]
     choices = [[t, *RNG.integers(0, 320, n).tolist()] for t, n in zip((11, 12, 13), (1, 3, 4), strict=True)]
+    assert questions[1][0] < questions[0][0]  # the second question's prompts come first in token order
     first = [header + questions[0] + choices[0], header + questions[1] + choices[0], header + questions[0] + choices[1]]
     second = [
         header + questions[1] + choices[1],
         header + questions[0] + choices[2],
         header + questions[1] + choices[2],
     ]
-    # first: [62, 67, 64] tokens; second: [69, 65, 70], sharing [65, 60, 65] with a first one
-    for prompts, shared in ((first, None), (second, [65, 60, 65])):
+    # first: [62, 67, 64] tokens, computed in the order 67, 62, 64: the first whole, the second from
+    # position 39 (its header's last: the row that gives its question's first token), the third
+    # from 59 (it shares the header and its question with the second)
+    # second: [69, 65, 70], sharing [65, 60, 65] with a kept prompt (the header and a question): each
+    # from the row before its choice, over the pages of a prompt of the first request
+    for prompts, want in ((first, 67 + (62 - 39) + (64 - 59)), (second, (69 - 64) + (65 - 59) + (70 - 64))):
         computed, prefilled = engine.stats["tokens"], engine.stats["prefill_tokens"]
         response = http.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0})
-        prefill = engine.stats["prefill_tokens"] - prefilled
-        items = engine.stats["tokens"] - computed - prefill  # item tokens (a row each)
         assert response.status_code == 200, response.text
         for prompt, choice in zip(prompts, response.json()["choices"], strict=True):
             assert_prompt_like_transformers(torch_model, prompt, choice["logprobs"]["token_logprobs"])
-        if shared is None:
-            # the second prompt's 64-token context; the 32-token one (the header's) is read from it
-            assert prefill == 64
-            # over nothing: the header's first 33 tokens, once; over 32: 30, 33 and 32 (each prompt
-            # its own); over 64: the second prompt's last 3
-            assert items == 33 + 30 + 33 + 32 + 3
-        else:
-            # positions known up to 64, 59 and 64: the items over 64 tokens (5 and 6), and over 32
-            # (33) and 64 (1) for the second, whose 64-token context prefills past the header it
-            # takes from the first request's context (a 32-token page borrowed, 8 tokens copied)
-            assert items == 5 + 6 + 33 + 1
-            assert prefill == 64 - len(header)
+        assert engine.stats["prefill_tokens"] - prefilled == want
+        assert engine.stats["tokens"] - computed == want  # no item: every position from a prefill
 
 
-def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
-    """Host-only: a prompt's items (engine/requests/completions.py) are cut at fixed positions,
-    whatever else the request holds: its first page's rows (128 tokens here) from whole sequences,
-    the first 32 from an item of at most 33 tokens and the others from one of at least 34; past the
-    page, every 32 rows from one item of at most 33 tokens over the prompt's tokens before them. So
-    each position is computed over the same context, in the same item at the same place, whichever
-    prompts ride beside it; an item two prompts share runs once; kept positions skip the items they
-    cover; a context is read from the pages of the longest context starting with it (one prefill
-    for a prompt's contexts)."""
+def test_completions_plan_computes_each_position_once_whatever_the_company():
+    """Host-only: each prompt is one engine request whose rows are its own prefill's
+    (engine/requests/completions.py), from its first position that no kept prompt and no prompt
+    before it in token order holds (the row before that position: its token's log-prob is this
+    prompt's); the positions the request asks for are each counted once. A prompt's plan is the
+    same in any order of the request."""
     from conftest import make_torch_model
 
-    from prefixscore.engine.requests.completions import SEGMENT_ROWS, CompletionsInput, plan
+    from prefixscore.engine.requests.completions import CompletionsInput, plan
     from prefixscore.engine.requests.known_positions import KnownPositions, Positions
     from prefixscore.engine.requests.validation import Limits
     from prefixscore.model.config import config_from_dict
 
-    assert SEGMENT_ROWS == 32
     torch_model = make_torch_model("qwen3")
     raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
     requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=128))
     header, q1, q2 = (RNG.integers(0, 300, n).tolist() for n in (150, 30, 12))
+    header[0], q1[0], q2[0] = 100, 1, 2  # their order by tokens: q2 + a, then the header's prompts, q1's first
     a, b = [300, 301], [302, 303, 304]
 
-    def items(prompts: list[list[int]], known: KnownPositions | None = None) -> list[list[tuple[int, list[int], int]]]:
-        """Per prompt, its items as (context length, item tokens, first row read)."""
+    def rows(prompts: list[list[int]], known: KnownPositions | None = None) -> list[tuple[int, int, int]]:
+        """Per prompt (as sent): (its request's first row, its rows, the positions it asks for)."""
         planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
-        parts = [p.request for p in planned.parts]
-        assert [r.items_read for r in parts] == sorted((r.items_read for r in parts), reverse=True)
-        for r in parts:  # a context is the start of the prefix whose pages it reads
-            assert r.items_read <= len(r.prefix) and (r.read_prefix is None or r.read_prefix < len(r.prefix))
-        return [
-            [(parts[x.part].items_read, parts[x.part].items[x.item], x.rows_from) for x in prompt.pieces]
-            for prompt in planned.plans
-        ]
+        out = []
+        for prompt, p in zip(prompts, planned.plans, strict=True):
+            request = planned.requests[p.part]
+            assert request.prefix == tuple(prompt) and not len(request.items)
+            out.append((request.prefix_rows, request.answer.rows, request.requested))
+        return out
 
-    def requested(prompts: list[list[int]], known: KnownPositions | None = None) -> int:
-        """The positions the request needs, each once (prefixscore_requested_tokens_total)."""
-        planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
-        return sum(p.request.requested for p in planned.parts)
-
-    first = header + q1 + a  # 182 tokens: rows 0-127 over nothing, 128-159 over 128 tokens, 160-181 over 160
-    alone = items([first])
-    assert requested([first]) == 182
-    assert alone == [[(0, first[:33], 0), (0, first[:129], 32), (128, first[128:161], 128), (160, first[160:], 160)]]
-    # its contexts are all read from its longest (160 tokens): one prefill
-    parts = [p.request for p in plan(requests, CompletionsInput([first], echo=True, max_tokens=0)).parts]
-    assert {r.prefix for r in parts} == {tuple(first[:160]), ()}
-    # the same items beside other prompts, in any order
-    others = [header + q2 + b, header + q1 + b, q2 + a, first[:140]]
-    for company in ([first, *others], [*others, first], [others[0], first, others[1]]):
-        assert items(company)[company.index(first)] == alone[0]
-    # a prompt ending one token into a segment reads its last row from an item of one token
-    assert items([first[:161]]) == [[*alone[0][:3], (160, first[160:161], 160)]]
-    # a prompt within the first page: whole sequences only, no context
-    assert items([first[:100]]) == [[(0, first[:33], 0), (0, first[:100], 32)]]
-    assert items([first[:20]]) == [[(0, first[:20], 0)]]
-    # an item two prompts share runs once: these share every item but the last
-    planned = plan(requests, CompletionsInput([first, header + q1 + b], echo=True, max_tokens=0), None)
-    assert planned.plans[0].pieces[:3] == planned.plans[1].pieces[:3]
-    assert planned.plans[0].pieces[3] != planned.plans[1].pieces[3]
-    assert sum(len(p.request.items) for p in planned.parts) == 5
-    # their first 180 positions are the same: asked for once (182 + 183 - 180), in any order
-    assert requested([first, header + q1 + b]) == requested([header + q1 + b, first]) == 185
-    # header + q1 + b shares 180 tokens with the kept header + q1 + a (positions 1 .. 179): only
-    # rows from 179 run, in the item over 160 tokens
+    first, other = header + q1 + a, header + q1 + b  # 182 and 183 tokens, sharing 180
+    assert rows([first]) == [(0, 182, 182)]
+    # `other` comes after `first` in token order: it takes positions 1 .. 179 from it and computes
+    # from row 179 (its token 180's log-prob); the positions asked for: 182 + 3, in either order
+    assert rows([first, other]) == [(0, 182, 182), (179, 4, 3)]
+    assert rows([other, first]) == [(179, 4, 3), (0, 182, 182)]
+    # in any company, a prompt takes from the one before it in token order
+    company = [header + q2 + b, first, q2 + a, other, first[:140]]
+    plans = rows(company)
+    assert plans[1] == (139, 43, 42)  # after first[:140]: all of it but its last token's row
+    assert plans[3] == (179, 4, 3)
+    assert plans[2] == (0, 14, 14)  # shares nothing
+    assert plans[4] == (0, 140, 140)  # first in token order of the header's prompts
+    assert plans[0] == (149, 16, 15)  # after `other` (q2 after q1 in token order: 150 shared)
+    assert sorted(company) == [company[i] for i in (2, 4, 1, 3, 0)]
+    # the same prompt twice: the second takes all but its last position's row from the first
+    assert rows([first, first]) == [(0, 182, 182), (180, 2, 1)]
+    # kept positions: `other` shares 180 tokens with the kept `first` (positions 1 .. 179)
     known = KnownPositions(page_tokens=16)
     kept = np.asarray(first)
     n = len(kept) - 1
@@ -452,16 +425,11 @@ def test_completions_plan_segments_at_fixed_positions_whatever_the_company():
         np.zeros(n, np.float32), np.zeros((n, TOP_LOGPROBS), np.int32), np.zeros((n, TOP_LOGPROBS), np.float32)
     )
     assert known.keep(kept, empty, None, 1) is not None
-    other = header + q1 + b
-    assert items([other], known) == [[(160, other[160:], 160)]]
-    assert requested([other], known) == 3  # rows 180 .. 182 (179: the kept prompt ran it)
-    # sharing only the header (150 tokens: positions 1 .. 149): from row 149, the items over 128 and 160
-    other = header + q2 + b
-    assert items([other], known) == [[(128, other[128:161], 128), (160, other[160:], 160)]]
-    assert requested([other], known) == 15  # rows 150 .. 164
-    short = header[:140] + [7]  # rows 139-140: over 128 tokens
-    assert items([short], known) == [[(128, short[128:], 128)]]
-    assert requested([short], known) == 1
+    assert rows([other], known) == [(179, 4, 3)]
+    assert rows([header + q2 + b], known) == [(149, 16, 15)]  # the header's 150
+    assert rows([header[:140] + [7]], known) == [(139, 2, 1)]
+    # a prompt kept whole, sent again: its last position's row and the next token's
+    assert rows([first], known) == [(180, 2, 1)]
 
 
 def test_concurrent_completions_over_one_header_each_equal_transformers(completions_server):
@@ -497,23 +465,20 @@ def _prefix_value(tokens: np.ndarray) -> float:
 
 
 def _device_rows(request: TokenizedRequest) -> np.ndarray:
-    """What the device returns for a likelihood request's token rows, with `_prefix_value` as the
-    model: row i of an item reads its token i (after the prefix) and targets token i + 1; its top
-    ids are a function of the tokens it reads up to."""
+    """What the device returns for a prompt's own rows, with `_prefix_value` as the model: row i
+    reads prefix token prefix_rows + i and targets the next one; its top ids are a function of the
+    tokens it reads up to."""
     from prefixscore.model.call_inputs import TOKEN_COLUMNS
 
-    rows = np.zeros((request.items.total, TOKEN_COLUMNS), np.float32)
-    prefix = list(request.prefix[: request.items_read])
-    for j in range(len(request.items)):
-        lo, hi = int(request.items.offsets[j]), int(request.items.offsets[j + 1])
-        seq = np.asarray(prefix + request.items.flat[lo:hi].tolist())
-        for i in range(hi - lo):
-            at = len(prefix) + i
-            if at + 1 < len(seq):
-                rows[lo + i, 0] = _prefix_value(seq[: at + 2])
-            seen = _prefix_value(seq[: at + 1])
-            rows[lo + i, 1 : 1 + TOP_LOGPROBS] = seen - np.arange(TOP_LOGPROBS)
-            rows[lo + i, 1 + TOP_LOGPROBS :] = (np.arange(TOP_LOGPROBS) + int(-seen * 1000)) % 300
+    seq = np.asarray(request.prefix)
+    first = request.prefix_rows
+    rows = np.zeros((len(seq) - first, TOKEN_COLUMNS), np.float32)
+    for i, at in enumerate(range(first, len(seq))):
+        if at + 1 < len(seq):
+            rows[i, 0] = _prefix_value(seq[: at + 2])
+        seen = _prefix_value(seq[: at + 1])
+        rows[i, 1 : 1 + TOP_LOGPROBS] = seen - np.arange(TOP_LOGPROBS)
+        rows[i, 1 + TOP_LOGPROBS :] = (np.arange(TOP_LOGPROBS) + int(-seen * 1000)) % 300
     return rows
 
 
@@ -523,8 +488,8 @@ def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
     """Host-only, against a stand-in model whose log-prob of a token depends only on the tokens up
     to it: over random k-shot requests (headers, questions, choices, in any order, several requests
     sharing one KnownPositions), every prompt position /v1/completions stitches back together from
-    its contexts (kept, or another prompt's) and its own rows is the one a forward pass of that
-    prompt gives."""
+    the positions it takes (kept, or another prompt's) and its own rows is the one a forward pass
+    of that prompt gives, and so are the top next tokens after it."""
     from conftest import make_torch_model
 
     from prefixscore.engine.requests.completions import CompletionsInput, plan, prompt_logprobs
@@ -534,11 +499,8 @@ def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
 
     torch_model = make_torch_model("qwen3")
     raw = {**torch_model.config.to_dict(), "architectures": [type(torch_model).__name__]}
-    page = data.draw(st.sampled_from([1, 16, 64, 128]))  # the first page's rows: whole sequences
-    requests = RequestTokenizer(config_from_dict(raw), None, Limits(page_tokens=page))
+    requests = RequestTokenizer(config_from_dict(raw), None, Limits())
     tokens = st.lists(st.integers(0, 299), max_size=40)
-    # headers of any length up to past two 32-row segments: a prompt's contexts are read from
-    # another prompt's longer one (its pages), and prompts end before, at and after segment ends
     header = data.draw(st.integers(0, 80).flatmap(lambda n: st.lists(st.integers(0, 299), min_size=n, max_size=n)))
     questions = data.draw(st.lists(tokens, min_size=1, max_size=3))
     # few choices, of few token values: prompts repeat, and choices share leading tokens, so later
@@ -552,12 +514,13 @@ def test_completions_stitch_every_prompt_position_whatever_the_plan(data):
             choice = data.draw(st.sampled_from(choices))
             prompts.append(header + question + choice)
         planned = plan(requests, CompletionsInput(prompts, echo=True, max_tokens=0), known)
-        results = [read_likelihoods(part.request, _device_rows(part.request)) for part in planned.parts]
+        results = [_device_rows(request) for request in planned.requests]
         for prompt, got in zip(prompts, prompt_logprobs(planned, results, known), strict=True):
             want = [_prefix_value(np.asarray(prompt[: i + 1])) for i in range(1, len(prompt))]
             np.testing.assert_array_equal(got.logprobs[1:], np.asarray(want, np.float32))
-            tops = [int(-_prefix_value(np.asarray(prompt[:i])) * 1000) % 300 for i in range(1, len(prompt))]
-            np.testing.assert_array_equal(got.top_ids[1:, 0], tops)
+            tops = [int(-_prefix_value(np.asarray(prompt[:i])) * 1000) % 300 for i in range(1, len(prompt) + 1)]
+            np.testing.assert_array_equal(got.top_ids[1:, 0], tops[:-1])
+            assert got.next_top_ids[0] == tops[-1]
 
 
 def test_prefixes_sharing_leading_tokens_prefill_only_their_own(hf_checkpoints):
