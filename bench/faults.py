@@ -1,10 +1,11 @@
 """`prefixscore bench --workload faults`: failure isolation as a property of the device loop.
 
 A round is a random mix of work (seeded) run on the real device loop of an engine replica:
-label scores, each item's own likelihood, embeddings (when the model serves them), requests
-that share a query, that borrow another query's leading pages, that hit the prefix cache, and
-stream opens with their batches. One or two faults are keyed on requests, each by a marked
-token id the request alone carries:
+label scores, each item's own likelihood, embeddings (when the model serves them), prompts
+scored from their own prefill (a completions prompt's rows: over a query, extending one, or a
+query cached already), requests that share a query, that borrow another query's leading pages,
+that hit the prefix cache, and stream opens with their batches. One or two faults are keyed on
+requests, each by a marked token id the request alone carries:
 
 - in an item: the call carrying it fails at launch (`launch`), fails when read back after
   writing garbage into the pages it wrote (`read-back`), or takes the prefix pool with it
@@ -38,7 +39,7 @@ from prefixscore.engine.loop.device_loop import DeviceWorker, WorkerStopped
 from prefixscore.engine.loop.page_pins import StreamPin
 from prefixscore.engine.loop.request import TokenizedRequest
 from prefixscore.engine.loop.work_unit import Ticket, WorkUnit
-from prefixscore.engine.requests.answers import LabelScores, Pooled, TokenLogprobs, label_scores
+from prefixscore.engine.requests.answers import LabelScores, Pooled, PromptRows, TokenLogprobs, label_scores
 from prefixscore.engine.requests.pooling import PoolRows
 from prefixscore.engine.runtime.scoring_engine import ScoringEngine
 from prefixscore.engine.runtime.token_rows import TokenRows
@@ -134,10 +135,12 @@ def make_round(seed: int, vocab: int, page_tokens: int, hidden: int) -> Round:
         opens.append(faults[0].query)  # type: ignore[arg-type]
     warm_queries -= {f.query for f in faults}
     jobs: list[Job] = []
-    kinds_of_job = ["score", "likelihood"] + (["embed"] if hidden else [])
+    kinds_of_job = ["score", "likelihood", "prompt"] + (["embed"] if hidden else [])
     for k in range(int(rng.integers(3, 9))):
         kind = kinds_of_job[int(rng.integers(len(kinds_of_job)))]
         q = queries[int(rng.integers(len(queries)))] if rng.random() < 0.9 else ()
+        if kind == "prompt" and (not q or (rng.random() < 0.5 and all(f.query != q for f in faults))):
+            q = (*q, *tokens(int(rng.integers(1, 11))))  # a prompt extending a query (a choice after a question)
         jobs.append(Job(f"{kind} {k}", _request(kind, q, rng, tokens, hidden, many=k == 0 and rng.random() < 0.5)))
     for s, q in enumerate(opens):
         for b in range(int(rng.integers(1, 3))):
@@ -145,7 +148,10 @@ def make_round(seed: int, vocab: int, page_tokens: int, hidden: int) -> Round:
     for kind in kinds:
         if kind == "prefill":
             continue
-        j, first = int(rng.choice([k for k in range(len(jobs)) if all(f.job != k for f in faults)])), False
+        marks = [k for k in range(len(jobs)) if all(f.job != k for f in faults) and len(jobs[k].request.items)]
+        if not marks:  # no job with items left to mark
+            continue
+        j, first = int(rng.choice(marks)), False
         many = jobs[0].request
         if kind == "read-back" and len(many.items) >= 12 and many.prefix and all(0 != f.job for f in faults):
             # its first item: the call that fails then prefills its query and leaves the rest of its items
@@ -165,6 +171,9 @@ def _request(
 ) -> TokenizedRequest:
     """A request of `kind` over `prefix` (empty: whole sequences); `many`: more items than a
     small engine's call holds, so its work spans calls (and calls overlap on the device)."""
+    if kind == "prompt":  # its rows from a random position on, its prefill's own
+        first = int(rng.integers(len(prefix)))
+        return TokenizedRequest(prefix, [], (), PromptRows(len(prefix) - first, 2), False, None, first)
     count = int(rng.integers(12, 33)) if many else int(rng.integers(1, 7))
     items = [tokens(int(rng.integers(1, 11))) for _ in range(count)]
     if kind == "likelihood":  # the context's last token leads every item (its row reads the first)

@@ -224,11 +224,12 @@ def run(args: argparse.Namespace) -> int:
             if mode in ENGINE_MODES:
                 prefilled = engine.stats["prefill_tokens"] - before["prefill_tokens"]
                 computed = engine.stats["tokens"] - before["tokens"]
-                item_tokens = computed - prefilled  # every item token has a vocabulary row
-                head = item_tokens * flops.token_row_head(cfg)
+                rows = engine.stats["rows"] - before["rows"]  # each a vocabulary head's
+                head = rows * flops.token_row_head(cfg)
                 record |= {
                     "prefill_tokens": prefilled,
-                    "item_tokens": item_tokens,
+                    "item_tokens": computed - prefilled,
+                    "head_rows": rows,
                     "head_flop_share": round(head / (head + computed * flops.linear_per_token(cfg)), 3),
                     **token_share(tokens0, tokens1),
                 }

@@ -506,10 +506,9 @@ def test_w7_llamacpp_prefix_recipe_scores_like_hf(tmp_path) -> None:
 def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     """W7 at its smallest on tiny-qwen3 (no transformers checkpoint: no hf baseline): lm-eval's
     batches of whole prompts through /v1/completions and each question's choices over its context
-    through gRPC give the same log-likelihoods; the completions requests prefill the header and
-    no more than each question's context once in all (each prefilled once past the tokens it takes
-    from a cached one), gRPC each question's context but its last token and the header it takes
-    from the first question's."""
+    through gRPC give the same log-likelihoods; the completions requests prefill the header, each
+    question and each choice once (and a prompt's row before its own tokens), gRPC each question's
+    context but its last token and the header it takes from the first question's."""
     out = tmp_path / "w7.json"
     sizes = ["--w7-header", "140", "--w7-questions", "3", "--w7-min-question", "6", "--w7-max-question", "12"]
     args = parse(["bench", "--model", "tiny-qwen3", "--workload", "w7", "--w7-batch", "8", "--no-progress", *sizes])
@@ -518,10 +517,11 @@ def test_w7_through_completions_and_grpc(tmp_path, capsys) -> None:
     by = {r["mode"]: r for r in json.loads(out.read_text())}
     assert set(by) == {"completions", "grpc"} and all(r["choices"] == 12 for r in by.values())
     assert by["completions"]["max_abs_diff_vs_grpc"] < 1e-4 and by["completions"]["greedy_differs_vs_grpc"] == 0
-    # completions: at least the header's first whole page (a context), at most each question's
-    # context once
+    # completions: every position from a prompt's own prefill, each once (the tokens requested),
+    # and each prompt's row before its first own position again (its token's log-prob is its own)
     prefilled = by["completions"]["prefill_tokens"]
-    assert 128 <= prefilled <= by["completions"]["context_tokens"], prefilled
+    assert by["completions"]["item_tokens"] == 0
+    assert by["completions"]["requested_tokens"] < prefilled <= by["completions"]["requested_tokens"] + 12, prefilled
     # gRPC: each question's context but its last token, the later two taking the 140-token
     # header from the first (its first 128-token page borrowed, the other 12 tokens copied)
     assert by["grpc"]["prefill_tokens"] == by["grpc"]["context_tokens"] - 3 - 2 * 140

@@ -121,33 +121,42 @@ def test_a_query_copies_what_it_shares_past_whole_pages_beside_its_lender_s_chun
     """A query that shares 140 tokens with another borrows the page they fill and has the next 12
     copied into its own page, in the call that writes them (the lender's second chunk) and with
     its own first chunk, which starts after them. A failed call that wrote the lender takes the
-    copy with it: both are planned again."""
+    copy with it: both are planned again. A third query borrowing 145 tokens from the borrower (a
+    chain), planned in the same call, reads the 12 slots the borrower's copy fills from where that
+    copy reads them (a call's copies are one gather and one scatter)."""
     b, cache = setup()
     lender = unit(cache, prefix=range(150), lengths=(2,))
     borrower = unit(cache, prefix=(*range(140), *[9] * 50), lengths=(3,))
-    entry, lent = borrower.pin.entry, lender.pin.entry
+    chained = unit(cache, prefix=(*range(140), *[9] * 5, *[8] * 20), lengths=(2,))
+    entry, lent, third = borrower.pin.entry, lender.pin.entry, chained.pin.entry
     assert entry.lender is lent and (entry.lent, entry.shared, entry.copied) == (1, 128, 140)
     assert entry.pages[0] == lent.pages[0] and entry.pages[1] != lent.pages[1]
+    assert third.lender is entry and (third.lent, third.shared, third.copied) == (1, 128, 145)
     b.add(lender)
     b.add(borrower)
+    b.add(chained)
     for attempt in range(2):
         call = b.next_call()
         copies = call.plan.inputs.copies
-        assert {id(u) for u in units_of(call)} == {id(lender), id(borrower)}
-        assert lent in call.written and entry in call.written
+        assert {id(u) for u in units_of(call)} == {id(lender), id(borrower), id(chained)}
+        assert lent in call.written and entry in call.written and third in call.written
         np.testing.assert_array_equal(copies.from_pages[:12], lent.pages[1])
         np.testing.assert_array_equal(copies.to_pages[:12], entry.pages[1])
         np.testing.assert_array_equal(copies.from_offsets[:12], np.arange(12))
         np.testing.assert_array_equal(copies.to_offsets[:12], np.arange(12))
-        assert (copies.to_pages[12:] == POOL_PAGES).all()  # out of the pool: dropped
+        # the chain: its first 12 slots from the lender's page, the next 5 from the borrower's
+        np.testing.assert_array_equal(copies.from_pages[12:29], [lent.pages[1]] * 12 + [entry.pages[1]] * 5)
+        np.testing.assert_array_equal(copies.from_offsets[12:29], np.arange(17))
+        np.testing.assert_array_equal(copies.to_pages[12:29], third.pages[1])
+        assert (copies.to_pages[29:] == POOL_PAGES).all()  # out of the pool: dropped
         pre = jax.tree.map(lambda a: a[0], call.plan.inputs.prefill)
         mine = pre.write_pages == entry.pages[1]
         np.testing.assert_array_equal(pre.positions[mine], np.arange(140, 190))  # its chunk, after the copy
         assert entry.ready and entry.written == 190
         if attempt == 0:  # the call failed: its work is queued again (engine/loop/recovery.py)
             cache.rewrite(lent)
-            assert entry.written == 128 and not entry.ready
-            for u in (lender, borrower):
+            assert entry.written == 128 and not entry.ready and third.written == 128
+            for u in (lender, borrower, chained):
                 u.progress.taken = 0
                 b.add(u)
     assert b.next_call() is None

@@ -223,6 +223,7 @@ class CallBuilder:
         self.pool_pages = pool_pages
         self.chunks: list[_Chunk] = []
         self.copies: list[tuple[int, int, int, int]] = []  # (from page, offset, to page, offset) per slot
+        self._copy_sources: dict[tuple[int, int], tuple[int, int]] = {}  # a slot this call copies into -> from
         self._prefill_ends = [0] * devices  # each replica's prefill stream, used so far
         self.prefill_real = 0
         self.offers: list[_Offer] = []
@@ -306,7 +307,13 @@ class CallBuilder:
         (the copy rides with the receiving query's first chunk); after copy_room."""
         pt = self.b.page_tokens
         assert self.chunks and self.copy_room(end - start)
-        self.copies += [(from_pages[p // pt], p % pt, to_pages[p // pt], p % pt) for p in range(start, end)]
+        for p in range(start, end):
+            # the call's copies run as one gather and one scatter: a slot another copy of this call
+            # fills (a chain of borrowers, planned together) is read from where that copy reads
+            source = (from_pages[p // pt], p % pt)
+            source = self._copy_sources.get(source, source)
+            self._copy_sources[to_pages[p // pt], p % pt] = source
+            self.copies.append((*source, to_pages[p // pt], p % pt))
 
     def _label_set(self, label_ids: tuple[int, ...]) -> tuple[int, list[int]] | None:
         """The set's index, and the label ids new to the call; None if the call has no room."""

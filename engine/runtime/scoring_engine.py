@@ -113,7 +113,7 @@ class ScoringEngine:
         self._precision = "highest" if dtype == "float32" else None
         self._lock = threading.Lock()
         # device tokens launched and the real ones among them (padding share = 1 - real / device)
-        self.stats = {"calls": 0, "device_tokens": 0, "tokens": 0, "items": 0, "prefill_tokens": 0}
+        self.stats = {"calls": 0, "device_tokens": 0, "tokens": 0, "items": 0, "prefill_tokens": 0, "rows": 0}
         # told every call (and pool reset) before it happens here: with several hosts, the
         # leader's step channel, so every host runs the same step (engine/runtime/call_broadcast.py)
         self.broadcast = broadcast
@@ -358,6 +358,7 @@ class ScoringEngine:
         self.stats["tokens"] += plan.prefill_tokens + plan.item_tokens
         self.stats["prefill_tokens"] += plan.prefill_tokens
         self.stats["items"] += plan.items
+        self.stats["rows"] += int(plan.inputs.items.n_rows.sum())
         return probs
 
     def run(self, shape: CallShape, inputs: CallInputs) -> jax.Array:
