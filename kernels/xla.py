@@ -532,7 +532,10 @@ def paged_prefix_rows(
                 jax.lax.dynamic_update_slice_in_dim(outs[1], jnp.where(mine, lse, old_lse), at, axis=1),
             )
 
-        tokens = jnp.where(causal | (length > 0), end - start, 0)
+        # a prefill-region run of padding alone (segment 0, past the last chunk, or a replica with
+        # no chunk): nothing reads it, so it takes no block (its rows stay as they were)
+        live = meta.item_ids[start] >= 0
+        tokens = jnp.where((causal & live) | (length > 0), end - start, 0)
         if tails[-1] == Q_BLOCK:
             # whole Q_BLOCKs, and a rest longer than every smaller tail as one more trip of the same
             # loop: one copy of the Q_BLOCK block's steps in the program, not two (a loop's and a

@@ -53,6 +53,8 @@ class PagePins:
             return
         entry, hit = self._acquire(payload.prefix, payload.prefix_rows)
         unit.pin.entry = entry
+        # its rows come from prefill chunks still to run (a fresh entry): none would come otherwise
+        assert payload.prefix_rows is None or entry.written <= payload.prefix_rows
         # a miss may still take leading tokens another query wrote (engine/runtime/prefix_cache.py)
         lent = entry.lender is not None and entry.lender.holds(entry.copied)
         unit.reply.cached_tokens = len(payload.prefix) if hit else entry.copied if lent else 0
