@@ -136,8 +136,9 @@ class Buckets:
     @property
     def copy_slots(self) -> int:
         """Pool slots a call can copy (PageCopies): a query copies at most a page less one token
-        (the rest of what it shares is whole pages it borrows), so a call holds a few queries'."""
-        return 4 * self.page_tokens
+        (the rest of what it shares is whole pages it borrows), so a call holds 16 queries' at
+        least: a completions request's prompts (each a choice over its question) plan together."""
+        return 16 * self.page_tokens
 
     @property
     def max_pages(self) -> int:
