@@ -173,7 +173,7 @@ def _request(
     small engine's call holds, so its work spans calls (and calls overlap on the device)."""
     if kind == "prompt":  # its rows from a random position on, its prefill's own
         first = int(rng.integers(len(prefix)))
-        return TokenizedRequest(prefix, [], (), PromptRows(len(prefix) - first, 2), False, None, first)
+        return TokenizedRequest(prefix, [], (), PromptRows(len(prefix) - first), False, None, first)
     count = int(rng.integers(12, 33)) if many else int(rng.integers(1, 7))
     items = [tokens(int(rng.integers(1, 11))) for _ in range(count)]
     if kind == "likelihood":  # the context's last token leads every item (its row reads the first)

@@ -94,7 +94,6 @@ class PromptRows:
     [rows, TOKEN_COLUMNS] float32, row i its position prefix_rows + i's."""
 
     rows: int
-    top_logprobs: int = 0
     output = OUTPUT_TOKEN
     each_token = True
     lead = 0

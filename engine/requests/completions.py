@@ -213,7 +213,6 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
         asked = f" + {max_tokens} new token" if max_tokens else ""
         raise InvalidInput(field, f"{int(rows.lengths[j])} tokens{asked}, over the model's limit of {limit}")
     requests.check_request_tokens(rows.total)
-    top = TOP_LOGPROBS if inp.logprobs is None else inp.logprobs
     prompts = [rows.flat[rows.offsets[j] : rows.offsets[j + 1]] for j in range(len(rows))]
     # in the order of their tokens: the prompt a prompt shares the most with, among those before
     # it, is the one just before it
@@ -229,7 +228,7 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
         # the positions it needs, each once: from the first not taken (the row before it, which a
         # kept prompt or the sibling ran too, gives this prompt's token there), and the next token's
         requested = n - upto if upto else n
-        answer = PromptRows(n - first_row, top)
+        answer = PromptRows(n - first_row)
         parts.append(TokenizedRequest(tuple(prompt.tolist()), [], (), answer, False, requested, first_row))
     return PlannedCompletions(
         prompts, texts, tuple(parts), tuple(plans), tuple(order), max_tokens, bool(inp.echo), inp.logprobs
