@@ -88,7 +88,7 @@ def test_token_row_calls_lower(impl: str, platform: str):
     engine = production_shaped("bench-cpu", "float32", impl)
     smallest = min(k for k in engine.executable_keys() if k.prefill_tokens > 0)
     key = BUCKETS.shape(smallest.prefill_tokens, smallest.item_tokens, smallest.labels, TOP_LOGPROBS)
-    assert key.rows == key.item_tokens  # a row per item token
+    assert key.rows == key.prefill_tokens + key.item_tokens  # a row per token: a chunk's own, an item's
     text = engine.lower_for(key, platform).as_text()
     assert PLATFORMS[impl, platform] <= kernel_names(text), (impl, key)
     assert "top_k" in text

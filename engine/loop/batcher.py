@@ -372,7 +372,7 @@ class Batcher:
         targets = np.zeros(end - lo, np.int32)  # each the next token; after the prefix's last, none
         after = tokens[lo + 1 : end + 1]
         targets[: len(after)] = after
-        return ChunkRows(unit, lo - first, lo - start, targets)
+        return ChunkRows(unit, lo - first, lo - start, targets, unit.payload.answer.output)
 
     @staticmethod
     def _offer(builder: CallBuilder, unit: WorkUnit, already: int, share: int | None) -> tuple[int, bool]:

@@ -44,7 +44,6 @@ from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import (
     LABEL_SETS,
     OUTPUT_LOGIT,
-    OUTPUT_TOKEN,
     CallInputs,
     CallShape,
     ItemRegion,
@@ -77,14 +76,16 @@ class RowSpan:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRows:
-    """Token rows (OUTPUT_TOKEN) of a prefill chunk's own tokens, from its token `skip` on: each
-    reads its token and targets `targets` (the prefix's next token; 0 after its last), and comes
-    back as prefix row `first` onward of `ref`."""
+    """Rows of a prefill chunk's own tokens, from its token `skip` on: each reads its token and
+    targets `targets` (the prefix's next token; 0 after its last), returns `output` (its request's
+    kind declares which: model/call_inputs.py OUTPUT_*), and comes back as prefix row `first`
+    onward of `ref`."""
 
     ref: Ref
     first: int
     skip: int
     targets: np.ndarray  # [rows] int32
+    output: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +289,7 @@ class CallBuilder:
         self.prefill_real += len(tokens)
         if rows is not None:
             self._token_rows()
-            self.outputs.add(OUTPUT_TOKEN)
+            self.outputs.add(rows.output)
         self._choice = None
         return True
 
@@ -551,9 +552,9 @@ class CallBuilder:
             rows = slice(int(base[dev]), int(base[dev]) + n)
             read_at[dev, rows] = chunk.at + chunk.rows.skip + np.arange(n)
             target[dev, rows] = chunk.rows.targets
-            output[dev, rows] = OUTPUT_TOKEN
+            output[dev, rows] = chunk.rows.output
             spans.append(
-                RowSpan(chunk.rows.ref, chunk.rows.first, n, dev * r + int(base[dev]), 0, n, OUTPUT_TOKEN, True)
+                RowSpan(chunk.rows.ref, chunk.rows.first, n, dev * r + int(base[dev]), 0, n, chunk.rows.output, True)
             )
             base[dev] += n
         n_rows[:] = base
