@@ -17,8 +17,10 @@ Pure host code (numpy), no device. A call (model/step.py) has two regions:
 Each row (item) carries its own label set and output (model/call_inputs.py: the columns it
 reads), so requests with different labels share a call. Items whose kind reads every token take
 a row per token instead (each_token; a token row's target is the item's next token): a call that
-holds such items has one row per item-region token, and may still carry items of a row each
-beside them (at their last token). Its shape says which extra columns its rows return
+holds such items has one row per token of both regions, and may still carry items of a row each
+beside them (at their last token). A prefill chunk may have rows of its own tokens too
+(`ChunkRows`: a prompt scored from its own prefill), placed before its replica's item rows. Its
+shape says which extra columns its rows return
 (CallShape.top_count the outputs it holds; CallShape.hidden, from the buckets). The
 planner never asks which kind a request is. Segment starts sit at multiples of the attention
 implementation's SEGMENT_ALIGN, so a kernel's query block never meets two
