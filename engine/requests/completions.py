@@ -44,7 +44,7 @@ from prefixscore.engine.requests.answers import PromptRows
 from prefixscore.engine.requests.invalid_input import InvalidInput
 from prefixscore.engine.requests.kind import Done
 from prefixscore.engine.requests.known_positions import Known, KnownPositions, Positions, common_prefix
-from prefixscore.engine.requests.likelihood import check_top_logprobs, check_vocabulary_head, top_as_token
+from prefixscore.engine.requests.likelihood import check_top_logprobs, check_vocabulary_head, token_positions
 from prefixscore.engine.requests.validation import RequestTokenizer
 from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import TOP_LOGPROBS
@@ -238,12 +238,8 @@ def plan(requests: RequestTokenizer, inp: CompletionsInput, known: KnownPosition
 def _own_positions(tokens: np.ndarray, start: int, rows: np.ndarray) -> Positions:
     """Positions start .. n-1 of a prompt from its rows (row i: position start + i's log-prob;
     the last row, after the prompt, is not one)."""
-    k, at = TOP_LOGPROBS, rows[:-1]
-    top_ids = at[:, 1 + k :].astype(np.int64)
-    logprobs = at[:, 0]
-    return Positions(
-        logprobs, top_ids.astype(np.int32), top_as_token(at[:, 1 : 1 + k], top_ids, logprobs, tokens[start:])
-    )
+    logprobs, top_ids, top_logprobs = token_positions(rows[:-1], tokens[start:])
+    return Positions(logprobs, top_ids.astype(np.int32), top_logprobs)
 
 
 def prompt_logprobs(

@@ -73,14 +73,17 @@ class ItemLikelihood:
         return bool(self.greedy.all())
 
 
-def top_as_token(top_logprobs: np.ndarray, top_ids: np.ndarray, logprobs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """The top log-probs, where a position's own token is among them with its log-prob as the
-    token's column says it: the device reads the two from different products, which can differ
-    in the last bit, and a client that calls a token greedy when its log-prob equals the top one
-    (lm-evaluation-harness over an API) must see one number. The token's column is the one kept:
-    it does not depend on where the row sits in a call."""
-    where = top_ids == tokens[:, None]  # [n, TOP_LOGPROBS]
-    return np.where(where, logprobs[:, None], top_logprobs)
+def token_positions(rows: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token rows [n, TOKEN_COLUMNS] whose targets are `tokens` [n]: each target's log-prob, the
+    top ids [n, TOP_LOGPROBS] int64 and the top log-probs, where a position's own token is among
+    them with its log-prob as the token's column says it. The device reads the two from different
+    products, which can differ in the last bit, and a client that calls a token greedy when its
+    log-prob equals the top one (lm-evaluation-harness over an API) must see one number. The
+    token's column is the one kept: it does not depend on where the row sits in a call."""
+    k = TOP_LOGPROBS
+    logprobs, top_ids = rows[:, 0], rows[:, 1 + k :].astype(np.int64)
+    top_logprobs = np.where(top_ids == tokens[:, None], logprobs[:, None], rows[:, 1 : 1 + k])
+    return logprobs, top_ids, top_logprobs
 
 
 def read_likelihoods(request: TokenizedRequest, token_rows: np.ndarray) -> list[ItemLikelihood]:
@@ -89,18 +92,17 @@ def read_likelihoods(request: TokenizedRequest, token_rows: np.ndarray) -> list[
     k = TOP_LOGPROBS
     for j in range(len(request.items)):
         lo, hi = int(request.items.offsets[j]), int(request.items.offsets[j + 1])
-        item = request.items.flat[lo:hi]
         rows = token_rows[lo:hi]
-        top_ids = rows[:, 1 + k :].astype(np.int64)
-        continuation = item[1:]
+        continuation = request.items.flat[lo + 1 : hi]
+        logprobs, top_ids, top_logprobs = token_positions(rows[:-1], continuation)
         out.append(
             ItemLikelihood(
                 tokens=continuation,
-                logprobs=rows[:-1, 0],
-                greedy=top_ids[:-1, 0] == continuation,
-                top_ids=top_ids[:-1],
-                top_logprobs=top_as_token(rows[:-1, 1 : 1 + k], top_ids[:-1], rows[:-1, 0], continuation),
-                next_top_ids=top_ids[-1],
+                logprobs=logprobs,
+                greedy=top_ids[:, 0] == continuation,
+                top_ids=top_ids,
+                top_logprobs=top_logprobs,
+                next_top_ids=rows[-1, 1 + k :].astype(np.int64),
                 next_top_logprobs=rows[-1, 1 : 1 + k],
             )
         )

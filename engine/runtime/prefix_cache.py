@@ -237,7 +237,7 @@ class PrefixCache:
         """An entry nobody holds or borrows from any more: idle if complete and cached, else dropped."""
         if not entry.ready or not self._cached(entry):
             self._drop(entry)
-        elif self._cached(entry):
+        else:
             self._idle[entry.tokens] = entry
             self._idle_pages += len(entry.own_pages)
 
