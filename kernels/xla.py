@@ -143,11 +143,6 @@ def _finish(m: jax.Array, acc: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, 
     return out.astype(dtype), jnp.where(empty, MASK_VALUE, m + jnp.log(safe))
 
 
-def _pad_rows(x: jax.Array, multiple: int) -> jax.Array:
-    pad = -x.shape[0] % multiple
-    return x if pad == 0 else jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-
-
 # ---- row layout: [kv, n * group, d], row = token * group + head-in-group ------------------------
 # Both parts and the merge work on this layout, so a call regroups its queries once and
 # its output once; blocks of tokens are contiguous rows (reshapes, not copies).
@@ -219,7 +214,8 @@ def ragged_rows(
     logits: AttentionLogits = DEFAULT_LOGITS,
 ) -> tuple[jax.Array, jax.Array]:
     """Item part on rows. qr: [kv, n * g, d]; kt: [kv, n, d]; vt1: [kv, n, d + 1]; segment_ids: [n]
-    (each item's own id; n a multiple of long_block). Which way an item is computed is the item's
+    (each item's own id, negative for padding; n a multiple of long_block, its last long_block
+    tokens padding: room for a long item's last block). Which way an item is computed is the item's
     own business, never the call's, so its bits never depend on what rides beside it:
     - a short item (at most ITEM_BLOCK + 1 tokens, and, in a layer with a window, none shorter
       than the item): block j attends to blocks j - 1 and j in one softmax (2 * ITEM_BLOCK keys
@@ -235,27 +231,33 @@ def ragged_rows(
     blk = min(long_block, n)
     # no layer slides: no window mask; else the layer's window (a full layer's NO_WINDOW masks nothing)
     layer_window = None if never_windowed(window) else jnp.asarray(window)
-    out, lse = _two_blocks(qr, kt, vt1, segment_ids, group, short, logits)
     starts, ends, _ = segment_runs(segment_ids, n)
     lengths = ends - starts
+    is_item = (starts < n) & (segment_ids[jnp.minimum(starts, n - 1)] >= 0)  # padding's ids are negative
     longer = lengths > short + 1
     if layer_window is not None:  # a window shorter than an item hides keys the two blocks would see
         longer |= lengths > layer_window
-    n_long = jnp.sum(longer)  # padding runs have length 1: never long
+    longer &= is_item
+    n_long = jnp.sum(longer)
+    # a call whose items are all long (embeddings, rerank documents) skips the short items' pass
+    # over the whole stream: its rows are then the long pass's or padding's. Which pass computes
+    # an item is the item's own business, so whether the short pass runs moves no bit of any item
+    short_items = jnp.any(is_item & ~longer)
+    parts = jax.lax.cond(
+        short_items,
+        lambda: _two_blocks(qr, kt, vt1, segment_ids, group, short, logits),
+        lambda: (jnp.zeros(qr.shape, jnp.float32), jnp.full(qr.shape[:2], MASK_VALUE, jnp.float32)),
+    )
 
     def with_long(parts: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         (at,) = jnp.nonzero(longer, size=n // (short + 2) + 1, fill_value=0)
-        long_out, long_lse, is_long = _long_items(
-            qr, kt, vt1, starts[at], lengths[at], n_long, group, blk, logits, layer_window
-        )
-        rows = jnp.repeat(is_long, group)  # row r is token r // group
-        return jnp.where(rows[None, :, None], long_out, parts[0]), jnp.where(rows[None], long_lse, parts[1])
+        return _long_items(qr, kt, vt1, starts[at], lengths[at], n_long, group, blk, logits, layer_window, parts)
 
     bound = jnp.asarray(max_item_len)
     maybe_long = bound > short + 1
     if layer_window is not None:
         maybe_long |= bound > layer_window
-    return jax.lax.cond(maybe_long & (n_long > 0), with_long, lambda parts: parts, (out, lse))
+    return jax.lax.cond(maybe_long & (n_long > 0), with_long, lambda parts: parts, parts)
 
 
 def _two_blocks(
@@ -298,34 +300,31 @@ def _long_items(
     blk: int,
     logits: AttentionLogits,
     window: jax.Array | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    parts: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array]:
     """The first `count` of the items at item_starts [m] (lengths [m]): each in query blocks of
     `blk` tokens from its own first token, block b over the key blocks from the item's start
     (with a window (None: none), from the block of the first key its first row sees) to its
     diagonal, masked by causality (and the window). Block and key steps are offsets within the
-    item: the same steps wherever the item sits in the stream. Returns out [kv, n * g, d],
-    lse [kv, n * g] and which tokens [n] were computed here."""
-    kv_heads, rows, d = qr.shape
-    n = kt.shape[1]
+    item: the same steps wherever the item sits in the stream. parts: the short items' out
+    [kv, n * g, d] and lse [kv, n * g]; returned with the long items' rows written over them
+    (written in place: no second pass merging the two)."""
+    kv_heads, _, d = qr.shape
     r = blk * g
-    # one block of room past the stream: a block starting at an item's last tokens is never clamped
-    qp = jnp.pad(qr, ((0, 0), (0, r), (0, 0)))
-    kp = jnp.pad(kt, ((0, 0), (0, blk), (0, 0)))
-    vp = jnp.pad(vt1, ((0, 0), (0, blk), (0, 0)))
     token = jnp.repeat(jnp.arange(blk, dtype=jnp.int32), g)  # row -> token within its block
-    Outs = tuple[jax.Array, jax.Array, jax.Array]
+    Outs = tuple[jax.Array, jax.Array]
 
     def item(i: jax.Array, outs: Outs) -> Outs:
         start, length = item_starts[i], item_lengths[i]
 
         def block(b: jax.Array, outs: Outs) -> Outs:
             q_off = b * blk + token  # [r] offsets within the item
-            qblk = jax.lax.dynamic_slice_in_dim(qp, (start + b * blk) * g, r, axis=1)
+            qblk = jax.lax.dynamic_slice_in_dim(qr, (start + b * blk) * g, r, axis=1)
             first = 0 if window is None else jnp.maximum(b * blk - window + 1, 0) // blk
 
             def step(j: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-                kc = jax.lax.dynamic_slice_in_dim(kp, start + j * blk, blk, axis=1)
-                vc = jax.lax.dynamic_slice_in_dim(vp, start + j * blk, blk, axis=1)
+                kc = jax.lax.dynamic_slice_in_dim(kt, start + j * blk, blk, axis=1)
+                vc = jax.lax.dynamic_slice_in_dim(vt1, start + j * blk, blk, axis=1)
                 back = q_off[:, None] - (j * blk + jnp.arange(blk, dtype=jnp.int32))[None, :]  # [r, blk]
                 visible = back >= 0  # a row of the item sees only the item's keys before it
                 if window is not None:
@@ -339,30 +338,33 @@ def _long_items(
             at = (start + b * blk) * g
             old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
             old_lse = jax.lax.dynamic_slice_in_dim(outs[1], at, r, axis=1)
-            old_is = jax.lax.dynamic_slice_in_dim(outs[2], start + b * blk, blk)
             return (
                 jax.lax.dynamic_update_slice_in_dim(outs[0], jnp.where(mine[None, :, None], out, old_out), at, axis=1),
                 jax.lax.dynamic_update_slice_in_dim(outs[1], jnp.where(mine[None], lse, old_lse), at, axis=1),
-                jax.lax.dynamic_update_slice_in_dim(outs[2], old_is | (q_off[::g] < length), start + b * blk, 0),
             )
 
         return jax.lax.fori_loop(0, (length + blk - 1) // blk, block, outs)
 
-    init = (
-        jnp.zeros((kv_heads, rows + r, d), jnp.float32),
-        jnp.zeros((kv_heads, rows + r), jnp.float32),
-        jnp.zeros((n + blk,), bool),
-    )
-    out, lse, is_long = jax.lax.fori_loop(0, count, item, init)
-    return out[:, :rows], lse[:, :rows], is_long[:n]
+    return jax.lax.fori_loop(0, count, item, parts)
 
 
-def _ragged_inputs(k: jax.Array, v: jax.Array, segment_ids: jax.Array, multiple: int):
-    """Pad a stream to a multiple of `multiple` tokens (padding: segment -1, which sees only
-    itself) and lay out its keys and values per kv head: [kv, n, d] and [kv, n, d + 1]."""
-    k, v = _pad_rows(k, multiple), _pad_rows(v, multiple)
-    seg = jnp.pad(segment_ids, (0, k.shape[0] - segment_ids.shape[0]), constant_values=-1)
-    return k.transpose(1, 0, 2), _with_ones(v.transpose(1, 0, 2)), seg
+def _ragged_inputs(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, multiple: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A stream laid out per kv head, padded to a multiple of `multiple` tokens and then one
+    `multiple` more (padding: segment -1, no item's): queries as rows [kv, n * g, d], keys
+    [kv, n, d], values with a ones column [kv, n, d + 1]. The block of room past the stream lets a
+    long item's last block overhang its end unclamped. Each is padded after its transpose: XLA:CPU
+    fuses the two into one copy (a pad before it is a second copy of the stream)."""
+    kv_heads = k.shape[1]
+    room = -k.shape[0] % multiple + multiple
+
+    def padded(x: jax.Array, per_token: int) -> jax.Array:
+        return jnp.pad(x, ((0, 0), (0, room * per_token), (0, 0)))
+
+    qr = padded(to_rows(q, kv_heads), q.shape[1] // kv_heads)
+    kt, vt = padded(k.transpose(1, 0, 2), 1), padded(v.transpose(1, 0, 2), 1)
+    return qr, kt, _with_ones(vt), jnp.pad(segment_ids, (0, room), constant_values=-1)
 
 
 def ragged_item_attention(
@@ -381,8 +383,7 @@ def ragged_item_attention(
     Returns out [n, heads, d] and lse [n, heads] float32."""
     n, heads, _ = q.shape
     kv_heads = k.shape[1]
-    kt, vt1, seg = _ragged_inputs(k, v, segment_ids, long_block)
-    qr = to_rows(_pad_rows(q, long_block), kv_heads)
+    qr, kt, vt1, seg = _ragged_inputs(q, k, v, segment_ids, long_block)
     out, lse = ragged_rows(qr, kt, vt1, seg, max_item_len, heads // kv_heads, long_block, window, logits)
     return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
 
@@ -563,7 +564,8 @@ def _prefix_part(
 ) -> tuple[jax.Array, jax.Array]:
     n, heads, _ = q.shape
     kv_heads = pool_k.shape[1]
-    qr = to_rows(jnp.pad(q, ((0, Q_BLOCK), (0, 0), (0, 0))), kv_heads)
+    # padded after the transpose, as _ragged_inputs's
+    qr = jnp.pad(to_rows(q, kv_heads), ((0, 0), (0, Q_BLOCK * (heads // kv_heads)), (0, 0)))
     out, lse = paged_prefix_rows(qr, n, pool_k, pool_v, meta, heads // kv_heads, causal_split)
     return from_rows(out, heads)[:n].astype(q.dtype), lse_from_rows(lse, heads)[:n]
 

@@ -175,6 +175,43 @@ def test_ragged_item_attention(impl: str, lengths: list[int], window: int | None
     close(lse, want_lse, jnp.float32)
 
 
+def test_xla_long_items_keep_their_bits_with_or_without_short_items_and_at_the_stream_s_end() -> None:
+    """The CPU item part runs its short items' pass only in a call that holds a short item, and a
+    long item's last block may overhang the stream into the room past it: a long item's rows are
+    the same bits alone (no short pass), beside a short item (the pass runs), and ending the
+    stream, as they are in the reference."""
+    rng = np.random.default_rng(12)
+    heads, kv, d, n = 4, 2, 64, 320
+    lengths = (70, 130)
+    q, k, v = rand(rng, sum(lengths), heads, d), rand(rng, sum(lengths), kv, d), rand(rng, sum(lengths), kv, d)
+    attend = _jit(dispatch.get("xla").ragged_item_attention)
+
+    def placed(at: int, short: int) -> tuple[np.ndarray, np.ndarray]:
+        """The long items at `at`, a short item of `short` tokens after them (0: none), padding
+        (an id of its own, negative, a token) elsewhere; the long items' out and lse."""
+        seg = -1 - np.arange(n, dtype=np.int32)
+        end = at
+        for i, length in enumerate((*lengths, short)):
+            seg[end : end + length] = i
+            end += length
+        rows = slice(at, at + sum(lengths))
+
+        def stream(x: jax.Array) -> jax.Array:
+            return jnp.zeros((n, *x.shape[1:]), x.dtype).at[rows].set(x)
+
+        out, lse = attend(stream(q), stream(k), stream(v), jnp.asarray(seg), jnp.int32(max(lengths)))
+        return np.asarray(out[rows]), np.asarray(lse[rows])
+
+    alone = placed(3, 0)
+    want_out, want_lse = _jit(reference.ragged_item_attention)(q, k, v, segments(list(lengths), sum(lengths)), None)
+    close(alone[0], want_out, jnp.float32)
+    close(alone[1], want_lse, jnp.float32)
+    for at, short in ((3, 5), (n - sum(lengths), 0), (n - sum(lengths) - 5, 5)):
+        got = placed(at, short)
+        np.testing.assert_array_equal(got[0], alone[0])
+        np.testing.assert_array_equal(got[1], alone[1])
+
+
 def test_xla_prefix_steps_of_every_size() -> None:
     """The CPU path's step choices (kernels/xla.py), unaligned as it packs them: prefill chunks
     (whose whole attention it reads back from the pool) over no prefix and over earlier pages;
