@@ -179,6 +179,7 @@ def _llamacpp(model: str) -> Callable[[list[Question]], list[tuple[float, bool]]
 def run(args: argparse.Namespace) -> int:
     """`prefixscore bench --workload w7`: every mode's row printed, and written to --json."""
     from prefixscore.model import flops
+    from prefixscore.telemetry.compiles import CompileCounter
 
     bench = Bench(args)
     try:
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             fn(warmup if mode in ENGINE_MODES else warmup[:2])  # untimed (the baselines compile nothing)
             engine.prefix_cache.evict_idle()  # nothing of another mode's run is cached
-            before, tokens0 = dict(engine.stats), bench.token_counts()
+            before, tokens0, compiles = dict(engine.stats), bench.token_counts(), CompileCounter.count()
             start = time.perf_counter()
             results[mode] = fn(qs)
             seconds = time.perf_counter() - start
@@ -232,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
                     "head_rows": rows,
                     "head_flop_share": round(head / (head + computed * flops.linear_per_token(cfg)), 3),
                     **token_share(tokens0, tokens1),
+                    "compilations_while_timed": CompileCounter.count() - compiles,
                 }
             records.append(record)
         if not results:

@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     """`prefixscore bench --workload w8`: every mode's row printed, and written to --json."""
     from sentence_transformers import SentenceTransformer
 
+    from prefixscore.telemetry.compiles import CompileCounter
+
     with tempfile.TemporaryDirectory(prefix="prefixscore-w8-") as scratch:
         if not (Path(args.model) / "modules.json").is_file():
             args.model = str(preset_checkpoint(args.model, Path(scratch), args.seed))
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
                     # untimed, at the timed run's concurrency: the calls it batches together compile
                     fn(warmup, clients)
                     engine.prefix_cache.evict_idle()  # nothing of another run is cached
-                    before, tokens0 = dict(engine.stats), bench.token_counts()
+                    before, tokens0, compiles = dict(engine.stats), bench.token_counts(), CompileCounter.count()
                     start = time.perf_counter()
                     results.append(fn(timed, clients))
                     seconds = time.perf_counter() - start
@@ -237,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
                             "prefill_tokens": engine.stats["prefill_tokens"] - before["prefill_tokens"],
                             "tokens": engine.stats["tokens"] - before["tokens"],
                             **token_share(tokens0, tokens1),
+                            "compilations_while_timed": CompileCounter.count() - compiles,
                         }
                     records.append(record)
             modes = [r["mode"] for r in records]

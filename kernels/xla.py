@@ -587,16 +587,29 @@ def paged_attention(
     The prefill region's chunks read their own K/V back from the pool, where the call wrote it
     before attention (kernels/paged.py): their whole attention is the prefix part extended to
     each token's own position (paged_prefix_rows' causal runs), with no causal part or merge.
-    The item region: prefix part from the pool, causal part per item, merged in float32."""
+    The item region: prefix part from the pool, causal part per item, merged in float32. A call
+    of whole sequences (no prefill region, no segment with a prefix: embeddings, classification)
+    takes the causal part alone: merged with a prefix part that saw no key, each row is its causal
+    part's exactly (weight exp(MASK_VALUE - lse) = 0 against 1), so skipping both moves no bit."""
     s = meta.split
-    with jax.named_scope("prefix_part"):  # scopes: the parts `bench --profile` reports
-        out_p, lse_p = _prefix_part(q, pool_k, pool_v, meta, causal_split=s)
+
+    def prefix_part() -> tuple[jax.Array, jax.Array]:
+        with jax.named_scope("prefix_part"):  # scopes: the parts `bench --profile` reports
+            return _prefix_part(q, pool_k, pool_v, meta, causal_split=s)
+
     if s == q.shape[0]:
-        return out_p
+        return prefix_part()[0]
     with jax.named_scope("item_part"):
         out_i, lse_i = ragged_item_attention(
             q[s:], k[s:], v[s:], meta.item_ids[s:], meta.max_item_len, meta.window, meta.logits
         )
-    with jax.named_scope("merge"):
-        items = merge_attention(out_p[s:], lse_p[s:], out_i, lse_i)
-    return items if s == 0 else jnp.concatenate([out_p[:s], items])
+
+    def merged() -> jax.Array:
+        out_p, lse_p = prefix_part()
+        with jax.named_scope("merge"):
+            items = merge_attention(out_p[s:], lse_p[s:], out_i, lse_i)
+        return items if s == 0 else jnp.concatenate([out_p[:s], items])
+
+    if s > 0:
+        return merged()
+    return jax.lax.cond(jnp.any(meta.prefix_len > 0), merged, lambda: out_i)

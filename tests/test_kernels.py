@@ -142,6 +142,29 @@ def test_paged_attention(impl: str, dtype, windowed: bool) -> None:
         assert (np.asarray(lse_p)[read & ~sees] <= reference.MASK_VALUE / 2).all()
 
 
+@pytest.mark.parametrize(("dtype", "windowed"), [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_xla_whole_sequences_skip_the_prefix_part_with_the_same_bits(dtype, windowed: bool) -> None:
+    """A CPU call of whole sequences (no prefill region, no segment with a prefix) takes the causal
+    part alone: the same bits as that part merged with a prefix part that sees no key."""
+    from prefixscore.kernels import xla
+
+    x, _, _ = paged_case(jnp.dtype(dtype).name, windowed)
+    meta = dataclasses.replace(x["meta"], split=0, prefix_len=jnp.zeros_like(x["meta"].prefix_len))
+    q, k, v, pk, pv = x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"]
+    got = jax.jit(xla.paged_attention)(q, k, v, pk, pv, meta)
+
+    @jax.jit
+    def merged(q, k, v, pk, pv, meta):
+        out_p, lse_p = xla.paged_prefix_attention(q, pk, pv, meta)
+        out_i, lse_i = xla.ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len, meta.window, meta.logits)
+        return xla.merge_attention(out_p, lse_p, out_i, lse_i)
+
+    read = selfcheck.read_rows(meta)
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32)[read], np.asarray(merged(q, k, v, pk, pv, meta), np.float32)[read]
+    )
+
+
 @functools.cache
 def ragged_case(lengths: tuple[int, ...], window: int | None) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
     """test_ragged_item_attention's input (q, k, v, segment ids, window and logits) and the oracle's answer."""
