@@ -83,13 +83,21 @@ class ScoringService:
     """The model, its device loop and the service's state, for any transport; see the module doc.
 
     `on_failure(error)`: awaited on the event loop once the device loop broke (the process
-    must stop, `exit_code` is 1). Use from one asyncio event loop.
+    must stop, `exit_code` is 1). `on_group_lost()`: called at once, on the thread that noticed,
+    when a host of the group is lost (before the requests held are failed). Use from one asyncio
+    event loop.
     """
 
-    def __init__(self, config: ServerConfig, on_failure: Callable[[BaseException], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        on_failure: Callable[[BaseException], Awaitable[None]],
+        on_group_lost: Callable[[], None],
+    ) -> None:
         self.config = config
         self.metrics = ServiceMetrics()
         self._on_failure = on_failure
+        self._on_group_lost = on_group_lost
         self.template: RerankTemplate | None = None
         self.template_choice = TemplateChoice(None, "not loaded yet")
         self._template_check: asyncio.Future | None = None  # the known-answer check, while it runs
@@ -182,6 +190,7 @@ class ScoringService:
         queued or on the device fails now with `error` (the device thread may be waiting in a
         collective that never completes), and the process stops with a non-zero exit."""
         self.draining = True  # what arrives from now on (a client's retry, too) is refused UNAVAILABLE
+        self._on_group_lost()
         self.worker.abandon(error)
         self._on_worker_failure(error)
 

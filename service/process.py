@@ -36,12 +36,27 @@ GROUP_EXIT_S = 5.0
 GROUP_ANSWER_S = 1.0
 
 
+# how long the last log lines may take to go out: a full pipe whose reader stalls must not keep
+# a process that decided to exit alive
+EXIT_FLUSH_S = 1.0
+
+
 def exit_now(code: int) -> NoReturn:
-    """End the process at once, after flushing what was written: no interpreter shutdown, whose
-    hooks (joining compile threads, JAX's runtime shutdown barrier with every host) could wait."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    """End the process at once, after its last line (`exit`: when it decided to, which is what a
+    bound on its exit can hold; the kernel's teardown of a large process after it can take seconds
+    on a loaded machine) and a flush of what was written, waited for at most EXIT_FLUSH_S: no
+    interpreter shutdown, whose hooks (joining compile threads, JAX's runtime shutdown barrier with
+    every host) could wait."""
+
+    def last_words() -> None:
+        event(log, "exit", code=code)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+
+    words = threading.Thread(target=last_words, name="prefixscore-exit", daemon=True)
+    words.start()
+    words.join(EXIT_FLUSH_S)
     os._exit(code)
 
 
@@ -58,7 +73,9 @@ class ScoreServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.service = ScoringService(config, on_failure=self._failed)
+        # a lost group's process ends within GROUP_EXIT_S of the loss being noticed, counted on
+        # the thread that noticed it: the event loop may be slow to run `_failed` (a loaded machine)
+        self.service = ScoringService(config, self._failed, on_group_lost=lambda: exit_after(GROUP_EXIT_S, 1))
         self.grpc = GrpcServer(self.service)
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -117,8 +134,7 @@ class ScoreServer:
             # every request held was failed UNAVAILABLE and new ones are refused so: let their
             # answers go out, then end the process without stopping the servers (a server
             # stopping cancels the calls that reach it meanwhile, which nobody retries); clients
-            # whose connection closes see UNAVAILABLE too
-            exit_after(GROUP_EXIT_S, 1)
+            # whose connection closes see UNAVAILABLE too (the backstop runs since the loss)
             await self.service.wait_idle(GROUP_ANSWER_S)
             event(log, "exiting", code=1, reason="host group lost")
             exit_now(1)
