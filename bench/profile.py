@@ -20,6 +20,7 @@ from typing import Any
 PARTS: tuple[tuple[str, str], ...] = (
     ("head", "/head/"),
     ("pool_write", "/pool_write/"),
+    ("pool_copy", "/pool_copy/"),
     ("prefix_part", "/prefix_part/"),
     ("item_part", "/item_part/"),
     ("merge", "/merge/"),
