@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixscore.telemetry.compiles import CompileCounter
 from prefixscore.telemetry.host_cost import ThreadCpuCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -186,10 +187,8 @@ class ServiceMetrics:
             ["template"],
             registry=r,
         )
-        self.compilations = Counter("prefixscore_compilations_total", "XLA compilations since start.", registry=r)
-        self.compile_seconds = Counter(
-            "prefixscore_compile_seconds_total", "Seconds spent in XLA compilation since start.", registry=r
-        )
+        # read when scraped: a background warm-up's compiles show while no request runs
+        r.register(_CompilesCollector())
         self.hosts = Gauge(
             "prefixscore_hosts",
             "Hosts (processes) serving this model together: the group's size, and those ready (a replica of "
@@ -222,6 +221,23 @@ class FollowerMetrics:
         self.host = Info("prefixscore_host", "This host's place in its group.", registry=r)
         self.ready = Gauge("prefixscore_host_ready", "1 once loaded, compiled and checked.", registry=r)
         r.register(_StatsCollector(stats))
+
+
+class _CompilesCollector(Collector):
+    """The process's XLA compilations and the seconds spent obtaining executables, as counted
+    (telemetry/compiles.py) at the moment of the scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "prefixscore_compilations",
+            "XLA compilations since start (an executable loaded from the persistent cache is not one).",
+            value=CompileCounter.count(),
+        )
+        yield CounterMetricFamily(
+            "prefixscore_compile_seconds",
+            "Seconds spent obtaining executables since start (compiling, or loading from the persistent cache).",
+            value=CompileCounter.seconds(),
+        )
 
 
 class _StatsCollector(Collector):

@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import threading
+import time
 
 import grpc
 import jax
@@ -541,6 +542,19 @@ def test_metrics_after_traffic(server, client, tiny_scorer):
     info = "prefixscore_model_info{devices=cpu:0,dp_size=1,dtype=float32,family=qwen3,model=tiny-qwen3,tp_size=1}"
     assert after[info] == 1
     assert after["prefixscore_mesh_devices{axis=model}"] == after["prefixscore_mesh_devices{axis=data}"] == 1
+
+
+def test_compilations_show_when_scraped_while_no_request_runs(server):
+    """A compile in the process (a background warm-up's, say) is in the next scrape, not first
+    at the next device call: a program new to the run (its constant from the clock, so the
+    persistent cache cannot hold it) compiled while the server is idle moves the count by one."""
+    port = server.server.metrics_port
+    before = scrape(port)
+    scale = float(time.time_ns() % 1_000_003) + 0.5
+    jax.jit(lambda x: x * scale + 1.0)(np.arange(7.0)).block_until_ready()
+    after = scrape(port)
+    assert after["prefixscore_compilations_total"] == before["prefixscore_compilations_total"] + 1
+    assert after["prefixscore_compile_seconds_total"] > before["prefixscore_compile_seconds_total"]
 
 
 def test_prefix_pool_is_never_exceeded(tiny_scorer):

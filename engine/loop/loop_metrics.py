@@ -3,7 +3,7 @@
 The metrics themselves are defined in telemetry/metrics.py; this is what the device loop
 and its rooms (admission, page pins, recovery) tell them: refusals and prefix-cache
 lookups, the cache's and the pool's gauges, each device call at launch and at read-back,
-failed calls, and the compilations counted since the last sync.
+failed calls, and a log line for the compilations since the last sync.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class LoopMetrics:
         self.metrics = metrics
         metrics.queue_capacity.set(queue_capacity)
         self._compiles_seen = CompileCounter.count()
-        self._compile_s_seen = CompileCounter.seconds()
         self._last_done = 0.0  # when the last call was read back: the next one's device time starts there
 
     # ---- admission and the prefix cache ----------------------------------------------------------
@@ -100,10 +99,8 @@ class LoopMetrics:
 
     # ---- compilations ----------------------------------------------------------------------------
     def compiles(self) -> None:
-        """Count the compilations (and their seconds) since the last sync."""
+        """Log the compilations since the last sync, if any (the metric reads them when scraped)."""
         count, seconds = CompileCounter.count(), CompileCounter.seconds()
         if count > self._compiles_seen:
-            self.metrics.compilations.inc(count - self._compiles_seen)
-            self.metrics.compile_seconds.inc(max(0.0, seconds - self._compile_s_seen))
             event(log, "compiled", level=logging.DEBUG, total=count, seconds=round(seconds, 3))
-        self._compiles_seen, self._compile_s_seen = count, seconds
+        self._compiles_seen = count
