@@ -21,21 +21,23 @@ def scrape(metrics_target: str) -> dict[str, float]:
 
 
 def token_counts(samples: dict[str, float]) -> dict[str, float]:
-    """From a scrape: the tokens the device computed (prefix, item and padding) and the tokens the
-    requests needed, each once."""
-    computed = sum(v for k, v in samples.items() if k.startswith("prefixscore_tokens_total{"))
+    """From a scrape: the tokens the device computed (real and the padding computed beside them),
+    the calls' buckets (real and all padding) and the tokens the requests needed, each once."""
+    real = sum(v for k, v in samples.items() if k.startswith("prefixscore_tokens_total{"))
     return {
-        "computed": computed + samples.get("prefixscore_padding_tokens_total", 0.0),
+        "computed": samples.get("prefixscore_computed_tokens_total", 0.0),
+        "buckets": real + samples.get("prefixscore_padding_tokens_total", 0.0),
         "requested": samples.get("prefixscore_requested_tokens_total", 0.0),
     }
 
 
 def token_share(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """A report's token fields between two `token_counts`: computed, requested, and their ratio
-    (1.0: every computed token was needed, once)."""
-    computed, requested = (after[k] - before[k] for k in ("computed", "requested"))
+    """A report's token fields between two `token_counts`: computed, the buckets', requested, and
+    computed over requested (1.0: every computed token was needed, once)."""
+    computed, buckets, requested = (after[k] - before[k] for k in ("computed", "buckets", "requested"))
     return {
         "computed_tokens": computed,
+        "bucket_tokens": buckets,
         "requested_tokens": requested,
         "computed_over_requested": round(computed / requested, 3) if requested else None,
     }

@@ -224,7 +224,12 @@ class Bench:
             if self.server is not None:
                 loops.append(self.server.server.service.metrics)
             requested = sum(m.registry.get_sample_value("prefixscore_requested_tokens_total") or 0.0 for m in loops)
-            return {"computed": float(self.scorer.engine.stats["device_tokens"]), "requested": requested}
+            stats = self.scorer.engine.stats
+            return {
+                "computed": float(stats["computed_tokens"]),
+                "buckets": float(stats["device_tokens"]),
+                "requested": requested,
+            }
         return token_counts(scrape(self.metrics_target)) if self.metrics_target else None
 
     def host_cpu(self) -> dict[str, float] | None:

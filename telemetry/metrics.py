@@ -62,8 +62,16 @@ class ServiceMetrics:
         self.padding_tokens = Counter(
             "prefixscore_padding_tokens_total", "Padding tokens run on the device in item batches.", registry=r
         )
-        # against tokens_total + padding_tokens_total (what the device computed): the work paid for
-        # tokens nobody asked for, or for the same token twice
+        # a call's buckets less the tiles of padding alone a CPU skips (model/decoder.py per_tile);
+        # on an accelerator, tokens_total + padding_tokens_total
+        self.computed_tokens = Counter(
+            "prefixscore_computed_tokens_total",
+            "Tokens whose per-token work (projections, norms, MLP) ran on the device: real tokens and the "
+            "padding computed beside them.",
+            registry=r,
+        )
+        # against computed_tokens_total: the work paid for tokens nobody asked for, or for the same
+        # token twice
         self.requested_tokens = Counter(
             "prefixscore_requested_tokens_total",
             "Tokens the requests need computed, each once (a prefix the prefix cache holds, or a position an "

@@ -21,9 +21,9 @@ BUCKETS = Buckets(context=1024, max_batch_tokens=256, prefill_chunk=128, max_pre
 POOL_PAGES = 64
 
 
-def setup(devices: int = 1, align: int = 1) -> tuple[Batcher, PrefixCache]:
+def setup(devices: int = 1, align: int = 1, token_tile: int | None = None) -> tuple[Batcher, PrefixCache]:
     cache = PrefixCache(POOL_PAGES, BUCKETS.page_tokens, page_bytes=1)
-    batcher = Batcher(lambda: CallBuilder(BUCKETS, devices, align, POOL_PAGES), BUCKETS.prefill_chunk)
+    batcher = Batcher(lambda: CallBuilder(BUCKETS, devices, align, POOL_PAGES, token_tile), BUCKETS.prefill_chunk)
     return batcher, cache
 
 
@@ -75,6 +75,34 @@ def test_a_call_asks_for_the_vocabulary_s_log_sum_exp_only_when_a_row_of_an_item
     assert not (output == OUTPUT_FULL).any()
     b.add(unit(cache, lengths=(3,), softmax=False))  # a request that does need it still gets it
     assert (b.next_call().plan.inputs.items.output == OUTPUT_FULL).sum() == 1
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_call_counts_the_tokens_its_tiles_compute(devices):
+    """computed_tokens: every token of the call's buckets where the per-token work runs whole (an
+    accelerator), and with a CPU's tile the tiles that hold a chunk's or an item's token: what
+    decoder.per_tile computes over the call's streams, counted from its outputs (a skipped tile's
+    are zeros)."""
+    import jax.numpy as jnp
+
+    from prefixscore.model.decoder import per_tile
+
+    calls = {}
+    for tile in (None, 64):
+        b, cache = setup(devices, token_tile=tile)
+        b.add(unit(cache, prefix=tuple(range(1, 41)), lengths=(3, 4) * devices))  # 40 prefill tokens
+        calls[tile] = b.next_call().plan
+    whole, tiled = calls[None], calls[64]
+    assert whole.computed_tokens == whole.device_tokens == devices * (256 + 256)
+    inputs = tiled.inputs
+    streams = np.concatenate([inputs.prefill.item_ids, inputs.items.item_ids], axis=1)  # [devices, Tp + Ti]
+    ran = 0
+    for ids in streams:
+        ones = per_tile(jnp.ones_like, 64, jnp.zeros((1, ids.size, 1)), live=jnp.asarray(ids >= 0)[None])
+        ran += int(np.asarray(ones).sum())
+    assert tiled.computed_tokens == ran
+    # a tile of the prefill and one of the items (a device's item region fills before the next's)
+    assert ran == 2 * 64 and tiled.device_tokens == whole.device_tokens
 
 
 def test_chunks_before_items_and_a_long_query_spans_calls():
@@ -329,7 +357,7 @@ def w4_queue() -> tuple[Batcher, list[WorkUnit]]:
     """64 queued W4 requests: each its own new 300-token query, 10 items of 20 tokens."""
     buckets = Buckets.for_context(8192)
     cache = PrefixCache(1024, buckets.page_tokens, page_bytes=1)
-    b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk)
+    b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024, None), buckets.prefill_chunk)
     units = [unit(cache, prefix=(k,) * 300, lengths=(20,) * 10) for k in range(64)]
     for u in units:
         b.add(u)
@@ -382,7 +410,7 @@ def test_trims_decided_from_the_first_fill_plan_what_filling_every_trim_plans(se
     queues = []
     for cls in (Batcher, _EveryTrimFilled):
         cache = PrefixCache(4096, buckets.page_tokens, page_bytes=1)
-        b = cls(lambda: CallBuilder(buckets, 1, 1, 4096), buckets.prefill_chunk)
+        b = cls(lambda: CallBuilder(buckets, 1, 1, 4096, None), buckets.prefill_chunk)
         for prefix, lengths in requests:
             b.add(unit(cache, prefix=prefix, lengths=lengths))
         queues.append(b)
@@ -552,7 +580,7 @@ def test_a_request_past_a_bucket_fills_the_smaller_one_and_the_rest_runs_next(le
     next call, if the two run fewer device tokens; every item is planned once, in order."""
     buckets = Buckets.for_context(8192)
     cache = PrefixCache(1024, buckets.page_tokens, page_bytes=1)
-    b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024), buckets.prefill_chunk)
+    b = Batcher(lambda: CallBuilder(buckets, 1, 1, 1024, None), buckets.prefill_chunk)
     b.add(unit(cache, prefix=(), lengths=lengths, item_first=True))
     calls = _plans(b)
     assert [shape.item_tokens for shape, _ in calls] == buckets_run

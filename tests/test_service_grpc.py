@@ -532,6 +532,10 @@ def test_metrics_after_traffic(server, client, tiny_scorer):
     assert delta("prefixscore_device_batch_duration_seconds_count{kind=items}") == 3
     padding = delta("prefixscore_padding_tokens_total")
     assert padding > 0 and delta("prefixscore_device_batch_padding_ratio_count") == 3
+    # what ran: each call's real tokens and the padding in their tiles, at most its buckets (the
+    # planner's count against the tiles decoder.per_tile runs: tests/test_planner_batcher_page_book.py)
+    real = delta("prefixscore_tokens_total{kind=prefix}") + delta("prefixscore_tokens_total{kind=item}")
+    assert real < delta("prefixscore_computed_tokens_total") <= real + padding
     assert after["prefixscore_queue_depth"] == 0 and after["prefixscore_open_streams"] == 0
     assert after["prefixscore_inflight_requests"] == 0
     assert after["prefixscore_prefix_cache_entries"] >= 1 and after["prefixscore_prefix_cache_bytes"] > 0

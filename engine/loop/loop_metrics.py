@@ -74,6 +74,7 @@ class LoopMetrics:
         self.metrics.batch_size.observe(plan.items)
         self.metrics.batch_padding.observe(1.0 - real / device)
         self.metrics.padding_tokens.inc(max(0, device - real))
+        self.metrics.computed_tokens.inc(plan.computed_tokens)
         self.metrics.tokens.labels("item").inc(plan.item_tokens)
         self.metrics.tokens.labels("prefix").inc(plan.prefill_tokens)
 

@@ -108,7 +108,18 @@ class CallPlan:
     chunks: int  # prefill chunks in the call
     prefill_tokens: int  # real tokens of the prefill region
     item_tokens: int  # real tokens of the item region
-    device_tokens: int  # tokens the call computes (every device; padding included)
+    device_tokens: int  # the call's buckets: its tokens on every device, padding included
+    computed_tokens: int  # tokens whose per-token work runs (tokens_run): device_tokens less skipped tiles
+
+
+def tokens_run(item_ids: np.ndarray, tile: int | None) -> int:
+    """Tokens whose per-token work (projections, norms, MLP) a call runs, from its streams' item
+    ids [devices, Tp + Ti] (padding: negative): every token, or with a per-token tile (a CPU's) the
+    tiles that hold a chunk's or an item's token; model/decoder.py `per_tile` skips the others."""
+    d, t = item_ids.shape
+    if tile is None or t % tile:
+        return d * t
+    return int((item_ids.reshape(d, t // tile, tile) >= 0).any(axis=2).sum()) * tile
 
 
 @dataclasses.dataclass
@@ -219,9 +230,10 @@ def _row_ends(ends: np.ndarray, each_token: bool) -> np.ndarray:
 class CallBuilder:
     """Collects one call's work in priority order (see module doc)."""
 
-    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int) -> None:
+    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int, token_tile: int | None) -> None:
         self.b = buckets
         self.devices = devices
+        self.token_tile = token_tile  # the executables' per-token tile (None: every token computed)
         self.align = align
         self.pool_pages = pool_pages
         self.chunks: list[_Chunk] = []
@@ -483,6 +495,7 @@ class CallBuilder:
             prefill_tokens=self.prefill_real,
             item_tokens=self.item_real,
             device_tokens=d * (tp + ti),
+            computed_tokens=tokens_run(np.concatenate([prefill.item_ids, items.item_ids], axis=1), self.token_tile),
         )
 
     def _copies(self) -> PageCopies:

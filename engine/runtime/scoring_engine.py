@@ -112,8 +112,17 @@ class ScoringEngine:
         # (about 1e-3 relative error); bfloat16 keeps the backend's default
         self._precision = "highest" if dtype == "float32" else None
         self._lock = threading.Lock()
-        # device tokens launched and the real ones among them (padding share = 1 - real / device)
-        self.stats = {"calls": 0, "device_tokens": 0, "tokens": 0, "items": 0, "prefill_tokens": 0, "rows": 0}
+        # tokens launched: the calls' buckets, those whose per-token work ran (a CPU skips tiles of
+        # padding), and the real ones (padding share = 1 - real / device)
+        self.stats = {
+            "calls": 0,
+            "device_tokens": 0,
+            "computed_tokens": 0,
+            "tokens": 0,
+            "items": 0,
+            "prefill_tokens": 0,
+            "rows": 0,
+        }
         # told every call (and pool reset) before it happens here: with several hosts, the
         # leader's step channel, so every host runs the same step (engine/runtime/call_broadcast.py)
         self.broadcast = broadcast
@@ -173,7 +182,13 @@ class ScoringEngine:
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (engine/runtime/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
-        return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages)
+        return CallBuilder(
+            self.serving,
+            self.data_replicas,
+            self.segment_align,
+            self.pool_pages,
+            self._token_tile(self.devices[0].platform),
+        )
 
     # ---- executables ----------------------------------------------------------
     def _executable(self, shape: CallShape) -> Any:
@@ -229,6 +244,10 @@ class ScoringEngine:
             copies=_all_fields(PageCopies, rep),
         )
 
+    def _token_tile(self, platform: str) -> int | None:
+        """Tokens per tile of each layer's per-token work on `platform` (None: all at once)."""
+        return self.buckets.token_tile(CPU_TOKEN_TILE) if platform == "cpu" else None
+
     def _traced(self, shape: CallShape, platform: str) -> jax.stages.Traced:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
         params = jax.tree.map(spec, self.params)
@@ -238,7 +257,7 @@ class ScoringEngine:
         call_fn = functools.partial(
             self._call_fn,
             static_head=platform in GPU_PLATFORMS,
-            token_tile=self.buckets.token_tile(CPU_TOKEN_TILE) if platform == "cpu" else None,
+            token_tile=self._token_tile(platform),
             top_logprobs=shape.top_logprobs,
             hidden=shape.hidden > 0,
         )
@@ -355,6 +374,7 @@ class ScoringEngine:
         probs, *self._pool = exe(self.params, *self._pool, plan.inputs)
         self.stats["calls"] += 1
         self.stats["device_tokens"] += plan.device_tokens
+        self.stats["computed_tokens"] += plan.computed_tokens
         self.stats["tokens"] += plan.prefill_tokens + plan.item_tokens
         self.stats["prefill_tokens"] += plan.prefill_tokens
         self.stats["items"] += plan.items
