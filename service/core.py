@@ -357,23 +357,29 @@ class ScoringService:
     def release(self, pin: StreamPin) -> None:
         self.worker.release(pin)
 
-    async def run(self, req: TokenizedRequest, method: str, deadline: float | None = None) -> WorkUnit:
-        """Score a validated request on the device loop, whatever the transport (gRPC Score and
-        Rerank, HTTP /v1/score and /v1/rerank): its items join the same calls as everyone's.
-        Returns the finished unit (its reply: scores, cached_tokens); raises Failure."""
+    def _queued_together(
+        self, requests: list[TokenizedRequest], method: str, deadline: float | None
+    ) -> list[tuple[WorkUnit, asyncio.Future]]:
+        """Queue a request's engine requests at once, each with the future its unit settles (on this
+        loop): the device loop plans no call while they are being queued, so those that fit one call
+        ride in one (queued one by one, a call could start with a request's first few prompts and
+        leave the rest to a call of their own). Raises Failure when one is refused, the others then
+        withdrawn."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        unit = self.unit(req, method, deadline)
-        unit.reply.on_done = lambda u: _settle(done, u)  # on this loop (_deliver)
-        self.submit(unit)
-        try:
-            await done
-        except asyncio.CancelledError:
-            self.cancel(unit)
-            raise
-        if unit.reply.error is not None:
-            raise unit_failure(unit.reply.error)
-        return unit
+        queued: list[tuple[WorkUnit, asyncio.Future]] = []
+        with self.worker.paused():
+            try:
+                for req in requests:
+                    done = loop.create_future()
+                    unit = self.unit(req, method, deadline)
+                    unit.reply.on_done = lambda u, done=done: _settle(done, u)  # on this loop (_deliver)
+                    self.submit(unit)
+                    queued.append((unit, done))
+            except BaseException:
+                for unit, _ in queued:
+                    self.cancel(unit)
+                raise
+        return queued
 
     async def serve(
         self, kind: RequestKind, inp: Any, method: str, size: int | None = None, deadline: float | None = None
@@ -383,8 +389,14 @@ class ScoringService:
         items join the same calls as everyone's), then answered by its kind. Raises Failure, or
         InvalidInput naming the field before any device work."""
         plan = await validated(size, kind.plan, inp)
-        units = await asyncio.gather(*(self.run(r, method, deadline) for r in to_run(plan)), return_exceptions=True)
-        failed = next((u for u in units if isinstance(u, BaseException)), None)
+        queued = self._queued_together(to_run(plan), method, deadline)
+        try:
+            await asyncio.gather(*(done for _, done in queued))
+        except asyncio.CancelledError:
+            for unit, _ in queued:
+                self.cancel(unit)
+            raise
+        failed = next((u.reply.error for u, _ in queued if u.reply.error is not None), None)
         if failed is not None:
-            raise failed
-        return served(kind, plan, [Done.of(u) for u in units])
+            raise unit_failure(failed)
+        return served(kind, plan, [Done.of(u) for u, _ in queued])

@@ -370,6 +370,35 @@ def test_completions_take_a_question_s_positions_from_an_earlier_request(complet
         assert engine.stats["tokens"] - computed == want  # no item: every position from a prefill
 
 
+def test_a_request_s_prompts_ride_one_call_however_slowly_the_host_queues_them(completions_server, monkeypatch):
+    """A request's prompts are queued at once (service/core.py `_queued_together`): the device loop
+    plans no call before the last is queued, so three prompts that fit one call take one even when
+    each takes the host 50 ms to queue (a loaded host). Queued one by one, the loop started a call
+    with the first prompt alone, and the others took calls of their own."""
+    import time
+
+    from prefixscore.engine.requests.known_positions import KnownPositions
+
+    scorer, http, torch_model, srv = completions_server
+    engine, service = scorer.engine, srv.server.service
+    service.kinds["completions"].known = KnownPositions()
+    engine.prefix_cache.evict_idle()
+    submit = service.worker.submit
+
+    def slowly(unit) -> None:
+        submit(unit)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(service.worker, "submit", slowly)
+    prompts = [[t, *RNG.integers(0, 320, 14).tolist()] for t in (5, 6, 7)]  # no two share a first token
+    calls = engine.stats["calls"]
+    response = http.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert response.status_code == 200, response.text
+    assert engine.stats["calls"] - calls == 1
+    for prompt, choice in zip(prompts, response.json()["choices"], strict=True):
+        assert_prompt_like_transformers(torch_model, prompt, choice["logprobs"]["token_logprobs"])
+
+
 def test_completions_plan_computes_each_position_once_whatever_the_company():
     """Host-only: each prompt is one engine request whose rows are its own prefill's
     (engine/requests/completions.py), from its first position that no kept prompt and no prompt
