@@ -399,6 +399,36 @@ def test_a_request_s_prompts_ride_one_call_however_slowly_the_host_queues_them(c
         assert_prompt_like_transformers(torch_model, prompt, choice["logprobs"]["token_logprobs"])
 
 
+def test_a_request_refused_part_way_through_queueing_leaves_nothing_behind(completions_server, monkeypatch):
+    """When the loop refuses one of a request's prompts (the queue full: 429 with its retry hint),
+    the prompts queued before it are withdrawn before any call takes them: no call runs, nothing
+    stays queued or pinned, and the next request is served."""
+    from prefixscore.engine.loop.admission import QueueFull
+
+    scorer, http, torch_model, srv = completions_server
+    engine, worker = scorer.engine, srv.server.service.worker
+    submit = worker.submit
+
+    def refuse_the_second(unit) -> None:
+        if refuse_the_second.taken:
+            raise QueueFull("the queue holds 1 items (limit 1)", 250)
+        refuse_the_second.taken = True
+        submit(unit)
+
+    refuse_the_second.taken = False
+    monkeypatch.setattr(worker, "submit", refuse_the_second)
+    prompts = [[t, *RNG.integers(0, 320, 9).tolist()] for t in (21, 22, 23)]
+    body = {"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0}
+    calls = engine.stats["calls"]
+    refused = http.post("/v1/completions", json=body)
+    assert refused.status_code == 429 and refuse_the_second.taken, refused.text
+    assert engine.stats["calls"] == calls
+    assert worker.batcher.depth == 0 and engine.prefix_cache.pinned == 0
+    monkeypatch.setattr(worker, "submit", submit)
+    served = http.post("/v1/completions", json=body)
+    assert served.status_code == 200 and engine.stats["calls"] == calls + 1, served.text
+
+
 def test_completions_plan_computes_each_position_once_whatever_the_company():
     """Host-only: each prompt is one engine request whose rows are its own prefill's
     (engine/requests/completions.py), from its first position that no kept prompt and no prompt
