@@ -107,6 +107,9 @@ class ScoringEngine:
         # the buckets calls are planned in: every one, except during a staged warm-up, when only
         # those whose shapes are compiled (warmup_stages); swapped whole, read without a lock
         self.serving = self.buckets
+        # the executables' per-token tile, which the planner counts computed tokens by (once: a
+        # call may build several plans)
+        self.token_tile = self._token_tile(self.devices[0].platform)
         self.shapes_ready = 0  # call shapes compiled by warm-up so far
         # float32 means float32 arithmetic: GPUs would otherwise run float32 matmuls as TF32
         # (about 1e-3 relative error); bfloat16 keeps the backend's default
@@ -182,13 +185,7 @@ class ScoringEngine:
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (engine/runtime/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
-        return CallBuilder(
-            self.serving,
-            self.data_replicas,
-            self.segment_align,
-            self.pool_pages,
-            self._token_tile(self.devices[0].platform),
-        )
+        return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages, self.token_tile)
 
     # ---- executables ----------------------------------------------------------
     def _executable(self, shape: CallShape) -> Any:
