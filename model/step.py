@@ -32,7 +32,7 @@ from prefixscore.model.call_inputs import (
     PageCopies,
 )
 from prefixscore.model.config import ModelConfig
-from prefixscore.model.decoder import embed, norm, run_layers, softcap
+from prefixscore.model.decoder import ReadRows, embed, norm, run_layers, softcap
 from prefixscore.model.head import output_head
 from prefixscore.model.row_steps import in_steps
 from prefixscore.model.shards import ALONE, UNSPLIT, DataReplicas, ModelShards
@@ -125,9 +125,14 @@ def score_call(
     # a token is read when it is a chunk's or an item's (padding has negative ids): tiles of padding
     # alone skip their per-token work
     live = (meta.item_ids >= 0)[None]
-    h, (pool_k, pool_v) = run_layers(params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards, live)
+    # the last layer past its attention runs at the rows the head reads only (in the head's steps
+    # where the layers' work is tiled: one step size in every call)
+    read = ReadRows(items.read_at, items.n_rows, None if token_tile is None else head_rows)
+    h_rows, (pool_k, pool_v) = run_layers(
+        params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards, live, read
+    )
     with jax.named_scope("head"):
-        rows = (jnp.take(h[0], items.read_at, axis=0), items.label_set, items.output)
+        rows = (h_rows, items.label_set, items.output)
         if top_logprobs:
             rows += (items.target,)
 
