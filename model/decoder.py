@@ -144,7 +144,6 @@ class ReadRows:
 
     at: jax.Array  # [R] int32: each row's index in the token stream
     count: jax.Array  # [] int32: rows in use (the rest are padding)
-    step: int | None = struct.field(pytree_node=False, default=None)  # rows per step (in_steps); None: all at once
 
 
 def run_layers(
@@ -170,74 +169,71 @@ def run_layers(
     shards: the model axis (model/shards.py): with heads and MLP columns split, the o and down
     projections give partial sums, added up across devices (one all-reduce each per layer)
     before the bias and the residual.
-    read: the rows whose final states are returned (b must be 1): the last layer's work after
-    its attention runs at those rows only, in steps of read.step rows (a row's bits then depend
-    on its step's shape, the same in every call, never on its neighbours).
-    Returns the final hidden states [b, t, hidden] ([R, hidden] with `read`) and the final state.
+    read (with token_tile; b = 1, R <= t): the last layer's work after its attention runs at
+    these rows only: they are moved to the front of the stream and the rest of the layer runs
+    the same tiles as every layer, over the tiles they fill (the others skipped as padding), so
+    a row's bits depend on the tile's code and shape, the same in every call. A branch on the
+    layer index picks the last layer's inputs: XLA:GPU reads a branch's predicate back on the
+    host, so accelerators pass none.
+    Returns the final hidden states [b, t, hidden] (with `read`: row i's at token i, i < R) and
+    the final state.
     """
     inv_freq, scale = rope_tables(cfg)
     ropes = LayerRope(inv_freq=jnp.asarray(inv_freq), scale=jnp.asarray(scale))
     token_positions = jnp.broadcast_to(positions, x.shape[:2])  # tiled with the tokens
-
-    def tokens_tiled(fn: Callable[..., Any], *xs: jax.Array) -> Any:
-        return per_tile(fn, token_tile, *xs, live=live)
-
-    def attention(h: jax.Array, lw: LayerWeights, rope: LayerRope, index: jax.Array, st: Any) -> tuple[jax.Array, Any]:
-        def projections(h: jax.Array, at: jax.Array) -> tuple[jax.Array, ...]:
-            return _qkv(lw.attn, cfg, norm(cfg, h, lw.attn_norm), at, rope)
-
-        q, k, v = tokens_tiled(projections, h, token_positions)
-        return attend(q, k, v, index, st)
-
-    def after_attention(h: jax.Array, out: jax.Array, lw: LayerWeights, tiled: Callable[..., Any]) -> jax.Array:
-        """The residual stream past the attention output `out`: o projection, MLP (row-local work).
-        The partial sums of a split model are added up across devices outside the tiles: one
-        all-reduce per projection and layer, as many bytes as untiled."""
-
-        def post_norm(weight: jax.Array) -> Callable[[jax.Array], jax.Array]:
-            return lambda x: tiled(lambda y: norm(cfg, y, weight), x)
-
-        def o_projection(out: jax.Array) -> jax.Array:
-            return matmul(out.reshape(*out.shape[:2], -1), lw.attn.wo, shards)
-
-        with jax.named_scope("attention"):
-            attn_out = shards.sum(tiled(o_projection, out))
-            if cfg.out_bias:
-                attn_out = attn_out + lw.attn.bo
-            h = h + (post_norm(lw.attn_post_norm)(attn_out) if cfg.post_norms else attn_out)
-        with jax.named_scope("mlp"):
-            mlp_in = lambda x: mlp(lw.mlp, norm(cfg, x, lw.mlp_norm), cfg.hidden_act, shards)  # noqa: E731
-            mlp_out = shards.sum(tiled(mlp_in, h))
-            return h + (post_norm(lw.mlp_post_norm)(mlp_out) if cfg.post_norms else mlp_out)
+    all_live = jnp.ones(x.shape[:2], bool) if live is None else live
 
     def at_layer(index: jax.Array) -> tuple[LayerWeights, LayerRope]:
         # a dynamic index into the stacked weights (as a scan over them slices): no copy of them
         return jax.tree.map(lambda a: a[index], (params.layers, ropes))
 
+    def at_read_rows(h: jax.Array, out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """h and the attention output with the read rows first (the rest zeros), and which are live."""
+        assert read is not None
+
+        def front(a: jax.Array) -> jax.Array:
+            return jnp.zeros_like(a).at[0, : read.at.shape[0]].set(jnp.take(a[0], read.at, axis=0))
+
+        return front(h), front(out), (jnp.arange(x.shape[1]) < read.count)[None]
+
     def layer(carry: tuple[jax.Array, Any], index: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
         h, st = carry
         lw, rope = at_layer(index)
+
+        def tiled(fn: Callable[..., Any], *xs: jax.Array, live: jax.Array = all_live) -> Any:
+            return per_tile(fn, token_tile, *xs, live=live)
+
+        def projections(h: jax.Array, at: jax.Array) -> tuple[jax.Array, ...]:
+            return _qkv(lw.attn, cfg, norm(cfg, h, lw.attn_norm), at, rope)
+
+        def o_projection(out: jax.Array) -> jax.Array:
+            return matmul(out.reshape(*out.shape[:2], -1), lw.attn.wo, shards)
+
+        # the partial sums of a split model are added up across devices on the whole token stream,
+        # outside the tiles: one all-reduce per projection and layer, as many bytes as untiled
         with jax.named_scope("attention"):
-            out, st = attention(h, lw, rope, index, st)
-        return (after_attention(h, out, lw, tokens_tiled), st), None
+            q, k, v = tiled(projections, h, token_positions)
+            out, st = attend(q, k, v, index, st)
+            rest_live = all_live
+            if read is not None:  # the last layer goes on at the read rows only
+                last = index == cfg.num_layers - 1
+                h, out, rest_live = jax.lax.cond(last, at_read_rows, lambda h, out: (h, out, all_live), h, out)
 
-    layers = cfg.num_layers if read is None else cfg.num_layers - 1
-    (h, state), _ = jax.lax.scan(layer, (x, state), jnp.arange(layers, dtype=jnp.int32))
-    if read is None:
-        return h, state
-    last = jnp.int32(cfg.num_layers - 1)
-    lw, rope = at_layer(last)
-    with jax.named_scope("attention"):
-        out, state = attention(h, lw, rope, last, state)
-    rows_h, rows_out = jnp.take(h[0], read.at, axis=0), jnp.take(out[0], read.at, axis=0)
+            def post_norm(weight: jax.Array) -> Callable[[jax.Array], jax.Array]:
+                return lambda x: tiled(lambda y: norm(cfg, y, weight), x, live=rest_live)
 
-    def rows_tiled(fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
-        if read.step is None:
-            return fn(*xs)
-        steps = (read.count + read.step - 1) // read.step
-        return in_steps(lambda *s: fn(*(a[None] for a in s))[0], read.step, tuple(a[0] for a in xs), steps)[None]
+            attn_out = shards.sum(tiled(o_projection, out, live=rest_live))
+            if cfg.out_bias:
+                attn_out = attn_out + lw.attn.bo
+            h = h + (post_norm(lw.attn_post_norm)(attn_out) if cfg.post_norms else attn_out)
+        with jax.named_scope("mlp"):
+            mlp_in = lambda x: mlp(lw.mlp, norm(cfg, x, lw.mlp_norm), cfg.hidden_act, shards)  # noqa: E731
+            mlp_out = shards.sum(tiled(mlp_in, h, live=rest_live))
+            h = h + (post_norm(lw.mlp_post_norm)(mlp_out) if cfg.post_norms else mlp_out)
+        return (h, st), None
 
-    return after_attention(rows_h[None], rows_out[None], lw, rows_tiled)[0], state
+    (h, state), _ = jax.lax.scan(layer, (x, state), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    return h, state
 
 
 def softcap(logits: jax.Array, cap: float | None) -> jax.Array:

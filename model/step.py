@@ -126,14 +126,16 @@ def score_call(
     # a token is read when it is a chunk's or an item's (padding has negative ids): tiles of padding
     # alone skip their per-token work
     live = (meta.item_ids >= 0)[None]
-    # the last layer past its attention runs at the rows the head reads only (in the head's steps
-    # where the layers' work is tiled: one step size in every call)
-    read = ReadRows(items.read_at, items.n_rows, None if token_tile is None else head_rows)
-    h_rows, (pool_k, pool_v) = run_layers(
+    # where the layers' work is tiled (a CPU), the last layer past its attention runs at the rows
+    # the head reads only (moved to the stream's front), when the stream can hold them
+    tiled = token_tile is not None and items.read_at.shape[0] <= tokens.shape[0]
+    read = ReadRows(items.read_at, items.n_rows) if tiled else None
+    h, (pool_k, pool_v) = run_layers(
         params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards, live, read
     )
     with jax.named_scope("head"):
-        rows = (h_rows, items.label_set, items.output)
+        at_rows = h[0, : items.read_at.shape[0]] if read is not None else jnp.take(h[0], items.read_at, axis=0)
+        rows = (at_rows, items.label_set, items.output)
         if top_logprobs:
             rows += (items.target,)
 

@@ -96,10 +96,9 @@ def test_head_splits_score_like_one_device(parts) -> None:
 def test_collectives_and_bytes_per_device(parts) -> None:
     """The compiled HLO holds exactly the collectives of the design (model/shards.py): per layer
     two all-reduces of the token stream's hidden states on the model axis (o and down
-    projections; the last layer's of the head's rows only), one for the embedding, the label
-    rows and the vocabulary log-sum-exp's max and sum over a head step's rows, and the
-    probabilities gathered on the data axis; none gathers a weight or the pool. Each device
-    holds 1/tp of every split weight and of the pool."""
+    projections), one for the embedding, the label rows and the vocabulary log-sum-exp's
+    max and sum over a head step's rows, and the probabilities gathered on the data axis; none gathers a weight
+    or the pool. Each device holds 1/tp of every split weight and of the pool."""
     result = run_part(parts, "collectives")
     for mesh, r in result.items():
         dp, tp = (int(x) for x in re.findall(r"\d+", mesh))
@@ -110,16 +109,8 @@ def test_collectives_and_bytes_per_device(parts) -> None:
         prefill, kv, hd = dp * r["prefill_tokens"], r["kv_heads_per_device"], r["head_dim"]
         split_prefill = [["pool_write", "all-gather", data, [prefill, kv, hd]]] * 2 if dp > 1 else []
         split_prefill += [["pool_write", "all-gather", data, [prefill]]] * 2 if dp > 1 else []
-        # the last layer runs outside the loop: its K and V gathered the same, its o and down
-        # projections at the head's rows only
-        last_layer = [["pool_write", "all-gather", data, [prefill, kv, hd]]] * 2 if dp > 1 else []
-        last_layer += [
-            ["attention", "all-reduce", model, [1, rows, hidden]],
-            ["mlp", "all-reduce", model, [1, rows, hidden]],
-        ]
         want = sorted(
             split_prefill
-            + last_layer
             + [
                 ["attention", "all-reduce", model, [1, t, hidden]],
                 ["mlp", "all-reduce", model, [1, t, hidden]],
