@@ -175,8 +175,8 @@ def run_layers(
     a row's bits depend on the tile's code and shape, the same in every call. A branch on the
     layer index picks the last layer's inputs: XLA:GPU reads a branch's predicate back on the
     host, so accelerators pass none.
-    Returns the final hidden states [b, t, hidden] (with `read`: row i's at token i, i < R) and
-    the final state.
+    Returns the final hidden states [b, t, hidden] (with `read`: row i's at token i, i < R, and
+    the tiles past the rows' as the last layer found them) and the final state.
     """
     inv_freq, scale = rope_tables(cfg)
     ropes = LayerRope(inv_freq=jnp.asarray(inv_freq), scale=jnp.asarray(scale))
@@ -188,11 +188,12 @@ def run_layers(
         return jax.tree.map(lambda a: a[index], (params.layers, ropes))
 
     def at_read_rows(h: jax.Array, out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """h and the attention output with the read rows first (the rest zeros), and which are live."""
+        """h and the attention output with the read rows first, and which tokens are live: the rows
+        (the tokens past them keep what they held, and nothing reads them)."""
         assert read is not None
 
         def front(a: jax.Array) -> jax.Array:
-            return jnp.zeros_like(a).at[0, : read.at.shape[0]].set(jnp.take(a[0], read.at, axis=0))
+            return a.at[0, : read.at.shape[0]].set(jnp.take(a[0], read.at, axis=0))
 
         return front(h), front(out), (jnp.arange(x.shape[1]) < read.count)[None]
 

@@ -7,8 +7,8 @@ into the pool pages (in place: the pool is a loop carry, donated to the call), a
 the call copies between pages (a query's leading tokens another query holds); then the
 attention of every token over its segment's pages and its own item (kernels/paged.py),
 so chunks and items placed after their query's chunks in the same call see them. Only
-the rows' tokens run the last layer past its attention and reach the output head: an item's
-last token (the vocabulary's, with per-row label sets and softmax, or a classifier's score
+the rows' tokens reach the output head (and on a CPU run the last layer past its attention):
+an item's last token (the vocabulary's, with per-row label sets and softmax, or a classifier's score
 rows), or in a call with token rows every token of a likelihood item (its next token's
 log-prob and the vocabulary's top log-probs). It returns [R, L] per row, and TOKEN_COLUMNS more
 in a call with token rows.

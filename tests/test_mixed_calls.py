@@ -164,3 +164,44 @@ def test_the_cpu_token_tiles_skip_tiles_of_padding_alone() -> None:
             rows = slice(i * tile, (i + 1) * tile)
             want = every[0, rows] if runs[i] else np.zeros_like(every[0, rows])
             np.testing.assert_array_equal(got[0, rows], want, err_msg=f"tile {i}, live {live_tokens}")
+
+
+def test_the_last_layer_runs_past_its_attention_at_the_read_rows_only() -> None:
+    """decoder.run_layers with ReadRows (the CPU engine): the rows' final states, moved to the
+    front of the stream, are the states a run over every token gives at those tokens (however the
+    rows are ordered), and in the last layer the tiles past the rows' are not computed: they hold
+    what the layers before gave them (its o projection and MLP ran over the rows' tile alone)."""
+    import jax
+
+    from prefixscore.model import decoder
+    from prefixscore.model.packed_baseline import packed_attention
+
+    cfg = dataclasses.replace(CFG, num_layers=2)  # a layer before the last one
+    params = random_params(cfg, 1, jnp.float32)
+    rng = np.random.default_rng(4)
+    tile, tokens = 64, 256
+    x = jnp.asarray(rng.normal(size=(1, tokens, cfg.hidden_size)), jnp.float32)
+    positions = jnp.arange(tokens, dtype=jnp.int32)
+    segments = jnp.zeros(tokens, jnp.int32)  # one causal sequence
+
+    def attend(q, k, v, layer, state):
+        return packed_attention(q, k, v, segments), state
+
+    def run(read, params=params, cfg=cfg):
+        return decoder.run_layers(params, cfg, x, positions, attend, None, tile, read=read)[0]
+
+    every = np.asarray(jax.jit(lambda: run(None))())
+    wanted = [200, 7, 63, 255]
+    at = jnp.asarray(wanted + [0] * 4, jnp.int32)  # padded to 8 rows, 4 in use
+    got = np.asarray(jax.jit(lambda: run(decoder.ReadRows(at, jnp.int32(len(wanted)))))())
+    np.testing.assert_allclose(got[0, : len(wanted)], every[0, wanted], atol=2e-5, rtol=1e-5)
+    all_but_last = jax.tree.map(lambda a: a[:-1], params.layers)
+    before_last = jax.jit(
+        lambda: run(
+            None,
+            dataclasses.replace(params, layers=all_but_last),
+            dataclasses.replace(cfg, num_layers=1),
+        )
+    )()
+    np.testing.assert_allclose(got[0, tile:], np.asarray(before_last)[0, tile:], atol=1e-6, rtol=1e-6)
+    assert np.abs(every[0, tile:] - got[0, tile:]).max() > 1e-2  # the last layer moves every token
