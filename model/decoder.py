@@ -183,10 +183,6 @@ def run_layers(
     token_positions = jnp.broadcast_to(positions, x.shape[:2])  # tiled with the tokens
     all_live = jnp.ones(x.shape[:2], bool) if live is None else live
 
-    def at_layer(index: jax.Array) -> tuple[LayerWeights, LayerRope]:
-        # a dynamic index into the stacked weights (as a scan over them slices): no copy of them
-        return jax.tree.map(lambda a: a[index], (params.layers, ropes))
-
     def at_read_rows(h: jax.Array, out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """h and the attention output with the read rows first, and which tokens are live: the rows
         (the tokens past them keep what they held, and nothing reads them)."""
@@ -197,9 +193,11 @@ def run_layers(
 
         return front(h), front(out), (jnp.arange(x.shape[1]) < read.count)[None]
 
-    def layer(carry: tuple[jax.Array, Any], index: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
+    def layer(
+        carry: tuple[jax.Array, Any], xs: tuple[LayerWeights, jax.Array, LayerRope]
+    ) -> tuple[tuple[jax.Array, Any], None]:
         h, st = carry
-        lw, rope = at_layer(index)
+        lw, index, rope = xs  # this layer's slice of the stacked weights, its index and RoPE
 
         def tiled(fn: Callable[..., Any], *xs: jax.Array, live: jax.Array = all_live) -> Any:
             return per_tile(fn, token_tile, *xs, live=live)
@@ -233,7 +231,8 @@ def run_layers(
             h = h + (post_norm(lw.mlp_post_norm)(mlp_out) if cfg.post_norms else mlp_out)
         return (h, st), None
 
-    (h, state), _ = jax.lax.scan(layer, (x, state), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (h, state), _ = jax.lax.scan(layer, (x, state), (params.layers, layers, ropes))
     return h, state
 
 

@@ -128,8 +128,8 @@ def score_call(
     live = (meta.item_ids >= 0)[None]
     # where the layers' work is tiled (a CPU), the last layer past its attention runs at the rows
     # the head reads only (moved to the stream's front), when the stream can hold them
-    tiled = token_tile is not None and items.read_at.shape[0] <= tokens.shape[0]
-    read = ReadRows(items.read_at, items.n_rows) if tiled else None
+    rows_read_alone = token_tile is not None and items.read_at.shape[0] <= tokens.shape[0]
+    read = ReadRows(items.read_at, items.n_rows) if rows_read_alone else None
     h, (pool_k, pool_v) = run_layers(
         params, cfg, x, positions, attend, (pool_k, pool_v), token_tile, shards, live, read
     )
