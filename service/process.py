@@ -29,9 +29,11 @@ from prefixscore.telemetry.metrics import serve_metrics
 log = logging.getLogger("prefixscore.server")
 
 
-# a leader whose group lost a host exits at most this long after noticing: requests in flight
-# are answered UNAVAILABLE at once, the rest is the servers' shutdown
-GROUP_EXIT_S = 5.0
+# a leader whose group lost a host exits within EXIT_PROMISE_S of noticing (README): requests in
+# flight are answered UNAVAILABLE at once, the rest is the servers' shutdown, and a backstop ends
+# the process GROUP_EXIT_S after the loss whatever still runs. The backstop fires a second before
+# the promise: its own exit (the last line, waited for up to EXIT_FLUSH_S) must fit inside it
+EXIT_PROMISE_S = 5.0
 # ... after giving the requests it failed this long to be answered
 GROUP_ANSWER_S = 1.0
 
@@ -39,6 +41,7 @@ GROUP_ANSWER_S = 1.0
 # how long the last log lines may take to go out: a full pipe whose reader stalls must not keep
 # a process that decided to exit alive
 EXIT_FLUSH_S = 1.0
+GROUP_EXIT_S = EXIT_PROMISE_S - EXIT_FLUSH_S
 
 
 def exit_now(code: int) -> NoReturn:
@@ -73,7 +76,7 @@ class ScoreServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        # a lost group's process ends within GROUP_EXIT_S of the loss being noticed, counted on
+        # a lost group's process ends within EXIT_PROMISE_S of the loss being noticed, counted on
         # the thread that noticed it: the event loop may be slow to run `_failed` (a loaded machine)
         self.service = ScoringService(config, self._failed, on_group_lost=lambda: exit_after(GROUP_EXIT_S, 1))
         self.grpc = GrpcServer(self.service)
@@ -128,7 +131,7 @@ class ScoreServer:
     async def _failed(self, error: BaseException) -> None:
         """The device loop broke: health NOT_SERVING at once, then stop (exit_code is 1). A host
         of the group lost: whatever still waits (a collective that never completes), the process
-        ends within GROUP_EXIT_S."""
+        ends within EXIT_PROMISE_S."""
         await self.grpc.set_serving(False)
         if self.service.group.lost:
             # every request held was failed UNAVAILABLE and new ones are refused so: let their
