@@ -34,7 +34,7 @@ log = logging.getLogger("prefixscore.server")
 # the process GROUP_EXIT_S after the loss whatever still runs. The backstop fires a second before
 # the promise: its own exit (the last line, waited for up to EXIT_FLUSH_S) must fit inside it
 EXIT_PROMISE_S = 5.0
-# ... after giving the requests it failed this long to be answered
+# the failure path exits after giving the requests it failed this long to be answered
 GROUP_ANSWER_S = 1.0
 
 
