@@ -16,7 +16,8 @@ trip count is a runtime value skip the padding of a bucket entirely:
   token's own position, in steps at fixed multiples of K_TAIL keys: no causal part,
   no merge (a W4 call's attention takes 0.7x the time it took with a causal part per chunk);
 - ragged item part (the item region): short items (the common case) in one masked
-  softmax over two 32-token blocks; longer ones per 64-token query block from the item's
+  softmax over each token's 33 keys ending at itself (one matmul against two 32-token
+  blocks for the scores, the values summed in order of distance); longer ones per 64-token query block from the item's
   own first token, over the key blocks from that start to the diagonal (a runtime trip count);
 - the merge: one fused elementwise pass.
 Sliding windows (kernels/paged.py): in a model with a sliding layer, each prefix block starts
@@ -28,8 +29,10 @@ nothing).
 The same bits whatever rides beside: a token's reductions are laid out by its own position
 (in its item, its prefix, its query), never by its neighbours or the call's shape: how its
 item is computed follows the item's own length, a long item's blocks start at its own first
-token, a prefix's steps follow its length or the row's position, and keys a row does not see
-contribute exact zeros wherever they fall (docs/design.md, "The same answer whatever the call").
+token, a prefix's steps follow its length or the row's position, and a sum over keys never runs
+over offsets that follow where the token sits among its neighbours: a matrix library may pair or
+split its contraction by offset, so exact zeros for the keys a row does not see are not enough
+(docs/design.md, "The same answer whatever the call").
 A soft cap (AttentionLogits) is applied to the scaled scores before the masks.
 Compile time: each query block size and key step is a copy of the step in the program, and
 those copies, not the model, are most of a small executable's compile time. So only the
@@ -218,9 +221,9 @@ def ragged_rows(
     tokens padding: room for a long item's last block). Which way an item is computed is the item's
     own business, never the call's, so its bits never depend on what rides beside it:
     - a short item (at most ITEM_BLOCK + 1 tokens, and, in a layer with a window, none shorter
-      than the item): block j attends to blocks j - 1 and j in one softmax (2 * ITEM_BLOCK keys
-      per token). Where the item sits in its blocks only moves exact zeros (masked keys) within
-      the sums;
+      than the item): each token in one softmax over the ITEM_BLOCK + 1 keys ending at itself,
+      its values summed in order of distance (_two_blocks), so where the item sits in its blocks
+      changes no term's place in any sum;
     - a longer item: query blocks of long_block tokens from the item's own first token, each over
       key blocks from the same start to the diagonal (_long_items), so each token's keys fall into
       the same steps wherever the item is placed. Only a call holding such an item (max_item_len,
@@ -260,10 +263,28 @@ def ragged_rows(
     return jax.lax.cond(maybe_long & (n_long > 0), with_long, lambda parts: parts, parts)
 
 
+def _band(x: jax.Array, blk: int, g: int) -> jax.Array:
+    """[kv, nb, blk * g, 2 * blk] (row t * g + h against the two blocks' keys) -> [kv, nb, blk, g,
+    blk + 1]: column r of token t is key t + r of the two blocks, the keys from blk before the
+    token to the token itself. A row of t's is read at a stride one longer than the rows' (the
+    classic skew: reshapes, a pad and slices, no gather)."""
+    kv_heads, nb, _, width = x.shape
+    row = g * width
+    flat = x.reshape(kv_heads, nb, blk * row)
+    skewed = jnp.pad(flat, ((0, 0), (0, 0), (0, blk))).reshape(kv_heads, nb, blk, row + 1)[..., :row]
+    return skewed.reshape(kv_heads, nb, blk, g, width)[..., : blk + 1]
+
+
 def _two_blocks(
     qr: jax.Array, kt: jax.Array, vt1: jax.Array, segment_ids: jax.Array, g: int, blk: int, logits: AttentionLogits
 ) -> tuple[jax.Array, jax.Array]:
-    """Short items: keys of block j are blocks j - 1 and j side by side, one masked softmax."""
+    """Short items: block j's queries against blocks j - 1 and j side by side (one matmul over the
+    head dimension), then each token's blk + 1 keys that end at itself, the only ones a short
+    item's token can see (_band). The values are summed over those keys in the order of their
+    distance from the token, one term at a time: a product over the two blocks' keys would sum
+    them at offsets that follow where the item sits in its blocks, and a matrix library may pair
+    or split its contraction by offset (XLA:CPU's dots on an AMD Zen 4 sum a key at an odd offset
+    apart from one at an even offset: a short item's bits moved with its placement)."""
     kv_heads, rows, d = qr.shape
     n = kt.shape[1]
     nb = n // blk
@@ -279,13 +300,18 @@ def _two_blocks(
         return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
 
     keys = jnp.concatenate([prev(kx, 0), kx], axis=2)
-    vals = jnp.concatenate([prev(vx, 0), vx], axis=2)
+    vals = jnp.concatenate([prev(vx, 0), vx], axis=2).astype(jnp.float32)
     k_seg = jnp.concatenate([prev(seg[None], -2)[0], seg], axis=1)[None, :, None, :]
     k_pos = jnp.concatenate([prev(pos[None], -1)[0], pos], axis=1)[None, :, None, :]
     sc, scale = _logits(jnp.einsum("kbqd,kbcd->kbqc", qx, keys, preferred_element_type=jnp.float32), logits, d)
-    sc = jnp.where((k_seg == q_seg) & (k_pos <= q_pos), sc, MASK_VALUE)
-    init = (jnp.full((kv_heads, nb, blk * g), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, nb, blk * g, d + 1)))
-    out, lse = _finish(*_online_step(init, sc, vals, scale, "kbqc,kbcd->kbqd"), jnp.float32)
+    band = _band(jnp.where((k_seg == q_seg) & (k_pos <= q_pos), sc, MASK_VALUE), blk, g)  # [kv, nb, blk, g, blk+1]
+    # _online_step's arithmetic from its empty carry (running max MASK_VALUE, sums 0)
+    m = jnp.maximum(MASK_VALUE, jnp.max(band, axis=-1) * scale)
+    p = jnp.exp(jnp.minimum(band * scale - m[..., None], 0.0))
+    acc = p[..., 0, None] * vals[:, :, :blk, None]
+    for r in range(1, blk + 1):  # token t's key t + r of the two blocks: values rows r..r + blk
+        acc = acc + p[..., r, None] * vals[:, :, r : r + blk, None]
+    out, lse = _finish(m.reshape(kv_heads, nb, blk * g), acc.reshape(kv_heads, nb, blk * g, d + 1), jnp.float32)
     return out.reshape(kv_heads, rows, d), lse.reshape(kv_heads, rows)
 
 

@@ -44,8 +44,9 @@ def rand(rng: np.random.Generator, *shape: int, dtype=jnp.float32) -> jax.Array:
 
 
 def segments(lengths: list[int], n: int) -> jax.Array:
-    """Items back to back, then padding as one more segment (what the engine packs)."""
-    seg = np.full(n, len(lengths), np.int32)
+    """Items back to back, then padding, one negative id a token (what the engine packs: no item
+    is longer than the call's max_item_len)."""
+    seg = -1 - np.arange(n, dtype=np.int32)
     at = 0
     for i, length in enumerate(lengths):
         seg[at : at + length] = i
