@@ -7,7 +7,13 @@ call's stream over the paged pool: a prefill chunk, items of several queries, wh
 sequences over no prefix), on a layer without a window and on one with a sliding window,
 a soft cap and a softmax scale of its own, at the model's head shapes and dtype, compared with
 kernels/reference.py computed on the same device at full precision. A mismatch stops
-start-up with a message naming the function, instead of serving wrong scores. An engine
+start-up with a message naming the function, instead of serving wrong scores. An
+implementation that promises the same bits wherever a token sits in its call
+(`SAME_BITS_ANYWHERE`, the CPU's `xla`) runs the same stream again with every run but the
+last moved one token later in its block, and must give each moved row the same bits: that
+promise rests on the device's matrix products summing a row the same way at any offset, which
+a library may not (XLA:CPU's on an AMD Zen 4 pair a contraction by offset), so a machine that
+breaks it stops start-up instead of serving answers that depend on the traffic. An engine
 checks once per process for its implementation, head shapes and dtype (verify_once).
 
 A passing check's errors are also kept beside jax's persistent compile cache, keyed by
@@ -53,6 +59,8 @@ WINDOW = 48
 LOGITS = AttentionLogits(scale=0.1, softcap=2.0)
 # the calls checked (_calls), by the names their errors are reported under
 CALLS = ("paged_attention", "paged_attention_windowed")
+# each call's moved rows against its rows in place, for SAME_BITS_ANYWHERE (must be exactly 0)
+MOVED = " moved a token"
 
 
 class KernelCheckFailed(RuntimeError):
@@ -67,6 +75,7 @@ def case(
     seed: int = 0,
     window: int | None = None,
     logits: AttentionLogits = DEFAULT_LOGITS,
+    shift: int = 0,
 ) -> dict:
     """One call's stream over a paged pool, with every kind of segment:
 
@@ -76,8 +85,11 @@ def case(
     blocks, items of query B (prefix 128: one whole page), whole sequences over no prefix,
     items of query C (prefix 1: one key), then padding (no prefix).
     Positions as the planner gives them: prefix_len + index within the item, 0 for padding.
-    window (None: none) and logits: the layer's (kernels/paged.py).
-    Returns q, k, v [T, ...], pool_k, pool_v [2, kv, pages, 128, d] and meta (layer 1).
+    window (None: none) and logits: the layer's (kernels/paged.py). shift: every run but the
+    stream's tail starts that many tokens into its aligned block (padding of its segment before
+    it), each token's q, k and v moving with it: the same call, other places.
+    Returns q, k, v [T, ...], pool_k, pool_v [2, kv, pages, 128, d], meta (layer 1) and `place`
+    [T] (numpy: where each token of the unshifted stream sits in this one).
     """
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(dtype)
@@ -101,9 +113,16 @@ def case(
         (SPLIT + 512, 3, [3]),
         (SPLIT + 640, 5, [128]),  # the stream's tail padding: its own segment (no prefix) and item
     ]
+    place = np.arange(STREAM_TOKENS)
     item = 0
-    for start, seg, lengths in layout:
-        at = start
+    for i, (start, seg, lengths) in enumerate(layout):
+        lead = shift if i < len(layout) - 1 else 0  # the tail ends the stream: no room to move it
+        at = start + lead
+        # padding before a moved run: the prefill chunk's of no prefix (a chunk's run starts at
+        # its first token), the items' of their segment (the items then sit later in its run)
+        segment_ids[start:at] = seg if start >= SPLIT else 0
+        item_ids[start:at] = -1 - np.arange(start, at)
+        place[start : start + sum(lengths)] += lead
         for n in lengths:
             segment_ids[at : at + n] = seg
             item_ids[at : at + n] = item
@@ -128,16 +147,25 @@ def case(
     )
     pool = (2, kv_heads, POOL_PAGES, PAGE_TOKENS, head_dim)
     k, v = normal(STREAM_TOKENS, kv_heads, head_dim), normal(STREAM_TOKENS, kv_heads, head_dim)
+    q = normal(STREAM_TOKENS, heads, head_dim)
     # as a call does before attention: the chunk's K/V into its query's pages at its positions
     pos = 300 + np.arange(200)
     at = (1, slice(None), table[4][pos // PAGE_TOKENS], pos % PAGE_TOKENS)
+    pool_k, pool_v = normal(*pool).at[at].set(k[:200]), normal(*pool).at[at].set(v[:200])
+
+    moving = np.nonzero(place != np.arange(STREAM_TOKENS))[0]
+
+    def moved(x: jax.Array) -> jax.Array:  # each moved token's row at its place (padding keeps its own)
+        return x.at[place[moving]].set(x[moving])
+
     return {
-        "q": normal(STREAM_TOKENS, heads, head_dim),
-        "k": k,
-        "v": v,
-        "pool_k": normal(*pool).at[at].set(k[:200]),
-        "pool_v": normal(*pool).at[at].set(v[:200]),
+        "q": moved(q),
+        "k": moved(k),
+        "v": moved(v),
+        "pool_k": pool_k,
+        "pool_v": pool_v,
         "meta": meta,
+        "place": place,
     }
 
 
@@ -159,9 +187,13 @@ def _calls(impl: ModuleType, x: dict) -> dict[str, jax.Array]:
 
 
 def check(impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str, *, seed: int = 0) -> dict[str, float]:
-    """Max |impl - reference| per call, computed on the default device. Pure: raises nothing."""
+    """Max |impl - reference| per call, computed on the default device; for an implementation
+    that promises the same bits anywhere (`SAME_BITS_ANYWHERE`), also each call's max |moved -
+    in place| (names ending in MOVED). Pure: raises nothing."""
     x = case(heads, kv_heads, head_dim, dtype, seed)
-    fast = jax.jit(lambda a: _calls(impl, a))(x)
+    del x["place"]  # every token in its place
+    run = jax.jit(lambda a: _calls(impl, a))
+    fast = run(x)
     # the oracle in float32 from the same (rounded) inputs: what the fast path approximates
     # (and XLA:CPU has no bf16 x bf16 -> f32 dot for the oracle's gathered layout)
     wide = {**x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v", "pool_k", "pool_v")}}
@@ -169,8 +201,24 @@ def check(impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str
         exact = jax.jit(lambda a: _calls(reference, a))(wide)
     # on the host: XLA's max reduction may skip NaNs, numpy's propagates them
     read = read_rows(x["meta"])
-    diff = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32)[read] - np.asarray(b, np.float32)[read])))  # noqa: E731
-    return {name: diff(fast[name], exact[name]) for name in fast}
+    diff = lambda a, b, at=read: float(np.max(np.abs(np.asarray(a, np.float32)[at] - np.asarray(b, np.float32)[read])))  # noqa: E731
+    errors = {name: diff(fast[name], exact[name]) for name in fast}
+    if same_bits_anywhere(impl):
+        moved = case(heads, kv_heads, head_dim, dtype, seed, shift=1)
+        place = moved.pop("place")
+        again = run(moved)  # the same shapes: the same program
+        errors |= {name + MOVED: diff(again[name], fast[name], place[read]) for name in fast}
+    return errors
+
+
+def same_bits_anywhere(impl: ModuleType) -> bool:
+    """Whether `impl` promises a row the same bits wherever it sits in its call."""
+    return bool(getattr(impl, "SAME_BITS_ANYWHERE", False))
+
+
+def checked_names(impl: ModuleType) -> set[str]:
+    """The errors check() reports for `impl`."""
+    return set(CALLS) | ({name + MOVED for name in CALLS} if same_bits_anywhere(impl) else set())
 
 
 def verify(impl_name: str, impl: ModuleType, heads: int, kv_heads: int, head_dim: int, dtype: str) -> dict[str, float]:
@@ -200,7 +248,7 @@ def verify_once(
     with _CHECKING:  # concurrent engines wait for the one check instead of running it twice
         if key not in _CHECKED:
             path = verdict_path(impl_name, impl, heads, kv_heads, head_dim, dtype)
-            errors = _read_verdict(path)
+            errors = _read_verdict(path, checked_names(impl))
             if errors is None:  # none kept: check now, and keep a pass
                 errors = check(impl, heads, kv_heads, head_dim, dtype)
                 if path is not None and not _past_tolerance(errors, dtype):
@@ -246,7 +294,7 @@ def verdict_path(impl_name: str, impl: ModuleType, heads: int, kv_heads: int, he
     return None if key is None else Path(cache) / VERDICTS / f"{key}.json"
 
 
-def _read_verdict(path: Path | None) -> dict[str, float] | None:
+def _read_verdict(path: Path | None, names: set[str]) -> dict[str, float] | None:
     """The kept errors, or None (none kept, or a file this version cannot read: check again)."""
     if path is None:
         return None
@@ -254,7 +302,7 @@ def _read_verdict(path: Path | None) -> dict[str, float] | None:
         errors = {str(name): float(err) for name, err in json.loads(path.read_text()).items()}
     except (OSError, ValueError, TypeError, AttributeError):
         return None
-    return errors if set(errors) == set(CALLS) else None  # every call's error, or none kept
+    return errors if set(errors) == names else None  # every error check() reports, or none kept
 
 
 def _write_verdict(path: Path, errors: dict[str, float]) -> None:
@@ -269,20 +317,37 @@ def _write_verdict(path: Path, errors: dict[str, float]) -> None:
         pass
 
 
+def _tolerance(name: str, dtype: str) -> float:
+    return 0.0 if name.endswith(MOVED) else TOLERANCE[dtype]
+
+
 def _past_tolerance(errors: dict[str, float], dtype: str) -> dict[str, float]:
-    return {name: err for name, err in errors.items() if not err <= TOLERANCE[dtype]}  # NaN fails too
+    return {name: err for name, err in errors.items() if not err <= _tolerance(name, dtype)}  # NaN fails too
 
 
 def _judged(
     impl_name: str, heads: int, kv_heads: int, head_dim: int, dtype: str, errors: dict[str, float]
 ) -> dict[str, float]:
-    """The errors, or KernelCheckFailed naming each call past the tolerance."""
+    """The errors, or KernelCheckFailed naming each call past its tolerance."""
     bad = _past_tolerance(errors, dtype)
-    if bad:
-        detail = ", ".join(f"{name} off by {err:.3g}" for name, err in bad.items())
-        raise KernelCheckFailed(
-            f"attention implementation {impl_name!r} disagrees with the reference on "
-            f"{jax.default_backend()} ({dtype}, {heads} heads / {kv_heads} kv heads / head_dim {head_dim}): "
-            f"{detail} (tolerance {TOLERANCE[dtype]}); serve with --attention xla and report this"
+    if not bad:
+        return errors
+    where = f"{jax.default_backend()} ({dtype}, {heads} heads / {kv_heads} kv heads / head_dim {head_dim})"
+    wrong = {name: err for name, err in bad.items() if not name.endswith(MOVED)}
+    moved = {name: err for name, err in bad.items() if name.endswith(MOVED)}
+    found = []
+    if wrong:
+        detail = ", ".join(f"{name} off by {err:.3g}" for name, err in wrong.items())
+        found.append(
+            f"attention implementation {impl_name!r} disagrees with the reference on {where}: {detail} "
+            f"(tolerance {TOLERANCE[dtype]}); serve with --attention xla and report this"
         )
-    return errors
+    if moved:
+        detail = ", ".join(f"{name} off by {err:.3g}" for name, err in moved.items())
+        found.append(
+            f"attention implementation {impl_name!r} gives a token other bits one place later in its call "
+            f"on {where}: {detail} (must be 0): this machine's matrix products sum a row by where it "
+            "sits, so answers would depend on what rides beside them; report this with the CPU's model, "
+            "or serve with --attention reference, which promises no such thing"
+        )
+    raise KernelCheckFailed("; ".join(found))

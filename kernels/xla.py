@@ -69,6 +69,9 @@ from prefixscore.kernels.reference import MASK_VALUE, merge_attention
 
 __all__ = ["merge_attention", "paged_attention", "paged_prefix_attention", "ragged_item_attention"]
 
+# a row's bits do not depend on where it sits in its call (module docstring): the start-up check
+# (kernels/selfcheck.py) holds this implementation to that on the machine it serves from
+SAME_BITS_ANYWHERE = True
 # the CPU loops start a query block at any token, so segments need no alignment (prefill
 # chunks of short queries pack back to back; a long query's chunks fall on block boundaries
 # anyway, being whole multiples of them)
