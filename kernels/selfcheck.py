@@ -86,8 +86,8 @@ def case(
     items of query C (prefix 1: one key), then padding (no prefix).
     Positions as the planner gives them: prefix_len + index within the item, 0 for padding.
     window (None: none) and logits: the layer's (kernels/paged.py). shift: every run but the
-    stream's tail starts that many tokens into its aligned block (padding of its segment before
-    it), each token's q, k and v moving with it: the same call, other places.
+    stream's tail starts that many tokens into its aligned block (padding before it), each
+    token's q, k and v moving with it: the same call, other places.
     Returns q, k, v [T, ...], pool_k, pool_v [2, kv, pages, 128, d], meta (layer 1) and `place`
     [T] (numpy: where each token of the unshifted stream sits in this one).
     """

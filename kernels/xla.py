@@ -16,9 +16,10 @@ trip count is a runtime value skip the padding of a bucket entirely:
   token's own position, in steps at fixed multiples of K_TAIL keys: no causal part,
   no merge (a W4 call's attention takes 0.7x the time it took with a causal part per chunk);
 - ragged item part (the item region): short items (the common case) in one masked
-  softmax over each token's 33 keys ending at itself (one matmul against two 32-token
-  blocks for the scores, the values summed in order of distance); longer ones per 64-token query block from the item's
-  own first token, over the key blocks from that start to the diagonal (a runtime trip count);
+  softmax over each token's 33 keys ending at itself (the scores from one matmul against
+  two 32-token blocks, the values summed in order of distance); longer ones per 64-token
+  query block from the item's own first token, over the key blocks from that start to the
+  diagonal (a runtime trip count);
 - the merge: one fused elementwise pass.
 Sliding windows (kernels/paged.py): in a model with a sliding layer, each prefix block starts
 its steps at the K_TAIL step of the first key any of its rows needs (key 0 on a full layer) and
