@@ -154,7 +154,8 @@ def test_a_tokens_attention_is_the_same_however_its_query_is_chunked_and_its_ite
     chunk, in two, or from 1,100 on beside another query's chunk, give the same bits at the same
     positions (its steps of keys follow each token's position, not its chunk's start or its block's
     other rows); an item of 20 or 45 tokens gives the same bits at any offset among items of 3-60
-    tokens as alone. With a sliding window (300 keys) as well."""
+    tokens, and after one item of 1-32 tokens (every offset of its block), as alone. With a sliding
+    window (300 keys) as well."""
     import jax
     import jax.numpy as jnp
 
@@ -225,6 +226,11 @@ def test_a_tokens_attention_is_the_same_however_its_query_is_chunked_and_its_ite
             np.testing.assert_array_equal(
                 got[start : start + length], alone, err_msg=f"{length} tokens after {at} items"
             )
+        # and at every offset of a 32-token block, after one item: a matrix library may pair or
+        # split a contraction by offset (on a Zen 4, odd offsets summed apart from even ones)
+        for lead in range(1, 33):
+            got = stream([], [lead, length], 1, 512)
+            np.testing.assert_array_equal(got[lead : lead + length], alone, err_msg=f"{length} tokens at {lead}")
 
 
 def check_likelihood(scorer: Scorer) -> None:
