@@ -296,9 +296,7 @@ def _two_blocks(
     kx = kt.reshape(kv_heads, nb, blk, d)
     vx = vt1.reshape(kv_heads, nb, blk, d + 1)
     seg = segment_ids.reshape(nb, blk)
-    pos = jnp.arange(n, dtype=jnp.int32).reshape(nb, blk)
     q_seg = jnp.repeat(seg, g, axis=1)[None, :, :, None]  # [1, nb, blk*g, 1] (row r = token r // g)
-    q_pos = jnp.repeat(pos, g, axis=1)[None, :, :, None]
 
     def prev(x: jax.Array, fill: int) -> jax.Array:  # block j-1 at j (block -1: `fill`, masked)
         return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
@@ -306,9 +304,9 @@ def _two_blocks(
     keys = jnp.concatenate([prev(kx, 0), kx], axis=2)
     vals = jnp.concatenate([prev(vx, 0), vx], axis=2).astype(jnp.float32)
     k_seg = jnp.concatenate([prev(seg[None], -2)[0], seg], axis=1)[None, :, None, :]
-    k_pos = jnp.concatenate([prev(pos[None], -1)[0], pos], axis=1)[None, :, None, :]
     sc, scale = _logits(jnp.einsum("kbqd,kbcd->kbqc", qx, keys, preferred_element_type=jnp.float32), logits, d)
-    band = _band(jnp.where((k_seg == q_seg) & (k_pos <= q_pos), sc, MASK_VALUE), blk, g)  # [kv, nb, blk, g, blk+1]
+    # the band holds no key past its token (causal by construction): only other items' keys to mask
+    band = _band(jnp.where(k_seg == q_seg, sc, MASK_VALUE), blk, g)  # [kv, nb, blk, g, blk + 1]
     # _online_step's arithmetic from its empty carry (running max MASK_VALUE, sums 0)
     m = jnp.maximum(MASK_VALUE, jnp.max(band, axis=-1) * scale)
     p = jnp.exp(jnp.minimum(band * scale - m[..., None], 0.0))
