@@ -232,10 +232,12 @@ class ScoringService:
         if self._failing:  # a lost group fails the loop too: stop once
             return
         self._failing = True
+        self.exit_code = 1
+        # said on the thread that noticed: a lost group's backstop may end the process before the
+        # event loop runs `fail`, and its exit must not be the only line saying it stopped
+        event(log, "worker_failed", level=logging.CRITICAL, error=f"{type(error).__name__}: {error}")
 
         async def fail() -> None:
-            self.exit_code = 1
-            event(log, "worker_failed", level=logging.CRITICAL, error=f"{type(error).__name__}: {error}")
             await self._on_failure(error)
 
         with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending anyway
