@@ -68,7 +68,8 @@ def test_a_lost_group_ends_the_process_while_its_event_loop_is_held(tmp_path):
     """The loss noticed (the step channel's callback) while the event loop runs something that
     does not yield: the process still ends non-zero within EXIT_PROMISE_S of the loss, from a
     timer started on the thread that noticed (at GROUP_EXIT_S, early enough for its own last
-    line), and says so in its last line."""
+    line), says why first (`worker_failed`, also from the thread that noticed) and says so in its
+    last line."""
     child = _child(f"""
         import asyncio, threading, time
         from prefixscore.service.config import ServerConfig
@@ -92,7 +93,10 @@ def test_a_lost_group_ends_the_process_while_its_event_loop_is_held(tmp_path):
         child.kill()
     assert child.returncode == 1, stderr.decode()[-2000:]
     lost_at = float((tmp_path / "lost").read_text())
-    exit_line = _events(stderr)[-1]
+    events = _events(stderr)
+    exit_line = events[-1]
     assert exit_line["event"] == "exit" and exit_line["code"] == 1, exit_line
+    failed = [e for e in events if e["event"] == "worker_failed"]
+    assert failed and "host 1 closed the step channel" in failed[0]["error"], events[-5:]
     # the backstop's own delay, and the loss's lines written before it: inside the promise
     assert GROUP_EXIT_S - 0.1 <= exit_line["ts"] - lost_at <= EXIT_PROMISE_S, exit_line["ts"] - lost_at
