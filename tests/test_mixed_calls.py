@@ -140,6 +140,28 @@ def test_the_cpu_token_tiles_compute_the_whole_mlp() -> None:
         np.testing.assert_allclose(np.asarray(got), np.asarray(decoder.mlp(first_mlp, y)), atol=1e-6, rtol=1e-5)
 
 
+def test_a_cpu_tile_is_set_by_the_width_of_a_models_layers() -> None:
+    """scoring_engine.cpu_token_tile: the smallest power of two (64 to 1,024 tokens) whose tokens take
+    CPU_TILE_MACS multiply-adds through a layer's projections, whatever the layer count; a narrow
+    model's tile is large (bench-cpu: 256), a wide one's small (SmolLM2-135M's layer: 64), and the
+    engine's tile is the largest of that dividing every bucket."""
+    from prefixscore.engine.runtime import scoring_engine as se
+    from prefixscore.model import flops
+    from prefixscore.model.presets import RANDOM_PRESETS
+
+    narrow = RANDOM_PRESETS["bench-cpu"][0]
+    smollm2 = dataclasses.replace(narrow, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3)
+    assert (se.cpu_token_tile(narrow), se.cpu_token_tile(smollm2), se.cpu_token_tile(CFG)) == (256, 64, 1024)
+    for cfg in (narrow, smollm2, CFG, RANDOM_PRESETS["qwen3-0.6b-random"][0]):
+        tile = se.cpu_token_tile(cfg)
+        assert se.cpu_token_tile(dataclasses.replace(cfg, num_layers=3 * cfg.num_layers)) == tile
+        per_token = flops.linear_per_token(cfg) // (2 * cfg.num_layers)
+        assert tile * per_token >= se.CPU_TILE_MACS or tile == se.CPU_TILE_MOST, cfg.name
+        assert tile // 2 * per_token < se.CPU_TILE_MACS or tile == se.CPU_TILE_FEWEST, cfg.name
+    assert BUCKETS.token_tile(se.cpu_token_tile(smollm2)) == 64
+    assert BUCKETS.token_tile(se.cpu_token_tile(CFG)) == 256  # the buckets' largest common divisor
+
+
 def test_the_cpu_token_tiles_skip_tiles_of_padding_alone() -> None:
     """decoder.per_tile with `live` (the tokens a call reads): a tile with no live token is not
     computed (its outputs are zeros), and every tile that runs, whole, gives the bits it gives with

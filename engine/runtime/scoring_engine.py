@@ -36,7 +36,7 @@ from prefixscore.engine.runtime.prefix_cache import PrefixCache
 from prefixscore.engine.runtime.warmup import WarmupStage, compile_in_stages, plan_stages
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.kernels.paged import pool_dtype
-from prefixscore.model import step
+from prefixscore.model import flops, step
 from prefixscore.model.call_inputs import LABEL_SETS, CallInputs, CallShape, ItemRegion, PageCopies, PrefillRegion
 from prefixscore.model.config import DTYPES, ModelConfig
 from prefixscore.model.weights import Weights
@@ -44,10 +44,28 @@ from prefixscore.telemetry.compiles import CompileCounter
 
 # where a loop or branch on a runtime value syncs the host (step.score_call's static_head)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# on CPUs each layer's per-token work runs in tiles of at most this many tokens, one tile size
-# for every call (decoder.per_tile: the same bits whatever the call's size; the MLP's activations
-# stay in cache); accelerators run it whole
-CPU_TOKEN_TILE = 1024
+# On CPUs each layer's per-token work runs in tiles, one tile size for every call of a model
+# (decoder.per_tile: the same bits whatever the call's size; the MLP's activations stay in cache);
+# accelerators run it whole. A tile holding any real token is computed whole, so a small call pays
+# for its last tile's padding, and each tile pays a fixed cost (its loop step, its products'
+# set-up). The tile is the smallest power of two, from CPU_TILE_FEWEST to CPU_TILE_MOST tokens,
+# whose tokens take at least CPU_TILE_MACS multiply-adds through one layer's projections: a
+# narrow model takes large tiles, a wide one small (measured on 2 cores, docs/benchmarks.md "A
+# tile by the model's width": bench-cpu's layers, 0.79M multiply-adds a token, ran slower in
+# 128-token tiles than in 256; SmolLM2-135M's, 3.5M, ran a W1 request as fast in 64 as in 256,
+# and a one-prompt call in 0.21 s against 0.57 s)
+CPU_TILE_MACS = 2**27
+CPU_TILE_FEWEST, CPU_TILE_MOST = 64, 1024
+
+
+def cpu_token_tile(cfg: ModelConfig) -> int:
+    """The most tokens a CPU tile of `cfg`'s per-token work holds (Buckets.token_tile then takes
+    the largest that divides every call's tokens)."""
+    per_token = flops.linear_per_token(cfg) // (2 * cfg.num_layers)  # one layer's multiply-adds
+    tile = CPU_TILE_FEWEST
+    while tile < CPU_TILE_MOST and tile * per_token < CPU_TILE_MACS:
+        tile *= 2
+    return tile
 
 
 def _all_fields(region: type, value: Any) -> Any:
@@ -243,7 +261,7 @@ class ScoringEngine:
 
     def _token_tile(self, platform: str) -> int | None:
         """Tokens per tile of each layer's per-token work on `platform` (None: all at once)."""
-        return self.buckets.token_tile(CPU_TOKEN_TILE) if platform == "cpu" else None
+        return self.buckets.token_tile(cpu_token_tile(self.cfg)) if platform == "cpu" else None
 
     def _traced(self, shape: CallShape, platform: str) -> jax.stages.Traced:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
