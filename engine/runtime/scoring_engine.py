@@ -52,8 +52,8 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # whose tokens take at least CPU_TILE_MACS multiply-adds through one layer's projections: a
 # narrow model takes large tiles, a wide one small (measured on 2 cores, docs/benchmarks.md "A
 # tile by the model's width": bench-cpu's layers, 0.79M multiply-adds a token, ran slower in
-# 128-token tiles than in 256; SmolLM2-135M's, 3.5M, ran a W1 request as fast in 64 as in 256,
-# and a one-prompt call in 0.21 s against 0.57 s)
+# 128-token tiles than in 256 on a Sapphire Rapids; SmolLM2-135M's, 3.5M, ran a W1 request as fast
+# in 64 as in 256 on a Zen 4, and a one-prompt call in 0.21 s against 0.57 s)
 CPU_TILE_MACS = 2**27
 CPU_TILE_FEWEST, CPU_TILE_MOST = 64, 1024
 
