@@ -344,3 +344,76 @@ def test_untileable_shapes_fall_back(impl: str) -> None:
         got = dispatch.get(impl).paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
     read = selfcheck.read_rows(x["meta"])
     close(got[read], want[read], jnp.float32)
+
+
+def test_xla_short_chunks_share_the_key_steps_they_read_alike_with_the_same_bits() -> None:
+    """The CPU path's packed prefill chunks (kernels/xla.py _pack_chunks): short chunks over
+    prefixes that begin with the same pages (lm-eval's sibling choices over one k-shot header)
+    take the key steps they read alike in one block per 64-token window, then each its own from
+    there. Packed: the window's chunks on those pages (one reaching fewer steps than the block
+    takes); not: a chunk over other pages between them, a chunk longer than a window, a chunk
+    alone in its window, one that ends past its window's block. Every chunk's rows equal the
+    oracle's, and the same bits as the chunk alone in its call."""
+    from prefixscore.kernels import xla
+    from prefixscore.kernels.paged import segment_runs
+
+    rng = np.random.default_rng(7)
+    heads, kv, d, page, n = 6, 2, 32, 16, 256
+    header, own = 48, 72  # pages: a 768-key header every segment but one reads, then pages of its own
+    # (segment, prefix length, tokens), back to back from token 0
+    chunks = [(1, 998, 8), (2, 877, 10), (3, 952, 7), (7, 930, 5), (4, 994, 10), (5, 968, 2), (8, 880, 90)]
+    chunks += [(6, 900, 8), (9, 300, 6), (10, 950, 60)]
+    segments = 11
+    table = np.stack([np.arange(header)] * segments)
+    table[7] = header + np.arange(header)  # another header
+    table = np.concatenate([table, 2 * header + own * np.arange(segments)[:, None] + np.arange(own)], axis=1)
+    table[9, 16:] = table[9, header:].tolist() + [0] * (header - 16)  # its own pages from key 256 on
+    pool_pages = 2 * header + own * segments
+    q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
+    pk, pv = rand(rng, 1, kv, pool_pages, page, d), rand(rng, 1, kv, pool_pages, page, d)
+
+    def call(layout: list[tuple[int, int, int]], rows_from: list[int]) -> tuple[PagedAttentionMeta, dict]:
+        """A stream of these chunks (their q, k, v from rows_from), the pool with their K/V written."""
+        seg, item, pos = np.zeros(n, np.int32), -1 - np.arange(n, dtype=np.int32), np.zeros(n, np.int32)
+        plen, take = np.zeros(segments, np.int32), np.arange(n)
+        wk, wv, at = pk, pv, 0
+        for i, ((s, length, tokens), src) in enumerate(zip(layout, rows_from, strict=True)):
+            seg[at : at + tokens], item[at : at + tokens], plen[s] = s, i, length
+            pos[at : at + tokens], take[at : at + tokens] = length + np.arange(tokens), src + np.arange(tokens)
+            where = (0, slice(None), table[s][pos[at : at + tokens] // page], pos[at : at + tokens] % page)
+            wk, wv = wk.at[where].set(k[take[at : at + tokens]]), wv.at[where].set(v[take[at : at + tokens]])
+            at += tokens
+        meta = PagedAttentionMeta(
+            segment_ids=jnp.asarray(seg),
+            item_ids=jnp.asarray(item),
+            page_table=jnp.asarray(table, jnp.int32),
+            prefix_len=jnp.asarray(plen),
+            max_chunk_len=jnp.int32(90),
+            max_item_len=jnp.int32(1),
+            layer=jnp.int32(0),
+            positions=jnp.asarray(pos),
+            window=NO_WINDOW,
+            split=n,
+        )
+        return meta, dict(q=q[take], k=k[take], v=v[take], pool_k=wk, pool_v=wv)
+
+    starts = np.cumsum([0] + [t for _, _, t in chunks])[:-1].tolist()
+    meta, x = call(chunks, starts)
+    runs = segment_runs(meta.segment_ids, n, n)
+    padded = jnp.pad(meta.page_table, ((0, 0), (0, -meta.page_table.shape[1] % 64 + 64)))
+    plan = xla._pack_chunks(meta, *runs, n, n, padded, page, 256 // page)
+    # 768 keys read alike: 3 steps of 256 where the first window's chunks need 4; in the third,
+    # segment 9's pages part from segment 6's at key 256: one step
+    assert np.asarray(plan.from_step[: len(chunks) + 1]).tolist() == [3, 3, 3, 0, 3, 3, 0, 1, 1, 0, 0]
+    assert int(plan.trips) == 2
+    # the window as a model without sliding layers traces it: a Python int (a traced one takes the
+    # windowed steps, which pack nothing)
+    attend = jax.jit(lambda *a, meta: xla.paged_attention(*a, dataclasses.replace(meta, window=NO_WINDOW)))
+    got = np.asarray(attend(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], meta=meta))
+    want = reference.paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], meta)
+    read = np.asarray(meta.item_ids) >= 0
+    close(got[read], np.asarray(want)[read], jnp.float32)
+    for (s, length, tokens), at in zip(chunks, starts, strict=True):
+        alone_meta, alone = call([(s, length, tokens)], [at])
+        by_itself = np.asarray(attend(*(alone[name] for name in ("q", "k", "v", "pool_k", "pool_v")), meta=alone_meta))
+        np.testing.assert_array_equal(got[at : at + tokens], by_itself[:tokens], err_msg=f"segment {s}")
