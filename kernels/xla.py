@@ -51,7 +51,6 @@ never repeated. Softmax statistics, LSE and the merge are float32.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -100,9 +99,6 @@ ITEM_BLOCK = 32
 # of 5-200 tokens, 32% faster than 128-token blocks). Prefill chunks do not come here on CPU:
 # paged_attention reads them back from the pool (paged_prefix_rows' causal runs)
 LONG_ITEM_BLOCK = 64
-# short prefill chunks (at most this many tokens, within a window of as many) that read the same
-# pages share the key steps they have in common in one block of this size (_pack_chunks)
-PACK_TOKENS = Q_TAILS[0]
 
 
 def _with_ones(v: jax.Array) -> jax.Array:
@@ -432,106 +428,6 @@ def _segment_chunk(
     return chunk.reshape(kv_heads, pages.shape[0] * page_tokens, -1)
 
 
-def _put_rows(rows: jax.Array, x: jax.Array, mine: jax.Array, at: jax.Array) -> jax.Array:
-    """rows [kv, R, ...] with x [kv, r, ...] written at rows at.. where mine [r], the rest as they were."""
-    old = jax.lax.dynamic_slice_in_dim(rows, at, x.shape[1], axis=1)
-    keep = mine.reshape(mine.shape + (1,) * (x.ndim - 2))
-    return jax.lax.dynamic_update_slice_in_dim(rows, jnp.where(keep, x, old), at, axis=1)
-
-
-def _fresh_carry(kv_heads: int, r: int, d: int) -> tuple[jax.Array, jax.Array]:
-    """An online softmax before its first key: running max MASK_VALUE, output and row sum 0."""
-    return jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedChunks:
-    """Short prefill chunks that read the same pages for their first keys, packed into shared
-    blocks (see _pack_chunks). Per run of segment_runs': from_step [n], the key
-    steps its rows took in its window's block (0: not packed). Per window of PACK_TOKENS tokens
-    (by where a chunk starts): first_token [W], segment [W] (whose pages the block reads), steps
-    [W]; windows [W]: those with a shared block first, trips of them. Per token: window [n]
-    (its chunk's window if packed, else -1) and limit [n] (the keys it sees: below its position
-    in its segment, its own included). sums: the shared blocks' row sums, once computed."""
-
-    from_step: jax.Array
-    first_token: jax.Array
-    segment: jax.Array
-    steps: jax.Array
-    windows: jax.Array
-    trips: jax.Array
-    window: jax.Array
-    limit: jax.Array
-    sums: jax.Array | None = None
-
-
-def _pack_chunks(
-    meta: PagedAttentionMeta,
-    starts: jax.Array,
-    ends: jax.Array,
-    count: jax.Array,
-    n: int,
-    causal_split: int,
-    table: jax.Array,
-    page_tokens: int,
-    tail_pages: int,
-) -> PackedChunks:
-    """Which prefill chunks share key steps. A chunk of at most PACK_TOKENS tokens goes in the window
-    of PACK_TOKENS tokens its first token falls in (counted from the stream's start), with the
-    window's other such chunks that end within PACK_TOKENS tokens of the window's first one and read
-    the same pages as it for at least their first step of keys. A window of two or more takes, in one
-    block, the steps every one of its chunks either reads from those same pages or does not reach;
-    each chunk then goes on from there in its own block. A row's steps are the same keys in the same
-    order either way, so its bits do not change (kernels/selfcheck.py holds a row's bits to not
-    depending on where it sits in its block); sibling choices of lm-eval's multiple choice (a
-    k-shot header, then each choice's few tokens) read their header's pages once per window, not
-    once per choice."""
-    tail_keys = tail_pages * page_tokens
-    runs = min(n, meta.page_table.shape[0] + 1)  # chunks come first, one per segment, then padding
-    idx = jnp.arange(runs, dtype=jnp.int32)
-    start, end = starts[:runs], ends[:runs]
-    safe = jnp.minimum(start, n - 1)
-    seg = meta.segment_ids[safe]
-    tokens = end - start
-    need = (meta.prefix_len[seg] + tokens + tail_keys - 1) // tail_keys  # the steps its last row sees
-    short = (idx < count) & (start < causal_split) & (meta.item_ids[safe] >= 0) & (tokens <= PACK_TOKENS)
-    n_windows = -(-causal_split // PACK_TOKENS)
-    window = jnp.where(short, start // PACK_TOKENS, n_windows)  # n_windows: none (dropped below)
-    first_token = jax.ops.segment_min(jnp.where(short, start, n), window, n_windows + 1)
-    first_run = jnp.searchsorted(start, first_token)  # the run starting there
-    ref = seg[jnp.minimum(first_run, runs - 1)]  # [W + 1]: the segment whose pages a window reads
-    differs = table[seg] != table[ref[window]]  # [runs, pages]
-    first_diff = jnp.where(differs.any(axis=1), jnp.argmax(differs, axis=1), table.shape[1]) // tail_pages
-    member = short & (end <= first_token[window] + PACK_TOKENS) & (first_diff > 0)
-    window = jnp.where(member, window, n_windows)
-    limiting = jnp.where(first_diff < need, first_diff, jnp.iinfo(jnp.int32).max)
-    steps = jnp.minimum(
-        jax.ops.segment_min(jnp.where(member, limiting, jnp.iinfo(jnp.int32).max), window, n_windows + 1),
-        jax.ops.segment_max(jnp.where(member, need, 0), window, n_windows + 1),
-    )
-    several = jax.ops.segment_sum(member.astype(jnp.int32), window, n_windows + 1) >= 2
-    steps = jnp.where(several, steps, 0).at[n_windows].set(0)
-    from_step = steps[window]  # [runs]; the later runs are not packed
-    # per token: its run among the first `runs`, if it lies in one
-    t = jnp.arange(n, dtype=jnp.int32)
-    run_of = jnp.clip(jnp.searchsorted(start, t, side="right") - 1, 0, runs - 1)
-    in_run = (t >= start[run_of]) & (t < end[run_of])
-    packed_window = jnp.where(in_run & (from_step[run_of] > 0), window[run_of], -1)
-    seg_t = meta.segment_ids
-    limit = meta.prefix_len[seg_t] + t - start[run_of] + 1
-    active = steps[:n_windows] > 0
-    return PackedChunks(
-        from_step=jnp.zeros(n, jnp.int32).at[:runs].set(from_step),
-        first_token=first_token,
-        segment=ref,
-        steps=steps,
-        windows=jnp.nonzero(active, size=n_windows, fill_value=0)[0].astype(jnp.int32),
-        trips=jnp.sum(active.astype(jnp.int32)),
-        window=packed_window,
-        limit=limit,
-    )
-
-
 def paged_prefix_rows(
     qr: jax.Array,
     n: int,
@@ -583,33 +479,31 @@ def paged_prefix_rows(
     smaller = tuple(size for size in tails if size < Q_BLOCK)  # the rests' own blocks
     first_key = first_keys(meta)  # [n]
 
-    def step(pages, qblk, at: jax.Array, n_pages: int, carry, limit: jax.Array | None, low: jax.Array | None = None):
-        """Keys at..at + n_pages * page_tokens of a segment's `pages`; limit [r] (None: no mask): the
-        keys each row sees are below it, and (low [r], a window's) from low on."""
-        ids = jax.lax.dynamic_slice_in_dim(pages, at // page_tokens, n_pages)
-        kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens, qr.dtype)
-        vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens, qr.dtype))
-        raw = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
-        sc, scale = _logits(raw, meta.logits, d)
-        if limit is not None:
-            key = at + jnp.arange(n_pages * page_tokens)
-            visible = key < limit[:, None]
-            if low is not None:
-                visible &= key >= low[:, None]
-            # MASK_VALUE once scaled: a row a window shows no key ends with an LSE the merge weighs 0
-            sc = jnp.where(visible, sc, MASK_VALUE / scale)
-        return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
-
     def run(i: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         start, end = starts[i], ends[i]
         seg = meta.segment_ids[start]
         length = meta.prefix_len[seg]
         pages = table[seg]
         causal = start < causal_split  # a prefill chunk: its own keys follow the prefix
-        # the key steps its rows took in a shared block (0: none)
-        first = 0 if packed is None else packed.from_step[i]
 
-        def key_steps(qblk, limit: jax.Array, low: jax.Array | None, causal: jax.Array, first: jax.Array, carry):
+        def step(qblk, at: jax.Array, n_pages: int, carry, limit: jax.Array | None, low: jax.Array | None = None):
+            """Keys at..at + n_pages * page_tokens; limit [r] (None: no mask): the keys each row sees
+            are below it, and (low [r], a window's) from low on."""
+            ids = jax.lax.dynamic_slice_in_dim(pages, at // page_tokens, n_pages)
+            kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens, qr.dtype)
+            vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens, qr.dtype))
+            raw = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
+            sc, scale = _logits(raw, meta.logits, d)
+            if limit is not None:
+                key = at + jnp.arange(n_pages * page_tokens)
+                visible = key < limit[:, None]
+                if low is not None:
+                    visible &= key >= low[:, None]
+                # MASK_VALUE once scaled: a row a window shows no key ends with an LSE the merge weighs 0
+                sc = jnp.where(visible, sc, MASK_VALUE / scale)
+            return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
+
+        def key_steps(qblk, limit: jax.Array, low: jax.Array | None, causal: jax.Array, carry):
             """A block's key steps: each row's keys fall into the same steps whatever else its block
             holds, so how a query was cut into chunks or which tokens share a block never changes a
             row's bits (a step a row sees nothing of leaves it exactly as it was).
@@ -620,8 +514,7 @@ def paged_prefix_rows(
               arithmetic for a compare and a select per score, and fewer step bodies to compile;
             - rows whose keys end at their own position (a prefill chunk's) or start at their
               window's first key: K_TAIL-key steps at multiples of K_TAIL, from the step of min(low)
-              (0 without a window) to max(limit), every step masked; a packed chunk's from `first` on
-              (the steps before, its rows took in their shared block: the same steps in the same order).
+              (0 without a window) to max(limit), every step masked.
             One loop body of each kind of step, whichever rows a block holds."""
             if low is None:
                 full = jnp.where(causal, 0, length // chunk_keys)
@@ -635,19 +528,14 @@ def paged_prefix_rows(
                 full, half = 0, False
                 base = jnp.min(low) // tail_keys * tail_keys
                 count = (jnp.maximum(jnp.max(limit) - base, 0) + tail_keys - 1) // tail_keys
+            carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_keys, chunk_pages, cr, None), carry)
             carry = jax.lax.fori_loop(
-                0, full, lambda c, cr: step(pages, qblk, c * chunk_keys, chunk_pages, cr, None), carry
-            )
-            carry = jax.lax.fori_loop(
-                first, count, lambda c, cr: step(pages, qblk, base + c * tail_keys, tail_pages, cr, limit, low), carry
+                0, count, lambda c, cr: step(qblk, base + c * tail_keys, tail_pages, cr, limit, low), carry
             )
             if low is not None:
                 return carry
             return jax.lax.cond(
-                half,
-                lambda cr: step(pages, qblk, base + count * tail_keys, last_pages[0], cr, limit),
-                lambda cr: cr,
-                carry,
+                half, lambda cr: step(qblk, base + count * tail_keys, last_pages[0], cr, limit), lambda cr: cr, carry
             )
 
         def block(first_token: jax.Array, size: int, outs: tuple[jax.Array, jax.Array]):
@@ -659,19 +547,15 @@ def paged_prefix_rows(
             row_token = jnp.minimum(first_token + token, end - 1)  # rows past the run: its last token's
             limit = length + jnp.where(causal, row_token - start + 1, 0)
             low = jnp.take(first_key, row_token)  # [r]: and from the row's window on
-            old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
-            old_lse = jax.lax.dynamic_slice_in_dim(outs[1], at, r, axis=1)
-            carry = _fresh_carry(kv_heads, r, d)
-            if packed is not None:  # a packed chunk goes on from its shared block's running softmax
-                sums = jax.lax.dynamic_slice_in_dim(packed.sums, at, r, axis=1)
-                went_on = (old_lse, jnp.concatenate([old_out, sums[..., None]], axis=-1))
-                carry = jax.tree.map(lambda a, b: jnp.where(first > 0, a, b), went_on, carry)
+            carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
             # A model with a sliding layer takes the windowed steps on every layer, its full layers
             # too (their rows' low is 0: the same keys, every step masked): one set of step bodies
             # per query block instead of two under a branch; a model with none, no window's bounds
-            carry = key_steps(qblk, limit, None if never_windowed(meta.window) else low, causal, first, carry)
+            carry = key_steps(qblk, limit, None if never_windowed(meta.window) else low, causal, carry)
             out, lse = _finish(*carry, jnp.float32)
             mine = first_token + token < end  # [r]: rows of this run (the last block may overhang it)
+            old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
+            old_lse = jax.lax.dynamic_slice_in_dim(outs[1], at, r, axis=1)
             return (
                 jax.lax.dynamic_update_slice_in_dim(outs[0], jnp.where(mine[:, None], out, old_out), at, axis=1),
                 jax.lax.dynamic_update_slice_in_dim(outs[1], jnp.where(mine, lse, old_lse), at, axis=1),
@@ -700,32 +584,7 @@ def paged_prefix_rows(
         )
 
     init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.full((kv_heads, rows), MASK_VALUE, jnp.float32))
-    packed = None
-    if causal_split > 0 and never_windowed(meta.window):
-        packed = _pack_chunks(meta, starts, ends, count, n, causal_split, table, page_tokens, tail_pages)
-
-        def shared(j: jax.Array, outs: tuple[jax.Array, jax.Array, jax.Array]):
-            """Window j's packed chunks: the key steps they share, in one PACK_TOKENS-token block."""
-            w = packed.windows[j]
-            first_token = packed.first_token[w]
-            r, at = PACK_TOKENS * group, packed.first_token[w] * group
-            qblk = jax.lax.dynamic_slice_in_dim(qr, at, r, axis=1)
-            row_token = jnp.minimum(first_token + jnp.repeat(jnp.arange(PACK_TOKENS, dtype=jnp.int32), group), n - 1)
-            limit = jnp.take(packed.limit, row_token)
-            pages = table[packed.segment[w]]
-            m, acc = jax.lax.fori_loop(
-                0,
-                packed.steps[w],
-                lambda c, cr: step(pages, qblk, c * tail_keys, tail_pages, cr, limit),
-                _fresh_carry(kv_heads, r, d),
-            )
-            mine = jnp.take(packed.window, row_token) == w  # [r]: rows of this window's chunks
-            new = (acc[..., :-1], m, acc[..., -1])  # the running softmax as it stands
-            return tuple(_put_rows(o, x, mine, at) for o, x in zip(outs, new, strict=True))
-
-        *init, sums = jax.lax.fori_loop(0, packed.trips, shared, (*init, jnp.zeros((kv_heads, rows), jnp.float32)))
-        packed = dataclasses.replace(packed, sums=sums)
-    return jax.lax.fori_loop(0, count, run, tuple(init))
+    return jax.lax.fori_loop(0, count, run, init)
 
 
 def _prefix_part(
