@@ -10,6 +10,7 @@ request in company, so a layout that changes how calls are filled must keep them
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -168,7 +169,13 @@ def test_a_tokens_attention_is_the_same_however_its_query_is_chunked_and_its_ite
     pool_k, pool_v = (jnp.asarray(rng.normal(size=(1, kv, 2 * pages, page, d)), jnp.float32) for _ in range(2))
     table = jnp.asarray([np.arange(pages), np.arange(pages), np.arange(pages, 2 * pages)], jnp.int32)
     q_all = rng.normal(size=(query, heads, d)).astype(np.float32)
-    attend = jax.jit(xla.paged_attention, static_argnames=())
+    # without a window, the Python int a model with no sliding layer traces (model/step.py): as a
+    # jit argument it would be an array, and the kernel would take its windowed steps
+    attend = jax.jit(
+        lambda q, k, v, pk, pv, meta: xla.paged_attention(
+            q, k, v, pk, pv, meta if window is not None else dataclasses.replace(meta, window=NO_WINDOW)
+        )
+    )
 
     def stream(chunks: list[tuple[int, int, int]], items: list[int], needle_at: int | None, n: int):
         """chunks: (segment, start, end) of the query (segment 2: another query's pages); then items

@@ -39,6 +39,19 @@ def interpreted(name: str):
         yield
 
 
+@functools.cache
+def _with_meta_jit(fn, no_window: bool):
+    plain = functools.partial(dataclasses.replace, window=NO_WINDOW)
+    return jax.jit(lambda *arrays, meta: fn(*arrays, plain(meta) if no_window else meta))
+
+
+def with_meta(fn, *arrays: jax.Array, meta: PagedAttentionMeta):
+    """fn(*arrays, meta) jitted. A meta without a window keeps the Python int NO_WINDOW inside the
+    trace, as model/step.py traces a model with no sliding layer: passed as a jit argument it would
+    become an array, and the kernels would take their windowed steps instead of their plain ones."""
+    return _with_meta_jit(fn, isinstance(meta.window, int))(*arrays, meta=meta)
+
+
 def rand(rng: np.random.Generator, *shape: int, dtype=jnp.float32) -> jax.Array:
     return jnp.asarray(rng.normal(size=shape), dtype)
 
@@ -128,8 +141,8 @@ def test_paged_attention(impl: str, dtype, windowed: bool) -> None:
     x, want, (want_p, want_lse) = paged_case(jnp.dtype(dtype).name, windowed)
     with interpreted(impl):
         m = dispatch.get(impl)
-        got = jax.jit(m.paged_attention)(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
-        out_p, lse_p = jax.jit(m.paged_prefix_attention)(x["q"], x["pool_k"], x["pool_v"], x["meta"])
+        got = with_meta(m.paged_attention, x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], meta=x["meta"])
+        out_p, lse_p = with_meta(m.paged_prefix_attention, x["q"], x["pool_k"], x["pool_v"], meta=x["meta"])
     assert got.dtype == dtype
     read = selfcheck.read_rows(x["meta"])
     close(got[read], want[read], dtype)
@@ -152,9 +165,8 @@ def test_xla_whole_sequences_skip_the_prefix_part_with_the_same_bits(dtype, wind
     x, _, _ = paged_case(jnp.dtype(dtype).name, windowed)
     meta = dataclasses.replace(x["meta"], split=0, prefix_len=jnp.zeros_like(x["meta"].prefix_len))
     q, k, v, pk, pv = x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"]
-    got = jax.jit(xla.paged_attention)(q, k, v, pk, pv, meta)
+    got = with_meta(xla.paged_attention, q, k, v, pk, pv, meta=meta)
 
-    @jax.jit
     def merged(q, k, v, pk, pv, meta):
         out_p, lse_p = xla.paged_prefix_attention(q, pk, pv, meta)
         out_i, lse_i = xla.ragged_item_attention(q, k, v, meta.item_ids, meta.max_item_len, meta.window, meta.logits)
@@ -162,7 +174,7 @@ def test_xla_whole_sequences_skip_the_prefix_part_with_the_same_bits(dtype, wind
 
     read = selfcheck.read_rows(meta)
     np.testing.assert_array_equal(
-        np.asarray(got, np.float32)[read], np.asarray(merged(q, k, v, pk, pv, meta), np.float32)[read]
+        np.asarray(got, np.float32)[read], np.asarray(with_meta(merged, q, k, v, pk, pv, meta=meta), np.float32)[read]
     )
 
 
