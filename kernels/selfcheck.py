@@ -178,10 +178,13 @@ def read_rows(meta: PagedAttentionMeta) -> np.ndarray:
 def _calls(impl: ModuleType, x: dict) -> dict[str, jax.Array]:
     """The attention the decoder runs, through `impl`: on a plain layer and on a windowed one."""
     arrays = (x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"])
+    # a model with no sliding layer traces the Python int NO_WINDOW (model/step.py), and the kernels
+    # leave out their windowed steps; the meta's window, an argument of the traced call, is an array
+    plain = dataclasses.replace(x["meta"], window=NO_WINDOW)
     windowed = dataclasses.replace(x["meta"], window=jnp.int32(WINDOW), logits=LOGITS)
     plain_call, windowed_call = CALLS
     return {
-        plain_call: impl.paged_attention(*arrays, x["meta"]),
+        plain_call: impl.paged_attention(*arrays, plain),
         windowed_call: impl.paged_attention(*arrays, windowed),
     }
 

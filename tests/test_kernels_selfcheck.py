@@ -83,6 +83,23 @@ def test_nan_fails():
         selfcheck.verify("nan", impl, *BENCH_CPU, "float32")
 
 
+def test_the_plain_call_runs_the_steps_of_a_model_without_sliding_layers():
+    """A model with no sliding layer traces its window as the Python int NO_WINDOW, and the kernels
+    then leave out their windowed steps: the check's plain call must run those plain steps, or a
+    fault in them (the path most models serve) would pass it. An implementation wrong only there
+    is caught on the plain call alone."""
+    from prefixscore.kernels.paged import never_windowed
+
+    def plain_steps_off(q, k, v, pk, pv, meta):
+        out = xla.paged_attention(q, k, v, pk, pv, meta)
+        return out * 1.5 if never_windowed(meta.window) else out
+
+    impl = types.SimpleNamespace(**{n: getattr(xla, n) for n in xla.__all__}, SEGMENT_ALIGN=xla.SEGMENT_ALIGN)
+    impl.paged_attention = plain_steps_off
+    errors = selfcheck.check(impl, *BENCH_CPU, "float32")
+    assert errors["paged_attention"] > 1e-2 and errors["paged_attention_windowed"] < 1e-5
+
+
 def test_rows_whose_bits_follow_their_place_fail_the_check_within_the_reference_tolerance():
     """An implementation that promises the same bits anywhere in a call (SAME_BITS_ANYWHERE) and
     gives a row other last bits at an odd place in the stream (as XLA:CPU's matrix products gave
