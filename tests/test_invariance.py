@@ -10,7 +10,6 @@ request in company, so a layout that changes how calls are filled must keep them
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -157,8 +156,8 @@ def test_a_tokens_attention_is_the_same_however_its_query_is_chunked_and_its_ite
     other rows); an item of 20 or 45 tokens gives the same bits at any offset among items of 3-60
     tokens, and after one item of 1-32 tokens (every offset of its block), as alone. With a sliding
     window (300 keys) as well."""
-    import jax
     import jax.numpy as jnp
+    from helpers.kernel_calls import with_meta
 
     from prefixscore.kernels import xla
     from prefixscore.kernels.paged import NO_WINDOW, PagedAttentionMeta
@@ -169,13 +168,6 @@ def test_a_tokens_attention_is_the_same_however_its_query_is_chunked_and_its_ite
     pool_k, pool_v = (jnp.asarray(rng.normal(size=(1, kv, 2 * pages, page, d)), jnp.float32) for _ in range(2))
     table = jnp.asarray([np.arange(pages), np.arange(pages), np.arange(pages, 2 * pages)], jnp.int32)
     q_all = rng.normal(size=(query, heads, d)).astype(np.float32)
-    # without a window, the Python int a model with no sliding layer traces (model/step.py): as a
-    # jit argument it would be an array, and the kernel would take its windowed steps
-    attend = jax.jit(
-        lambda q, k, v, pk, pv, meta: xla.paged_attention(
-            q, k, v, pk, pv, meta if window is not None else dataclasses.replace(meta, window=NO_WINDOW)
-        )
-    )
 
     def stream(chunks: list[tuple[int, int, int]], items: list[int], needle_at: int | None, n: int):
         """chunks: (segment, start, end) of the query (segment 2: another query's pages); then items
@@ -213,7 +205,7 @@ def test_a_tokens_attention_is_the_same_however_its_query_is_chunked_and_its_ite
             window=NO_WINDOW if window is None else jnp.int32(window),
             split=split,
         )
-        return np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), pool_k, pool_v, meta))
+        return np.asarray(with_meta(xla.paged_attention, *map(jnp.asarray, (q, k, v)), pool_k, pool_v, meta=meta))
 
     # the query's own tokens: one chunk, two (a second segment over the same pages), or its last 400
     # after another query's chunk

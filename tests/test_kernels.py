@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.kernel_calls import with_meta
 from jax.experimental.pallas import tpu as pltpu
 
 from prefixscore.kernels import dispatch, reference, selfcheck
@@ -37,19 +38,6 @@ def interpreted(name: str):
             yield
     else:
         yield
-
-
-@functools.cache
-def _with_meta_jit(fn, no_window: bool):
-    plain = functools.partial(dataclasses.replace, window=NO_WINDOW)
-    return jax.jit(lambda *arrays, meta: fn(*arrays, plain(meta) if no_window else meta))
-
-
-def with_meta(fn, *arrays: jax.Array, meta: PagedAttentionMeta):
-    """fn(*arrays, meta) jitted. A meta without a window keeps the Python int NO_WINDOW inside the
-    trace, as model/step.py traces a model with no sliding layer: passed as a jit argument it would
-    become an array, and the kernels would take their windowed steps instead of their plain ones."""
-    return _with_meta_jit(fn, isinstance(meta.window, int))(*arrays, meta=meta)
 
 
 def rand(rng: np.random.Generator, *shape: int, dtype=jnp.float32) -> jax.Array:
