@@ -4,6 +4,8 @@ Every implementation exposes the reference's functions and signatures
 (kernels/reference.py; the stream and pool they read: kernels/paged.py):
   SEGMENT_ALIGN                                  segment starts the planner must align to
   POOL_AS_BITS                                   a 16-bit float pool stored as uint16 bits (paged.pool_dtype)
+  SHARED_BLOCK                                   short prefill chunks' shared key steps (paged.SharedSteps; 0: none)
+  key_step_pages(page_tokens, table_pages)       where SHARED_BLOCK is not 0: the pages of a shared key step
   paged_prefix_attention(q [T,h,d], pool_k, pool_v, meta) -> out, lse (float32)
   ragged_item_attention(q [n,h,d], k, v, item_ids, max_item_len,
                         window=NO_WINDOW, logits=DEFAULT_LOGITS) -> out, lse

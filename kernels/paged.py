@@ -104,6 +104,22 @@ DEFAULT_LOGITS = AttentionLogits()
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SharedSteps:
+    """Short prefill chunks whose first keys lie in the same pages, grouped by the planner
+    (engine/runtime/shared_steps.py) for an implementation that takes those key steps once for
+    the group (its SHARED_BLOCK: kernels/xla.py). A group's chunks sit within SHARED_BLOCK tokens of
+    its first chunk's first token, where its block starts; the block reads that chunk's pages for
+    `steps` key steps (the implementation's key step, in pages: key_step_pages), which every chunk
+    of the group reads alike. Arrays over the prefill region [Tp] int32."""
+
+    blocks: jax.Array  # each group's first token, in stream order; -1 past the last
+    count: jax.Array  # [] int32: the groups
+    block_of: jax.Array  # per token: the first token of its chunk's group (-1: in none)
+    steps: jax.Array  # per token: the key steps its group takes (0: in none)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PagedAttentionMeta:
     """Per-call attention metadata (a pytree: arrays are leaves, `split` and `logits` are static)."""
 
@@ -118,6 +134,8 @@ class PagedAttentionMeta:
     # [] int32: the layer's sliding window (keys at positions > p - window), NO_WINDOW on a layer
     # without one; the Python int NO_WINDOW when no layer of the model slides (never_windowed)
     window: jax.Array | int
+    # the prefill region's shared key steps (SharedSteps); None: none planned
+    shared: SharedSteps | None = None
     split: int = dataclasses.field(default=0, metadata=dict(static=True))  # tokens of the prefill region
     logits: AttentionLogits = dataclasses.field(default=DEFAULT_LOGITS, metadata=dict(static=True))
 

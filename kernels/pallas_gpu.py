@@ -64,6 +64,8 @@ __all__ = [
 SEGMENT_ALIGN = 64
 # the pool holds K/V in the model's dtype (kernels/paged.py: pool_dtype)
 POOL_AS_BITS = False
+# no short prefill chunks take key steps together (kernels/paged.py: SharedSteps)
+SHARED_BLOCK = 0
 BLOCK_Q = SEGMENT_ALIGN  # prefix part: queries per program
 BLOCK_K = 64  # prefix part: keys per loop step (a page holds a whole number of them)
 ITEM_BLOCK = 64  # item part: queries per program and keys per step

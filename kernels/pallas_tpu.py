@@ -72,6 +72,8 @@ ITEM_BLOCK = 128  # tokens per query / key block (a power of two, a lane width)
 SEGMENT_ALIGN = ITEM_BLOCK
 # the pool holds K/V in the model's dtype (kernels/paged.py: pool_dtype)
 POOL_AS_BITS = False
+# no short prefill chunks take key steps together (kernels/paged.py: SharedSteps)
+SHARED_BLOCK = 0
 # K and V of one kv head's whole stream, double-buffered, must fit this share of VMEM
 VMEM_STREAM_BYTES = 16 << 20
 NT = (((1,), (1,)), ((), ()))  # dot_general dims for q @ k.T

@@ -29,6 +29,8 @@ from prefixscore.kernels.paged import (
 SEGMENT_ALIGN = 1
 # the pool holds K/V in the model's dtype (kernels/paged.py: pool_dtype)
 POOL_AS_BITS = False
+# no short prefill chunks take key steps together (kernels/paged.py: SharedSteps)
+SHARED_BLOCK = 0
 
 # Finite, so a fully masked row gives a very negative LSE instead of NaN; the
 # merge then weighs that part by exp(-huge) = 0.

@@ -99,6 +99,10 @@ ITEM_BLOCK = 32
 # of 5-200 tokens, 32% faster than 128-token blocks). Prefill chunks do not come here on CPU:
 # paged_attention reads them back from the pool (paged_prefix_rows' causal runs)
 LONG_ITEM_BLOCK = 64
+# a group of short prefill chunks that read the same pages first (kernels/paged.py: SharedSteps)
+# takes those key steps in one block of this many tokens: the smallest query block, which holds
+# the group's chunks (the planner groups chunks within it)
+SHARED_BLOCK = Q_TAILS[0]
 
 
 def _with_ones(v: jax.Array) -> jax.Array:
@@ -428,6 +432,13 @@ def _segment_chunk(
     return chunk.reshape(kv_heads, pages.shape[0] * page_tokens, -1)
 
 
+def key_step_pages(page_tokens: int, table_pages: int) -> int:
+    """The pages of one masked key step (K_TAIL keys, within a whole K_CHUNK chunk of the table):
+    the unit of a prefix's finer steps, and of the steps a SharedSteps group takes together."""
+    chunk_pages = max(1, min(K_CHUNK // page_tokens, table_pages))
+    return max(1, min(K_TAIL // page_tokens, chunk_pages))
+
+
 def paged_prefix_rows(
     qr: jax.Array,
     n: int,
@@ -453,13 +464,24 @@ def paged_prefix_rows(
     attention (prefix and causal part at once, in a few large steps instead of the causal
     part's many small blocks).
 
+    Shared steps (meta.shared, a model without a sliding layer): a group of short chunks whose
+    first keys lie in the same pages (sibling choices over one k-shot header) first takes those
+    steps in one SHARED_BLOCK-token block from the group's first token, as more trips of the runs'
+    loop; each chunk's own blocks then go on from the running softmax that block left in its rows.
+    A row's steps are the same keys in the same order either way, so its bits do not change (where
+    a row sits in its block moves none: SAME_BITS_ANYWHERE, held by kernels/selfcheck.py).
+
+    Every block keeps its rows' running softmax (max, output and row sum) in the loop's state,
+    finished once for every row at the end: a block starts from its rows' state, which is an empty
+    softmax's unless a shared block came first.
+
     Returns out [kv, rows, d], lse [kv, rows] float32 (rows of segments without a prefix, outside
     the causal runs: 0 and MASK_VALUE)."""
     kv_heads, rows, d = qr.shape
     _, _, pool_pages, page_tokens, _ = pool_k.shape
     table = meta.page_table
     chunk_pages = max(1, min(K_CHUNK // page_tokens, table.shape[1]))
-    tail_pages = max(1, min(K_TAIL // page_tokens, chunk_pages))
+    tail_pages = key_step_pages(page_tokens, table.shape[1])
     last_pages = (max(1, tail_pages // 2), tail_pages)  # the last step: half or whole a tail step
     chunk_keys, tail_keys = chunk_pages * page_tokens, tail_pages * page_tokens
     # whole chunks of page ids, and one more: a windowed block's steps start at any page
@@ -478,32 +500,49 @@ def paged_prefix_rows(
     tails = Q_TAILS[: next(i for i, size in enumerate(Q_TAILS) if size >= rest_bound) + 1]
     smaller = tuple(size for size in tails if size < Q_BLOCK)  # the rests' own blocks
     first_key = first_keys(meta)  # [n]
+    windowed = not never_windowed(meta.window)
+    # shared steps: prefill chunks of a model without a sliding layer (a windowed block's steps
+    # start at its rows' first keys, which no group shares)
+    shared = meta.shared if causal_split > 0 and not windowed else None
+    n_shared = 0 if shared is None else shared.count
 
-    def run(i: jax.Array, outs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def step(qblk, pages, at: jax.Array, n_pages: int, carry, limit: jax.Array | None, low: jax.Array | None = None):
+        """Keys at..at + n_pages * page_tokens of `pages`; limit [r] (None: no mask): the keys each
+        row sees are below it, and (low [r], a window's) from low on."""
+        ids = jax.lax.dynamic_slice_in_dim(pages, at // page_tokens, n_pages)
+        kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens, qr.dtype)
+        vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens, qr.dtype))
+        raw = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
+        sc, scale = _logits(raw, meta.logits, d)
+        if limit is not None:
+            key = at + jnp.arange(n_pages * page_tokens)
+            visible = key < limit[:, None]
+            if low is not None:
+                visible &= key >= low[:, None]
+            # MASK_VALUE once scaled: a row a window shows no key ends with an LSE the merge weighs 0
+            sc = jnp.where(visible, sc, MASK_VALUE / scale)
+        return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
+
+    def unit(u: jax.Array, state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """The shared blocks first (units below n_shared), then the runs."""
+        i = jnp.maximum(u - n_shared, 0)
         start, end = starts[i], ends[i]
-        seg = meta.segment_ids[start]
+        in_group = False
+        if shared is not None:
+            in_group = u < n_shared
+            first_of_group = shared.blocks[jnp.minimum(u, shared.blocks.shape[0] - 1)]
+            start = jnp.where(in_group, first_of_group, start)
+            end = jnp.where(in_group, causal_split, end)  # its rows: block_of says which (mine)
+        seg = meta.segment_ids[start]  # a group's: its first chunk's, whose pages it reads
         length = meta.prefix_len[seg]
         pages = table[seg]
         causal = start < causal_split  # a prefill chunk: its own keys follow the prefix
+        # the key steps a group takes (its block's), and those a chunk of one took there
+        taken = 0
+        if shared is not None:
+            taken = jnp.where(causal, shared.steps[jnp.minimum(start, causal_split - 1)], 0)
 
-        def step(qblk, at: jax.Array, n_pages: int, carry, limit: jax.Array | None, low: jax.Array | None = None):
-            """Keys at..at + n_pages * page_tokens; limit [r] (None: no mask): the keys each row sees
-            are below it, and (low [r], a window's) from low on."""
-            ids = jax.lax.dynamic_slice_in_dim(pages, at // page_tokens, n_pages)
-            kc = _segment_chunk(flat_k, head_index, ids, kv_heads, page_tokens, qr.dtype)
-            vc = _with_ones(_segment_chunk(flat_v, head_index, ids, kv_heads, page_tokens, qr.dtype))
-            raw = jnp.einsum("kqd,kcd->kqc", qblk, kc, preferred_element_type=jnp.float32)
-            sc, scale = _logits(raw, meta.logits, d)
-            if limit is not None:
-                key = at + jnp.arange(n_pages * page_tokens)
-                visible = key < limit[:, None]
-                if low is not None:
-                    visible &= key >= low[:, None]
-                # MASK_VALUE once scaled: a row a window shows no key ends with an LSE the merge weighs 0
-                sc = jnp.where(visible, sc, MASK_VALUE / scale)
-            return _online_step(carry, sc, vc, scale, "kqc,kcd->kqd")
-
-        def key_steps(qblk, limit: jax.Array, low: jax.Array | None, causal: jax.Array, carry):
+        def key_steps(qblk, limit: jax.Array, low: jax.Array | None, carry):
             """A block's key steps: each row's keys fall into the same steps whatever else its block
             holds, so how a query was cut into chunks or which tokens share a block never changes a
             row's bits (a step a row sees nothing of leaves it exactly as it was).
@@ -514,7 +553,8 @@ def paged_prefix_rows(
               arithmetic for a compare and a select per score, and fewer step bodies to compile;
             - rows whose keys end at their own position (a prefill chunk's) or start at their
               window's first key: K_TAIL-key steps at multiples of K_TAIL, from the step of min(low)
-              (0 without a window) to max(limit), every step masked.
+              (0 without a window) to max(limit), every step masked; a shared block's first `taken`
+              of them, and its chunks' own blocks the rest (shared steps, above).
             One loop body of each kind of step, whichever rows a block holds."""
             if low is None:
                 full = jnp.where(causal, 0, length // chunk_keys)
@@ -528,43 +568,56 @@ def paged_prefix_rows(
                 full, half = 0, False
                 base = jnp.min(low) // tail_keys * tail_keys
                 count = (jnp.maximum(jnp.max(limit) - base, 0) + tail_keys - 1) // tail_keys
-            carry = jax.lax.fori_loop(0, full, lambda c, cr: step(qblk, c * chunk_keys, chunk_pages, cr, None), carry)
+            first = 0
+            if shared is not None:
+                first = jnp.where(in_group, 0, taken)
+                count = jnp.where(in_group, taken, count)
             carry = jax.lax.fori_loop(
-                0, count, lambda c, cr: step(qblk, base + c * tail_keys, tail_pages, cr, limit, low), carry
+                0, full, lambda c, cr: step(qblk, pages, c * chunk_keys, chunk_pages, cr, None), carry
+            )
+            carry = jax.lax.fori_loop(
+                first, count, lambda c, cr: step(qblk, pages, base + c * tail_keys, tail_pages, cr, limit, low), carry
             )
             if low is not None:
                 return carry
             return jax.lax.cond(
-                half, lambda cr: step(qblk, base + count * tail_keys, last_pages[0], cr, limit), lambda cr: cr, carry
+                half,
+                lambda cr: step(qblk, pages, base + count * tail_keys, last_pages[0], cr, limit),
+                lambda cr: cr,
+                carry,
             )
 
-        def block(first_token: jax.Array, size: int, outs: tuple[jax.Array, jax.Array]):
+        def block(first_token: jax.Array, size: int, state: tuple[jax.Array, jax.Array]):
             r = size * group
             at = first_token * group
             qblk = jax.lax.dynamic_slice_in_dim(qr, at, r, axis=1)
-            token = jnp.repeat(jnp.arange(size, dtype=jnp.int32), group)  # row -> token within the block
-            # keys each row sees: the prefix; in a chunk also the chunk's tokens up to the row's own
-            row_token = jnp.minimum(first_token + token, end - 1)  # rows past the run: its last token's
-            limit = length + jnp.where(causal, row_token - start + 1, 0)
+            token = first_token + jnp.repeat(jnp.arange(size, dtype=jnp.int32), group)  # row -> its token
+            row_token = jnp.minimum(token, end - 1)  # rows past the run: its last token's
+            # keys each row sees: the prefix; a chunk's row also its chunk's up to its own position
+            # (the key at its position: kernels/paged.py)
+            limit = jnp.where(causal, jnp.take(meta.positions, row_token) + 1, length)
             low = jnp.take(first_key, row_token)  # [r]: and from the row's window on
-            carry = (jnp.full((kv_heads, r), MASK_VALUE, jnp.float32), jnp.zeros((kv_heads, r, d + 1), jnp.float32))
+            old_acc = jax.lax.dynamic_slice_in_dim(state[0], at, r, axis=1)
+            old_m = jax.lax.dynamic_slice_in_dim(state[1], at, r, axis=1)
             # A model with a sliding layer takes the windowed steps on every layer, its full layers
             # too (their rows' low is 0: the same keys, every step masked): one set of step bodies
             # per query block instead of two under a branch; a model with none, no window's bounds
-            carry = key_steps(qblk, limit, None if never_windowed(meta.window) else low, causal, carry)
-            out, lse = _finish(*carry, jnp.float32)
-            mine = first_token + token < end  # [r]: rows of this run (the last block may overhang it)
-            old_out = jax.lax.dynamic_slice_in_dim(outs[0], at, r, axis=1)
-            old_lse = jax.lax.dynamic_slice_in_dim(outs[1], at, r, axis=1)
+            m, acc = key_steps(qblk, limit, low if windowed else None, (old_m, old_acc))
+            mine = token < end  # [r]: rows of this run (the last block may overhang it)
+            if shared is not None:  # a group's block: its chunks' rows
+                in_it = jnp.take(shared.block_of, jnp.minimum(token, causal_split - 1)) == start
+                mine = jnp.where(in_group, in_it & (token < causal_split), mine)
             return (
-                jax.lax.dynamic_update_slice_in_dim(outs[0], jnp.where(mine[:, None], out, old_out), at, axis=1),
-                jax.lax.dynamic_update_slice_in_dim(outs[1], jnp.where(mine, lse, old_lse), at, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(state[0], jnp.where(mine[:, None], acc, old_acc), at, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(state[1], jnp.where(mine, m, old_m), at, axis=1),
             )
 
         # a prefill-region run of padding alone (segment 0, past the last chunk, or a replica with
         # no chunk): nothing reads it, so it takes no block (its rows stay as they were)
         live = meta.item_ids[start] >= 0
         tokens = jnp.where((causal & live) | (length > 0), end - start, 0)
+        if shared is not None:
+            tokens = jnp.where(in_group, SHARED_BLOCK, tokens)
         if tails[-1] == Q_BLOCK:
             # whole Q_BLOCKs, and a rest longer than every smaller tail as one more trip of the same
             # loop: one copy of the Q_BLOCK block's steps in the program, not two (a loop's and a
@@ -573,18 +626,20 @@ def paged_prefix_rows(
             rem = tokens - whole * Q_BLOCK
             longer = rem > smaller[-1]  # Q_TAILS starts below Q_BLOCK: `smaller` is never empty
             trips = whole + longer.astype(jnp.int32)
-            outs = jax.lax.fori_loop(0, trips, lambda b, o: block(start + b * Q_BLOCK, Q_BLOCK, o), outs)
+            state = jax.lax.fori_loop(0, trips, lambda b, o: block(start + b * Q_BLOCK, Q_BLOCK, o), state)
             rem, rest_at = jnp.where(longer, 0, rem), start + whole * Q_BLOCK
         else:
             rem, rest_at = tokens, start
         # 0: no rest (or taken by the loop); k: the k-th of `smaller` is the smallest that holds it
         kind = jnp.where(rem == 0, 0, 1 + sum((rem > size).astype(jnp.int32) for size in smaller[:-1]))
         return jax.lax.switch(
-            kind, [lambda o: o] + [lambda o, size=size: block(rest_at, size, o) for size in smaller], outs
+            kind, [lambda o: o] + [lambda o, size=size: block(rest_at, size, o) for size in smaller], state
         )
 
-    init = (jnp.zeros((kv_heads, rows, d), jnp.float32), jnp.full((kv_heads, rows), MASK_VALUE, jnp.float32))
-    return jax.lax.fori_loop(0, count, run, init)
+    # every row's running softmax: output and row sum [kv, rows, d + 1], max [kv, rows]
+    init = (jnp.zeros((kv_heads, rows, d + 1), jnp.float32), jnp.full((kv_heads, rows), MASK_VALUE, jnp.float32))
+    acc, m = jax.lax.fori_loop(0, n_shared + count, unit, init)
+    return _finish(m, acc, jnp.float32)
 
 
 def _prefix_part(

@@ -73,7 +73,8 @@ class CallShape:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefillRegion:
-    """Prefill chunks, one stream per data replica (each its own chunks). All [d, Tp] int32."""
+    """Prefill chunks, one stream per data replica (each its own chunks). [d, Tp] int32, the
+    groups' count [d]."""
 
     tokens: Any
     positions: Any
@@ -81,6 +82,13 @@ class PrefillRegion:
     item_ids: Any  # one causal item per chunk (padding: a unique id per token)
     write_pages: Any  # the pool page each token's K/V goes to (pool pages: padding, dropped)
     write_offsets: Any  # and the slot within that page
+    # short chunks that take their first key steps together (kernels/paged.py SharedSteps;
+    # engine/runtime/shared_steps.py): each group's first token (-1 past the last), the groups [d],
+    # and per token its group's first token (-1: none) and key steps
+    shared_blocks: Any
+    shared_count: Any
+    shared_block_of: Any
+    shared_steps: Any
 
 
 @jax.tree_util.register_dataclass

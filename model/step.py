@@ -23,7 +23,7 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta, to_pool
+from prefixscore.kernels.paged import NO_WINDOW, AttentionLogits, PagedAttentionMeta, SharedSteps, to_pool
 from prefixscore.model.call_inputs import (
     OUTPUT_FULL,
     OUTPUT_LOGIT,
@@ -99,6 +99,7 @@ def score_call(
         layer=jnp.int32(0),
         positions=positions,
         window=layer_windows[0] if windowed else NO_WINDOW,
+        shared=SharedSteps(prefill.shared_blocks, prefill.shared_count, prefill.shared_block_of, prefill.shared_steps),
         split=split,
         logits=AttentionLogits(scale=cfg.attn_scale, softcap=cfg.attn_softcap),
     )

@@ -344,3 +344,78 @@ def test_untileable_shapes_fall_back(impl: str) -> None:
         got = dispatch.get(impl).paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], x["meta"])
     read = selfcheck.read_rows(x["meta"])
     close(got[read], want[read], jnp.float32)
+
+
+def test_xla_short_chunks_share_the_key_steps_they_read_alike_with_the_same_bits() -> None:
+    """The CPU path's shared key steps (kernels/paged.py SharedSteps, grouped by the planner's
+    engine/runtime/shared_steps.py): short prefill chunks whose first pages are the same (lm-eval's
+    sibling choices over one k-shot header) take those key steps in one block, then each its own
+    from there. Grouped: a window's chunks on those pages; not: a chunk over other pages between
+    them, a chunk longer than the block, one that ends past its group's block; a group whose second
+    chunk's pages part sooner takes fewer steps. Every chunk's rows equal the oracle's, and the same
+    bits as the chunk alone in its call."""
+    from prefixscore.engine.runtime.shared_steps import ChunkPlace, StepSharing, shared_steps
+    from prefixscore.kernels import xla
+    from prefixscore.kernels.paged import SharedSteps
+
+    rng = np.random.default_rng(7)
+    heads, kv, d, page, n = 6, 2, 32, 16, 256
+    header, own = 48, 72  # pages: a 768-key header every segment but one reads, then pages of its own
+    # (segment, prefix length, tokens), back to back from token 0
+    chunks = [(1, 998, 8), (2, 877, 10), (3, 952, 7), (7, 930, 5), (4, 994, 10), (5, 968, 2), (8, 880, 90)]
+    chunks += [(6, 900, 8), (9, 300, 6), (10, 950, 60)]
+    segments = 11
+    table = np.stack([np.arange(header)] * segments)
+    table[7] = header + np.arange(header)  # another header
+    table = np.concatenate([table, 2 * header + own * np.arange(segments)[:, None] + np.arange(own)], axis=1)
+    table[9, 16:] = table[9, header:].tolist() + [0] * (header - 16)  # its own pages from key 256 on
+    pool_pages = 2 * header + own * segments
+    q, k, v = rand(rng, n, heads, d), rand(rng, n, kv, d), rand(rng, n, kv, d)
+    pk, pv = rand(rng, 1, kv, pool_pages, page, d), rand(rng, 1, kv, pool_pages, page, d)
+    sharing = StepSharing(xla.SHARED_BLOCK, xla.key_step_pages(page, table.shape[1]))  # 256-key steps
+
+    def call(layout: list[tuple[int, int, int]], rows_from: list[int]) -> tuple[PagedAttentionMeta, dict]:
+        """A stream of these chunks (their q, k, v from rows_from), the pool with their K/V written,
+        the groups as the planner forms them."""
+        seg, item, pos = np.zeros(n, np.int32), -1 - np.arange(n, dtype=np.int32), np.zeros(n, np.int32)
+        plen, take = np.zeros(segments, np.int32), np.arange(n)
+        wk, wv, at, places = pk, pv, 0, []
+        for i, ((s, length, tokens), src) in enumerate(zip(layout, rows_from, strict=True)):
+            seg[at : at + tokens], item[at : at + tokens], plen[s] = s, i, length
+            pos[at : at + tokens], take[at : at + tokens] = length + np.arange(tokens), src + np.arange(tokens)
+            where = (0, slice(None), table[s][pos[at : at + tokens] // page], pos[at : at + tokens] % page)
+            wk, wv = wk.at[where].set(k[take[at : at + tokens]]), wv.at[where].set(v[take[at : at + tokens]])
+            places.append(ChunkPlace(at, tokens, length + tokens, table[s].tolist()))
+            at += tokens
+        blocks, count, block_of, steps = shared_steps(places, n, page, sharing)
+        meta = PagedAttentionMeta(
+            segment_ids=jnp.asarray(seg),
+            item_ids=jnp.asarray(item),
+            page_table=jnp.asarray(table, jnp.int32),
+            prefix_len=jnp.asarray(plen),
+            max_chunk_len=jnp.int32(90),
+            max_item_len=jnp.int32(1),
+            layer=jnp.int32(0),
+            positions=jnp.asarray(pos),
+            window=NO_WINDOW,
+            shared=SharedSteps(*(jnp.asarray(a, jnp.int32) for a in (blocks, count, block_of, steps))),
+            split=n,
+        )
+        return meta, dict(q=q[take], k=k[take], v=v[take], pool_k=wk, pool_v=wv)
+
+    starts = np.cumsum([0] + [t for _, _, t in chunks])[:-1].tolist()
+    meta, x = call(chunks, starts)
+    # 768 keys read alike: 3 steps of 256; in the second group, segment 9's pages part from
+    # segment 6's at key 256: one step
+    assert np.asarray(meta.shared.steps)[starts].tolist() == [3, 3, 3, 0, 3, 3, 0, 1, 1, 0]
+    assert int(meta.shared.count) == 2 and np.asarray(meta.shared.blocks)[:3].tolist() == [0, 132, -1]
+    got = np.asarray(with_meta(xla.paged_attention, x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], meta=meta))
+    want = reference.paged_attention(x["q"], x["k"], x["v"], x["pool_k"], x["pool_v"], meta)
+    read = np.asarray(meta.item_ids) >= 0
+    close(got[read], np.asarray(want)[read], jnp.float32)
+    for (s, length, tokens), at in zip(chunks, starts, strict=True):
+        alone_meta, alone = call([(s, length, tokens)], [at])
+        assert int(alone_meta.shared.count) == 0
+        arrays = (alone[name] for name in ("q", "k", "v", "pool_k", "pool_v"))
+        by_itself = np.asarray(with_meta(xla.paged_attention, *arrays, meta=alone_meta))
+        np.testing.assert_array_equal(got[at : at + tokens], by_itself[:tokens], err_msg=f"segment {s}")

@@ -491,6 +491,53 @@ def test_completions_plan_computes_each_position_once_whatever_the_company():
     assert rows([first], known) == [(180, 2, 1)]
 
 
+def test_sibling_choices_over_a_long_header_take_its_key_steps_together_with_the_same_bits(
+    completions_server, monkeypatch
+):
+    """lm-eval's sibling choices over a header longer than a key step (256 keys here): the CPU
+    attention takes the steps their pages hold alike once for a group of them (kernels/paged.py
+    SharedSteps), then each goes on alone. Every position equals transformers' forward of its prompt,
+    and each prompt's log-probs are the same bits as the prompt alone (nothing kept or cached)."""
+    from prefixscore.engine.requests.known_positions import KnownPositions
+    from prefixscore.engine.runtime import planner
+
+    scorer, http, torch_model, srv = completions_server
+    engine, kind = scorer.engine, srv.server.service.kinds["completions"]
+    assert engine.step_sharing is not None  # the CPU attention shares steps
+    rng = np.random.default_rng(250)
+    header, question = rng.integers(0, 320, 250).tolist(), rng.integers(0, 320, 8).tolist()
+    # four choices, their first tokens apart: the first in token order whole (its last chunk 4
+    # tokens), each other one 2-5 tokens over its pages, in that chunk's 64-token window
+    firsts, lengths = (5, 6, 7, 8), (1, 2, 3, 4)
+    prompts = [header + question + [t, *rng.integers(0, 320, n).tolist()] for t, n in zip(firsts, lengths, strict=True)]
+    groups: list[int] = []  # the shared steps of each call's groups (the planner's, spied on)
+
+    def counted(chunks, tp, page_tokens, sharing):
+        out = planner_shared_steps(chunks, tp, page_tokens, sharing)
+        groups.extend(int(out[3][b]) for b in out[0][: out[1]])
+        return out
+
+    planner_shared_steps = planner.shared_steps
+    monkeypatch.setattr(planner, "shared_steps", counted)
+
+    def send(batch: list[list[int]]) -> list:
+        kind.known = KnownPositions()  # nothing kept
+        engine.prefix_cache.evict_idle()  # nothing cached
+        body = {"prompt": batch, "echo": True, "logprobs": 1, "max_tokens": 0}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return [c["logprobs"] for c in response.json()["choices"]]
+
+    together = send(prompts)
+    assert groups and min(groups) >= 1  # a group took the header's first key step
+    grouped = len(groups)
+    for prompt, got in zip(prompts, together, strict=True):
+        assert_prompt_like_transformers(torch_model, prompt, got["token_logprobs"])
+        alone = send([prompt])
+        assert alone[0] == got  # every log-prob and top log-prob: the same bits
+    assert len(groups) == grouped  # alone: no group
+
+
 def test_concurrent_completions_over_one_header_each_equal_transformers(completions_server):
     """Requests at once over one header and shared questions (threads): they plan over each other's
     kept prompts and borrow each other's pages while those are being written, and every position

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from prefixscore.engine.runtime.buckets import Buckets, round_up
+from prefixscore.engine.runtime.shared_steps import ChunkPlace, StepSharing, shared_steps
 from prefixscore.engine.runtime.token_rows import TokenRows
 from prefixscore.model.call_inputs import (
     LABEL_SETS,
@@ -230,11 +231,20 @@ def _row_ends(ends: np.ndarray, each_token: bool) -> np.ndarray:
 class CallBuilder:
     """Collects one call's work in priority order (see module doc)."""
 
-    def __init__(self, buckets: Buckets, devices: int, align: int, pool_pages: int, token_tile: int | None) -> None:
+    def __init__(
+        self,
+        buckets: Buckets,
+        devices: int,
+        align: int,
+        pool_pages: int,
+        token_tile: int | None,
+        sharing: StepSharing | None = None,
+    ) -> None:
         self.b = buckets
         self.devices = devices
         self.token_tile = token_tile  # the executables' per-token tile (None: every token computed)
         self.align = align
+        self.sharing = sharing  # the attention's shared key steps (None: it shares none)
         self.pool_pages = pool_pages
         self.chunks: list[_Chunk] = []
         self.copies: list[tuple[int, int, int, int]] = []  # (from page, offset, to page, offset) per slot
@@ -516,6 +526,7 @@ class CallBuilder:
         write_pages = np.full((d, tp), self.pool_pages, np.int32)  # out of the pool: dropped
         write_offsets = np.zeros((d, tp), np.int32)
         end = np.zeros(d, np.int64)  # each replica's stream end so far
+        places: list[list[ChunkPlace]] = [[] for _ in range(d)]
         for c, chunk in enumerate(self.chunks):
             r, start, n = chunk.replica, chunk.at, len(chunk.tokens)
             if end[r]:  # the alignment gap continues the replica's previous chunk
@@ -531,12 +542,17 @@ class CallBuilder:
             table[slot + c, : len(chunk.pages)] = chunk.pages
             prefix_len[slot + c] = chunk.start
             end[r] = start + n
+            places[r].append(ChunkPlace(start, n, chunk.start + n, chunk.pages))
         # the tail up to the next aligned index continues the last chunk; beyond it, no prefix
         for r in range(d):
             if end[r]:
                 tail = min(round_up(int(end[r]), self.align), tp)
                 segment_ids[r, end[r] : tail] = segment_ids[r, end[r] - 1]
-        return PrefillRegion(tokens, positions, segment_ids, item_ids, write_pages, write_offsets)
+        groups = [shared_steps(p, tp, pt, self.sharing) for p in places]
+        blocks, count, block_of, steps = (np.stack([g[i] for g in groups]).astype(np.int32) for i in range(4))
+        return PrefillRegion(
+            tokens, positions, segment_ids, item_ids, write_pages, write_offsets, blocks, count, block_of, steps
+        )
 
     def _item_region(
         self, layout: _Layout, shape: CallShape, table: np.ndarray, prefix_len: np.ndarray, slot: int

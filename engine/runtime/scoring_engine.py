@@ -33,6 +33,7 @@ from prefixscore.engine.runtime.mesh import Layout, MeshShape, default_layout
 from prefixscore.engine.runtime.planner import CallBuilder, CallPlan
 from prefixscore.engine.runtime.pool_size import POOL_MEMORY_FRACTION, page_bytes, pool_pages
 from prefixscore.engine.runtime.prefix_cache import PrefixCache
+from prefixscore.engine.runtime.shared_steps import StepSharing
 from prefixscore.engine.runtime.warmup import WarmupStage, compile_in_stages, plan_stages
 from prefixscore.kernels import dispatch, selfcheck
 from prefixscore.kernels.paged import pool_dtype
@@ -181,6 +182,15 @@ class ScoringEngine:
         return int(self._impl.SEGMENT_ALIGN)
 
     @property
+    def step_sharing(self) -> StepSharing | None:
+        """The key steps the attention lets short prefill chunks take together (None: none)."""
+        block = int(self._impl.SHARED_BLOCK)
+        if not block:
+            return None
+        b = self.buckets
+        return StepSharing(block, int(self._impl.key_step_pages(b.page_tokens, b.max_pages)))
+
+    @property
     def pool_bytes(self) -> int:
         """The pool's bytes on each device (its KV heads' share)."""
         return self.pool_pages * self.page_bytes
@@ -203,7 +213,9 @@ class ScoringEngine:
     def builder(self) -> CallBuilder:
         """An empty plan for the next call (engine/runtime/planner.py), in the shapes compiled so far
         (all of them, unless a staged warm-up is still under way)."""
-        return CallBuilder(self.serving, self.data_replicas, self.segment_align, self.pool_pages, self.token_tile)
+        return CallBuilder(
+            self.serving, self.data_replicas, self.segment_align, self.pool_pages, self.token_tile, self.step_sharing
+        )
 
     # ---- executables ----------------------------------------------------------
     def _executable(self, shape: CallShape) -> Any:
@@ -234,7 +246,7 @@ class ScoringEngine:
         dev = lambda *s, t=jnp.int32: jax.ShapeDtypeStruct((d, *s), t, sharding=layout.items)  # noqa: E731
         tp, ti, r, lb = shape.prefill_tokens, shape.item_tokens, shape.rows, shape.labels
         return CallInputs(
-            prefill=PrefillRegion(*(dev(tp) for _ in range(6))),
+            prefill=PrefillRegion(*(dev(tp) for _ in range(7)), dev(), dev(tp), dev(tp)),
             items=ItemRegion(
                 dev(ti), dev(ti), dev(ti), dev(ti), dev(r), dev(r), dev(r, t=jnp.int8), dev(r), dev(), dev()
             ),

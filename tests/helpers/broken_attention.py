@@ -10,6 +10,8 @@ from prefixscore.kernels.paged import PagedAttentionMeta, causal_by_region
 from prefixscore.kernels.xla import (  # noqa: F401  (the rest of the implementation's interface)
     POOL_AS_BITS,
     SEGMENT_ALIGN,
+    SHARED_BLOCK,
+    key_step_pages,
     paged_prefix_attention,
     ragged_item_attention,
 )
