@@ -15,6 +15,11 @@ trip count is a runtime value skip the padding of a bucket entirely:
   it first), so a chunk's whole attention is its prefix part extended to each
   token's own position, in steps at fixed multiples of K_TAIL keys: no causal part,
   no merge (a W4 call's attention takes 0.7x the time it took with a causal part per chunk);
+  short chunks whose first pages are the same (lm-eval's sibling choices over one k-shot header)
+  take those key steps once, in one 64-token block for the group, as more trips of the runs' own
+  loop (no second copy of the step in the program), then each chunk its own steps from the
+  running softmax that block left in its rows; the planner says which chunks group
+  (kernels/paged.py SharedSteps), so the program computes no plan;
 - ragged item part (the item region): short items (the common case) in one masked
   softmax over each token's 33 keys ending at itself (the scores from one matmul against
   two 32-token blocks, the values summed in order of distance); longer ones per 64-token

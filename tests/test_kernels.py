@@ -350,10 +350,10 @@ def test_xla_short_chunks_share_the_key_steps_they_read_alike_with_the_same_bits
     """The CPU path's shared key steps (kernels/paged.py SharedSteps, grouped by the planner's
     engine/runtime/shared_steps.py): short prefill chunks whose first pages are the same (lm-eval's
     sibling choices over one k-shot header) take those key steps in one block, then each its own
-    from there. Grouped: a window's chunks on those pages; not: a chunk over other pages between
-    them, a chunk longer than the block, one that ends past its group's block; a group whose second
-    chunk's pages part sooner takes fewer steps. Every chunk's rows equal the oracle's, and the same
-    bits as the chunk alone in its call."""
+    from there. Grouped: chunks on those pages within 64 tokens of a group's first; not: a chunk
+    over other pages between them, a chunk longer than the block, one that ends past its group's
+    block; a group whose second chunk's pages part sooner takes fewer steps. Every chunk's rows
+    equal the oracle's, and the same bits as the chunk alone in its call."""
     from prefixscore.engine.runtime.shared_steps import ChunkPlace, StepSharing, shared_steps
     from prefixscore.kernels import xla
     from prefixscore.kernels.paged import SharedSteps
@@ -419,3 +419,25 @@ def test_xla_short_chunks_share_the_key_steps_they_read_alike_with_the_same_bits
         arrays = (alone[name] for name in ("q", "k", "v", "pool_k", "pool_v"))
         by_itself = np.asarray(with_meta(xla.paged_attention, *arrays, meta=alone_meta))
         np.testing.assert_array_equal(got[at : at + tokens], by_itself[:tokens], err_msg=f"segment {s}")
+
+
+def test_the_planner_groups_short_chunks_from_where_a_group_starts_not_by_fixed_windows() -> None:
+    """engine/runtime/shared_steps.py: a group's block starts at its first chunk, so chunks on
+    either side of a multiple of the block join it; a chunk on other pages within the block joins
+    none and leaves the group open; a chunk that ends past the block starts the next group."""
+    from prefixscore.engine.runtime.shared_steps import ChunkPlace, StepSharing, shared_steps
+
+    header = list(range(8))  # 8 pages of 16 keys: two 4-page steps
+    other = list(range(100, 108))
+    chunks = [
+        ChunkPlace(60, 4, 130 + 4, [*header, 20, 21]),
+        ChunkPlace(64, 5, 131 + 5, [*header, 30, 31]),
+        ChunkPlace(69, 3, 130 + 3, [*other, 40, 41]),  # other pages: in no group
+        ChunkPlace(72, 6, 70 + 6, [*header[:4], 50, 51]),  # parts after one step: the group takes one
+        ChunkPlace(120, 8, 140 + 8, [*header, 60, 61]),  # past 60 + 64: the next group, alone
+    ]
+    blocks, count, block_of, steps = shared_steps(chunks, 256, 16, StepSharing(64, 4))
+    assert count == 1 and blocks[:2].tolist() == [60, -1]
+    assert [int(block_of[c.at]) for c in chunks] == [60, 60, -1, 60, -1]
+    assert [int(steps[c.at]) for c in chunks] == [1, 1, 0, 1, 0]
+    assert (block_of[60:78] >= 0).sum() == 4 + 5 + 6

@@ -5,10 +5,11 @@ header, the question, then the choice. Each sibling choice is a prefill chunk of
 over its question's pages, and on a CPU each such chunk pays a whole query block for every key
 step of its ~900-token context, the header's steps included, which every sibling reads alike. An
 implementation that can take a group's common steps once (its SHARED_BLOCK, 0: none) is given
-here, per data replica's prefill stream, the groups: short chunks (at most SHARED_BLOCK tokens)
-that start in the same SHARED_BLOCK-token window of the stream, end within SHARED_BLOCK tokens of
-the window's first such chunk, and hold the same leading pages as it for at least one key step.
-A group takes as many whole key steps as all its chunks read from those same pages.
+here, per data replica's prefill stream, the groups: in stream order, a short chunk (at most
+SHARED_BLOCK tokens) starts a group unless it ends within SHARED_BLOCK tokens of where the last
+group starts; then it joins that group if it holds the same leading pages as the group's first
+chunk for at least one key step (else it is in none). A group takes as many whole key steps as
+all its chunks read from those same pages.
 
 Pure host code (numpy), like the planner that calls it.
 """
@@ -59,28 +60,31 @@ def shared_steps(
     steps = np.zeros(tp, np.int32)
     if sharing is None:
         return blocks, 0, block_of, steps
-    windows: dict[int, list[ChunkPlace]] = {}
+    groups: list[tuple[int, list[ChunkPlace]]] = []  # (pages every chunk reads alike, chunks)
     for chunk in chunks:
-        if chunk.tokens <= sharing.block:
-            windows.setdefault(chunk.at // sharing.block, []).append(chunk)
+        if chunk.tokens > sharing.block:
+            continue  # a longer chunk takes whole blocks of its own
+        if groups:
+            common, group = groups[-1]
+            first = group[0]
+            if chunk.at + chunk.tokens <= first.at + sharing.block:  # within the group's block
+                same = _same_leading(chunk.pages, first.pages, -(-chunk.keys // page_tokens))
+                if same >= sharing.step_pages:
+                    group.append(chunk)
+                    groups[-1] = (min(common, same), group)
+                continue
+        # the first chunk of a group: the pages it reads (a step past them would read its table
+        # beyond its own pages)
+        groups.append((-(-chunk.keys // page_tokens), [chunk]))
     count = 0
-    for first, *rest in windows.values():
-        # pages a chunk reads: a step past them would read the first chunk's table beyond its own
-        common = -(-first.keys // page_tokens)
-        group = [first]
-        for chunk in rest:
-            if chunk.at + chunk.tokens > first.at + sharing.block:
-                continue  # past the group's block
-            same = _same_leading(chunk.pages, first.pages, -(-chunk.keys // page_tokens))
-            if same >= sharing.step_pages:
-                group.append(chunk)
-                common = min(common, same)
+    for common, group in groups:
         taken = common // sharing.step_pages
         if len(group) < 2 or taken == 0:
             continue
-        blocks[count] = first.at
+        first = group[0].at
+        blocks[count] = first
         count += 1
         for chunk in group:
-            block_of[chunk.at : chunk.at + chunk.tokens] = first.at
+            block_of[chunk.at : chunk.at + chunk.tokens] = first
             steps[chunk.at : chunk.at + chunk.tokens] = taken
     return blocks, count, block_of, steps
